@@ -1,0 +1,391 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The composition: `kvmosaic::cache<Format, Selector, Compactor, Backend>`.
+///
+/// A cache holds the K and V of many sequences for one attention layer: per sequence, a block
+/// table of compressed pages of `page_size` tokens (stored by `Format`, in a fixed-size page pool)
+/// plus one dense tail of fewer than `page_size` tokens in the storage dtype. When the tail fills
+/// it is encoded into a new page. A decode step attends one query token per sequence over the
+/// pages `Selector` picks plus the tail; `Compactor` turns evicted tokens into freed pages.
+///
+/// The cache is the host object of the layering: it owns memory, validates every argument, and
+/// keeps the bookkeeping (pool, block tables, lengths, reference counts) on the host for every
+/// backend. The backend's engine owns the bytes and the data path (CPU code, or CUDA kernels).
+/// Every operation checks its arguments before it changes anything: a call that throws leaves the
+/// cache as it was.
+///
+/// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
+/// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvmosaic/compact/compactor_traits.hpp"
+#include "kvmosaic/compact/none.hpp"
+#include "kvmosaic/core/config.hpp"
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/policy.hpp"
+#include "kvmosaic/core/view.hpp"
+#include "kvmosaic/format/format_traits.hpp"
+#include "kvmosaic/host/backend.hpp"
+#include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/memory/page_pool.hpp"
+#include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
+
+namespace kvmosaic {
+
+/// Run-time shape and capacity of a cache. Checked by the cache constructor (`validate`).
+struct cache_config {
+  int num_kv_heads = 8;      ///< KV heads of the layer, >= 1
+  int group_size = 4;        ///< query heads per KV head (GQA): 1 to 8
+  int head_dim = 128;        ///< 64, 128 or 256
+  int page_size = limits::default_page_size;  ///< tokens per page: a multiple of 16, 16 to 1024
+  dtype storage = dtype::bf16;                ///< dtype of uncompressed values: f16 or bf16
+  std::int32_t max_pages = 1024;              ///< page pool capacity (pages of all KV heads, K and V)
+  std::int32_t max_sequences = 64;            ///< concurrent sequences (one dense tail each)
+
+  int num_q_heads() const noexcept { return num_kv_heads * group_size; }
+
+  /// Throws `invalid_argument` naming the first field outside its allowed values.
+  void validate() const {
+    const char* where = "cache_config";
+    detail::require(num_kv_heads >= 1, where, "num_kv_heads", num_kv_heads, ">= 1");
+    detail::require(limits::is_supported_group_size(group_size), where, "group_size", group_size,
+                    limits::supported_group_sizes);
+    detail::require(limits::is_supported_head_dim(head_dim), where, "head_dim", head_dim,
+                    limits::supported_head_dims);
+    detail::require(limits::is_supported_page_size(page_size), where, "page_size", page_size,
+                    limits::supported_page_sizes);
+    detail::require(storage == dtype::f16 || storage == dtype::bf16, where, "storage", to_string(storage),
+                    "f16 or bf16");
+    detail::require(max_pages >= 1, where, "max_pages", max_pages, ">= 1");
+    detail::require(max_sequences >= 1, where, "max_sequences", max_sequences, ">= 1");
+  }
+};
+
+/// A compile-time shape: a config whose head_dim, group size and page size are checked by the
+/// compiler. Kernels specialized on a shape use the same predicates.
+template <int HeadDim, int GroupSize, int PageSize = limits::default_page_size>
+struct static_shape {
+  static_assert(limits::is_supported_head_dim(HeadDim), "kvmosaic: head_dim must be 64, 128 or 256");
+  static_assert(limits::is_supported_group_size(GroupSize), "kvmosaic: group_size must be 1 to 8");
+  static_assert(limits::is_supported_page_size(PageSize),
+                "kvmosaic: page_size must be a multiple of 16 from 16 to 1024");
+  static constexpr int head_dim = HeadDim;
+  static constexpr int group_size = GroupSize;
+  static constexpr int page_size = PageSize;
+
+  /// A run-time config with this shape.
+  static cache_config config(int num_kv_heads, dtype storage = dtype::bf16) {
+    cache_config c;
+    c.num_kv_heads = num_kv_heads;
+    c.group_size = GroupSize;
+    c.head_dim = HeadDim;
+    c.page_size = PageSize;
+    c.storage = storage;
+    return c;
+  }
+};
+
+/// Handle of a sequence in a cache (returned by `add_sequence`).
+using sequence_id = std::int32_t;
+
+/// Options of one decode step.
+struct attend_params {
+  /// Multiplies q . k before the softmax. 0 means the default 1 / sqrt(head_dim).
+  float softmax_scale = 0.0f;
+};
+
+/// Memory in use, in bytes, with every stored byte of the format counted.
+struct memory_stats {
+  std::int64_t tokens = 0;          ///< tokens stored
+  std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
+  std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
+  std::int32_t pages_used = 0;      ///< pool pages held
+  std::int32_t pages_free = 0;      ///< the free-page gauge
+
+  /// stored_bytes / dense_bytes (DESIGN: all stored bytes over dense 16-bit bytes, same tokens).
+  double compression_ratio() const noexcept {
+    return dense_bytes > 0 ? static_cast<double>(stored_bytes) / static_cast<double>(dense_bytes) : 1.0;
+  }
+  double bytes_per_token() const noexcept {
+    return tokens > 0 ? static_cast<double>(stored_bytes) / static_cast<double>(tokens) : 0.0;
+  }
+};
+
+namespace detail {
+template <class Backend, class Format>
+struct engine_for {
+  static_assert(sizeof(Backend) == 0, "kvmosaic: no engine for this backend and format");
+};
+template <class Format>
+struct engine_for<backend::host, Format> {
+  using type = host::engine<Format>;
+};
+}  // namespace detail
+
+/// A paged, compressed KV cache for one attention layer. See the file comment.
+///
+/// \tparam Format    how a page is stored (`format::dense`, ...)
+/// \tparam Selector  which tokens a query reads (`select::all`, ...)
+/// \tparam Compactor how evicted tokens free pages (`compact::none`, ...)
+/// \tparam Backend   where pages live and attention runs (`backend::host`, `backend::cuda`)
+template <class Format, class Selector = select::all, class Compactor = compact::none, class Backend = backend::host>
+class cache {
+  static_assert(is_format_v<Format>,
+                "kvmosaic::cache: the first template argument (Format) must be a storage format, "
+                "e.g. kvmosaic::format::dense");
+  static_assert(is_selector_v<Selector>,
+                "kvmosaic::cache: the second template argument (Selector) must be a selector, "
+                "e.g. kvmosaic::select::all");
+  static_assert(is_compactor_v<Compactor>,
+                "kvmosaic::cache: the third template argument (Compactor) must be a compactor, "
+                "e.g. kvmosaic::compact::none");
+  static_assert(is_backend_v<Backend>,
+                "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
+                "or kvmosaic::backend::cuda");
+  static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
+                "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
+                "(e.g. compact::repack), not compact::none");
+
+ public:
+  using format_type = Format;
+  using selector_type = Selector;
+  using compactor_type = Compactor;
+  using backend_type = Backend;
+  using engine_type = typename detail::engine_for<Backend, Format>::type;
+
+  explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
+                 const Compactor& compactor = {})
+      : config_(validated(config, format)),
+        format_(format),
+        selector_(selector),
+        compactor_(compactor),
+        pool_(config.max_pages),
+        engine_(engine_shape(config), format),
+        sequences_(static_cast<std::size_t>(config.max_sequences)) {}
+
+  const cache_config& config() const noexcept { return config_; }
+  const Format& format() const noexcept { return format_; }
+  const Selector& selector() const noexcept { return selector_; }
+  const Compactor& compactor() const noexcept { return compactor_; }
+  const page_pool& pool() const noexcept { return pool_; }
+  const engine_type& engine() const noexcept { return engine_; }
+
+  /// "format/selector/compactor" with parameters, for reports.
+  std::string describe() const {
+    return format_traits<Format>::describe(format_) + "/" + selector_traits<Selector>::describe(selector_) + "/" +
+           compactor_traits<Compactor>::describe(compactor_);
+  }
+
+  /// Starts an empty sequence. Throws `capacity_error` when max_sequences are live.
+  sequence_id add_sequence() {
+    for (std::size_t i = 0; i < sequences_.size(); ++i) {
+      if (!sequences_[i].live) {
+        sequences_[i] = sequence_state{};
+        sequences_[i].live = true;
+        return static_cast<sequence_id>(i);
+      }
+    }
+    throw capacity_error("max_sequences", "kvmosaic: cache::add_sequence: all " +
+                                              std::to_string(config_.max_sequences) +
+                                              " sequence slots are in use; allowed: at most "
+                                              "cache_config::max_sequences live sequences");
+  }
+
+  /// Ends a sequence and releases its pages (shared pages stay until their last holder ends).
+  void remove_sequence(sequence_id seq) {
+    sequence_state& s = live(seq, "cache::remove_sequence");
+    for (const page_id page : s.pages) pool_.release(page);
+    s = sequence_state{};
+  }
+
+  /// A new sequence that shares every full page of `seq` (reference counted, no copy) and holds a
+  /// copy of its tail: a common prefix stored once.
+  sequence_id fork_sequence(sequence_id seq) {
+    live(seq, "cache::fork_sequence");
+    const sequence_id child = add_sequence();
+    sequence_state& parent = sequences_[static_cast<std::size_t>(seq)];
+    sequence_state& c = sequences_[static_cast<std::size_t>(child)];
+    c.pages = parent.pages;
+    c.length = parent.length;
+    for (const page_id page : c.pages) pool_.retain(page);
+    engine_.copy_tail(seq, child, tail_rows(parent));
+    return child;
+  }
+
+  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
+  /// values are rounded to the storage dtype) to one sequence: a prefill, or a chunk of one. Full
+  /// pages are encoded by the format; the rest stays in the dense tail. All or nothing: when the
+  /// pool lacks the pages, it throws `capacity_error` and nothing is stored.
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    sequence_state& s = live(seq, "cache::prefill");
+    check_rows("cache::prefill", k, v);
+    detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
+    const int tail = tail_rows(s);
+    const std::vector<page_id> fresh = pool_.allocate((tail + k.extent(0)) / config_.page_size);
+    engine_.extend(seq, tail, k, v, fresh.data());
+    s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
+    s.length += k.extent(0);
+  }
+
+  /// Appends one token to each sequence of a decode batch: `k`, `v` are [batch][num_kv_heads]
+  /// [head_dim], row b for `seqs[b]`. Sequences must be distinct. All or nothing, as prefill.
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    check_rows("cache::append", k, v);
+    detail::require(k.extent(0) == seqs.size(), "cache::append", "k.extent(0) (batch)", k.extent(0),
+                    "seqs.size()");
+    std::int64_t pages_needed = 0;
+    std::vector<bool> seen(sequences_.size(), false);
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const sequence_state& s = live(seqs(b), "cache::append");
+      detail::require(!seen[static_cast<std::size_t>(seqs(b))], "cache::append", "seqs", seqs(b),
+                      "distinct sequence ids (one token per sequence per call)");
+      seen[static_cast<std::size_t>(seqs(b))] = true;
+      pages_needed += tail_rows(s) + 1 == config_.page_size;
+    }
+    const std::vector<page_id> fresh = pool_.allocate(pages_needed);
+    auto next = fresh.begin();
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+      const int tail = tail_rows(s);
+      const auto row = [&](const tensor_view<const T, 3>& x) {
+        return tensor_view<const T, 3>::strided(&x(b, 0, 0), {1, x.extent(1), x.extent(2)},
+                                                {x.stride(0), x.stride(1), x.stride(2)});
+      };
+      engine_.extend(seqs(b), tail, row(k), row(v), tail + 1 == config_.page_size ? &*next : nullptr);
+      if (tail + 1 == config_.page_size) s.pages.push_back(*next++);
+      ++s.length;
+    }
+  }
+
+  /// One decode step: out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
+  /// of `seqs[b]` that the selector picks (all of them for `select::all`). q, out:
+  /// [batch][num_q_heads][head_dim] float; query head j reads KV head j / group_size.
+  void attend(span<const sequence_id> seqs, tensor_view<const float, 3> q, tensor_view<float, 3> out,
+              const attend_params& params = {}) const {
+    const char* where = "cache::attend";
+    detail::require(q.extent(0) == seqs.size(), where, "q.extent(0) (batch)", q.extent(0), "seqs.size()");
+    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
+                    "num_kv_heads * group_size");
+    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
+                    "cache_config::head_dim");
+    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
+                    where, "out.extents", "mismatch", "the extents of q");
+    detail::require(params.softmax_scale >= 0.0f && std::isfinite(params.softmax_scale), where,
+                    "params.softmax_scale", params.softmax_scale, "a finite value >= 0 (0: 1/sqrt(head_dim))");
+    std::vector<detail::sequence_ref> batch;
+    batch.reserve(static_cast<std::size_t>(seqs.size()));
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const sequence_state& s = live(seqs(b), where);
+      detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
+                      "sequences holding at least one token");
+      batch.push_back(detail::sequence_ref{&s.pages, s.length, seqs(b)});
+    }
+    const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
+                                                    : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    engine_.attend(batch, q, out, scale);
+  }
+
+  /// Tokens stored for a sequence.
+  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").length; }
+  /// The page ids of a sequence's full pages, in order.
+  const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
+
+  /// Memory of one sequence as if it were alone (its pages counted in full, shared or not).
+  memory_stats sequence_memory(sequence_id seq) const {
+    const sequence_state& s = live(seq, "cache::sequence_memory");
+    memory_stats m = pool_gauge();
+    m.tokens = s.length;
+    m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * static_cast<std::int64_t>(engine_.page_slot_bytes()) +
+                     tail_rows(s) * tail_row_bytes();
+    m.dense_bytes = s.length * tail_row_bytes();
+    return m;
+  }
+
+  /// Memory of the whole cache: every pool page in use once, plus every live tail.
+  memory_stats memory() const {
+    memory_stats m = pool_gauge();
+    m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * static_cast<std::int64_t>(engine_.page_slot_bytes());
+    for (const sequence_state& s : sequences_) {
+      if (!s.live) continue;
+      m.tokens += s.length;
+      m.stored_bytes += tail_rows(s) * tail_row_bytes();
+      m.dense_bytes += s.length * tail_row_bytes();
+    }
+    return m;
+  }
+
+ private:
+  struct sequence_state {
+    bool live = false;
+    std::int64_t length = 0;
+    block_table pages;
+  };
+
+  static cache_config validated(const cache_config& config, const Format& format) {
+    config.validate();
+    format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    return config;
+  }
+  static detail::engine_shape engine_shape(const cache_config& c) {
+    return detail::engine_shape{c.num_kv_heads, c.group_size, c.head_dim, c.page_size,
+                                c.storage,      c.max_pages,  c.max_sequences};
+  }
+
+  const sequence_state& live(sequence_id seq, const char* where) const {
+    detail::require(seq >= 0 && seq < static_cast<sequence_id>(sequences_.size()) &&
+                        sequences_[static_cast<std::size_t>(seq)].live,
+                    where, "seq", seq, "an id returned by add_sequence and not removed");
+    return sequences_[static_cast<std::size_t>(seq)];
+  }
+  sequence_state& live(sequence_id seq, const char* where) {
+    return const_cast<sequence_state&>(static_cast<const cache&>(*this).live(seq, where));
+  }
+
+  int tail_rows(const sequence_state& s) const {
+    return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+  }
+  /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
+  std::int64_t tail_row_bytes() const {
+    return 2 * static_cast<std::int64_t>(config_.num_kv_heads) * config_.head_dim * 2;
+  }
+
+  template <class T>
+  void check_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
+    detail::require(k.extent(1) == config_.num_kv_heads, where, "k.extent(1) (kv heads)", k.extent(1),
+                    "cache_config::num_kv_heads");
+    detail::require(k.extent(2) == config_.head_dim, where, "k.extent(2) (head_dim)", k.extent(2),
+                    "cache_config::head_dim");
+    detail::require(v.extent(0) == k.extent(0) && v.extent(1) == k.extent(1) && v.extent(2) == k.extent(2), where,
+                    "v.extents", "mismatch", "the extents of k");
+    detail::require(k.data() != nullptr && v.data() != nullptr, where, "k.data() / v.data()", "null",
+                    "non-null pointers");
+  }
+
+  memory_stats pool_gauge() const {
+    memory_stats m;
+    m.pages_used = pool_.used_pages();
+    m.pages_free = pool_.free_pages();
+    return m;
+  }
+
+  cache_config config_;
+  Format format_;
+  Selector selector_;
+  Compactor compactor_;
+  page_pool pool_;
+  engine_type engine_;
+  std::vector<sequence_state> sequences_;
+};
+
+}  // namespace kvmosaic

@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// What a storage format is, and what it must provide.
+///
+/// A format is a small policy struct in `kvmosaic::format` (e.g. `format::dense`) that carries its
+/// own parameters (a sparsity, a partition size) and declares `using policy_category = format_tag;`. Everything the library does with a format goes
+/// through `kvmosaic::format_traits<Format>`, which a format specializes. The unspecialized primary
+/// template is a `static_assert`, so using a type that is not a format fails with one sentence.
+///
+/// A specialization provides (see `format/dense.hpp` for the reference implementation):
+///
+///   static constexpr const char* name;                  // "dense", "bitmap_tiles", ...
+///   static std::string describe(const Format&);         // name plus parameters, for reports
+///   static void validate(const Format&, const page_shape&);  // throws kvmosaic::invalid_argument
+///   // Exact byte accounting: bytes of one page (page_size tokens) of one KV head, everything
+///   // counted (values, bitmaps, offsets, scales, sums, padding).
+///   static std::size_t k_page_bytes(const Format&, const page_shape&);
+///   static std::size_t v_page_bytes(const Format&, const page_shape&);
+///   // Host reference, rows are float values already rounded to the storage dtype, [n][head_dim]:
+///   static void encode_k(const Format&, const page_shape&, const float* rows, std::byte* page);
+///   static void encode_v(const Format&, const page_shape&, const float* rows, std::byte* page);
+///   static void decode_k(const Format&, const page_shape&, const std::byte* page, int n, float* rows);
+///   static void decode_v(const Format&, const page_shape&, const std::byte* page, int n, float* rows);
+///   // Host attend primitives on the stored form, for the first n tokens of a page and the G query
+///   // heads of one KV head (q already multiplied by the softmax scale):
+///   static void score(const Format&, const page_shape&, const std::byte* k_page, int n,
+///                     const float* q /*[G][D]*/, int G, float* logits /*[G][n]*/);
+///   static void accumulate(const Format&, const page_shape&, const std::byte* v_page, int n,
+///                          const float* p /*[G][n]*/, int G, float* o /*[G][D], += */);
+///
+/// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
+/// The CUDA parts (device encode, block-level attend collectives) are specialized in
+/// `kvmosaic/cuda/` on the same tag.
+
+#include <cstddef>
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/policy.hpp"
+
+namespace kvmosaic {
+
+/// Geometry of one page of one KV head: what every format's byte accounting depends on.
+struct page_shape {
+  int page_size = 64;       ///< tokens per page
+  int head_dim = 128;       ///< channels per head
+  dtype storage = dtype::bf16;  ///< 16-bit element type of uncompressed values
+};
+
+template <class Format>
+struct format_traits {
+  static_assert(sizeof(Format) == 0,
+                "kvmosaic: this type is not a storage format: use one of kvmosaic::format::dense, or "
+                "specialize kvmosaic::format_traits<YourFormat> as described in "
+                "kvmosaic/format/format_traits.hpp");
+};
+
+}  // namespace kvmosaic

@@ -1,0 +1,236 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The host backend: page and tail storage in host memory and the CPU implementation of every cache
+/// operation (extend, append, attend), built on the format's host reference primitives and Eigen.
+/// It is the test oracle's sibling (same arithmetic as the kernels: fp32 logits and accumulators,
+/// online softmax merged page by page) and the backend the demo runs on without a GPU.
+///
+/// Layouts (all row-major, bytes):
+///   page slot  = [K: num_kv_heads x k_page_bytes][V: num_kv_heads x v_page_bytes]
+///   tail slot  = [K: num_kv_heads x page_size x head_dim][V: same], storage dtype (format::dense)
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/policy.hpp"
+#include "kvmosaic/core/softmax_state.hpp"
+#include "kvmosaic/core/view.hpp"
+#include "kvmosaic/format/dense.hpp"
+#include "kvmosaic/format/format_traits.hpp"
+#include "kvmosaic/memory/block_table.hpp"
+
+namespace kvmosaic {
+namespace backend {
+/// Runs everything on the CPU, with pages in host memory.
+struct host {
+  using policy_category = backend_tag;
+  static constexpr const char* name = "host";
+};
+}  // namespace backend
+
+namespace detail {
+
+/// The geometry every backend engine is built from (a subset of cache_config, already validated).
+struct engine_shape {
+  int num_kv_heads;
+  int group_size;
+  int head_dim;
+  int page_size;
+  dtype storage;
+  std::int32_t max_pages;
+  std::int32_t max_sequences;
+
+  page_shape page() const { return page_shape{page_size, head_dim, storage}; }
+  std::size_t row_elements() const { return static_cast<std::size_t>(num_kv_heads) * head_dim; }
+};
+
+/// What the attend path needs to know about one sequence of a batch.
+struct sequence_ref {
+  const block_table* pages;   ///< full (encoded) pages, in order
+  std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
+  std::int32_t slot;          ///< tail slot
+};
+
+/// Owns bytes with 64-byte alignment and leaves them uninitialized (pages are written before read).
+class host_buffer {
+ public:
+  explicit host_buffer(std::size_t bytes) : bytes_(bytes), data_(allocate(bytes)) {}
+  std::byte* data() const noexcept { return data_.get(); }
+  std::size_t size() const noexcept { return bytes_; }
+
+ private:
+  struct free_aligned {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  static std::byte* allocate(std::size_t bytes) {
+    return static_cast<std::byte*>(::operator new[](bytes == 0 ? 64 : bytes, std::align_val_t{64}));
+  }
+  std::size_t bytes_;
+  std::unique_ptr<std::byte[], free_aligned> data_;
+};
+
+}  // namespace detail
+
+namespace host {
+
+/// The host engine of one format: storage plus the CPU data path. The cache drives it with
+/// validated arguments and does all bookkeeping (pool, block tables, lengths) itself.
+template <class Format>
+class engine {
+  using traits = format_traits<Format>;
+  using dense_traits = format_traits<format::dense>;
+
+ public:
+  engine(const detail::engine_shape& shape, const Format& format)
+      : shape_(shape),
+        format_(format),
+        k_page_bytes_(traits::k_page_bytes(format, shape.page())),
+        v_page_bytes_(traits::v_page_bytes(format, shape.page())),
+        tail_head_bytes_(dense_traits::k_page_bytes(format::dense{}, shape.page())),
+        pages_(static_cast<std::size_t>(shape.max_pages) * page_slot_bytes()),
+        tails_(static_cast<std::size_t>(shape.max_sequences) * tail_slot_bytes()) {}
+
+  /// Bytes of one pool slot: one page of K and of V for every KV head.
+  std::size_t page_slot_bytes() const noexcept { return shape_.num_kv_heads * (k_page_bytes_ + v_page_bytes_); }
+  std::size_t tail_slot_bytes() const noexcept { return 2 * shape_.num_kv_heads * tail_head_bytes_; }
+  std::size_t k_page_bytes() const noexcept { return k_page_bytes_; }
+  std::size_t v_page_bytes() const noexcept { return v_page_bytes_; }
+
+  /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
+  /// rows. Each time the tail fills, it is encoded into the next page of `new_pages`.
+  template <class T>
+  void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              const page_id* new_pages) {
+    const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
+    std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+    const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
+      for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float(src(t, h, c));
+      detail::store_dense_rows(shape_.storage, row.data(), row.size(), tail_head(slot, is_v, h) + tail_rows * row_bytes);
+    };
+    for (std::int64_t t = 0; t < k.extent(0); ++t) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        store(k, false, t, h);
+        store(v, true, t, h);
+      }
+      if (++tail_rows == shape_.page_size) {
+        seal_tail(slot, *new_pages++);
+        tail_rows = 0;
+      }
+    }
+  }
+
+  /// Copies the first `rows` tail rows of one slot to another (fork).
+  void copy_tail(std::int32_t from, std::int32_t to, int rows) {
+    (void)rows;  // whole slot: simpler, and the bytes past `rows` are never read
+    std::memcpy(tail_slot(to), tail_slot(from), tail_slot_bytes());
+  }
+
+  /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b.
+  /// q, out: [batch][num_kv_heads * group_size][head_dim].
+  void attend(const std::vector<detail::sequence_ref>& batch, tensor_view<const float, 3> q,
+              tensor_view<float, 3> out, float softmax_scale) const {
+    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
+    attend_scratch s(groups, d, p);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const detail::sequence_ref& seq = batch[b];
+      const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        for (int g = 0; g < groups; ++g)
+          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = q(b, h * groups + g, c) * softmax_scale;
+        std::fill(s.o.begin(), s.o.end(), 0.0f);
+        std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+        const page_shape shape = shape_.page();
+        for (const page_id page : *seq.pages) {
+          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s);
+        }
+        if (tail_rows > 0) {
+          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
+                                   tail_rows, s);
+        }
+        for (int g = 0; g < groups; ++g)
+          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = s.o[g * d + c] / s.state[g].l;
+      }
+    }
+  }
+
+  const std::byte* k_page(page_id page, int head) const {
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + head * k_page_bytes_;
+  }
+  const std::byte* v_page(page_id page, int head) const {
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() +
+           shape_.num_kv_heads * k_page_bytes_ + head * v_page_bytes_;
+  }
+
+ private:
+  /// Per-call working memory of attend, sized once per call rather than per page.
+  struct attend_scratch {
+    attend_scratch(int groups, int head_dim, int page_size)
+        : q_group(static_cast<std::size_t>(groups) * head_dim),
+          logits(static_cast<std::size_t>(groups) * page_size),
+          o(q_group.size()),
+          o_block(q_group.size()),
+          state(static_cast<std::size_t>(groups)),
+          block(state.size()) {}
+    std::vector<float> q_group, logits, o, o_block;
+    std::vector<softmax_state<float>> state, block;
+  };
+
+  /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
+  /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge.
+  template <class Traits, class F>
+  static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
+                         attend_scratch& s) {
+    const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
+    Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
+    for (int g = 0; g < groups; ++g) {
+      float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
+      float m = row[0];
+      for (int t = 1; t < n; ++t) m = std::max(m, row[t]);
+      float l = 0;
+      for (int t = 0; t < n; ++t) l += (row[t] = std::exp(row[t] - m));
+      s.block[g].m = m;
+      s.block[g].l = l;
+    }
+    std::fill(s.o_block.begin(), s.o_block.end(), 0.0f);
+    Traits::accumulate(format, shape, v, n, s.logits.data(), groups, s.o_block.data());
+    for (int g = 0; g < groups; ++g) {
+      float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
+      merge_into(s.state[g], o_g, s.block[g], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+    }
+  }
+
+  std::byte* tail_slot(std::int32_t slot) const { return tails_.data() + static_cast<std::size_t>(slot) * tail_slot_bytes(); }
+  std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
+    return tail_slot(slot) + (static_cast<std::size_t>(is_v) * shape_.num_kv_heads + head) * tail_head_bytes_;
+  }
+  /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
+  void seal_tail(std::int32_t slot, page_id page) {
+    const page_shape shape = shape_.page();
+    std::vector<float> rows(static_cast<std::size_t>(shape_.page_size) * shape_.head_dim);
+    std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
+    for (int h = 0; h < shape_.num_kv_heads; ++h) {
+      dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
+      traits::encode_k(format_, shape, rows.data(), base + h * k_page_bytes_);
+      dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
+      traits::encode_v(format_, shape, rows.data(), base + shape_.num_kv_heads * k_page_bytes_ + h * v_page_bytes_);
+    }
+  }
+
+  detail::engine_shape shape_;
+  Format format_;
+  std::size_t k_page_bytes_, v_page_bytes_, tail_head_bytes_;
+  detail::host_buffer pages_;
+  detail::host_buffer tails_;
+};
+
+}  // namespace host
+}  // namespace kvmosaic

@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// kvmosaic with its CUDA part. Include from a `.cu` file compiled by nvcc; it brings the whole host
+/// part (<kvmosaic/kvmosaic.hpp>) and the device-side pieces (the 16-bit types' device conversions,
+/// the online-softmax state in device code, the CUDA error check).
+
+#if !defined(__CUDACC__)
+#  error "kvmosaic/kvmosaic.cuh needs a CUDA compiler (nvcc); host-only code includes kvmosaic/kvmosaic.hpp"
+#endif
+
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/cuda/error.cuh"

@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `select::all`: every token is read at every step (exact attention over the stored cache).
+
+#include <string>
+
+#include "kvmosaic/select/selector_traits.hpp"
+
+namespace kvmosaic {
+namespace select {
+
+/// Reads every page and the tail. Cost: none beyond the attention itself. Source: the baseline.
+struct all {
+  using policy_category = selector_tag;
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::all> {
+  static constexpr const char* name = "all";
+  static constexpr bool reads_all_pages = true;
+  static constexpr bool evicts = false;
+  static std::string describe(const select::all&) { return "all"; }
+};
+
+}  // namespace kvmosaic
