@@ -120,17 +120,6 @@ struct memory_stats {
   }
 };
 
-namespace detail {
-template <class Backend, class Format>
-struct engine_for {
-  static_assert(sizeof(Backend) == 0, "kvmosaic: no engine for this backend and format");
-};
-template <class Format>
-struct engine_for<backend::host, Format> {
-  using type = host::engine<Format>;
-};
-}  // namespace detail
-
 /// A paged, compressed KV cache for one attention layer. See the file comment.
 ///
 /// \tparam Format    how a page is stored (`format::dense`, ...)
@@ -178,6 +167,8 @@ class cache {
   const Compactor& compactor() const noexcept { return compactor_; }
   const page_pool& pool() const noexcept { return pool_; }
   const engine_type& engine() const noexcept { return engine_; }
+  /// The backend engine (e.g. to set the CUDA stream or capture a decode step in a graph).
+  engine_type& engine() noexcept { return engine_; }
 
   /// "format/selector/compactor" with parameters, for reports.
   std::string describe() const {
@@ -232,7 +223,7 @@ class cache {
     detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
     const int tail = tail_rows(s);
     const std::vector<page_id> fresh = pool_.allocate((tail + k.extent(0)) / config_.page_size);
-    engine_.extend(seq, tail, k, v, fresh.data());
+    write_then_commit(fresh, [&] { engine_.extend(seq, tail, k, v, fresh.data()); });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
     s.length += k.extent(0);
   }
@@ -254,25 +245,27 @@ class cache {
       pages_needed += tail_rows(s) + 1 == config_.page_size;
     }
     const std::vector<page_id> fresh = pool_.allocate(pages_needed);
+    std::vector<detail::append_item> items;
+    items.reserve(static_cast<std::size_t>(seqs.size()));
     auto next = fresh.begin();
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const int tail = tail_rows(sequences_[static_cast<std::size_t>(seqs(b))]);
+      items.push_back(detail::append_item{seqs(b), tail, tail + 1 == config_.page_size ? *next++ : -1});
+    }
+    write_then_commit(fresh, [&] { engine_.append(items, k, v); });
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
       sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
-      const int tail = tail_rows(s);
-      const auto row = [&](const tensor_view<const T, 3>& x) {
-        return tensor_view<const T, 3>::strided(&x(b, 0, 0), {1, x.extent(1), x.extent(2)},
-                                                {x.stride(0), x.stride(1), x.stride(2)});
-      };
-      engine_.extend(seqs(b), tail, row(k), row(v), tail + 1 == config_.page_size ? &*next : nullptr);
-      if (tail + 1 == config_.page_size) s.pages.push_back(*next++);
+      if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
       ++s.length;
     }
   }
 
-  /// One decode step: out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
+  /// One decode step (not const: a step uses the engine's per-step buffers, and selectors keep
+  /// per-step state): out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
   /// of `seqs[b]` that the selector picks (all of them for `select::all`). q, out:
   /// [batch][num_q_heads][head_dim] float; query head j reads KV head j / group_size.
   void attend(span<const sequence_id> seqs, tensor_view<const float, 3> q, tensor_view<float, 3> out,
-              const attend_params& params = {}) const {
+              const attend_params& params = {}) {
     const char* where = "cache::attend";
     detail::require(q.extent(0) == seqs.size(), where, "q.extent(0) (batch)", q.extent(0), "seqs.size()");
     detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
@@ -370,6 +363,18 @@ class cache {
                     "v.extents", "mismatch", "the extents of k");
     detail::require(k.data() != nullptr && v.data() != nullptr, where, "k.data() / v.data()", "null",
                     "non-null pointers");
+  }
+
+  /// Runs a backend write into freshly allocated pages; if the backend fails (a CUDA error), the
+  /// pages go back to the pool and the bookkeeping is left untouched.
+  template <class Write>
+  void write_then_commit(const std::vector<page_id>& fresh, Write&& write) {
+    try {
+      write();
+    } catch (...) {
+      for (const page_id page : fresh) pool_.release(page);
+      throw;
+    }
   }
 
   memory_stats pool_gauge() const {

@@ -12,3 +12,9 @@
 
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/cuda/error.cuh"
+#include "kvmosaic/cuda/device_buffer.cuh"
+#include "kvmosaic/cuda/tuning.cuh"
+#include "kvmosaic/cuda/collective/page_attend.cuh"
+#include "kvmosaic/cuda/kernel/decode.cuh"
+#include "kvmosaic/cuda/kernel/extend.cuh"
+#include "kvmosaic/cuda/backend.cuh"

@@ -33,7 +33,7 @@ struct batch_result {
 };
 
 /// Attends one query per sequence (the query of position `length`) and returns the outputs.
-batch_result attend_all(const dense_cache& c, const std::vector<sequence_id>& seqs,
+batch_result attend_all(dense_cache& c, const std::vector<sequence_id>& seqs,
                         const synthetic::kv_config& syn, const std::vector<std::uint64_t>& streams) {
   const int hq = c.config().num_q_heads(), d = c.config().head_dim;
   const auto batch = static_cast<std::int64_t>(seqs.size());

@@ -17,6 +17,13 @@ struct compactor_tag {};  ///< how evicted tokens turn into freed pages
 struct backend_tag {};    ///< where the data lives and the kernels run (host or cuda)
 
 namespace detail {
+/// Maps (Backend, Format) to the backend's engine type; each backend specializes it.
+template <class Backend, class Format>
+struct engine_for {
+  static_assert(sizeof(Backend) == 0,
+                "kvmosaic: no engine for this backend: include kvmosaic/kvmosaic.cuh for backend::cuda");
+};
+
 template <class T, class Category, class = void>
 struct has_policy_category : std::false_type {};
 template <class T, class Category>

@@ -28,7 +28,10 @@ class cuda_error : public error {
 
 namespace detail {
 inline void cuda_check(cudaError_t code, const char* call, const char* file, int line) {
-  if (code != cudaSuccess) throw cuda_error(code, call, file, line);
+  if (code != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error so the next check reports its own call
+    throw cuda_error(code, call, file, line);
+  }
 }
 }  // namespace detail
 

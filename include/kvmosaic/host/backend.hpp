@@ -60,6 +60,21 @@ struct sequence_ref {
   std::int32_t slot;          ///< tail slot
 };
 
+/// One sequence of a decode batch's append: its tail slot, the rows its tail holds, and the page
+/// its tail is sealed into when this token fills it (-1 otherwise).
+struct append_item {
+  std::int32_t slot;
+  std::int32_t tail_rows;
+  page_id new_page;
+};
+
+/// Row b of a [batch][heads][head_dim] view, as a one-row view.
+template <class T>
+tensor_view<const T, 3> row_of(const tensor_view<const T, 3>& x, std::int64_t b) {
+  return tensor_view<const T, 3>::strided(&x(b, 0, 0), {1, x.extent(1), x.extent(2)},
+                                          {x.stride(0), x.stride(1), x.stride(2)});
+}
+
 /// Owns bytes with 64-byte alignment and leaves them uninitialized (pages are written before read).
 class host_buffer {
  public:
@@ -125,6 +140,15 @@ class engine {
         seal_tail(slot, *new_pages++);
         tail_rows = 0;
       }
+    }
+  }
+
+  /// Appends row b of `k`, `v` ([batch][num_kv_heads][head_dim]) to sequence items[b].
+  template <class T>
+  void append(const std::vector<detail::append_item>& items, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    for (std::size_t b = 0; b < items.size(); ++b) {
+      const auto row = static_cast<std::int64_t>(b);
+      extend(items[b].slot, items[b].tail_rows, detail::row_of(k, row), detail::row_of(v, row), &items[b].new_page);
     }
   }
 
@@ -233,4 +257,11 @@ class engine {
 };
 
 }  // namespace host
+
+namespace detail {
+template <class Format>
+struct engine_for<backend::host, Format> {
+  using type = host::engine<Format>;
+};
+}  // namespace detail
 }  // namespace kvmosaic

@@ -1,0 +1,260 @@
+// SPDX-License-Identifier: Apache-2.0
+// What the demo's host and CUDA parts share: options, the synthetic workload with its fp64
+// reference, and one report row per cache configuration.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/support/synthetic.hpp"
+
+namespace demo {
+
+using namespace kvmosaic;  // within the demo namespace only
+
+struct options {
+  int kv_heads = 8;
+  int q_heads = 32;
+  int head_dim = 128;
+  int context = 32768;
+  int batch = 1;
+  int page_size = 64;
+  int steps = 5;
+  dtype storage = dtype::bf16;
+  std::uint64_t seed = synthetic::kv_config{}.seed;
+  std::string json;
+};
+
+[[noreturn]] inline void usage(const char* why) {
+  std::fprintf(stderr,
+               "kvmosaic_demo: %s\n"
+               "usage: kvmosaic_demo [--kv-heads N] [--q-heads N] [--head-dim 64|128|256] [--context TOKENS]\n"
+               "                     [--batch N] [--page-size N] [--dtype bf16|f16] [--steps N] [--seed N]\n"
+               "                     [--json FILE]\n",
+               why);
+  std::exit(2);
+}
+
+inline options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") usage("decode attention over compressed KV caches, one row per cache");
+    if (i + 1 >= argc) usage(("missing value after " + arg).c_str());
+    const std::string value = argv[++i];
+    const auto number = [&](long min) {
+      char* end = nullptr;
+      const long v = std::strtol(value.c_str(), &end, 10);
+      if (end == value.c_str() || *end != '\0' || v < min) usage((arg + " needs an integer >= " + std::to_string(min)).c_str());
+      return static_cast<int>(v);
+    };
+    if (arg == "--kv-heads") o.kv_heads = number(1);
+    else if (arg == "--q-heads") o.q_heads = number(1);
+    else if (arg == "--head-dim") o.head_dim = number(1);
+    else if (arg == "--context") o.context = number(1);
+    else if (arg == "--batch") o.batch = number(1);
+    else if (arg == "--page-size") o.page_size = number(1);
+    else if (arg == "--steps") o.steps = number(1);
+    else if (arg == "--seed") o.seed = std::strtoull(value.c_str(), nullptr, 0);
+    else if (arg == "--json") o.json = value;
+    else if (arg == "--dtype") {
+      if (value == "bf16") o.storage = dtype::bf16;
+      else if (value == "f16") o.storage = dtype::f16;
+      else usage("--dtype must be bf16 or f16");
+    } else {
+      usage(("unknown option " + arg).c_str());
+    }
+  }
+  if (o.q_heads % o.kv_heads != 0) usage("--q-heads must be a multiple of --kv-heads");
+  return o;
+}
+
+/// Prints progress of a long step on one line of stderr.
+inline void progress(const std::string& what, double fraction) {
+  std::fprintf(stderr, "\r  %-44s %5.1f%%", what.c_str(), 100.0 * fraction);
+  if (fraction >= 1.0) std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+}
+
+/// The synthetic workload every configuration runs: per sequence, its K/V, the decode query and
+/// the fp64 exact attention output.
+struct workload {
+  cache_config config;
+  synthetic::kv_config generator;
+  std::vector<synthetic::kv_data> kv;
+  std::vector<float> q;                 // [batch][Hq][D]
+  std::vector<std::vector<double>> exact;  // per sequence [Hq][D]
+};
+
+inline workload make_workload(const options& o) {
+  workload w;
+  w.config.num_kv_heads = o.kv_heads;
+  w.config.group_size = o.q_heads / o.kv_heads;
+  w.config.head_dim = o.head_dim;
+  w.config.page_size = o.page_size;
+  w.config.storage = o.storage;
+  w.config.max_sequences = o.batch;
+  w.config.max_pages = o.batch * ((o.context + o.page_size - 1) / o.page_size) + 1;
+  w.config.validate();  // clear message for an unsupported shape before any work
+  w.generator.num_kv_heads = o.kv_heads;
+  w.generator.group_size = w.config.group_size;
+  w.generator.head_dim = o.head_dim;
+  w.generator.seed = o.seed;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(o.head_dim));
+  for (int b = 0; b < o.batch; ++b) {
+    progress("generating synthetic K/V", static_cast<double>(b) / o.batch);
+    w.kv.push_back(synthetic::generate_kv(w.generator, static_cast<std::uint64_t>(b), o.context));
+    const std::vector<float> q = synthetic::generate_query(w.generator, static_cast<std::uint64_t>(b), o.context);
+    w.q.insert(w.q.end(), q.begin(), q.end());
+  }
+  progress("generating synthetic K/V", 1.0);
+  for (int b = 0; b < o.batch; ++b) {
+    progress("fp64 exact attention (the reference)", static_cast<double>(b) / o.batch);
+    const auto& kv = w.kv[static_cast<std::size_t>(b)];
+    const std::size_t per_seq = static_cast<std::size_t>(o.q_heads) * o.head_dim;
+    const tensor_view<const float, 2> q(w.q.data() + b * per_seq, o.q_heads, o.head_dim);
+    w.exact.push_back(host::exact_attention(q, tensor_view<const float, 3>(kv.k.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim),
+                                            tensor_view<const float, 3>(kv.v.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim),
+                                            scale));
+  }
+  progress("fp64 exact attention (the reference)", 1.0);
+  return w;
+}
+
+/// One row of the report.
+struct row {
+  std::string cache, format, selector, backend;
+  double bytes_per_token = 0, compression_ratio = 0, rel_l2_error = 0, cosine = 0, decode_us = 0;
+};
+
+/// Runs one cache configuration: prefill every sequence, time `steps` decode steps (median), and
+/// compare the output with the exact reference. `rows_of(b)` gives the K and V arrays of sequence
+/// b (host or device pointers, as the backend takes them), `q` and `out` the step's arrays,
+/// `read_out()` the output on the host, and `timed(step)` runs a step and returns microseconds.
+template <class Cache, class RowsOf, class Timed, class ReadOut>
+row run(Cache& cache, const workload& w, int steps, RowsOf&& rows_of, Timed&& timed, ReadOut&& read_out) {
+  const std::string name = cache.describe();
+  const int batch = static_cast<int>(w.kv.size());
+  std::vector<kvmosaic::sequence_id> seqs;
+  for (int b = 0; b < batch; ++b) {
+    progress("prefill " + name, static_cast<double>(b) / batch);
+    const auto& kv = w.kv[static_cast<std::size_t>(b)];
+    const auto kv_rows = rows_of(b);
+    seqs.push_back(cache.add_sequence());
+    cache.prefill(seqs.back(), kvmosaic::tensor_view<const float, 3>(kv_rows.first, kv.num_tokens, kv.num_kv_heads, kv.head_dim),
+                  kvmosaic::tensor_view<const float, 3>(kv_rows.second, kv.num_tokens, kv.num_kv_heads, kv.head_dim));
+  }
+  progress("prefill " + name, 1.0);
+
+  std::vector<double> times;
+  for (int s = 0; s < steps; ++s) {
+    progress("decode " + name, static_cast<double>(s) / steps);
+    times.push_back(timed([&](const float* q, float* out) {
+      const kvmosaic::cache_config& c = cache.config();
+      cache.attend(kvmosaic::span<const kvmosaic::sequence_id>(seqs.data(), batch),
+                   kvmosaic::tensor_view<const float, 3>(q, batch, c.num_q_heads(), c.head_dim),
+                   kvmosaic::tensor_view<float, 3>(out, batch, c.num_q_heads(), c.head_dim));
+    }));
+  }
+  progress("decode " + name, 1.0);
+  std::sort(times.begin(), times.end());
+
+  // Fidelity over the whole batch's output.
+  const std::vector<float> out = read_out();
+  std::vector<double> exact;
+  for (const auto& e : w.exact) exact.insert(exact.end(), e.begin(), e.end());
+  const kvmosaic::host::fidelity f = kvmosaic::host::compare(out.data(), exact.data(), exact.size());
+
+  kvmosaic::memory_stats m;
+  for (const kvmosaic::sequence_id s : seqs) {
+    const kvmosaic::memory_stats one = cache.sequence_memory(s);
+    m.tokens += one.tokens;
+    m.stored_bytes += one.stored_bytes;
+    m.dense_bytes += one.dense_bytes;
+  }
+  row r;
+  r.cache = name;
+  r.format = kvmosaic::format_traits<typename Cache::format_type>::describe(cache.format());
+  r.selector = kvmosaic::selector_traits<typename Cache::selector_type>::describe(cache.selector());
+  r.backend = Cache::backend_type::name;
+  r.bytes_per_token = m.bytes_per_token();
+  r.compression_ratio = m.compression_ratio();
+  r.rel_l2_error = f.rel_l2_error;
+  r.cosine = f.cosine;
+  r.decode_us = times[times.size() / 2];
+  return r;
+}
+
+/// The host backend's rows: the CPU runs the step, a steady clock times it.
+template <class Cache>
+row run_host(Cache& cache, const workload& w, int steps) {
+  std::vector<float> out(w.q.size());
+  return run(
+      cache, w, steps,
+      [&](int b) {
+        const auto& kv = w.kv[static_cast<std::size_t>(b)];
+        return std::make_pair(kv.k.data(), kv.v.data());
+      },
+      [&](auto&& step) {
+        const auto start = std::chrono::steady_clock::now();
+        step(w.q.data(), out.data());
+        return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+      },
+      [&] { return out; });
+}
+
+inline void print_table(const std::vector<row>& rows, const options& o) {
+  std::printf("\nkvmosaic %s: %d KV heads, %d query heads, head_dim %d, context %d, batch %d, page %d, %s\n",
+              version_string(), o.kv_heads, o.q_heads, o.head_dim, o.context, o.batch, o.page_size, to_string(o.storage));
+  std::printf("%-28s %14s %12s %13s %12s %14s  %s\n", "configuration", "bytes/token", "compression", "rel L2 error",
+              "cosine", "decode (us)", "backend");
+  for (const row& r : rows) {
+    std::printf("%-28s %14.1f %12.4f %13.3e %12.9f %14.1f  %s\n", r.cache.c_str(), r.bytes_per_token,
+                r.compression_ratio, r.rel_l2_error, r.cosine, r.decode_us, r.backend.c_str());
+  }
+}
+
+inline std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+inline void write_json(const std::vector<row>& rows, const std::string& path) {
+  std::ofstream f(path);
+  if (!f) {
+    std::fprintf(stderr, "kvmosaic_demo: cannot write %s\n", path.c_str());
+    std::exit(1);
+  }
+  f.precision(10);
+  f << "[\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const row& r = rows[i];
+    f << "  {\"cache\": " << json_string(r.cache) << ", \"format\": " << json_string(r.format)
+      << ", \"selector\": " << json_string(r.selector) << ", \"backend\": " << json_string(r.backend)
+      << ", \"bytes_per_token\": " << r.bytes_per_token << ", \"compression_ratio\": " << r.compression_ratio
+      << ", \"rel_l2_error\": " << r.rel_l2_error << ", \"cosine\": " << r.cosine << ", \"decode_us\": " << r.decode_us
+      << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+  }
+  f << "]\n";
+}
+
+
+/// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when
+/// no GPU is present (the caller then runs the host backend).
+std::vector<row> run_cuda(const workload& w, int steps);
+
+}  // namespace demo

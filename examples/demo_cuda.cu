@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// The demo's CUDA rows: the same workload on the CUDA backend, timed with CUDA events. Built into
+// kvmosaic_demo when CUDA is enabled; returns no rows on a machine without a GPU.
+
+#include <cuda_runtime.h>
+
+#include "demo_common.hpp"
+#include "kvmosaic/kvmosaic.cuh"
+
+namespace demo {
+
+std::vector<row> run_cuda(const workload& w, int steps) {
+  using namespace kvmosaic;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    std::fprintf(stderr, "  no CUDA device: running the host backend\n");
+    return {};
+  }
+  std::vector<row> rows;
+  // Device copies of the inputs, shared by every configuration.
+  std::vector<cuda::device_buffer> k, v;
+  for (const auto& kv : w.kv) {
+    k.emplace_back(kv.k.size() * sizeof(float));
+    v.emplace_back(kv.v.size() * sizeof(float));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(k.back().data(), kv.k.data(), kv.k.size() * sizeof(float), cudaMemcpyHostToDevice));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(v.back().data(), kv.v.data(), kv.v.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  cuda::device_buffer q(w.q.size() * sizeof(float)), out(w.q.size() * sizeof(float));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(q.data(), w.q.data(), w.q.size() * sizeof(float), cudaMemcpyHostToDevice));
+  cudaEvent_t start, stop;
+  KVMOSAIC_CUDA_CHECK(cudaEventCreate(&start));
+  KVMOSAIC_CUDA_CHECK(cudaEventCreate(&stop));
+  const auto rows_of = [&](int b) {
+    return std::make_pair(k[static_cast<std::size_t>(b)].as<const float>(), v[static_cast<std::size_t>(b)].as<const float>());
+  };
+  const auto timed = [&](auto&& step) {
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(start));
+    step(q.as<const float>(), out.as<float>());
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(stop));
+    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    KVMOSAIC_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return 1e3 * static_cast<double>(ms);
+  };
+  const auto read_out = [&] {
+    std::vector<float> host(w.q.size());
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(host.data(), out.data(), host.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return host;
+  };
+  {
+    cache<format::dense, select::all, compact::none, backend::cuda> c(w.config);
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return rows;
+}
+
+}  // namespace demo

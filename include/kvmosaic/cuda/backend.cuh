@@ -1,0 +1,386 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The CUDA backend: page and tail arenas in device memory, and the kernels of every cache
+/// operation. `kvmosaic::cache<Format, Selector, Compactor, kvmosaic::backend::cuda>` uses it.
+///
+/// Pointers the cache passes to this backend (prefill/append rows, q, out) are device pointers
+/// to contiguous arrays; operations are asynchronous on the engine's stream (`set_stream`), and the
+/// caller synchronizes before reading results. A decode step is two pieces: `plan_step` (host:
+/// the split plan and block tables, written to page-locked staging) and `launch_step` (one copy to
+/// the device and two kernels, with a launch shape that depends only on the batch size), so
+/// `launch_step` can be captured in a CUDA graph and replayed after each new `plan_step`.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/policy.hpp"
+#include "kvmosaic/core/split_plan.hpp"
+#include "kvmosaic/core/view.hpp"
+#include "kvmosaic/cuda/device_buffer.cuh"
+#include "kvmosaic/cuda/error.cuh"
+#include "kvmosaic/cuda/kernel/decode.cuh"
+#include "kvmosaic/cuda/kernel/extend.cuh"
+#include "kvmosaic/cuda/tuning.cuh"
+#include "kvmosaic/format/dense.hpp"
+#include "kvmosaic/format/format_traits.hpp"
+#include "kvmosaic/host/backend.hpp"
+
+namespace kvmosaic {
+namespace backend {
+/// Pages in device memory; prefill, append and attention run as CUDA kernels.
+struct cuda {
+  using policy_category = backend_tag;
+  static constexpr const char* name = "cuda";
+};
+}  // namespace backend
+
+namespace cuda {
+
+namespace detail {
+
+/// Calls f(T{}, head_dim constant, group constant): the one place where run-time shapes become
+/// kernel template arguments (every supported combination is instantiated).
+template <class F>
+void dispatch_shape(dtype storage, int head_dim, int group_size, F&& f) {
+  const auto by_group = [&](auto element, auto dim) {
+    switch (group_size) {
+      case 1: return f(element, dim, std::integral_constant<int, 1>{});
+      case 2: return f(element, dim, std::integral_constant<int, 2>{});
+      case 3: return f(element, dim, std::integral_constant<int, 3>{});
+      case 4: return f(element, dim, std::integral_constant<int, 4>{});
+      case 5: return f(element, dim, std::integral_constant<int, 5>{});
+      case 6: return f(element, dim, std::integral_constant<int, 6>{});
+      case 7: return f(element, dim, std::integral_constant<int, 7>{});
+      case 8: return f(element, dim, std::integral_constant<int, 8>{});
+    }
+    kvmosaic::detail::require(false, "cuda::dispatch_shape", "group_size", group_size, limits::supported_group_sizes);
+  };
+  const auto by_dim = [&](auto element) {
+    switch (head_dim) {
+      case 64: return by_group(element, std::integral_constant<int, 64>{});
+      case 128: return by_group(element, std::integral_constant<int, 128>{});
+      case 256: return by_group(element, std::integral_constant<int, 256>{});
+    }
+    kvmosaic::detail::require(false, "cuda::dispatch_shape", "head_dim", head_dim, limits::supported_head_dims);
+  };
+  if (storage == dtype::f16) return by_dim(half{});
+  return by_dim(bfloat16{});
+}
+
+/// Grid x for a grid-stride loop over `count` items.
+inline unsigned grid_for(std::int64_t count, int threads) {
+  return static_cast<unsigned>(std::clamp<std::int64_t>((count + threads - 1) / threads, 1, 65535));
+}
+
+}  // namespace detail
+
+/// The CUDA engine of one format. Only `format::dense` has kernels so far; other formats fail to
+/// compile with a sentence rather than at run time.
+template <class Format>
+class engine {
+  static_assert(std::is_same<Format, format::dense>::value,
+                "kvmosaic: the CUDA backend has kernels for format::dense only so far");
+  using traits = format_traits<Format>;
+  using dense_traits = format_traits<format::dense>;
+
+ public:
+  engine(const kvmosaic::detail::engine_shape& shape, const Format& format)
+      : shape_(shape),
+        format_(format),
+        k_page_bytes_(traits::k_page_bytes(format, shape.page())),
+        v_page_bytes_(traits::v_page_bytes(format, shape.page())),
+        tail_head_bytes_(dense_traits::k_page_bytes(format::dense{}, shape.page())),
+        pages_(static_cast<std::size_t>(shape.max_pages) * page_slot_bytes()),
+        tails_(static_cast<std::size_t>(shape.max_sequences) * tail_slot_bytes()) {
+    int device = 0;
+    KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+    int major = 0;
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    use_bulk_copy_ = major >= 9;
+    KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+      if (shared_bytes > 48 * 1024)
+        KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+      KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
+      ctas_per_sm_ = std::max(ctas_per_sm_, 1);
+    });
+  }
+  ~engine() {
+    if (staged_ != nullptr) cudaEventDestroy(staged_);
+  }
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  std::size_t page_slot_bytes() const noexcept { return shape_.num_kv_heads * (k_page_bytes_ + v_page_bytes_); }
+  std::size_t tail_slot_bytes() const noexcept { return 2 * shape_.num_kv_heads * tail_head_bytes_; }
+  std::size_t k_page_bytes() const noexcept { return k_page_bytes_; }
+  std::size_t v_page_bytes() const noexcept { return v_page_bytes_; }
+  const std::byte* pages_data() const noexcept { return pages_.as<const std::byte>(); }
+  const std::byte* tails_data() const noexcept { return tails_.as<const std::byte>(); }
+
+  /// The stream every operation of this engine is enqueued on (default: the legacy stream 0).
+  void set_stream(cudaStream_t stream) noexcept { stream_ = stream; }
+  cudaStream_t stream() const noexcept { return stream_; }
+
+  /// Prefill (a chunk of) one sequence from device rows [n][heads][head_dim].
+  template <class T>
+  void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              const page_id* new_pages) {
+    check_device_rows("cache::prefill", k, v);
+    const kernel::extend_item item{0, static_cast<std::int32_t>(k.extent(0)), slot, tail_rows, 0};
+    const std::int32_t pages = (tail_rows + item.count) / shape_.page_size;
+    run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), k.extent(0));
+  }
+
+  /// One decode token per sequence: row b of k, v (device, [batch][heads][head_dim]) to items[b].
+  template <class T>
+  void append(const std::vector<kvmosaic::detail::append_item>& items, tensor_view<const T, 3> k,
+              tensor_view<const T, 3> v) {
+    check_device_rows("cache::append", k, v);
+    std::vector<kernel::extend_item> work;
+    std::vector<page_id> new_pages;
+    for (std::size_t b = 0; b < items.size(); ++b) {
+      work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
+                                         static_cast<std::int32_t>(new_pages.size())});
+      if (items[b].new_page >= 0) new_pages.push_back(items[b].new_page);
+    }
+    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), 1);
+  }
+
+  void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * tail_slot_bytes(),
+                                        tails_.as<std::byte>() + from * tail_slot_bytes(), tail_slot_bytes(),
+                                        cudaMemcpyDeviceToDevice, stream_));
+  }
+
+  /// A decode step: plan, then launch. q and out are device arrays [batch][num_q_heads][head_dim].
+  void attend(const std::vector<kvmosaic::detail::sequence_ref>& batch, tensor_view<const float, 3> q,
+              tensor_view<float, 3> out, float softmax_scale) {
+    plan_step(batch);
+    launch_step(q.data(), out.data(), softmax_scale);
+  }
+
+  /// Fixes the step metadata layout for batches up to `batch` sequences of up to
+  /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
+  /// is what a captured CUDA graph needs; a larger step grows the layout (re-capture after that).
+  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0) {
+    const layout_capacity new_capacity{std::max(capacity_.batch, batch),
+                                       std::max(capacity_.table_stride, max_pages_per_sequence),
+                                       std::max({capacity_.work, splits, work_capacity(batch)})};
+    if (new_capacity.batch == capacity_.batch && new_capacity.table_stride == capacity_.table_stride &&
+        new_capacity.work == capacity_.work)
+      return;
+    capacity_ = new_capacity;
+    const std::int32_t work = capacity_.work;
+    layout_.header = 0;
+    layout_.work = align(2 * sizeof(std::int32_t));
+    layout_.partial_offset = layout_.work + align(static_cast<std::size_t>(work) * sizeof(split_work));
+    layout_.slots = layout_.partial_offset + align((capacity_.batch + 1) * sizeof(std::int32_t));
+    layout_.tail_rows = layout_.slots + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tables = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.bytes = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
+    staging_ = pinned_buffer(layout_.bytes);
+    step_metadata_ = device_buffer(layout_.bytes);
+    const std::size_t partial_floats = static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * (shape_.head_dim + 1);
+    partials_ = device_buffer(partial_floats * sizeof(float));
+  }
+
+  /// Host part of a step: the split plan from the lengths and the block tables, written to
+  /// page-locked staging. Waits for the previous step's copy out of that staging, not for kernels.
+  void plan_step(const std::vector<kvmosaic::detail::sequence_ref>& batch) {
+    const auto n = static_cast<std::int32_t>(batch.size());
+    std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size());
+    std::int32_t longest = 1;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
+      tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
+      slots[b] = batch[b].slot;
+      longest = std::max(longest, full_pages[b]);
+    }
+    const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
+    const split_plan plan =
+        make_split_plan(full_pages, tail_rows, target_splits(), use_bulk_copy_ ? tuning.max_pages_per_split : 1 << 30);
+    reserve_step(n, longest, plan.num_splits());
+    batch_ = n;
+    step_splits_ = plan.num_splits();
+
+    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));  // the previous copy has left the staging
+    std::byte* host = staging_.as<std::byte>();
+    const std::int32_t header[2] = {plan.num_splits(), capacity_.table_stride};
+    std::memcpy(host + layout_.header, header, sizeof header);
+    std::memcpy(host + layout_.work, plan.work.data(), plan.work.size() * sizeof(split_work));
+    std::memcpy(host + layout_.partial_offset, plan.partial_offset.data(), plan.partial_offset.size() * sizeof(std::int32_t));
+    std::memcpy(host + layout_.slots, slots.data(), slots.size() * sizeof(std::int32_t));
+    std::memcpy(host + layout_.tail_rows, tail_rows.data(), tail_rows.size() * sizeof(std::int32_t));
+    auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
+    for (std::size_t b = 0; b < batch.size(); ++b)
+      std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
+  }
+
+  /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
+  /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel.
+  void launch_step(const float* q, float* out, float softmax_scale) {
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(step_metadata_.data(), staging_.data(), layout_.bytes, cudaMemcpyHostToDevice, stream_));
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+    // In a graph the caller orders replays and plan_step (it synchronizes before reading results).
+    if (capturing == cudaStreamCaptureStatusNone) KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+    const std::byte* device = step_metadata_.as<const std::byte>();
+    kernel::decode_params p{};
+    p.pages = pages_.as<const std::byte>();
+    p.tails = tails_.as<const std::byte>();
+    p.page_slot_bytes = static_cast<std::int64_t>(page_slot_bytes());
+    p.k_page_bytes = static_cast<std::int64_t>(k_page_bytes_);
+    p.v_page_bytes = static_cast<std::int64_t>(v_page_bytes_);
+    p.tail_slot_bytes = static_cast<std::int64_t>(tail_slot_bytes());
+    p.tail_head_bytes = static_cast<std::int64_t>(tail_head_bytes_);
+    p.num_kv_heads = shape_.num_kv_heads;
+    p.page_size = shape_.page_size;
+    p.step_header = reinterpret_cast<const std::int32_t*>(device + layout_.header);
+    p.block_tables = reinterpret_cast<const std::int32_t*>(device + layout_.tables);
+    p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);
+    p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
+    p.work = reinterpret_cast<const split_work*>(device + layout_.work);
+    p.partial_offset = reinterpret_cast<const std::int32_t*>(device + layout_.partial_offset);
+    p.q = q;
+    p.softmax_scale = softmax_scale;
+    const std::int32_t work = capacity_.work;
+    p.partial_o = partials_.as<float>();
+    p.partial_lse = partials_.as<float>() + static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * shape_.head_dim;
+    p.out = out;
+    const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
+    const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
+    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+      kernel<<<grid, threads, shared_bytes, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
+      constexpr int head_dim = decltype(dim)::value;
+      kernel::merge_splits_kernel<head_dim>
+          <<<static_cast<unsigned>(batch_ * num_q_heads), merge_threads(head_dim), 0, stream_>>>(p, num_q_heads);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Calls f(kernel, threads, dynamic shared bytes) with the split kernel this engine launches:
+  /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
+  template <class F>
+  void with_decode_kernel(F&& f) const {
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto element, auto dim, auto group) {
+      using T = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      constexpr int group_size = decltype(group)::value;
+      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+      if (use_bulk_copy_) {
+        using layout = kernel::bulk_decode_layout<T, head_dim, t.stage_tokens, t.stages, t.max_pages_per_split>;
+        f(kernel::decode_partial_bulk_kernel<Format, T, head_dim, group_size, t.threads, t.unroll, t.stage_tokens, t.stages,
+                                             t.max_pages_per_split>,
+          t.threads, layout::bytes);
+      } else {
+        f(kernel::decode_partial_kernel<Format, T, head_dim, group_size, t.threads, t.unroll>, t.threads, 0);
+      }
+    });
+  }
+
+  /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
+  /// kernel this engine launches, times the SMs), so every split runs at once.
+  std::int32_t target_splits() const { return std::max(1, num_sms_ * ctas_per_sm_ / shape_.num_kv_heads); }
+  /// True when decode runs the sm_90 bulk-copy pipeline.
+  bool uses_bulk_copy() const noexcept { return use_bulk_copy_; }
+  /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
+  /// (at most target + batch: each sequence rounds its split count up by less than one), so a
+  /// captured graph stays valid. Plans capped by max_pages_per_split (longer than a wave) may need
+  /// more; the grid then grows with them (re-capture).
+  std::int32_t work_capacity(std::int32_t batch) const { return target_splits() + batch; }
+
+ private:
+  static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+  template <class T>
+  void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
+    kvmosaic::detail::require(k.is_contiguous() && v.is_contiguous(), where, "k, v layout", "strided",
+                              "contiguous device arrays [rows][num_kv_heads][head_dim] on the CUDA backend");
+  }
+
+  template <class T>
+  void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
+                  const T* k, const T* v, std::int64_t max_rows) {
+    const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
+    const std::size_t bytes = items_bytes + align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
+    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
+    extend_staging_.reserve(bytes);
+    extend_metadata_.reserve(bytes);
+    std::memcpy(extend_staging_.data(), items.data(), items.size() * sizeof(kernel::extend_item));
+    if (num_new_pages > 0)
+      std::memcpy(extend_staging_.as<std::byte>() + items_bytes, new_pages, num_new_pages * sizeof(page_id));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+    kernel::extend_params p{};
+    p.pages = pages_.as<std::byte>();
+    p.tails = tails_.as<std::byte>();
+    p.page_slot_bytes = static_cast<std::int64_t>(page_slot_bytes());
+    p.page_head_bytes = static_cast<std::int64_t>(tail_head_bytes_);
+    p.tail_slot_bytes = static_cast<std::int64_t>(tail_slot_bytes());
+    p.num_kv_heads = shape_.num_kv_heads;
+    p.head_dim = shape_.head_dim;
+    p.page_size = shape_.page_size;
+    p.items = extend_metadata_.as<const kernel::extend_item>();
+    p.new_pages = reinterpret_cast<const std::int32_t*>(extend_metadata_.as<const std::byte>() + items_bytes);
+    const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
+    const dim3 tail_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(items.size()));
+    const dim3 row_grid(detail::grid_for(vectors_per_row * max_rows, extend_threads), static_cast<unsigned>(items.size()));
+    kernel::move_tail_rows_kernel<<<tail_grid, extend_threads, 0, stream_>>>(p);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    if (shape_.storage == dtype::f16) kernel::scatter_rows_kernel<half, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    else kernel::scatter_rows_kernel<bfloat16, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  }
+
+  struct layout_capacity {
+    std::int32_t batch = 0, table_stride = 0, work = 0;
+  };
+  /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][tables].
+  struct step_layout {
+    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, tables = 0, bytes = 0;
+  };
+
+  kvmosaic::detail::engine_shape shape_;
+  Format format_;
+  std::size_t k_page_bytes_, v_page_bytes_, tail_head_bytes_;
+  device_buffer pages_;
+  device_buffer tails_;
+  int num_sms_ = 1;
+  int ctas_per_sm_ = 1;
+  bool use_bulk_copy_ = false;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t staged_ = nullptr;  ///< the last copy out of page-locked staging
+  layout_capacity capacity_;
+  step_layout layout_;
+  std::int32_t batch_ = 0;
+  std::int32_t step_splits_ = 0;
+  pinned_buffer staging_, extend_staging_;
+  device_buffer step_metadata_, extend_metadata_, partials_;
+};
+
+}  // namespace cuda
+
+namespace detail {
+template <class Format>
+struct engine_for<backend::cuda, Format> {
+  using type = cuda::engine<Format>;
+};
+}  // namespace detail
+
+}  // namespace kvmosaic

@@ -1,0 +1,96 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Hopper (sm_90) bulk copies from global to shared memory completing on an mbarrier: one thread
+/// moves a whole contiguous run of a page (kilobytes) with one instruction, and the CTA waits on
+/// the barrier's phase. Compiled for every architecture; executed only on sm_90+ (the kernels that
+/// use it are launched only there, and trap elsewhere).
+
+#include <cstdint>
+
+namespace kvmosaic::cuda::detail {
+
+__device__ __forceinline__ std::uint32_t shared_address(const void* pointer) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+/// A 16-byte load from shared memory.
+__device__ __forceinline__ uint4 load_shared(const void* address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(shared_address(address)));
+  return v;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#  define KVMOSAIC_HAS_BULK_COPY 1
+#else
+#  define KVMOSAIC_HAS_BULK_COPY 0
+#endif
+
+/// Initializes a barrier expecting `arrivals` arrivals per phase, and makes it visible to the
+/// bulk-copy engine (call __syncthreads() afterwards).
+__device__ __forceinline__ void barrier_init(std::uint64_t* barrier, std::uint32_t arrivals) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+  (void)barrier;
+  (void)arrivals;
+  __trap();
+#endif
+}
+
+/// Arrives on the barrier and announces `bytes` of bulk copies that complete this phase.
+__device__ __forceinline__ void barrier_arrive_expect(std::uint64_t* barrier, std::uint32_t bytes) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+#else
+  (void)barrier;
+  (void)bytes;
+  __trap();
+#endif
+}
+
+/// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory;
+/// completion is counted on `barrier`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* destination, const void* source, std::uint32_t bytes,
+                                                    std::uint64_t* barrier) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          shared_address(destination)),
+      "l"(source), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+#else
+  (void)destination;
+  (void)source;
+  (void)bytes;
+  (void)barrier;
+  __trap();
+#endif
+}
+
+/// Waits until the barrier's phase with parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(std::uint64_t* barrier, std::uint32_t parity) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(shared_address(barrier)),
+      "r"(parity)
+      : "memory");
+#else
+  (void)barrier;
+  (void)parity;
+  __trap();
+#endif
+}
+
+}  // namespace kvmosaic::cuda::detail

@@ -1,0 +1,271 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The decode-attention kernels of one step: `decode_partial_kernel` (one CTA per split of one
+/// (sequence, KV head): every query head of the GQA group shares each K/V load) and
+/// `merge_splits_kernel` (one CTA per (sequence, query head): the flash-decoding merge of the
+/// splits' partial states). Both are generic over the format through `page_attend`; the dense
+/// tail always goes through the dense collective.
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kvmosaic/core/softmax_state.hpp"
+#include "kvmosaic/core/split_plan.hpp"
+#include "kvmosaic/cuda/collective/page_attend.cuh"
+
+namespace kvmosaic::cuda::kernel {
+
+/// Where a step's data lives and how it is laid out (see host/backend.hpp for the layouts).
+struct decode_params {
+  const std::byte* pages;             ///< page arena: slot = [K: heads x k_page_bytes][V: heads x v_page_bytes]
+  const std::byte* tails;             ///< tail arena: slot = [K: heads x tail_head_bytes][V: same]
+  std::int64_t page_slot_bytes;
+  std::int64_t k_page_bytes;
+  std::int64_t v_page_bytes;
+  std::int64_t tail_slot_bytes;
+  std::int64_t tail_head_bytes;
+  int num_kv_heads;
+  int page_size;
+
+  const std::int32_t* step_header;    ///< device: [0] splits this step, [1] block-table row stride
+  const std::int32_t* block_tables;   ///< [batch][stride] page ids
+  const std::int32_t* tail_slots;     ///< [batch]
+  const std::int32_t* tail_rows;      ///< [batch]
+  const split_work* work;             ///< [splits this step]; the grid may be larger (graph replay)
+  const std::int32_t* partial_offset; ///< [batch + 1]
+
+  const float* q;                     ///< [batch][num_q_heads][head_dim]
+  float softmax_scale;
+  float* partial_o;                   ///< [work capacity][num_q_heads][head_dim], normalized per split
+  float* partial_lse;                 ///< [work capacity][num_q_heads], natural log
+  float* out;                         ///< [batch][num_q_heads][head_dim]
+};
+
+/// Shared memory of the CTA-level reduction across token rows.
+template <int Group, int HeadDim, int Rows>
+struct decode_temp_storage {
+  float o[Rows][Group][HeadDim];
+  float m[Rows][Group];
+  float l[Rows][Group];
+};
+
+namespace detail_decode {
+
+/// Loads this thread's slice of the group's queries, pre-multiplied by the softmax scale, and
+/// starts its state empty.
+template <int HeadDim, int Group, int LanesPerRow>
+__device__ __forceinline__ void start_state(const decode_params& p, const split_work& w, int head,
+                                            thread_state<Group>& s) {
+  constexpr int vec = detail::vector_elements;
+  const int lane = static_cast<int>(threadIdx.x) % LanesPerRow;
+  const int num_q_heads = p.num_kv_heads * Group;
+#pragma unroll
+  for (int g = 0; g < Group; ++g) {
+    const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group + g) * HeadDim + lane * vec;
+    const float4 a = *reinterpret_cast<const float4*>(q);
+    const float4 b = *reinterpret_cast<const float4*>(q + 4);
+    const float qs[vec] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < vec; ++i) {
+      s.q[g][i] = qs[i] * p.softmax_scale;
+      s.o[g][i] = 0.0f;
+    }
+    s.m[g] = -HUGE_VALF;
+    s.l[g] = 0.0f;
+  }
+}
+
+/// Merges the token rows' states of the CTA in shared memory `temp` and writes this split's
+/// normalized partial output and log-sum-exp. Every lane of a row holds the same (m, l).
+template <int HeadDim, int Group, int Threads, int LanesPerRow>
+__device__ __forceinline__ void write_partial(const decode_params& p, int work_index, int head,
+                                              const thread_state<Group>& s,
+                                              decode_temp_storage<Group, HeadDim, Threads / LanesPerRow>& temp) {
+  constexpr int vec = detail::vector_elements;
+  constexpr int rows = Threads / LanesPerRow;
+  const int lane = static_cast<int>(threadIdx.x) % LanesPerRow;
+  const int row = static_cast<int>(threadIdx.x) / LanesPerRow;
+#pragma unroll
+  for (int g = 0; g < Group; ++g) {
+#pragma unroll
+    for (int i = 0; i < vec; ++i) temp.o[row][g][lane * vec + i] = s.o[g][i];
+    if (lane == 0) {
+      temp.m[row][g] = s.m[g];
+      temp.l[row][g] = s.l[g];
+    }
+  }
+  __syncthreads();
+  const int num_q_heads = p.num_kv_heads * Group;
+  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+  for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+    const int g = index / HeadDim, c = index % HeadDim;
+    softmax_state<float> total;
+    float o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < rows; ++r) {
+      softmax_state<float> part;
+      part.m = temp.m[r][g];
+      part.l = temp.l[r][g];
+      const merge_weights<float> mw = total.merge(part);
+      o = o * mw.self + temp.o[r][g][c] * mw.other;
+    }
+    p.partial_o[(partial_base + g) * HeadDim + c] = o / total.l;
+    if (c == 0) p.partial_lse[partial_base + g] = total.log_sum_exp();
+  }
+}
+
+}  // namespace detail_decode
+
+/// The portable split kernel (any architecture): each thread streams its K/V slices from global
+/// memory into registers, `Unroll` tokens in flight. Grid: (splits capacity, num_kv_heads).
+template <class Format, class T, int HeadDim, int Group, int Threads, int Unroll>
+__global__ void __launch_bounds__(Threads) decode_partial_kernel(const decode_params p) {
+  using collective = page_attend<Format, T, HeadDim, Group, Threads, Unroll>;
+  using tail_collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
+  static_assert(collective::rows == tail_collective::rows && collective::lanes_per_row == tail_collective::lanes_per_row,
+                "a format's collective must use the shared thread mapping");
+  constexpr int lanes_per_row = collective::lanes_per_row;
+  __shared__ decode_temp_storage<Group, HeadDim, collective::rows> temp;
+
+  const int work_index = static_cast<int>(blockIdx.x);
+  if (work_index >= p.step_header[0]) return;  // the grid is sized for the largest plan (graph replay)
+  const split_work w = p.work[work_index];
+  const int head = static_cast<int>(blockIdx.y);
+  thread_state<Group> s;
+  detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
+
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1];
+  std::int32_t next_page = w.page_begin < w.page_end ? table[w.page_begin] : 0;
+  for (int i = w.page_begin; i < w.page_end; ++i) {
+    const std::int32_t page = next_page;
+    if (i + 1 < w.page_end) next_page = table[i + 1];  // in flight while this page is read
+    const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
+    collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                     p.page_size, s);
+  }
+  if (w.with_tail) {
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes,
+                          p.tail_rows[w.batch_index], s);
+  }
+  detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s, temp);
+}
+
+/// Dynamic shared memory of the bulk-copy split kernel: the split's page ids, one barrier per
+/// stage, and `Stages` buffers of `StageTokens` K rows and V rows. The reduction at the end reuses
+/// the stage buffers.
+template <class T, int HeadDim, int StageTokens, int Stages, int MaxPagesPerSplit>
+struct bulk_decode_layout {
+  static constexpr int row_bytes = HeadDim * static_cast<int>(sizeof(T));
+  static constexpr int ids_bytes = (MaxPagesPerSplit * 4 + 127) / 128 * 128;
+  static constexpr int barrier_offset = ids_bytes;
+  static constexpr int stage_offset = ids_bytes + 128;
+  static constexpr int stage_bytes = StageTokens * row_bytes;  ///< one stage of K (or of V)
+  static constexpr int bytes = stage_offset + 2 * Stages * stage_bytes;
+};
+
+/// The sm_90 split kernel: thread 0 streams the split's K and V rows (pages, then the tail) into
+/// `Stages` shared-memory buffers with bulk copies completing on mbarriers, `Stages` stages ahead
+/// of the CTA, which computes on shared memory. Dense rows only (the stages are token-granular).
+/// Grid: (splits capacity, num_kv_heads); dynamic shared memory: bulk_decode_layout::bytes.
+template <class Format, class T, int HeadDim, int Group, int Threads, int Unroll, int StageTokens, int Stages,
+          int MaxPagesPerSplit>
+__global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const decode_params p) {
+  static_assert(std::is_same<Format, format::dense>::value, "the bulk-copy pipeline stages dense rows");
+  using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
+  using layout = bulk_decode_layout<T, HeadDim, StageTokens, Stages, MaxPagesPerSplit>;
+  using temp_storage = decode_temp_storage<Group, HeadDim, collective::rows>;
+  static_assert(sizeof(temp_storage) <= 2 * Stages * layout::stage_bytes, "the reduction reuses the stage buffers");
+  constexpr int lanes_per_row = collective::lanes_per_row;
+  extern __shared__ __align__(128) std::byte shared[];
+  auto* ids = reinterpret_cast<std::int32_t*>(shared);
+  auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
+  std::byte* k_stages = shared + layout::stage_offset;
+  std::byte* v_stages = k_stages + Stages * layout::stage_bytes;
+
+  const int work_index = static_cast<int>(blockIdx.x);
+  if (work_index >= p.step_header[0]) return;
+  const split_work w = p.work[work_index];
+  const int head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int num_pages = w.page_end - w.page_begin;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  for (int i = tid; i < num_pages; i += Threads) ids[i] = table[i];
+  if (tid == 0)
+    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+  __syncthreads();
+
+  const int page_tokens = num_pages * p.page_size;
+  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const int num_stages = (tokens + StageTokens - 1) / StageTokens;
+  const std::byte* tail_slot =
+      w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes : nullptr;
+  // Thread 0: announce and issue the copies of one stage, one per contiguous run of rows.
+  const auto issue = [&](int stage) {
+    const int buffer = stage % Stages;
+    const int first = stage * StageTokens;
+    const int n = min(StageTokens, tokens - first);
+    detail::barrier_arrive_expect(&full[buffer], static_cast<std::uint32_t>(2 * n * layout::row_bytes));
+    for (int t = first; t < first + n;) {
+      const std::byte *k, *v;
+      int run;
+      if (t < page_tokens) {
+        const int row = t % p.page_size;
+        run = min(p.page_size - row, first + n - t);
+        const std::byte* slot = p.pages + static_cast<std::size_t>(ids[t / p.page_size]) * p.page_slot_bytes;
+        k = slot + head * p.k_page_bytes + static_cast<std::size_t>(row) * layout::row_bytes;
+        v = slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes + static_cast<std::size_t>(row) * layout::row_bytes;
+      } else {
+        const int row = t - page_tokens;
+        run = first + n - t;
+        k = tail_slot + head * p.tail_head_bytes + static_cast<std::size_t>(row) * layout::row_bytes;
+        v = tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes + static_cast<std::size_t>(row) * layout::row_bytes;
+      }
+      const int offset = (buffer * StageTokens + (t - first)) * layout::row_bytes;
+      detail::bulk_copy_to_shared(k_stages + offset, k, static_cast<std::uint32_t>(run * layout::row_bytes), &full[buffer]);
+      detail::bulk_copy_to_shared(v_stages + offset, v, static_cast<std::uint32_t>(run * layout::row_bytes), &full[buffer]);
+      t += run;
+    }
+  };
+  if (tid == 0)
+    for (int stage = 0; stage < min(Stages, num_stages); ++stage) issue(stage);
+
+  thread_state<Group> s;
+  detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
+  for (int stage = 0; stage < num_stages; ++stage) {
+    const int buffer = stage % Stages;
+    const int n = min(StageTokens, tokens - stage * StageTokens);
+    detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
+    collective::template fold<from_shared>(k_stages + buffer * layout::stage_bytes, v_stages + buffer * layout::stage_bytes,
+                                           n, s);
+    __syncthreads();  // every thread is done with this buffer before it is refilled
+    if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
+  }
+  detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s,
+                                                                       *reinterpret_cast<temp_storage*>(k_stages));
+}
+
+/// out[b][j] = merge over the splits of b of (lse, o): weights exp(lse_s - max lse).
+template <int HeadDim>
+__global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_params p, int num_q_heads) {
+  const int b = static_cast<int>(blockIdx.x) / num_q_heads;
+  const int j = static_cast<int>(blockIdx.x) % num_q_heads;
+  const int c = static_cast<int>(threadIdx.x);
+  const int begin = p.partial_offset[b], end = p.partial_offset[b + 1];
+  softmax_state<float> total;
+  float o = 0.0f;
+  for (int split = begin; split < end; ++split) {
+    const std::size_t index = static_cast<std::size_t>(split) * num_q_heads + j;
+    softmax_state<float> part;
+    part.m = p.partial_lse[index];  // a normalized partial is the state (lse, 1, o)
+    part.l = 1.0f;
+    const merge_weights<float> mw = total.merge(part);
+    o = o * mw.self + p.partial_o[index * HeadDim + c] * mw.other;
+  }
+  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = o / total.l;
+}
+
+}  // namespace kvmosaic::cuda::kernel

@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Launch shapes of the kernels, in one place (CCCL's "tuning is data"): a constexpr function of
+/// the problem shape returns threads per CTA and the unroll depth, instead of literals spread over
+/// kernels. Changing a tuning here changes every launch that uses it.
+
+namespace kvmosaic::cuda {
+
+/// Shape of the decode-attention kernel for one head_dim and GQA group size.
+struct decode_tuning {
+  int threads;  ///< threads per CTA; a CTA reads one split of one (sequence, KV head)
+  int unroll;   ///< tokens per thread per loop step (portable kernel: its K and V loads in flight)
+  int stage_tokens;          ///< sm_90 kernel: K and V rows per shared-memory stage
+  int stages;                ///< sm_90 kernel: stages in flight per CTA
+  int max_pages_per_split;   ///< sm_90 kernel: page ids a CTA keeps in shared memory
+};
+
+constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
+  // Registers per thread grow with the group (q and o held per query head): fewer tokens per
+  // step for large groups. A stage is 8 KB of K plus 8 KB of V whatever head_dim; four stages per
+  // CTA and three CTAs per SM keep about 190 KB of loads in flight per SM; four smaller stages
+  // refill more often than two large ones.
+  return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 4096 / head_dim, 4, 2048};
+}
+
+/// Threads of the split-merge kernel: one per output channel.
+constexpr int merge_threads(int head_dim) { return head_dim; }
+
+/// Threads of the row-scatter (prefill/append) kernel.
+constexpr int extend_threads = 256;
+
+}  // namespace kvmosaic::cuda

@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: Apache-2.0
+// The split-KV plan: coverage (every page of every sequence exactly once, the tail once, in the
+// last split), balance, and the wave choice.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <vector>
+
+#include "kvmosaic/core/split_plan.hpp"
+
+using namespace kvmosaic;
+
+namespace {
+void check_covers(const split_plan& plan, const std::vector<std::int32_t>& pages, const std::vector<std::int32_t>& tails) {
+  REQUIRE(plan.partial_offset.size() == pages.size() + 1);
+  for (std::size_t b = 0; b < pages.size(); ++b) {
+    std::int32_t next = 0;
+    int tails_seen = 0;
+    for (std::int32_t i = plan.partial_offset[b]; i < plan.partial_offset[b + 1]; ++i) {
+      const split_work& w = plan.work[static_cast<std::size_t>(i)];
+      REQUIRE(w.batch_index == static_cast<std::int32_t>(b));
+      REQUIRE(w.page_begin == next);  // contiguous, in order, no gap or overlap
+      REQUIRE(w.page_end >= w.page_begin);
+      REQUIRE(w.page_end - w.page_begin <= plan.pages_per_split);
+      next = w.page_end;
+      tails_seen += w.with_tail;
+      if (w.with_tail) REQUIRE(i + 1 == plan.partial_offset[b + 1]);  // the last split reads the tail
+    }
+    REQUIRE(next == pages[b]);
+    REQUIRE(tails_seen == (tails[b] > 0 ? 1 : 0));
+    REQUIRE(plan.partial_offset[b + 1] > plan.partial_offset[b]);
+  }
+}
+}  // namespace
+
+TEST_CASE("one long sequence is cut into one balanced wave of splits", "[split_plan]") {
+  const std::vector<std::int32_t> pages{2048}, tails{5};
+  const split_plan plan = make_split_plan(pages, tails, 49);
+  check_covers(plan, pages, tails);
+  CHECK(plan.num_splits() <= 49);
+  CHECK(plan.num_splits() >= 45);
+  CHECK(plan.pages_per_split == 42);  // ceil(2048 / 49)
+}
+
+TEST_CASE("ragged batches, empty page lists and tail-only sequences are covered exactly once", "[split_plan]") {
+  const std::vector<std::int32_t> pages{0, 1, 7, 300, 0, 64}, tails{3, 0, 9, 0, 1, 63};
+  for (std::int32_t target : {1, 2, 5, 49, 400}) {
+    CAPTURE(target);
+    check_covers(make_split_plan(pages, tails, target), pages, tails);
+    check_covers(make_split_plan(pages, tails, target, 16), pages, tails);
+  }
+}
+
+TEST_CASE("a batch near the slot count takes two waves of short splits over one of long ones", "[split_plan]") {
+  const std::vector<std::int32_t> pages(32, 2048), tails(32, 0);
+  const split_plan plan = make_split_plan(pages, tails, 49);
+  check_covers(plan, pages, tails);
+  // one wave: 32 splits of 2048 pages (cost 2048); two waves: 96 splits of 683 (cost 1366)
+  CHECK(plan.num_splits() > 49);
+  CHECK(plan.pages_per_split < 2048);
+}
+
+TEST_CASE("max_pages_per_split caps the split size even beyond one wave", "[split_plan]") {
+  const std::vector<std::int32_t> pages{10000}, tails{0};
+  const split_plan plan = make_split_plan(pages, tails, 2, 1000);
+  check_covers(plan, pages, tails);
+  CHECK(plan.pages_per_split <= 1000);
+  CHECK(plan.num_splits() == 10);
+}
+
+TEST_CASE("bad plan arguments are rejected", "[split_plan]") {
+  CHECK_THROWS_WITH(make_split_plan({1}, {0, 1}, 4), Catch::Contains("tail_rows.size()"));
+  CHECK_THROWS_WITH(make_split_plan({0}, {0}, 4), Catch::Contains("at least one token per sequence"));
+  CHECK_THROWS_WITH(make_split_plan({1}, {0}, 0), Catch::Contains("target_splits = 0"));
+}
