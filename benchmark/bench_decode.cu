@@ -118,14 +118,15 @@ void hbm_read(benchmark::State& state) {
   state.counters["fraction_of_hbm"] = 1.0;
 }
 
-/// Dense decode: batch x context tokens, Hq=32, Hkv=8, head_dim 128, bf16, pages of 64.
+/// Dense decode: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4 (Hq=32;
+/// or range 2), bf16, pages of 64.
 void dense_decode(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int context = static_cast<int>(state.range(1));
   cache_config c;
   c.num_kv_heads = 8;
-  c.group_size = 4;
-  c.head_dim = 128;
+  c.group_size = state.range(2) > 0 ? static_cast<int>(state.range(2)) : 4;
+  c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
   c.page_size = 64;
   c.storage = dtype::bf16;
   c.max_sequences = batch;
@@ -158,7 +159,7 @@ void dense_decode(benchmark::State& state) {
   auto& engine = kv.engine();
   std::vector<detail::sequence_ref> refs;
   for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), s});
-  const float scale = 1.0f / std::sqrt(128.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   l2_flusher flusher;
   event_timer timer;
   std::vector<double> times, plan_times;
@@ -184,16 +185,29 @@ void dense_decode(benchmark::State& state) {
   state.counters["plan_us"] = median(plan_times) * 1e6;
   state.counters["batch"] = batch;
   state.counters["context"] = context;
+  state.counters["group"] = c.group_size;
+  state.counters["head_dim"] = c.head_dim;
 }
 
 }  // namespace
 
 BENCHMARK(hbm_read)->Name("hbm_read")->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
+// The matrix of record: Hq=32, Hkv=8, head_dim 128, bf16.
 BENCHMARK(dense_decode)
     ->Name("dense_decode")
-    ->ArgNames({"batch", "context"})
-    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}})
-    ->Args({1, 524288})
+    ->ArgNames({"batch", "context", "group", "head_dim"})
+    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}})
+    ->Args({1, 524288, 4, 128})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// Other GQA groups and head sizes at batch 8, 32K.
+BENCHMARK(dense_decode)
+    ->Name("dense_decode_shapes")
+    ->ArgNames({"batch", "context", "group", "head_dim"})
+    ->ArgsProduct({{8}, {32768}, {1, 8}, {128}})
+    ->Args({8, 32768, 4, 64})
+    ->Args({8, 32768, 4, 256})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -33,9 +33,11 @@ inline double gamma(double n) {
 
 /// The bound for K, V rounded to `storage` (u, a of that dtype) and fp32 arithmetic.
 /// With `exact_storage` the data is taken as already stored (u = a = 0): only fp32 arithmetic counts.
+/// `q_rounding` is the relative error of q inside a kernel that multiplies a rounded q (the
+/// tensor-core path keeps q as hi + lo 16-bit parts: 2^-16 for bf16, 2^-22 for f16).
 inline error_bound attention_error_bound(const std::vector<float>& q, const synthetic::kv_data& kv, int group_size,
                                          double softmax_scale, dtype storage, int page_size,
-                                         bool exact_storage = false) {
+                                         bool exact_storage = false, double q_rounding = 0.0) {
   const double u = exact_storage ? 0.0 : unit_roundoff(storage);
   const double a = exact_storage ? 0.0
                    : storage == dtype::f16 ? dtype_traits<half>::subnormal_half_spacing
@@ -55,7 +57,7 @@ inline error_bound attention_error_bound(const std::vector<float>& q, const synt
         double storage_err = 0, magnitude = 0;
         for (int c = 0; c < d; ++c) {
           const double k = std::abs(static_cast<double>(kv.k[(static_cast<std::size_t>(t) * heads + h) * d + c]));
-          storage_err += std::abs(static_cast<double>(qj[c])) * (u * k + a);
+          storage_err += std::abs(static_cast<double>(qj[c])) * (u * k + a + q_rounding * k);
           magnitude += std::abs(static_cast<double>(qj[c])) * k * (1 + u);
           const double v = std::abs(static_cast<double>(kv.v[(static_cast<std::size_t>(t) * heads + h) * d + c]));
           v_max[static_cast<std::size_t>(c)] = std::max(v_max[static_cast<std::size_t>(c)], v);

@@ -284,7 +284,8 @@ class engine {
       constexpr int group_size = decltype(group)::value;
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
       if (use_bulk_copy_) {
-        using layout = kernel::bulk_decode_layout<T, head_dim, t.stage_tokens, t.stages, t.max_pages_per_split>;
+        using layout =
+            kernel::bulk_decode_layout<T, head_dim, group_size, t.stage_tokens, t.stages, t.max_pages_per_split>;
         f(kernel::decode_partial_bulk_kernel<Format, T, head_dim, group_size, t.threads, t.unroll, t.stage_tokens, t.stages,
                                              t.max_pages_per_split>,
           t.threads, layout::bytes);

@@ -103,30 +103,60 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
 #pragma unroll
           for (int u = 0; u < Unroll; ++u) logit[g][u] += __shfl_xor_sync(0xffffffffu, logit[g][u], offset);
       }
-      float value[Unroll][vec];
+      update(logit, v_raw, t0, row, n, s);
+    }
+  }
+
+  /// As `fold`, with the logits already computed (by tensor cores): `logits[g * stride + t]` for
+  /// the n tokens of the V rows at `v`.
+  template <class Space = from_shared>
+  __device__ __forceinline__ static void fold_scored(const float* logits, int stride, const std::byte* __restrict__ v,
+                                                     int n, thread_state<Group>& s) {
+    const int lane = static_cast<int>(threadIdx.x) % lanes_per_row;
+    const int row = static_cast<int>(threadIdx.x) / lanes_per_row;
+    const std::byte* v_lane = v + lane * 16;
+    for (int t0 = 0; t0 < n; t0 += rows * Unroll) {
+      uint4 v_raw[Unroll];
+      float logit[Group][Unroll];
 #pragma unroll
-      for (int u = 0; u < Unroll; ++u) detail::widen<T>(v_raw[u], value[u]);
+      for (int u = 0; u < Unroll; ++u) {
+        const int t = t0 + row + rows * u;
+        const bool valid = t < n;
+        v_raw[u] = valid ? Space::load(v_lane + static_cast<std::size_t>(t) * row_bytes) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int g = 0; g < Group; ++g) {
-        float step_max = -HUGE_VALF;
-#pragma unroll
-        for (int u = 0; u < Unroll; ++u)
-          if (t0 + row + rows * u < n) step_max = fmaxf(step_max, logit[g][u]);
-        const float m_new = fmaxf(s.m[g], step_max);
-        if (m_new == -HUGE_VALF) continue;  // this row has seen no token yet
-        const float rescale = __expf(s.m[g] - m_new);
-        s.l[g] *= rescale;
-#pragma unroll
-        for (int i = 0; i < vec; ++i) s.o[g][i] *= rescale;
-#pragma unroll
-        for (int u = 0; u < Unroll; ++u) {
-          const float p = t0 + row + rows * u < n ? __expf(logit[g][u] - m_new) : 0.0f;
-          s.l[g] += p;
-#pragma unroll
-          for (int i = 0; i < vec; ++i) s.o[g][i] = fmaf(p, value[u][i], s.o[g][i]);
-        }
-        s.m[g] = m_new;
+        for (int g = 0; g < Group; ++g) logit[g][u] = valid ? logits[g * stride + t] : -HUGE_VALF;
       }
+      update(logit, v_raw, t0, row, n, s);
+    }
+  }
+
+ private:
+  /// The online-softmax step shared by both folds: one rescale per `Unroll` tokens, then p.v.
+  __device__ __forceinline__ static void update(const float (&logit)[Group][Unroll], const uint4 (&v_raw)[Unroll], int t0,
+                                                int row, int n, thread_state<Group>& s) {
+    float value[Unroll][vec];
+#pragma unroll
+    for (int u = 0; u < Unroll; ++u) detail::widen<T>(v_raw[u], value[u]);
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+      float step_max = -HUGE_VALF;
+#pragma unroll
+      for (int u = 0; u < Unroll; ++u)
+        if (t0 + row + rows * u < n) step_max = fmaxf(step_max, logit[g][u]);
+      const float m_new = fmaxf(s.m[g], step_max);
+      if (m_new == -HUGE_VALF) continue;  // this row has seen no token yet
+      const float rescale = __expf(s.m[g] - m_new);
+      s.l[g] *= rescale;
+#pragma unroll
+      for (int i = 0; i < vec; ++i) s.o[g][i] *= rescale;
+#pragma unroll
+      for (int u = 0; u < Unroll; ++u) {
+        const float p = t0 + row + rows * u < n ? __expf(logit[g][u] - m_new) : 0.0f;
+        s.l[g] += p;
+#pragma unroll
+        for (int i = 0; i < vec; ++i) s.o[g][i] = fmaf(p, value[u][i], s.o[g][i]);
+      }
+      s.m[g] = m_new;
     }
   }
 };

@@ -15,6 +15,7 @@
 #include "kvmosaic/core/softmax_state.hpp"
 #include "kvmosaic/core/split_plan.hpp"
 #include "kvmosaic/cuda/collective/page_attend.cuh"
+#include "kvmosaic/cuda/collective/score_mma.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
@@ -155,34 +156,41 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const decode_pa
 }
 
 /// Dynamic shared memory of the bulk-copy split kernel: the split's page ids, one barrier per
-/// stage, and `Stages` buffers of `StageTokens` K rows and V rows. The reduction at the end reuses
-/// the stage buffers.
-template <class T, int HeadDim, int StageTokens, int Stages, int MaxPagesPerSplit>
+/// stage, one stage of logits, and `Stages` buffers of `StageTokens` K rows and V rows. The
+/// reduction at the end reuses the stage buffers.
+template <class T, int HeadDim, int Group, int StageTokens, int Stages, int MaxPagesPerSplit>
 struct bulk_decode_layout {
   static constexpr int row_bytes = HeadDim * static_cast<int>(sizeof(T));
   static constexpr int ids_bytes = (MaxPagesPerSplit * 4 + 127) / 128 * 128;
   static constexpr int barrier_offset = ids_bytes;
-  static constexpr int stage_offset = ids_bytes + 128;
+  static constexpr int logits_offset = ids_bytes + 128;
+  static constexpr int logits_bytes = (Group * StageTokens * 4 + 127) / 128 * 128;
+  static constexpr int stage_offset = logits_offset + logits_bytes;
   static constexpr int stage_bytes = StageTokens * row_bytes;  ///< one stage of K (or of V)
   static constexpr int bytes = stage_offset + 2 * Stages * stage_bytes;
 };
 
 /// The sm_90 split kernel: thread 0 streams the split's K and V rows (pages, then the tail) into
 /// `Stages` shared-memory buffers with bulk copies completing on mbarriers, `Stages` stages ahead
-/// of the CTA, which computes on shared memory. Dense rows only (the stages are token-granular).
+/// of the CTA. Per stage, each warp scores its share of the tokens on tensor cores
+/// (`mma_scorer`), then the CTA folds the logits and V rows into its online-softmax state.
+/// Dense rows only (the stages are token-granular).
 /// Grid: (splits capacity, num_kv_heads); dynamic shared memory: bulk_decode_layout::bytes.
 template <class Format, class T, int HeadDim, int Group, int Threads, int Unroll, int StageTokens, int Stages,
           int MaxPagesPerSplit>
 __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const decode_params p) {
   static_assert(std::is_same<Format, format::dense>::value, "the bulk-copy pipeline stages dense rows");
   using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
-  using layout = bulk_decode_layout<T, HeadDim, StageTokens, Stages, MaxPagesPerSplit>;
+  using layout = bulk_decode_layout<T, HeadDim, Group, StageTokens, Stages, MaxPagesPerSplit>;
+  constexpr int warps = Threads / 32;
+  using scorer_type = mma_scorer<T, HeadDim, Group, StageTokens / warps>;
   using temp_storage = decode_temp_storage<Group, HeadDim, collective::rows>;
   static_assert(sizeof(temp_storage) <= 2 * Stages * layout::stage_bytes, "the reduction reuses the stage buffers");
   constexpr int lanes_per_row = collective::lanes_per_row;
   extern __shared__ __align__(128) std::byte shared[];
   auto* ids = reinterpret_cast<std::int32_t*>(shared);
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
+  auto* logits = reinterpret_cast<float*>(shared + layout::logits_offset);
   std::byte* k_stages = shared + layout::stage_offset;
   std::byte* v_stages = k_stages + Stages * layout::stage_bytes;
 
@@ -235,13 +243,18 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
 
   thread_state<Group> s;
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
+  scorer_type scorer;
+  scorer.load_queries(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim,
+                      p.softmax_scale);
+  const int warp = tid / 32;
   for (int stage = 0; stage < num_stages; ++stage) {
     const int buffer = stage % Stages;
     const int n = min(StageTokens, tokens - stage * StageTokens);
     detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
-    collective::template fold<from_shared>(k_stages + buffer * layout::stage_bytes, v_stages + buffer * layout::stage_bytes,
-                                           n, s);
-    __syncthreads();  // every thread is done with this buffer before it is refilled
+    scorer.score(k_stages + buffer * layout::stage_bytes, warp * (StageTokens / warps), logits, StageTokens);
+    __syncthreads();  // the stage's logits are complete
+    collective::template fold_scored<from_shared>(logits, StageTokens, v_stages + buffer * layout::stage_bytes, n, s);
+    __syncthreads();  // every thread is done with this buffer (and the logits) before refills
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s,

@@ -1,0 +1,65 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The tensor-core atom the decode kernels use: `mma.sync.m16n8k16` with 16-bit operands and fp32
+/// accumulators (sm_80+), and the packing of float pairs into its 16-bit operand registers.
+/// Fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16"), for lane = 4 g + q:
+///   A (16x16, row): a[0] = (row g,   k 2q..2q+1)  a[1] = (row g+8, k 2q..2q+1)
+///                   a[2] = (row g,   k 2q+8..+9)  a[3] = (row g+8, k 2q+8..+9)
+///   B (16x8, col):  b[0] = (k 2q..2q+1, col g)    b[1] = (k 2q+8..+9, col g)
+///   C (16x8):       c[0..1] = (row g, cols 2q, 2q+1)   c[2..3] = (row g+8, cols 2q, 2q+1)
+
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+
+namespace kvmosaic::cuda::detail {
+
+/// Two floats rounded to T (round to nearest even) in one 32-bit operand register, `low` first.
+template <class T>
+__device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
+  return static_cast<std::uint32_t>(T(low).bits) | (static_cast<std::uint32_t>(T(high).bits) << 16);
+}
+
+/// c += a * b for one m16n8k16 tile with T (half or bfloat16) operands.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<bfloat16>(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                                    std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)c;
+  (void)a;
+  (void)b0;
+  (void)b1;
+  __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<half>(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                                std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)c;
+  (void)a;
+  (void)b0;
+  (void)b1;
+  __trap();
+#endif
+}
+
+}  // namespace kvmosaic::cuda::detail
