@@ -342,10 +342,15 @@ class engine {
     const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
     const dim3 tail_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(items.size()));
     const dim3 row_grid(detail::grid_for(vectors_per_row * max_rows, extend_threads), static_cast<unsigned>(items.size()));
-    kernel::move_tail_rows_kernel<<<tail_grid, extend_threads, 0, stream_>>>(p);
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    if (shape_.storage == dtype::f16) kernel::scatter_rows_kernel<half, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
-    else kernel::scatter_rows_kernel<bfloat16, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    if (shape_.storage == dtype::f16) {
+      kernel::move_tail_rows_kernel<half><<<tail_grid, extend_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      kernel::scatter_rows_kernel<half, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    } else {
+      kernel::move_tail_rows_kernel<bfloat16><<<tail_grid, extend_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      kernel::scatter_rows_kernel<bfloat16, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    }
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   }
 

@@ -45,13 +45,16 @@ namespace detail_extend {
 /// Byte offset of (K or V, head, row) inside a slot laid out [K heads][V heads] of `head_bytes`.
 __device__ __forceinline__ std::int64_t row_offset(const extend_params& p, int is_v, int head, int row) {
   return (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * p.page_head_bytes +
-         static_cast<std::int64_t>(row) * p.head_dim * 2;
+         static_cast<std::int64_t>(row) * p.head_dim * 2;  // 16-bit rows
 }
 }  // namespace detail_extend
 
 /// Copies rows [0, tail_rows) of each item's tail into its first new page (items that complete a
-/// page from a partly filled tail). Grid: (vectors of the largest tail, items).
+/// page from a partly filled tail), T being the 16-bit storage type. Grid: (vectors of the largest
+/// tail, items). (A template, so that every translation unit may define it.)
+template <class T>
 __global__ void move_tail_rows_kernel(const extend_params p) {
+  static_assert(sizeof(T) == 2, "dense rows are 16-bit");
   const extend_item item = p.items[blockIdx.y];
   const bool completes_page = item.tail_rows > 0 && item.tail_rows + item.count >= p.page_size;
   if (!completes_page) return;

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs kvmosaic's build dependencies on Debian 12 (bookworm), but only those that are missing:
+#   cmake (>= 3.21), g++, make, libeigen3-dev, catch2 (v2), libbenchmark-dev
+# cmake/g++/make count as present when the command is on PATH (any source); the libraries are
+# checked with `dpkg -s`. `apt-get update` runs only when something has to be installed.
+# Needs root for that; as another user it lists what is missing and exits 1.
+# SPDX-License-Identifier: Apache-2.0
+set -euo pipefail
+
+log() { echo "install-deps: $*" >&2; }
+
+if ! command -v dpkg >/dev/null 2>&1; then
+  log "dpkg not found: not a Debian-like system. Install by hand: cmake (>= 3.21), a C++17 compiler,"
+  log "make, Eigen 3.3+, Catch2 v2, Google Benchmark. Continuing."
+  exit 0
+fi
+
+dpkg_installed() {
+  dpkg -s "$1" 2>/dev/null | grep -qx 'Status: install ok installed'
+}
+
+cmake_ok() {
+  command -v cmake >/dev/null 2>&1 || return 1
+  local version
+  version="$(cmake --version | sed -n '1s/^cmake version \([0-9][0-9]*\.[0-9][0-9]*\).*/\1/p')"
+  [[ -n "$version" ]] || return 1
+  local major="${version%%.*}" minor="${version#*.}"
+  (( major > 3 || (major == 3 && minor >= 21) ))
+}
+
+missing=()
+cmake_ok || dpkg_installed cmake || missing+=(cmake)
+command -v g++ >/dev/null 2>&1 || dpkg_installed g++ || missing+=(g++)
+command -v make >/dev/null 2>&1 || dpkg_installed make || missing+=(make)
+for pkg in libeigen3-dev catch2 libbenchmark-dev; do
+  dpkg_installed "$pkg" || missing+=("$pkg")
+done
+
+if (( ${#missing[@]} == 0 )); then
+  log "all dependencies present"
+  exit 0
+fi
+
+if [[ "$(id -u)" -ne 0 ]]; then
+  log "missing packages: ${missing[*]}"
+  log "run this script as root, or install them yourself:"
+  log "  sudo apt-get update && sudo apt-get install -y --no-install-recommends ${missing[*]}"
+  exit 1
+fi
+
+log "installing: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update
+apt-get install -y --no-install-recommends "${missing[@]}"

@@ -1,0 +1,110 @@
+# Package tests for kvmosaic, run by CTest (see test/CMakeLists.txt):
+#
+#   cmake -DMODE=find_package|add_subdirectory -DWORK_DIR=<scratch dir>
+#         -DKVMOSAIC_SOURCE_DIR=<src> -DKVMOSAIC_BINARY_DIR=<build> -DKVMOSAIC_VERSION=<x.y.z>
+#         -DGENERATOR=<cmake generator> -DCXX_COMPILER=<c++> -DBUILD_TYPE=<type>
+#         [-DCUDA_COMPILER=<nvcc> -DCUDA_ARCHITECTURE=<arch>]
+#         -P run_package_test.cmake
+#
+# find_package:     `cmake --install <build> --prefix <WORK_DIR>/prefix`, then configure, build and
+#                   run test/package/consumer against that prefix (C++ only). With CUDA_COMPILER
+#                   given, a second consumer build enables CUDA and checks that kvmosaic::kvmosaic
+#                   then links CCCL::CCCL (and that a host .cpp sees CCCL's headers).
+# add_subdirectory: configure, build and run test/package/subdir_consumer, which vendors the
+#                   kvmosaic source tree with add_subdirectory() and checks the options default OFF.
+# SPDX-License-Identifier: Apache-2.0
+cmake_minimum_required(VERSION 3.21)
+
+foreach(_var MODE WORK_DIR KVMOSAIC_SOURCE_DIR KVMOSAIC_BINARY_DIR KVMOSAIC_VERSION GENERATOR CXX_COMPILER BUILD_TYPE)
+  if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
+    message(FATAL_ERROR "run_package_test.cmake: -D${_var}=... is required")
+  endif()
+endforeach()
+
+set(_here "${CMAKE_CURRENT_LIST_DIR}")
+
+# run(<step name> <command...>): echo, run, fail loudly.
+function(run step)
+  string(REPLACE ";" " " _shown "${ARGN}")
+  message(STATUS "[${step}] ${_shown}")
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _result OUTPUT_VARIABLE _out ERROR_VARIABLE _out)
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "[${step}] failed (exit ${_result}):\n  ${_shown}\n${_out}")
+  endif()
+  set(run_output "${_out}" PARENT_SCOPE)
+endfunction()
+
+# consumer(<name> <source dir> <extra configure args...>): configure + build in WORK_DIR/<name>.
+function(consumer name source_dir)
+  set(_build "${WORK_DIR}/${name}")
+  run("${name}: configure" "${CMAKE_COMMAND}" -S "${source_dir}" -B "${_build}"
+      -G "${GENERATOR}"
+      "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}"
+      "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}"
+      -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+      "-DEXPECTED_KVMOSAIC_VERSION=${KVMOSAIC_VERSION}"
+      ${ARGN})
+  message("${run_output}")
+  run("${name}: build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}")
+endfunction()
+
+# run_exe(<path> ): run a consumer program (single- or multi-config layout) and check its output.
+function(run_exe name exe)
+  if(EXISTS "${WORK_DIR}/${name}/${exe}")
+    set(_path "${WORK_DIR}/${name}/${exe}")
+  else()
+    set(_path "${WORK_DIR}/${name}/${BUILD_TYPE}/${exe}")
+  endif()
+  run("${name}: run" "${_path}")
+  message("${run_output}")
+  if(NOT run_output MATCHES "kvmosaic ${KVMOSAIC_VERSION}")
+    message(FATAL_ERROR "[${name}: run] expected 'kvmosaic ${KVMOSAIC_VERSION}' in the output")
+  endif()
+endfunction()
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+if(MODE STREQUAL "find_package")
+  set(_prefix "${WORK_DIR}/prefix")
+  run("install" "${CMAKE_COMMAND}" --install "${KVMOSAIC_BINARY_DIR}" --prefix "${_prefix}" --config "${BUILD_TYPE}")
+  foreach(_file
+      include/kvmosaic/kvmosaic.hpp
+      include/kvmosaic/core/config.hpp
+      share/cmake/kvmosaic/kvmosaicConfig.cmake
+      share/cmake/kvmosaic/kvmosaicConfigVersion.cmake
+      share/cmake/kvmosaic/kvmosaicTargets.cmake)
+    if(NOT EXISTS "${_prefix}/${_file}")
+      message(FATAL_ERROR "[install] ${_prefix}/${_file} is missing")
+    endif()
+  endforeach()
+  # Nothing from the build tree (tests, examples, generated sources) may be installed.
+  file(GLOB_RECURSE _installed RELATIVE "${_prefix}" "${_prefix}/*")
+  foreach(_file IN LISTS _installed)
+    if(NOT _file MATCHES "^(include/kvmosaic/|share/cmake/kvmosaic/|share/doc/kvmosaic/)")
+      message(FATAL_ERROR "[install] unexpected file installed: ${_file}")
+    endif()
+  endforeach()
+
+  set(_consumer_args
+      "-DCMAKE_PREFIX_PATH=${_prefix}"
+      "-DEXPECTED_KVMOSAIC_DIR=${_prefix}/share/cmake/kvmosaic")
+
+  consumer(consumer "${_here}/consumer" ${_consumer_args} -DCONSUMER_WITH_CUDA=OFF)
+  run_exe(consumer kvmosaic_consumer)
+
+  if(DEFINED CUDA_COMPILER AND NOT CUDA_COMPILER STREQUAL "")
+    consumer(consumer_cuda "${_here}/consumer" ${_consumer_args} -DCONSUMER_WITH_CUDA=ON
+             "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}"
+             "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURE}")
+    run_exe(consumer_cuda kvmosaic_consumer)
+    run_exe(consumer_cuda kvmosaic_consumer_cuda)
+  endif()
+elseif(MODE STREQUAL "add_subdirectory")
+  consumer(subdir_consumer "${_here}/subdir_consumer" "-DKVMOSAIC_SOURCE_DIR=${KVMOSAIC_SOURCE_DIR}")
+  run_exe(subdir_consumer kvmosaic_subdir_consumer)
+else()
+  message(FATAL_ERROR "run_package_test.cmake: unknown MODE '${MODE}'")
+endif()
+
+message(STATUS "package test '${MODE}' passed")
