@@ -128,8 +128,9 @@ struct twin {
       const double q_rounding = device.engine().uses_bulk_copy()
                                     ? (config.storage == dtype::bf16 ? std::ldexp(1.0, -16) : std::ldexp(1.0, -22))
                                     : 0.0;
+      const double p_rounding = device.engine().uses_tma() ? q_rounding : 0.0;  // p . V on tensor cores too
       const auto bound = test::attention_error_bound(qb, stored, config.group_size, scale, config.storage,
-                                                     config.page_size, /*exact_storage=*/true, q_rounding);
+                                                     config.page_size, /*exact_storage=*/true, q_rounding, p_rounding);
       for (std::size_t i = 0; i < per_seq; ++i) {
         const float g = gpu_out[b * per_seq + i], h = host_out[b * per_seq + i];
         INFO("element " << i);

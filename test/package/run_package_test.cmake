@@ -12,6 +12,7 @@
 #                   then links CCCL::CCCL (and that a host .cpp sees CCCL's headers).
 # add_subdirectory: configure, build and run test/package/subdir_consumer, which vendors the
 #                   kvmosaic source tree with add_subdirectory() and checks the options default OFF.
+#                   With CUDA_COMPILER given, again with CUDA enabled by the parent (CCCL linked).
 # SPDX-License-Identifier: Apache-2.0
 cmake_minimum_required(VERSION 3.21)
 
@@ -48,7 +49,8 @@ function(consumer name source_dir)
   run("${name}: build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}")
 endfunction()
 
-# run_exe(<path> ): run a consumer program (single- or multi-config layout) and check its output.
+# run_exe(<name> <program>): run a program of consumer build <name> (single- or multi-config
+# layout) and check that it printed "kvmosaic <version>".
 function(run_exe name exe)
   if(EXISTS "${WORK_DIR}/${name}/${exe}")
     set(_path "${WORK_DIR}/${name}/${exe}")
@@ -103,6 +105,15 @@ if(MODE STREQUAL "find_package")
 elseif(MODE STREQUAL "add_subdirectory")
   consumer(subdir_consumer "${_here}/subdir_consumer" "-DKVMOSAIC_SOURCE_DIR=${KVMOSAIC_SOURCE_DIR}")
   run_exe(subdir_consumer kvmosaic_subdir_consumer)
+
+  if(DEFINED CUDA_COMPILER AND NOT CUDA_COMPILER STREQUAL "")
+    consumer(subdir_consumer_cuda "${_here}/subdir_consumer" "-DKVMOSAIC_SOURCE_DIR=${KVMOSAIC_SOURCE_DIR}"
+             -DCONSUMER_WITH_CUDA=ON
+             "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}"
+             "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURE}")
+    run_exe(subdir_consumer_cuda kvmosaic_subdir_consumer)
+    run_exe(subdir_consumer_cuda kvmosaic_subdir_consumer_cuda)
+  endif()
 else()
   message(FATAL_ERROR "run_package_test.cmake: unknown MODE '${MODE}'")
 endif()

@@ -34,10 +34,12 @@ inline double gamma(double n) {
 /// The bound for K, V rounded to `storage` (u, a of that dtype) and fp32 arithmetic.
 /// With `exact_storage` the data is taken as already stored (u = a = 0): only fp32 arithmetic counts.
 /// `q_rounding` is the relative error of q inside a kernel that multiplies a rounded q (the
-/// tensor-core path keeps q as hi + lo 16-bit parts: 2^-16 for bf16, 2^-22 for f16).
+/// tensor-core path keeps q as hi + lo 16-bit parts: 2^-16 for bf16, 2^-22 for f16); `p_rounding`
+/// the relative error of the softmax weights in a kernel that multiplies p . V that way.
 inline error_bound attention_error_bound(const std::vector<float>& q, const synthetic::kv_data& kv, int group_size,
                                          double softmax_scale, dtype storage, int page_size,
-                                         bool exact_storage = false, double q_rounding = 0.0) {
+                                         bool exact_storage = false, double q_rounding = 0.0,
+                                         double p_rounding = 0.0) {
   const double u = exact_storage ? 0.0 : unit_roundoff(storage);
   const double a = exact_storage ? 0.0
                    : storage == dtype::f16 ? dtype_traits<half>::subnormal_half_spacing
@@ -67,7 +69,7 @@ inline error_bound attention_error_bound(const std::vector<float>& q, const synt
       double* out = bound.per_element.data() + static_cast<std::size_t>(h * group_size + g) * d;
       for (int c = 0; c < d; ++c) {
         const double vm = v_max[static_cast<std::size_t>(c)];
-        out[c] = (std::expm1(2 * delta) + u + gamma_sum) * vm * (1 + u) + a;
+        out[c] = (std::expm1(2 * delta) + u + gamma_sum + p_rounding) * vm * (1 + u) + a;
       }
     }
   }

@@ -12,6 +12,8 @@
 /// the device and two kernels, with a launch shape that depends only on the batch size), so
 /// `launch_step` can be captured in a CUDA graph and replayed after each new `plan_step`.
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -108,6 +110,18 @@ class engine {
     int major = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     use_bulk_copy_ = major >= 9;
+    // Rows a TMA box reads past a tail's last token must hold finite values (they meet p = 0).
+    KVMOSAIC_CUDA_CHECK(cudaMemset(pages_.data(), 0, pages_.size()));
+    KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
+    const std::int64_t arena_rows = static_cast<std::int64_t>(std::max(shape.max_pages, shape.max_sequences)) * 2 *
+                                    shape.num_kv_heads * shape.page_size;
+    use_tma_ = use_bulk_copy_ && (shape.head_dim == 64 || shape.head_dim == 128) &&
+               (shape.page_size % 64 == 0 || 64 % shape.page_size == 0) && arena_rows < (std::int64_t{1} << 31);
+    if (use_tma_) {
+      page_rows_ = make_row_map(pages_.data(), static_cast<std::uint64_t>(shape.max_pages) * 2 * shape.num_kv_heads * shape.page_size);
+      tail_rows_map_ =
+          make_row_map(tails_.data(), static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
+    }
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
       if (shared_bytes > 48 * 1024)
@@ -260,6 +274,8 @@ class engine {
     p.partial_o = partials_.as<float>();
     p.partial_lse = partials_.as<float>() + static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * shape_.head_dim;
     p.out = out;
+    p.page_rows = page_rows_;
+    p.tail_rows_map = tail_rows_map_;
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -283,6 +299,15 @@ class engine {
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+      if constexpr (head_dim <= 128) {
+        if (use_tma_) {
+          constexpr int stage_tokens = 64, stages = t.tma_stages;
+          using layout = kernel::tma_decode_layout<T, head_dim, stage_tokens, stages, t.max_pages_per_split>;
+          f(kernel::decode_partial_tma_kernel<T, head_dim, group_size, stage_tokens, stages, t.max_pages_per_split>, 128,
+            layout::bytes);
+          return;
+        }
+      }
       if (use_bulk_copy_) {
         using layout =
             kernel::bulk_decode_layout<T, head_dim, group_size, t.stage_tokens, t.stages, t.max_pages_per_split>;
@@ -298,8 +323,12 @@ class engine {
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
   std::int32_t target_splits() const { return std::max(1, num_sms_ * ctas_per_sm_ / shape_.num_kv_heads); }
-  /// True when decode runs the sm_90 bulk-copy pipeline.
+  /// True when decode runs an sm_90 pipeline (bulk copies or TMA), whose q is rounded to two
+  /// 16-bit halves on tensor cores.
   bool uses_bulk_copy() const noexcept { return use_bulk_copy_; }
+  /// True when decode runs the sm_90 TMA kernel with q.k and p.v on tensor cores (p also split
+  /// into two 16-bit halves).
+  bool uses_tma() const noexcept { return use_tma_; }
   /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
   /// (at most target + batch: each sequence rounds its split count up by less than one), so a
   /// captured graph stays valid. Plans capped by max_pages_per_split (longer than a wave) may need
@@ -308,6 +337,29 @@ class engine {
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+  /// A 2D tensor map over `rows` rows of head_dim 16-bit values at `base`, boxes of 64 channels x
+  /// min(page_size, 64) rows, 128-byte swizzle (the layout the TMA kernel reads with ldmatrix).
+  CUtensorMap make_row_map(void* base, std::uint64_t rows) const {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    KVMOSAIC_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
+                                                         12000, cudaEnableDefault, &status));
+    kvmosaic::detail::require(status == cudaDriverEntryPointSuccess && encode != nullptr, "cuda::engine",
+                              "cuTensorMapEncodeTiled", "missing", "a driver with TMA (CUDA 12+)");
+    CUtensorMap map{};
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(shape_.head_dim), rows};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(shape_.head_dim) * 2};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(std::min(shape_.page_size, 64))};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result =
+        encode(&map, shape_.storage == dtype::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+               base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    kvmosaic::detail::require(result == CUDA_SUCCESS, "cuda::engine", "cuTensorMapEncodeTiled result",
+                              static_cast<int>(result), "CUDA_SUCCESS");
+    return map;
+  }
 
   template <class T>
   void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
@@ -370,6 +422,9 @@ class engine {
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
   bool use_bulk_copy_ = false;
+  bool use_tma_ = false;
+  CUtensorMap page_rows_{};
+  CUtensorMap tail_rows_map_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t staged_ = nullptr;  ///< the last copy out of page-locked staging
   layout_capacity capacity_;

@@ -14,7 +14,8 @@ struct decode_tuning {
   int unroll;   ///< tokens per thread per loop step (portable kernel: its K and V loads in flight)
   int stage_tokens;          ///< sm_90 kernel: K and V rows per shared-memory stage
   int stages;                ///< sm_90 kernel: stages in flight per CTA
-  int max_pages_per_split;   ///< sm_90 kernel: page ids a CTA keeps in shared memory
+  int max_pages_per_split;   ///< sm_90 kernels: page ids a CTA keeps in shared memory
+  int tma_stages;            ///< sm_90 tensor-core kernel: 64-token TMA stages in flight per CTA
 };
 
 constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
@@ -22,7 +23,9 @@ constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   // step for large groups. A stage is 16 KB of K plus 16 KB of V whatever head_dim; two stages per
   // CTA and three CTAs per SM keep about 190 KB of loads in flight per SM (measured on H200: two
   // 32 KB stages beat four 16 KB ones, 75% vs 70% of HBM at batch 8, 128K).
-  return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048};
+  // The tensor-core kernel (head_dim 64/128) holds ~185 registers per thread at head_dim 128, two
+  // CTAs per SM: three 64-token stages each keep ~190 KB in flight per SM.
+  return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 3};
 }
 
 /// Threads of the split-merge kernel: one per output channel.

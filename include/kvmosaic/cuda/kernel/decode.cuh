@@ -8,6 +8,8 @@
 /// splits' partial states). Both are generic over the format through `page_attend`; the dense
 /// tail always goes through the dense collective.
 
+#include <cuda.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -16,6 +18,7 @@
 #include "kvmosaic/core/split_plan.hpp"
 #include "kvmosaic/cuda/collective/page_attend.cuh"
 #include "kvmosaic/cuda/collective/score_mma.cuh"
+#include "kvmosaic/cuda/collective/warp_attend_mma.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
@@ -43,6 +46,11 @@ struct decode_params {
   float* partial_o;                   ///< [work capacity][num_q_heads][head_dim], normalized per split
   float* partial_lse;                 ///< [work capacity][num_q_heads], natural log
   float* out;                         ///< [batch][num_q_heads][head_dim]
+
+  /// sm_90 TMA kernel only: the page and tail arenas as 2D tensors of rows (head_dim wide), row
+  /// ((slot * 2 + is_v) * num_kv_heads + head) * page_size + row, 128-byte swizzled boxes.
+  CUtensorMap page_rows;
+  CUtensorMap tail_rows_map;
 };
 
 /// Shared memory of the CTA-level reduction across token rows.
@@ -79,14 +87,38 @@ __device__ __forceinline__ void start_state(const decode_params& p, const split_
   }
 }
 
-/// Merges the token rows' states of the CTA in shared memory `temp` and writes this split's
-/// normalized partial output and log-sum-exp. Every lane of a row holds the same (m, l).
+/// Merges the `Rows` states the CTA left in shared memory `temp` (token rows of the SIMT kernels,
+/// or warps of the tensor-core kernel) and writes this split's normalized partial output and
+/// log-sum-exp. Starts with a barrier: the caller has just written `temp`.
+template <int HeadDim, int Group, int Threads, int Rows>
+__device__ __forceinline__ void merge_and_write_partial(const decode_params& p, int work_index, int head,
+                                                        const decode_temp_storage<Group, HeadDim, Rows>& temp) {
+  __syncthreads();
+  const int num_q_heads = p.num_kv_heads * Group;
+  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+  for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+    const int g = index / HeadDim, c = index % HeadDim;
+    softmax_state<float> total;
+    float o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < Rows; ++r) {
+      softmax_state<float> part;
+      part.m = temp.m[r][g];
+      part.l = temp.l[r][g];
+      const merge_weights<float> mw = total.merge(part);
+      o = o * mw.self + temp.o[r][g][c] * mw.other;
+    }
+    p.partial_o[(partial_base + g) * HeadDim + c] = o / total.l;
+    if (c == 0) p.partial_lse[partial_base + g] = total.log_sum_exp();
+  }
+}
+
+/// The SIMT kernels' epilogue: each token row's state to `temp`, then the merge.
 template <int HeadDim, int Group, int Threads, int LanesPerRow>
 __device__ __forceinline__ void write_partial(const decode_params& p, int work_index, int head,
                                               const thread_state<Group>& s,
                                               decode_temp_storage<Group, HeadDim, Threads / LanesPerRow>& temp) {
   constexpr int vec = detail::vector_elements;
-  constexpr int rows = Threads / LanesPerRow;
   const int lane = static_cast<int>(threadIdx.x) % LanesPerRow;
   const int row = static_cast<int>(threadIdx.x) / LanesPerRow;
 #pragma unroll
@@ -98,24 +130,7 @@ __device__ __forceinline__ void write_partial(const decode_params& p, int work_i
       temp.l[row][g] = s.l[g];
     }
   }
-  __syncthreads();
-  const int num_q_heads = p.num_kv_heads * Group;
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
-    const int g = index / HeadDim, c = index % HeadDim;
-    softmax_state<float> total;
-    float o = 0.0f;
-#pragma unroll
-    for (int r = 0; r < rows; ++r) {
-      softmax_state<float> part;
-      part.m = temp.m[r][g];
-      part.l = temp.l[r][g];
-      const merge_weights<float> mw = total.merge(part);
-      o = o * mw.self + temp.o[r][g][c] * mw.other;
-    }
-    p.partial_o[(partial_base + g) * HeadDim + c] = o / total.l;
-    if (c == 0) p.partial_lse[partial_base + g] = total.log_sum_exp();
-  }
+  merge_and_write_partial<HeadDim, Group, Threads, Threads / LanesPerRow>(p, work_index, head, temp);
 }
 
 }  // namespace detail_decode
@@ -259,6 +274,126 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s,
                                                                        *reinterpret_cast<temp_storage*>(k_stages));
+}
+
+/// Dynamic shared memory of the TMA split kernel: page ids, barriers, then `Stages` K tiles and
+/// `Stages` V tiles of `StageTokens` rows, each a column of 64-channel swizzled blocks, 1024-byte
+/// aligned. The reduction at the end reuses the tiles.
+template <class T, int HeadDim, int StageTokens, int Stages, int MaxPagesPerSplit>
+struct tma_decode_layout {
+  static constexpr int ids_bytes = (MaxPagesPerSplit * 4 + 1023) / 1024 * 1024;
+  static constexpr int barrier_offset = ids_bytes;
+  static constexpr int tile_offset = ids_bytes + 1024;
+  static constexpr int tile_bytes = StageTokens * HeadDim * static_cast<int>(sizeof(T));
+  static constexpr int bytes = tile_offset + 2 * Stages * tile_bytes + 1024;  ///< + slack to align the base
+};
+
+/// The sm_90 tensor-core split kernel: thread 0 issues 2D TMA copies of the split's K and V rows
+/// (128-byte swizzled) `Stages` stages ahead, completing on mbarriers; each of the 4 warps runs
+/// q.k and p.v on tensor cores over its 16 tokens of every 64-token stage (`warp_attend_mma`);
+/// the warps' states merge at the end. Needs head_dim 64 or 128 and page_size dividing or
+/// divided by the stage (the engine checks). Grid: (splits capacity, num_kv_heads).
+template <class T, int HeadDim, int Group, int StageTokens, int Stages, int MaxPagesPerSplit>
+__global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_constant__ decode_params p) {
+  constexpr int threads = 128, warps = 4;
+  static_assert(StageTokens == warps * 16, "each warp takes 16 tokens of a stage");
+  using layout = tma_decode_layout<T, HeadDim, StageTokens, Stages, MaxPagesPerSplit>;
+  using attend = warp_attend_mma<T, HeadDim, Group, StageTokens>;
+  using temp_storage = decode_temp_storage<Group, HeadDim, warps>;
+  static_assert(sizeof(temp_storage) <= 2 * Stages * layout::tile_bytes, "the reduction reuses the tiles");
+  extern __shared__ __align__(1024) std::byte raw_shared[];
+  // The swizzle pattern is a function of the address: align the base to 1024 bytes.
+  std::byte* shared = reinterpret_cast<std::byte*>(
+      (reinterpret_cast<std::uintptr_t>(raw_shared) + 1023) & ~static_cast<std::uintptr_t>(1023));
+  auto* ids = reinterpret_cast<std::int32_t*>(shared);
+  auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
+  std::byte* k_tiles = shared + layout::tile_offset;
+  std::byte* v_tiles = k_tiles + Stages * layout::tile_bytes;
+
+  const int work_index = static_cast<int>(blockIdx.x);
+  if (work_index >= p.step_header[0]) return;
+  const split_work w = p.work[work_index];
+  const int head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int num_pages = w.page_end - w.page_begin;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  for (int i = tid; i < num_pages; i += threads) ids[i] = table[i];
+  if (tid == 0)
+    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+  __syncthreads();
+
+  const int page_size = p.page_size;
+  const int box_rows = min(page_size, StageTokens);
+  const int page_tokens = num_pages * page_size;
+  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const int num_stages = (tokens + StageTokens - 1) / StageTokens;
+  const int tail_slot = w.with_tail ? p.tail_slots[w.batch_index] : 0;
+  // Thread 0: one stage = whole boxes of rows (a page segment or the tail), K and V, every
+  // 64-channel block.
+  const auto issue = [&](int stage) {
+    const int buffer = stage % Stages;
+    const int first = stage * StageTokens;
+    const int n = min(StageTokens, tokens - first);
+    const int boxes = (n + box_rows - 1) / box_rows;
+    detail::barrier_arrive_expect(&full[buffer],
+                                  static_cast<std::uint32_t>(boxes * box_rows * 128 * (HeadDim / 64) * 2));
+    for (int box = 0; box < boxes; ++box) {
+      const int t = first + box * box_rows;
+      const CUtensorMap* map;
+      int row_k, row_v;
+      if (t < page_tokens) {
+        const int page = ids[t / page_size];
+        const int row = t % page_size;
+        map = &p.page_rows;
+        row_k = ((page * 2 + 0) * p.num_kv_heads + head) * page_size + row;
+        row_v = ((page * 2 + 1) * p.num_kv_heads + head) * page_size + row;
+      } else {
+        const int row = t - page_tokens;
+        map = &p.tail_rows_map;
+        row_k = ((tail_slot * 2 + 0) * p.num_kv_heads + head) * page_size + row;
+        row_v = ((tail_slot * 2 + 1) * p.num_kv_heads + head) * page_size + row;
+      }
+#pragma unroll
+      for (int block = 0; block < HeadDim / 64; ++block) {
+        const int offset = buffer * layout::tile_bytes + block * StageTokens * 128 + box * box_rows * 128;
+        detail::tma_load_2d(k_tiles + offset, map, block * 64, row_k, &full[buffer]);
+        detail::tma_load_2d(v_tiles + offset, map, block * 64, row_v, &full[buffer]);
+      }
+    }
+  };
+  if (tid == 0)
+    for (int stage = 0; stage < min(Stages, num_stages); ++stage) issue(stage);
+
+  const int warp = tid / 32;
+  attend state;
+  state.start(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim, p.softmax_scale);
+  for (int stage = 0; stage < num_stages; ++stage) {
+    const int buffer = stage % Stages;
+    const int n = min(StageTokens, tokens - stage * StageTokens);
+    detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
+    // A warp whose 16 rows start past the stage's last token skips it: no box wrote those rows,
+    // and stale shared memory could hold non-finite bits that p = 0 would not cancel (0 x NaN).
+    if (warp * 16 < n) state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, warp * 16, n);
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+    if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
+  }
+
+  // Each warp's state to shared memory (lane 4 g + q: head g, channels 8 c + 2 q + {0, 1}).
+  auto& temp = *reinterpret_cast<temp_storage*>(k_tiles);
+  const int lane = tid % 32, g = lane / 4, quad = lane % 4;
+  const float l = state.total_l();
+  if (g < Group) {
+#pragma unroll
+    for (int c = 0; c < HeadDim / 8; ++c) {
+      temp.o[warp][g][8 * c + 2 * quad] = state.o[c][0];
+      temp.o[warp][g][8 * c + 2 * quad + 1] = state.o[c][1];
+    }
+    if (quad == 0) {
+      temp.m[warp][g] = state.m;
+      temp.l[warp][g] = l;
+    }
+  }
+  detail_decode::merge_and_write_partial<HeadDim, Group, threads, warps>(p, work_index, head, temp);
 }
 
 /// out[b][j] = merge over the splits of b of (lse, o): weights exp(lse_s - max lse).
