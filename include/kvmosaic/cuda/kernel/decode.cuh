@@ -396,24 +396,29 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   detail_decode::merge_and_write_partial<HeadDim, Group, threads, warps>(p, work_index, head, temp);
 }
 
-/// out[b][j] = merge over the splits of b of (lse, o): weights exp(lse_s - max lse).
+/// out[b][j] = merge over the splits of b of their normalized partials (lse_s, o_s): weights
+/// exp(lse_s - max lse) / sum. Two passes (the max, then the weighted sum) instead of an online
+/// merge, so the loads of every split are independent and stay in flight together (a sequence
+/// split 64 ways would otherwise pay 64 dependent round trips to L2).
 template <int HeadDim>
 __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_params p, int num_q_heads) {
   const int b = static_cast<int>(blockIdx.x) / num_q_heads;
   const int j = static_cast<int>(blockIdx.x) % num_q_heads;
   const int c = static_cast<int>(threadIdx.x);
   const int begin = p.partial_offset[b], end = p.partial_offset[b + 1];
-  softmax_state<float> total;
-  float o = 0.0f;
+  float max_lse = -HUGE_VALF;
+#pragma unroll 8
+  for (int split = begin; split < end; ++split)
+    max_lse = fmaxf(max_lse, p.partial_lse[static_cast<std::size_t>(split) * num_q_heads + j]);
+  float weight_sum = 0.0f, o = 0.0f;
+#pragma unroll 8
   for (int split = begin; split < end; ++split) {
     const std::size_t index = static_cast<std::size_t>(split) * num_q_heads + j;
-    softmax_state<float> part;
-    part.m = p.partial_lse[index];  // a normalized partial is the state (lse, 1, o)
-    part.l = 1.0f;
-    const merge_weights<float> mw = total.merge(part);
-    o = o * mw.self + p.partial_o[index * HeadDim + c] * mw.other;
+    const float weight = __expf(p.partial_lse[index] - max_lse);  // every split holds >= 1 token
+    weight_sum += weight;
+    o = fmaf(weight, p.partial_o[index * HeadDim + c], o);
   }
-  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = o / total.l;
+  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = o / weight_sum;
 }
 
 }  // namespace kvmosaic::cuda::kernel
