@@ -25,7 +25,9 @@ constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   // 32 KB stages beat four 16 KB ones, 75% vs 70% of HBM at batch 8, 128K).
   // The tensor-core kernel (head_dim 64/128) holds ~185 registers per thread at head_dim 128, so
   // two CTAs per SM, each with two 64-token stages (32 KB) in flight. Measured on H200: three
-  // stages gave the same times; capping registers for three CTAs per SM spilled and lost 25%.
+  // stages gave the same times; capping registers for three CTAs per SM spilled and lost 25%;
+  // moving q to shared memory (126 registers, 512 page ids, three CTAs per SM) gave the same
+  // times at batch 8-32, so occupancy is not what separates this kernel from cuDNN.
   return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 2};
 }
 
