@@ -115,7 +115,7 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
     const std::int64_t arena_rows = static_cast<std::int64_t>(std::max(shape.max_pages, shape.max_sequences)) * 2 *
                                     shape.num_kv_heads * shape.page_size;
-    use_tma_ = use_bulk_copy_ && (shape.head_dim == 64 || shape.head_dim == 128) &&
+    use_tma_ = use_bulk_copy_ &&
                (shape.page_size % 64 == 0 || 64 % shape.page_size == 0) && arena_rows < (std::int64_t{1} << 31);
     if (use_tma_) {
       page_rows_ = make_row_map(pages_.data(), static_cast<std::uint64_t>(shape.max_pages) * 2 * shape.num_kv_heads * shape.page_size);
@@ -299,14 +299,12 @@ class engine {
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      if constexpr (head_dim <= 128) {
-        if (use_tma_) {
-          constexpr int stage_tokens = 64, stages = t.tma_stages;
-          using layout = kernel::tma_decode_layout<T, head_dim, stage_tokens, stages, t.max_pages_per_split>;
-          f(kernel::decode_partial_tma_kernel<T, head_dim, group_size, stage_tokens, stages, t.max_pages_per_split>, 128,
-            layout::bytes);
-          return;
-        }
+      if (use_tma_) {
+        constexpr int stage_tokens = 64, stages = t.tma_stages;
+        using layout = kernel::tma_decode_layout<T, head_dim, stage_tokens, stages, t.max_pages_per_split>;
+        f(kernel::decode_partial_tma_kernel<T, head_dim, group_size, stage_tokens, stages, t.max_pages_per_split>, 128,
+          layout::bytes);
+        return;
       }
       if (use_bulk_copy_) {
         using layout =

@@ -23,11 +23,15 @@ constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   // step for large groups. A stage is 16 KB of K plus 16 KB of V whatever head_dim; two stages per
   // CTA and three CTAs per SM keep about 190 KB of loads in flight per SM (measured on H200: two
   // 32 KB stages beat four 16 KB ones, 75% vs 70% of HBM at batch 8, 128K).
-  // The tensor-core kernel (head_dim 64/128) holds ~185 registers per thread at head_dim 128, so
-  // two CTAs per SM, each with two 64-token stages (32 KB) in flight. Measured on H200: three
-  // stages gave the same times; capping registers for three CTAs per SM spilled and lost 25%;
-  // moving q to shared memory (126 registers, 512 page ids, three CTAs per SM) gave the same
-  // times at batch 8-32, so occupancy is not what separates this kernel from cuDNN.
+  // The tensor-core kernel keeps two 64-token stages (32 KB at head_dim 128) in flight per CTA.
+  // Measured on H200 at head_dim 128: three stages gave the same times as two; with q in
+  // registers (185 registers, two CTAs per SM) capping registers for three CTAs spilled and lost
+  // 25%; q in shared memory (126 registers, three CTAs per SM) gave the same times at batch 8-32:
+  // occupancy is not what separates this kernel from cuDNN.
+  // With q in shared memory (126 registers at head_dim 128) and 2048 page ids, the kernel takes
+  // 78 KB of shared memory at head_dim 128 (two CTAs per SM) and 142 KB at 256 (one). 512 page
+  // ids would fit three CTAs per SM but cap splits at 512 pages: batch 32 at 128K then needs
+  // three waves and lost 2.5%.
   return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 2};
 }
 

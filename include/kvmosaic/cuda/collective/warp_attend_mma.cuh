@@ -21,9 +21,11 @@
 
 namespace kvmosaic::cuda {
 
-/// One warp's share of a split: the group's queries as A fragments and its running (m, l, o).
-/// Lane 4 g + q holds head g (rows g + 8 are padding): m, a partial l over its own columns, and
-/// o for channels 8 c + 2 q, 8 c + 2 q + 1 of every 8-channel tile c.
+/// One warp's share of a split: its running (m, l, o). Lane 4 g + q holds head g (rows g + 8 are
+/// padding): m, a partial l over its own columns, and o for channels 8 c + 2 q, 8 c + 2 q + 1 of
+/// every 8-channel tile c. The group's queries live in shared memory (`stage_queries`, one copy
+/// for the CTA) and are read as A fragments with ldmatrix, which keeps ~60 registers per thread
+/// free at head_dim 128 and makes head_dim 256 fit.
 template <class T, int HeadDim, int Group, int StageTokens>
 struct warp_attend_mma {
   static_assert(Group >= 1 && Group <= 8, "the group's query heads fill the first 8 rows of the tile");
@@ -32,33 +34,34 @@ struct warp_attend_mma {
   static constexpr int k_steps = HeadDim / 16;
   static constexpr int channel_tiles = HeadDim / 8;
   static constexpr int block_bytes = StageTokens * 128;  ///< one 64-channel block of a stage
+  /// Row pitch of the query tiles: 16 bytes of padding puts the 8 rows ldmatrix reads together
+  /// in 8 different bank groups.
+  static constexpr int query_pitch = HeadDim * 2 + 16;
+  /// Shared memory of the query tiles: q_hi and q_lo, 8 rows each.
+  static constexpr int query_bytes = 2 * 8 * query_pitch;
 
-  std::uint32_t q_hi[k_steps][2];
-  std::uint32_t q_lo[k_steps][2];
   float o[channel_tiles][2];
   float m;
   float l;
 
   __device__ __forceinline__ static int lane() { return static_cast<int>(threadIdx.x) % 32; }
 
-  /// Loads the group's queries (`q`: [Group][HeadDim] floats) scaled by `scale`; empty state.
-  __device__ __forceinline__ void start(const float* q, float scale) {
-    const int g = lane() / 4, quad = lane() % 4;
-#pragma unroll
-    for (int k = 0; k < k_steps; ++k) {
-#pragma unroll
-      for (int half_k = 0; half_k < 2; ++half_k) {
-        float x0 = 0.0f, x1 = 0.0f;
-        if (g < Group) {
-          const float2 pair = *reinterpret_cast<const float2*>(q + g * HeadDim + 16 * k + 8 * half_k + 2 * quad);
-          x0 = pair.x * scale;
-          x1 = pair.y * scale;
-        }
-        const float h0 = to_float(T(x0)), h1 = to_float(T(x1));
-        q_hi[k][half_k] = detail::pack_pair<T>(h0, h1);
-        q_lo[k][half_k] = detail::pack_pair<T>(x0 - h0, x1 - h1);
-      }
+  /// Every thread of the CTA: writes the group's queries (`q`: [Group][HeadDim] floats), scaled
+  /// by `scale` and split into hi + lo halves in T, to the query tiles at `tiles`
+  /// (`query_bytes`); rows past the group are zero. A barrier must follow before `fold`.
+  __device__ __forceinline__ static void stage_queries(const float* q, float scale, std::byte* tiles, int threads) {
+    for (int index = static_cast<int>(threadIdx.x); index < 8 * HeadDim; index += threads) {
+      const int row = index / HeadDim, channel = index % HeadDim;
+      const float x = row < Group ? q[row * HeadDim + channel] * scale : 0.0f;
+      const T hi(x);
+      const T lo(x - to_float(hi));
+      *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = hi;
+      *reinterpret_cast<T*>(tiles + (8 + row) * query_pitch + channel * 2) = lo;
     }
+  }
+
+  /// Empty state.
+  __device__ __forceinline__ void start() {
 #pragma unroll
     for (int c = 0; c < channel_tiles; ++c) o[c][0] = o[c][1] = 0.0f;
     m = -HUGE_VALF;
@@ -67,22 +70,28 @@ struct warp_attend_mma {
 
   /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory,
   /// `n` valid tokens in the stage) into the state. Whole-warp: every lane calls it.
-  __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, int first, int n) {
-    const int g = lane() / 4, quad = lane() % 4, i = lane();
+  __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
+                                       int first, int n) {
+    const int quad = lane() % 4, i = lane();
     float s[2][4];
 #pragma unroll
-    for (int tile = 0; tile < 2; ++tile) {
-      s[tile][0] = s[tile][1] = s[tile][2] = s[tile][3] = 0.0f;
-      const int token = first + 8 * tile + (i % 8);
+    for (int tile = 0; tile < 2; ++tile) s[tile][0] = s[tile][1] = s[tile][2] = s[tile][3] = 0.0f;
 #pragma unroll
-      for (int k = 0; k < k_steps; k += 2) {
-        const int chunk = 2 * k + i / 8;  // 8-channel chunk of this lane's ldmatrix row
+    for (int k = 0; k < k_steps; k += 2) {
+      const int chunk = 2 * k + i / 8;  // 8-channel chunk of this lane's ldmatrix row
+      // A fragments of steps k and k + 1 (rows 0-7; rows 8-15 are zero): a0, a2, a0', a2'.
+      std::uint32_t q_hi[4], q_lo[4];
+      detail::ldmatrix_x4(q_hi, query_tiles + (i % 8) * query_pitch + chunk * 16);
+      detail::ldmatrix_x4(q_lo, query_tiles + (8 + i % 8) * query_pitch + chunk * 16);
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+        const int token = first + 8 * tile + (i % 8);
         std::uint32_t b[4];
         detail::ldmatrix_x4(b, k_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(token, chunk % 8));
-        mma(s[tile], q_hi[k], b[0], b[1]);
-        mma(s[tile], q_lo[k], b[0], b[1]);
-        mma(s[tile], q_hi[k + 1], b[2], b[3]);
-        mma(s[tile], q_lo[k + 1], b[2], b[3]);
+        mma(s[tile], {q_hi[0], q_hi[1]}, b[0], b[1]);
+        mma(s[tile], {q_lo[0], q_lo[1]}, b[0], b[1]);
+        mma(s[tile], {q_hi[2], q_hi[3]}, b[2], b[3]);
+        mma(s[tile], {q_lo[2], q_lo[3]}, b[2], b[3]);
       }
     }
     // Online softmax for head g over this warp's 16 tokens (4 per lane, the quad shares a head).

@@ -283,7 +283,9 @@ template <class T, int HeadDim, int StageTokens, int Stages, int MaxPagesPerSpli
 struct tma_decode_layout {
   static constexpr int ids_bytes = (MaxPagesPerSplit * 4 + 1023) / 1024 * 1024;
   static constexpr int barrier_offset = ids_bytes;
-  static constexpr int tile_offset = ids_bytes + 1024;
+  static constexpr int query_offset = ids_bytes + 128;
+  static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
+  static constexpr int tile_offset = (query_offset + query_bytes + 1023) / 1024 * 1024;
   static constexpr int tile_bytes = StageTokens * HeadDim * static_cast<int>(sizeof(T));
   static constexpr int bytes = tile_offset + 2 * Stages * tile_bytes + 1024;  ///< + slack to align the base
 };
@@ -291,7 +293,7 @@ struct tma_decode_layout {
 /// The sm_90 tensor-core split kernel: thread 0 issues 2D TMA copies of the split's K and V rows
 /// (128-byte swizzled) `Stages` stages ahead, completing on mbarriers; each of the 4 warps runs
 /// q.k and p.v on tensor cores over its 16 tokens of every 64-token stage (`warp_attend_mma`);
-/// the warps' states merge at the end. Needs head_dim 64 or 128 and page_size dividing or
+/// the warps' states merge at the end. Needs page_size dividing or
 /// divided by the stage (the engine checks). Grid: (splits capacity, num_kv_heads).
 template <class T, int HeadDim, int Group, int StageTokens, int Stages, int MaxPagesPerSplit>
 __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_constant__ decode_params p) {
@@ -307,8 +309,10 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
       (reinterpret_cast<std::uintptr_t>(raw_shared) + 1023) & ~static_cast<std::uintptr_t>(1023));
   auto* ids = reinterpret_cast<std::int32_t*>(shared);
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
+  std::byte* query_tiles = shared + layout::query_offset;
   std::byte* k_tiles = shared + layout::tile_offset;
   std::byte* v_tiles = k_tiles + Stages * layout::tile_bytes;
+  static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
 
   const int work_index = static_cast<int>(blockIdx.x);
   if (work_index >= p.step_header[0]) return;
@@ -363,17 +367,22 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   };
   if (tid == 0)
     for (int stage = 0; stage < min(Stages, num_stages); ++stage) issue(stage);
+  // The queries are staged while the first copies are in flight.
+  attend::stage_queries(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim,
+                        p.softmax_scale, query_tiles, threads);
+  __syncthreads();
 
   const int warp = tid / 32;
   attend state;
-  state.start(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim, p.softmax_scale);
+  state.start();
   for (int stage = 0; stage < num_stages; ++stage) {
     const int buffer = stage % Stages;
     const int n = min(StageTokens, tokens - stage * StageTokens);
     detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
     // A warp whose 16 rows start past the stage's last token skips it: no box wrote those rows,
     // and stale shared memory could hold non-finite bits that p = 0 would not cancel (0 x NaN).
-    if (warp * 16 < n) state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, warp * 16, n);
+    if (warp * 16 < n)
+      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, n);
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }
