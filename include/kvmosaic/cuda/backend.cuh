@@ -123,12 +123,7 @@ class engine {
           make_row_map(tails_.data(), static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
     }
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
-    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      if (shared_bytes > 48 * 1024)
-        KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-      KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
-      ctas_per_sm_ = std::max(ctas_per_sm_, 1);
-    });
+    prepare_decode_kernel();
   }
   ~engine() {
     if (staged_ != nullptr) cudaEventDestroy(staged_);
@@ -321,6 +316,14 @@ class engine {
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
   std::int32_t target_splits() const { return std::max(1, num_sms_ * ctas_per_sm_ / shape_.num_kv_heads); }
+  /// Decode with the portable kernel (the sm_75+ path) even on sm_90: for tests and comparisons.
+  /// Takes effect from the next step.
+  void use_portable_kernel() {
+    use_bulk_copy_ = false;
+    use_tma_ = false;
+    prepare_decode_kernel();
+  }
+
   /// True when decode runs an sm_90 pipeline (bulk copies or TMA), whose q is rounded to two
   /// 16-bit halves on tensor cores.
   bool uses_bulk_copy() const noexcept { return use_bulk_copy_; }
@@ -335,6 +338,17 @@ class engine {
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+  /// Raises the chosen split kernel's dynamic shared-memory limit and reads its occupancy, which
+  /// sizes the split plan.
+  void prepare_decode_kernel() {
+    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+      if (shared_bytes > 48 * 1024)
+        KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+      KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
+      ctas_per_sm_ = std::max(ctas_per_sm_, 1);
+    });
+  }
 
   /// A 2D tensor map over `rows` rows of head_dim 16-bit values at `base`, boxes of 64 channels x
   /// min(page_size, 64) rows, 128-byte swizzle (the layout the TMA kernel reads with ldmatrix).
