@@ -99,11 +99,9 @@ class engine {
   engine(const kvmosaic::detail::engine_shape& shape, const Format& format)
       : shape_(shape),
         format_(format),
-        k_page_bytes_(traits::k_page_bytes(format, shape.page())),
-        v_page_bytes_(traits::v_page_bytes(format, shape.page())),
-        tail_head_bytes_(dense_traits::k_page_bytes(format::dense{}, shape.page())),
-        pages_(static_cast<std::size_t>(shape.max_pages) * page_slot_bytes()),
-        tails_(static_cast<std::size_t>(shape.max_sequences) * tail_slot_bytes()) {
+        geometry_(shape, format),
+        pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
+        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()) {
     int device = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
@@ -131,10 +129,9 @@ class engine {
   engine(const engine&) = delete;
   engine& operator=(const engine&) = delete;
 
-  std::size_t page_slot_bytes() const noexcept { return shape_.num_kv_heads * (k_page_bytes_ + v_page_bytes_); }
-  std::size_t tail_slot_bytes() const noexcept { return 2 * shape_.num_kv_heads * tail_head_bytes_; }
-  std::size_t k_page_bytes() const noexcept { return k_page_bytes_; }
-  std::size_t v_page_bytes() const noexcept { return v_page_bytes_; }
+  const kvmosaic::detail::arena_geometry& geometry() const noexcept { return geometry_; }
+  /// Bytes of one pool slot: one page of K and of V for every KV head.
+  std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
   const std::byte* pages_data() const noexcept { return pages_.as<const std::byte>(); }
   const std::byte* tails_data() const noexcept { return tails_.as<const std::byte>(); }
 
@@ -168,8 +165,8 @@ class engine {
   }
 
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * tail_slot_bytes(),
-                                        tails_.as<std::byte>() + from * tail_slot_bytes(), tail_slot_bytes(),
+    const std::size_t bytes = geometry_.tail_slot_bytes();
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * bytes, tails_.as<std::byte>() + from * bytes, bytes,
                                         cudaMemcpyDeviceToDevice, stream_));
   }
 
@@ -250,11 +247,11 @@ class engine {
     kernel::decode_params p{};
     p.pages = pages_.as<const std::byte>();
     p.tails = tails_.as<const std::byte>();
-    p.page_slot_bytes = static_cast<std::int64_t>(page_slot_bytes());
-    p.k_page_bytes = static_cast<std::int64_t>(k_page_bytes_);
-    p.v_page_bytes = static_cast<std::int64_t>(v_page_bytes_);
-    p.tail_slot_bytes = static_cast<std::int64_t>(tail_slot_bytes());
-    p.tail_head_bytes = static_cast<std::int64_t>(tail_head_bytes_);
+    p.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+    p.k_page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+    p.v_page_bytes = static_cast<std::int64_t>(geometry_.v_page_bytes);
+    p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+    p.tail_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
     p.num_kv_heads = shape_.num_kv_heads;
     p.page_size = shape_.page_size;
     p.step_header = reinterpret_cast<const std::int32_t*>(device + layout_.header);
@@ -395,9 +392,9 @@ class engine {
     kernel::extend_params p{};
     p.pages = pages_.as<std::byte>();
     p.tails = tails_.as<std::byte>();
-    p.page_slot_bytes = static_cast<std::int64_t>(page_slot_bytes());
-    p.page_head_bytes = static_cast<std::int64_t>(tail_head_bytes_);
-    p.tail_slot_bytes = static_cast<std::int64_t>(tail_slot_bytes());
+    p.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+    p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+    p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
     p.num_kv_heads = shape_.num_kv_heads;
     p.head_dim = shape_.head_dim;
     p.page_size = shape_.page_size;
@@ -428,7 +425,7 @@ class engine {
 
   kvmosaic::detail::engine_shape shape_;
   Format format_;
-  std::size_t k_page_bytes_, v_page_bytes_, tail_head_bytes_;
+  kvmosaic::detail::arena_geometry geometry_;
   device_buffer pages_;
   device_buffer tails_;
   int num_sms_ = 1;

@@ -53,6 +53,33 @@ struct engine_shape {
   std::size_t row_elements() const { return static_cast<std::size_t>(num_kv_heads) * head_dim; }
 };
 
+/// Byte geometry of one format's page and tail arenas (the layouts in this file's comment): the
+/// one place every engine computes slot sizes and offsets.
+struct arena_geometry {
+  template <class Format>
+  arena_geometry(const engine_shape& shape, const Format& format)
+      : num_kv_heads(shape.num_kv_heads),
+        k_page_bytes(format_traits<Format>::k_page_bytes(format, shape.page())),
+        v_page_bytes(format_traits<Format>::v_page_bytes(format, shape.page())),
+        tail_head_bytes(format_traits<format::dense>::k_page_bytes(format::dense{}, shape.page())) {}
+
+  std::size_t num_kv_heads;
+  std::size_t k_page_bytes;     ///< one page of K of one head, by the format's accounting
+  std::size_t v_page_bytes;     ///< one page of V of one head
+  std::size_t tail_head_bytes;  ///< page_size dense rows of one head (K or V)
+
+  /// One pool slot: a page of K and of V for every KV head.
+  std::size_t page_slot_bytes() const noexcept { return num_kv_heads * (k_page_bytes + v_page_bytes); }
+  /// One tail slot: page_size dense rows of K and of V for every KV head.
+  std::size_t tail_slot_bytes() const noexcept { return 2 * num_kv_heads * tail_head_bytes; }
+  /// Offsets inside a page slot and a tail slot.
+  std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
+  std::size_t v_page_offset(int head) const noexcept { return num_kv_heads * k_page_bytes + head * v_page_bytes; }
+  std::size_t tail_offset(bool is_v, int head) const noexcept {
+    return (static_cast<std::size_t>(is_v) * num_kv_heads + head) * tail_head_bytes;
+  }
+};
+
 /// What the attend path needs to know about one sequence of a batch.
 struct sequence_ref {
   const block_table* pages;   ///< full (encoded) pages, in order
@@ -108,17 +135,13 @@ class engine {
   engine(const detail::engine_shape& shape, const Format& format)
       : shape_(shape),
         format_(format),
-        k_page_bytes_(traits::k_page_bytes(format, shape.page())),
-        v_page_bytes_(traits::v_page_bytes(format, shape.page())),
-        tail_head_bytes_(dense_traits::k_page_bytes(format::dense{}, shape.page())),
-        pages_(static_cast<std::size_t>(shape.max_pages) * page_slot_bytes()),
-        tails_(static_cast<std::size_t>(shape.max_sequences) * tail_slot_bytes()) {}
+        geometry_(shape, format),
+        pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
+        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()) {}
 
+  const detail::arena_geometry& geometry() const noexcept { return geometry_; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
-  std::size_t page_slot_bytes() const noexcept { return shape_.num_kv_heads * (k_page_bytes_ + v_page_bytes_); }
-  std::size_t tail_slot_bytes() const noexcept { return 2 * shape_.num_kv_heads * tail_head_bytes_; }
-  std::size_t k_page_bytes() const noexcept { return k_page_bytes_; }
-  std::size_t v_page_bytes() const noexcept { return v_page_bytes_; }
+  std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
 
   /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
   /// rows. Each time the tail fills, it is encoded into the next page of `new_pages`.
@@ -155,7 +178,7 @@ class engine {
   /// Copies the first `rows` tail rows of one slot to another (fork).
   void copy_tail(std::int32_t from, std::int32_t to, int rows) {
     (void)rows;  // whole slot: simpler, and the bytes past `rows` are never read
-    std::memcpy(tail_slot(to), tail_slot(from), tail_slot_bytes());
+    std::memcpy(tail_slot(to), tail_slot(from), geometry_.tail_slot_bytes());
   }
 
   /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b.
@@ -187,11 +210,10 @@ class engine {
   }
 
   const std::byte* k_page(page_id page, int head) const {
-    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + head * k_page_bytes_;
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + geometry_.k_page_offset(head);
   }
   const std::byte* v_page(page_id page, int head) const {
-    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() +
-           shape_.num_kv_heads * k_page_bytes_ + head * v_page_bytes_;
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + geometry_.v_page_offset(head);
   }
 
  private:
@@ -232,9 +254,11 @@ class engine {
     }
   }
 
-  std::byte* tail_slot(std::int32_t slot) const { return tails_.data() + static_cast<std::size_t>(slot) * tail_slot_bytes(); }
+  std::byte* tail_slot(std::int32_t slot) const {
+    return tails_.data() + static_cast<std::size_t>(slot) * geometry_.tail_slot_bytes();
+  }
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
-    return tail_slot(slot) + (static_cast<std::size_t>(is_v) * shape_.num_kv_heads + head) * tail_head_bytes_;
+    return tail_slot(slot) + geometry_.tail_offset(is_v, head);
   }
   /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
   void seal_tail(std::int32_t slot, page_id page) {
@@ -243,15 +267,15 @@ class engine {
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
-      traits::encode_k(format_, shape, rows.data(), base + h * k_page_bytes_);
+      traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
       dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
-      traits::encode_v(format_, shape, rows.data(), base + shape_.num_kv_heads * k_page_bytes_ + h * v_page_bytes_);
+      traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
   }
 
   detail::engine_shape shape_;
   Format format_;
-  std::size_t k_page_bytes_, v_page_bytes_, tail_head_bytes_;
+  detail::arena_geometry geometry_;
   detail::host_buffer pages_;
   detail::host_buffer tails_;
 };

@@ -133,6 +133,18 @@ __device__ __forceinline__ void write_partial(const decode_params& p, int work_i
   merge_and_write_partial<HeadDim, Group, Threads, Threads / LanesPerRow>(p, work_index, head, temp);
 }
 
+/// The sm_90 kernels' prologue: the split's page ids to shared memory (all threads) and one
+/// mbarrier per stage (thread 0). A barrier must follow before either is used.
+template <int Stages>
+__device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, int threads,
+                                                  std::int32_t* ids, std::uint64_t* full) {
+  const int num_pages = w.page_end - w.page_begin;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  for (int i = static_cast<int>(threadIdx.x); i < num_pages; i += threads) ids[i] = table[i];
+  if (threadIdx.x == 0)
+    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+}
+
 }  // namespace detail_decode
 
 /// The portable split kernel (any architecture): each thread streams its K/V slices from global
@@ -215,10 +227,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
-  for (int i = tid; i < num_pages; i += Threads) ids[i] = table[i];
-  if (tid == 0)
-    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+  detail_decode::stage_split_pages<Stages>(p, w, Threads, ids, full);
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
@@ -320,10 +329,7 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
-  for (int i = tid; i < num_pages; i += threads) ids[i] = table[i];
-  if (tid == 0)
-    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+  detail_decode::stage_split_pages<Stages>(p, w, threads, ids, full);
   __syncthreads();
 
   const int page_size = p.page_size;

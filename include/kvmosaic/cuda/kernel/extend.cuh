@@ -42,6 +42,20 @@ struct extend_params {
 };
 
 namespace detail_extend {
+/// Work item i of a grid-stride loop over rows x (K, V) x heads x 16-byte vectors.
+struct row_vector {
+  int vector;
+  int head;
+  int is_v;
+  std::int64_t row;
+};
+__device__ __forceinline__ row_vector decompose(const extend_params& p, std::int64_t i) {
+  const int vectors_per_row = p.head_dim / detail::vector_elements;
+  const std::int64_t rest = i / vectors_per_row;
+  return row_vector{static_cast<int>(i % vectors_per_row), static_cast<int>(rest % p.num_kv_heads),
+                    static_cast<int>((rest / p.num_kv_heads) % 2), rest / (2 * p.num_kv_heads)};
+}
+
 /// Byte offset of (K or V, head, row) inside a slot laid out [K heads][V heads] of `head_bytes`.
 __device__ __forceinline__ std::int64_t row_offset(const extend_params& p, int is_v, int head, int row) {
   return (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * p.page_head_bytes +
@@ -64,12 +78,8 @@ __global__ void move_tail_rows_kernel(const extend_params p) {
   const std::byte* tail = p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const int vector = static_cast<int>(i % vectors_per_row);
-    const std::int64_t rest = i / vectors_per_row;
-    const int head = static_cast<int>(rest % p.num_kv_heads);
-    const int is_v = static_cast<int>((rest / p.num_kv_heads) % 2);
-    const int row = static_cast<int>(rest / (2 * p.num_kv_heads));
-    const std::int64_t offset = detail_extend::row_offset(p, is_v, head, row) + vector * 16;
+    const detail_extend::row_vector x = detail_extend::decompose(p, i);
+    const std::int64_t offset = detail_extend::row_offset(p, x.is_v, x.head, static_cast<int>(x.row)) + x.vector * 16;
     *reinterpret_cast<uint4*>(page + offset) = *reinterpret_cast<const uint4*>(tail + offset);
   }
 }
@@ -84,11 +94,9 @@ __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict
   const int full_pages = (item.tail_rows + item.count) / p.page_size;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const int vector = static_cast<int>(i % vectors_per_row);
-    const std::int64_t rest = i / vectors_per_row;
-    const int head = static_cast<int>(rest % p.num_kv_heads);
-    const int is_v = static_cast<int>((rest / p.num_kv_heads) % 2);
-    const std::int64_t r = rest / (2 * p.num_kv_heads);
+    const detail_extend::row_vector x = detail_extend::decompose(p, i);
+    const int vector = x.vector, head = x.head, is_v = x.is_v;
+    const std::int64_t r = x.row;
     const std::int64_t position = item.tail_rows + r;
     const int page_index = static_cast<int>(position / p.page_size);
     const int row = static_cast<int>(position % p.page_size);
