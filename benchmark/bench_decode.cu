@@ -18,7 +18,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "kvmosaic/kvmosaic.cuh"
@@ -26,7 +28,8 @@
 namespace {
 
 using namespace kvmosaic;
-using cuda_dense = cache<format::dense, select::all, compact::none, backend::cuda>;
+template <class Format>
+using cuda_cache = cache<Format, select::all, compact::none, backend::cuda>;
 
 double g_hbm_read_gbps = 0;  // measured by the first benchmark of the run
 
@@ -135,9 +138,12 @@ void hbm_read(benchmark::State& state) {
   state.counters["fraction_of_hbm"] = 1.0;
 }
 
-/// Dense decode: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4 (Hq=32;
-/// or range 2), bf16, pages of 64.
-void dense_decode(benchmark::State& state) {
+/// Decode of one format: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4
+/// (Hq=32; or range 2), bf16, pages of 64; bitmap_tiles at s_k = s_v = range 4 percent.
+/// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
+/// first sequence: prefill_us_per_page is per page of all KV heads, K and V.
+template <class Format>
+void decode(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int context = static_cast<int>(state.range(1));
   cache_config c;
@@ -148,7 +154,15 @@ void dense_decode(benchmark::State& state) {
   c.storage = dtype::bf16;
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
-  cuda_dense kv(c);
+  Format format{};
+  if constexpr (std::is_same<Format, format::bitmap_tiles>::value)
+    format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
+  cuda_cache<Format> kv(c, format);
+  if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
+    // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES overrides the engine's compressed stages.
+    if (const char* stages = std::getenv("KVMOSAIC_BENCH_BITMAP_STAGES")) kv.engine().set_compressed_stages(std::atoi(stages));
+    state.counters["stages"] = kv.engine().compressed_stages();
+  }
 
   // Prefill every sequence in chunks from one random source (the bytes differ per page slot).
   const int chunk = std::min(context, 16384);
@@ -157,13 +171,20 @@ void dense_decode(benchmark::State& state) {
   fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   std::vector<sequence_id> seqs;
+  event_timer prefill_timer;
+  double prefill_seconds = 0;
   for (int b = 0; b < batch; ++b) {
     seqs.push_back(kv.add_sequence());
     for (int done = 0; done < context; done += chunk) {
       const int n = std::min(chunk, context - done);
       const bfloat16* k = source.as<const bfloat16>();  // values repeat per chunk; addresses never do
+      if (b == 0) KVMOSAIC_CUDA_CHECK(cudaEventRecord(prefill_timer.start));
       kv.prefill(seqs.back(), tensor_view<const bfloat16, 3>(k, n, c.num_kv_heads, c.head_dim),
                  tensor_view<const bfloat16, 3>(k + chunk * row, n, c.num_kv_heads, c.head_dim));
+      if (b == 0) {
+        KVMOSAIC_CUDA_CHECK(cudaEventRecord(prefill_timer.stop));
+        prefill_seconds += prefill_timer.seconds();
+      }
     }
   }
   const std::size_t q_count = static_cast<std::size_t>(batch) * c.num_q_heads() * c.head_dim;
@@ -212,9 +233,13 @@ void dense_decode(benchmark::State& state) {
   cudaGraphDestroy(graph);
   engine.set_stream(nullptr);
   cudaStreamDestroy(stream);
-  const double kv_bytes = 2.0 * batch * static_cast<double>(context) * row * sizeof(bfloat16);
+  // Bytes read: the stored K and V (pages by the format's accounting, dense tail rows), q and out.
+  double kv_bytes = 0;
+  for (const sequence_id s : seqs) kv_bytes += static_cast<double>(kv.sequence_memory(s).stored_bytes);
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);
+  state.counters["prefill_us_per_page"] = prefill_seconds * 1e6 / (context / c.page_size);
+  state.counters["sparsity"] = static_cast<double>(state.range(4)) / 100.0;
   state.counters["plan_us"] = median(plan_times) * 1e6;
   state.counters["batch"] = batch;
   state.counters["context"] = context;
@@ -226,21 +251,31 @@ void dense_decode(benchmark::State& state) {
 
 BENCHMARK(hbm_read)->Name("hbm_read")->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
 // The matrix of record: Hq=32, Hkv=8, head_dim 128, bf16.
-BENCHMARK(dense_decode)
+BENCHMARK(decode<format::dense>)
     ->Name("dense_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim"})
-    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}})
-    ->Args({1, 524288, 4, 128})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity"})
+    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {0}})
+    ->Args({1, 524288, 4, 128, 0})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 // Other GQA groups and head sizes at batch 8, 32K.
-BENCHMARK(dense_decode)
+BENCHMARK(decode<format::dense>)
     ->Name("dense_decode_shapes")
-    ->ArgNames({"batch", "context", "group", "head_dim"})
-    ->ArgsProduct({{8}, {32768}, {1, 8}, {128}})
-    ->Args({8, 32768, 4, 64})
-    ->Args({8, 32768, 4, 256})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity"})
+    ->ArgsProduct({{8}, {32768}, {1, 8}, {128}, {0}})
+    ->Args({8, 32768, 4, 64, 0})
+    ->Args({8, 32768, 4, 256, 0})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// MUSTAFAR's bitmap_tiles at s_k = s_v = 0.5 and 0.7, the same matrix as dense.
+BENCHMARK(decode<format::bitmap_tiles>)
+    ->Name("bitmap_tiles_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity"})
+    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {50, 70}})
+    ->Args({1, 524288, 4, 128, 50})
+    ->Args({1, 524288, 4, 128, 70})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

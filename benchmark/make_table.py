@@ -298,14 +298,20 @@ def build_table(rows, sdpa):
 
     show_exe = len({r["executable"] for r in rows}) > 1
     any_derived = False
-    lines.append("| Benchmark | Config | Shape | ours µs | ours GB/s | % of HBM | PyTorch best | PyTorch µs "
-                 "| PyTorch / ours |")
-    lines.append("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    # Our dense decode of the same shape (families named dense_*): the compressed formats' speedup.
+    dense = {}
+    for r in rows:
+        if r["family"].startswith("dense") and r["time_us"]:
+            dense[(r["batch"], r["context"], r["group"], r["head_dim"])] = r["time_us"]
+    lines.append("| Benchmark | Config | Shape | ours µs | ours GB/s | % of HBM | our dense / ours | PyTorch best "
+                 "| PyTorch µs | PyTorch / ours |")
+    lines.append("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     for r in rows:
         bench = r["family"] if not show_exe or not r["executable"] else "%s: %s" % (r["executable"], r["family"])
-        config = ", ".join("%s=%s" % kv for kv in r["config"].items()) or "–"
+        config = ", ".join("%s=%s" % kv for kv in r["config"].items()
+                           if not (kv[0] == "sparsity" and kv[1] == 0)) or "–"
         if r.get("error"):
-            lines.append("| %s | %s | %s | error: %s | | | | | |" % (bench, config, shape_text(r),
+            lines.append("| %s | %s | %s | error: %s | | | | | | |" % (bench, config, shape_text(r),
                                                                    r["error"].replace("|", "/")))
             continue
         frac = r["fraction_of_hbm"]
@@ -317,9 +323,11 @@ def build_table(rows, sdpa):
         ratio = None
         if e is not None and r["time_us"]:
             ratio = e["time_us"] / r["time_us"]
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        dense_us = dense.get((r["batch"], r["context"], r["group"], r["head_dim"]))
+        vs_dense = dense_us / r["time_us"] if dense_us and r["time_us"] and not r["family"].startswith("dense") else None
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             bench, config, shape_text(r), fmt(r["time_us"], "%.1f"), fmt(r["gbps"], "%.0f"),
-            fmt(None if frac is None else 100 * frac, "%.1f%%") + derived,
+            fmt(None if frac is None else 100 * frac, "%.1f%%") + derived, fmt(vs_dense, "%.2f×"),
             backend_text(e) if e else "–", fmt(e["time_us"] if e else None, "%.1f"), fmt(ratio, "%.2f×")))
     if any_derived:
         lines.append("")

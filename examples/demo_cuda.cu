@@ -52,6 +52,11 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     cache<format::dense, select::all, compact::none, backend::cuda> c(w.config);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
+  for (const float sparsity : {0.5f, 0.7f}) {  // MUSTAFAR, encoded and attended on the device
+    cache<format::bitmap_tiles, select::all, compact::none, backend::cuda> c(w.config,
+                                                                             format::bitmap_tiles{sparsity, sparsity});
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return rows;

@@ -212,6 +212,34 @@ class cache {
     return child;
   }
 
+  /// Output-aware K pruning (MUSTAFAR section 2.1), for formats with `has_key_weights_v`: K pages
+  /// of `seq` sealed from now on keep, per token, the elements of largest |k_c| * weights(h, c)
+  /// instead of largest |k_c|. `weights` is [num_kv_heads][head_dim] in host memory, e.g.
+  /// `output_aware_key_weights` of the latest window of queries; an empty view (extent 0) goes
+  /// back to magnitudes. Pages already sealed keep their pruning; forks inherit the weights.
+  void set_key_weights(sequence_id seq, tensor_view<const float, 2> weights) {
+    static_assert(has_key_weights_v<Format>,
+                  "kvmosaic::cache::set_key_weights: this format does not prune K with channel weights "
+                  "(format::bitmap_tiles does)");
+    live(seq, "cache::set_key_weights");
+    if (weights.extent(0) == 0) {
+      engine_.set_key_weights(seq, nullptr);
+      return;
+    }
+    detail::require(weights.extent(0) == config_.num_kv_heads && weights.extent(1) == config_.head_dim,
+                    "cache::set_key_weights", "weights shape", std::to_string(weights.extent(0)) + "x" +
+                    std::to_string(weights.extent(1)), "num_kv_heads x head_dim");
+    std::vector<float> dense(static_cast<std::size_t>(weights.extent(0) * weights.extent(1)));
+    for (std::int64_t h = 0; h < weights.extent(0); ++h)
+      for (std::int64_t c = 0; c < weights.extent(1); ++c) {
+        const float w = weights(h, c);
+        detail::require(std::isfinite(w) && w >= 0.0f, "cache::set_key_weights", "weights", w,
+                        "finite and >= 0 (sums of |q|)");
+        dense[static_cast<std::size_t>(h * weights.extent(1) + c)] = w;
+      }
+    engine_.set_key_weights(seq, dense.data());
+  }
+
   /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
   /// values are rounded to the storage dtype) to one sequence: a prefill, or a chunk of one. Full
   /// pages are encoded by the format; the rest stays in the dense tail. All or nothing: when the

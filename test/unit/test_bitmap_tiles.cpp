@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../support/oracle.hpp"
+#include "../support/prune.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
@@ -31,23 +32,6 @@ std::vector<float> stored_rows(const synthetic::kv_data& kv, int head, bool v, d
       rows.push_back(storage == dtype::f16 ? to_float(half(x)) : to_float(bfloat16(x)));
     }
   return rows;
-}
-
-/// The reference pruning, written independently: per row, a value is kept iff fewer than `keep`
-/// elements beat it (larger magnitude, or equal magnitude at a lower channel).
-std::vector<float> reference_prune(const std::vector<float>& rows, int d, float sparsity) {
-  const int keep = d - static_cast<int>(std::lround(static_cast<double>(sparsity) * d));
-  std::vector<float> out(rows.size(), 0.0f);
-  for (std::size_t base = 0; base < rows.size(); base += static_cast<std::size_t>(d))
-    for (int c = 0; c < d; ++c) {
-      int beaten_by = 0;
-      for (int o = 0; o < d; ++o) {
-        const float a = std::abs(rows[base + o]), b = std::abs(rows[base + c]);
-        beaten_by += a > b || (a == b && o < c);
-      }
-      if (beaten_by < keep) out[base + c] = rows[base + c];
-    }
-  return out;
 }
 
 }  // namespace
@@ -75,7 +59,7 @@ TEST_CASE("bitmap_tiles: decode(encode(x)) is x pruned to its largest magnitudes
     traits::encode_k(f, shape, rows.data(), page.data());
     traits::decode_k(f, shape, page.data(), page_size, decoded.data());
   }
-  REQUIRE(decoded == reference_prune(rows, head_dim, sparsity));
+  REQUIRE(decoded == test::reference_prune(rows, head_dim, sparsity));
   // exactly D - round(sD) survivors per token (the generator has no exact zeros)
   const int keep = head_dim - static_cast<int>(std::lround(static_cast<double>(sparsity) * head_dim));
   for (int t = 0; t < page_size; ++t)
@@ -128,7 +112,7 @@ TEST_CASE("bitmap_tiles: attention on compressed pages equals exact attention on
           std::vector<float> row(128);
           float* base = (v ? pruned.v.data() : pruned.k.data()) + (static_cast<std::size_t>(t) * 2 + h) * 128;
           std::copy(base, base + 128, row.begin());
-          const std::vector<float> kept = reference_prune(row, 128, v ? s_v : s_k);
+          const std::vector<float> kept = test::reference_prune(row, 128, v ? s_v : s_k);
           std::copy(kept.begin(), kept.end(), base);
         }
       }
@@ -213,4 +197,87 @@ TEST_CASE("bitmap_tiles rejects bad sparsities and shapes, naming the parameter"
   CHECK(message(0.5f, 0.5f, 48) ==
         "kvmosaic: format::bitmap_tiles: page_size = 48; allowed: a multiple of 64 (pages are whole 1x64 tiles along tokens)");
   CHECK(message(0.5f, 0.5f, 128) == "accepted");
+}
+
+TEST_CASE("bitmap_tiles output-aware K (section 2.1): S = |K| * sum|Q| decides, hand-computed", "[bitmap_tiles]") {
+  // Every |k| is 1, so magnitudes tie everywhere and keep the lowest channels; weights 1 on
+  // channels 0-31 and 2 on 32-63 make the scores 1 and 2: the upper half is kept instead.
+  const page_shape shape = shape_of(64, 64);
+  using traits = format_traits<format::bitmap_tiles>;
+  const format::bitmap_tiles f{0.5f, 0.5f};
+  std::vector<float> rows(64 * 64);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = (i % 3 == 0) ? -1.0f : 1.0f;
+  std::vector<float> weights(64, 1.0f);
+  for (int c = 32; c < 64; ++c) weights[static_cast<std::size_t>(c)] = 2.0f;
+  std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+  std::vector<float> decoded(rows.size());
+  for (const bool weighted : {false, true}) {
+    traits::encode_k(f, shape, rows.data(), weighted ? weights.data() : nullptr, page.data());
+    traits::decode_k(f, shape, page.data(), 64, decoded.data());
+    for (int t = 0; t < 64; ++t)
+      for (int c = 0; c < 64; ++c) {
+        const std::size_t i = static_cast<std::size_t>(t) * 64 + c;
+        CHECK(decoded[i] == ((c >= 32) == weighted ? rows[i] : 0.0f));
+      }
+  }
+  // A random case against the independent reference.
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 1;
+  cfg.head_dim = 64;
+  const auto kv = synthetic::generate_kv(cfg, 4, 64);
+  const std::vector<float> k = stored_rows(kv, 0, false, dtype::bf16);
+  for (std::size_t c = 0; c < weights.size(); ++c) weights[c] = 0.25f * static_cast<float>((c * 7) % 5);  // ties
+  traits::encode_k(f, shape, k.data(), weights.data(), page.data());
+  traits::decode_k(f, shape, page.data(), 64, decoded.data());
+  CHECK(decoded == test::reference_prune(k, 64, 0.5f, weights.data()));
+}
+
+TEST_CASE("output_aware_key_weights sums |q| over the window and the GQA group", "[bitmap_tiles]") {
+  // window 2, 4 query heads in groups of 2, head_dim 1... padded to 2 channels for clarity.
+  const std::vector<float> q{1, -2, /*h1*/ 3, 4, /*h2*/ -5, 6, /*h3*/ 7, -8,   // t = 0
+                             -1, 1, /*h1*/ 1, -1, /*h2*/ 2, 2, /*h3*/ -2, 2};  // t = 1
+  const auto w = output_aware_key_weights(tensor_view<const float, 3>(q.data(), 2, 4, 2), 2);
+  CHECK(w == std::vector<float>{1 + 3 + 1 + 1, 2 + 4 + 1 + 1, 5 + 7 + 2 + 2, 6 + 8 + 2 + 2});
+  CHECK_THROWS_WITH(output_aware_key_weights(tensor_view<const float, 3>(q.data(), 2, 4, 2), 3),
+                    Catch::Contains("group_size = 3"));
+}
+
+TEST_CASE("cache::set_key_weights prunes sealed K pages output-aware, and rejects bad weights", "[bitmap_tiles]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  cache<format::bitmap_tiles> sparse(c, format::bitmap_tiles{0.7f, 0.3f});
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  std::vector<float> weights(2 * 64);
+  for (std::size_t i = 0; i < weights.size(); ++i) weights[i] = 1.0f + static_cast<float>((i * 13) % 7);
+  const auto kv = synthetic::generate_kv(cfg, 6, 150);
+  const sequence_id id = sparse.add_sequence();
+  sparse.set_key_weights(id, tensor_view<const float, 2>(weights.data(), 2, 64));
+  sparse.prefill(id, test::k_view(kv), test::v_view(kv));
+  const auto q = synthetic::generate_query(cfg, 6, 150);
+  std::vector<float> out(q.size());
+  sparse.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+                tensor_view<float, 3>(out.data(), 1, 4, 64));
+  const synthetic::kv_data kept = test::pruned_cache(test::rounded(kv, dtype::bf16), 64, 0.7f, 0.3f, weights);
+  const double scale = 1.0 / 8.0;
+  const auto exact = test::exact(q, kept, scale);
+  const auto bound = test::attention_error_bound(q, kept, 2, scale, dtype::bf16, 64, /*exact_storage=*/true);
+  for (std::size_t i = 0; i < out.size(); ++i) REQUIRE(std::abs(out[i] - exact[i]) <= bound.per_element[i]);
+  // Magnitude pruning gives a different cache on this data: the weights took effect.
+  const auto magnitude = test::exact(q, test::pruned_cache(test::rounded(kv, dtype::bf16), 64, 0.7f, 0.3f), scale);
+  double differ = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) differ = std::max(differ, std::abs(magnitude[i] - exact[i]));
+  CHECK(differ > 1e-3);
+
+  CHECK_THROWS_WITH(sparse.set_key_weights(id, tensor_view<const float, 2>(weights.data(), 1, 64)),
+                    "kvmosaic: cache::set_key_weights: weights shape = 1x64; allowed: num_kv_heads x head_dim");
+  weights[5] = -1.0f;
+  CHECK_THROWS_WITH(sparse.set_key_weights(id, tensor_view<const float, 2>(weights.data(), 2, 64)),
+                    Catch::Contains("weights = -1; allowed: finite and >= 0"));
+  sparse.set_key_weights(id, tensor_view<const float, 2>(nullptr, 0, 0));  // back to magnitudes
 }

@@ -31,8 +31,11 @@
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
+#include "kvmosaic/cuda/kernel/decode_bitmap.cuh"
+#include "kvmosaic/cuda/kernel/encode_bitmap.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
+#include "kvmosaic/format/bitmap_tiles.hpp"
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/host/backend.hpp"
@@ -86,14 +89,28 @@ inline unsigned grid_for(std::int64_t count, int threads) {
 
 }  // namespace detail
 
-/// The CUDA engine of one format. Only `format::dense` has kernels so far; other formats fail to
-/// compile with a sentence rather than at run time.
+/// Whether the CUDA backend has kernels for a format.
+template <class Format>
+struct has_kernels : std::false_type {};
+template <>
+struct has_kernels<format::dense> : std::true_type {};
+template <>
+struct has_kernels<format::bitmap_tiles> : std::true_type {};
+
+/// The CUDA engine of one format (`format::dense` or `format::bitmap_tiles`); other formats fail
+/// to compile with a sentence rather than at run time.
+///
+/// Dense pages are written in place by the row kernels. Other formats' pages are encoded on the
+/// device: the row kernels write the completed pages' dense rows to a scratch arena (at most
+/// `encode_chunk_pages` pages at a time), and the format's encode kernel compresses them into
+/// their pages.
 template <class Format>
 class engine {
-  static_assert(std::is_same<Format, format::dense>::value,
-                "kvmosaic: the CUDA backend has kernels for format::dense only so far");
+  static_assert(has_kernels<Format>::value,
+                "kvmosaic: the CUDA backend has kernels for format::dense and format::bitmap_tiles only so far");
   using traits = format_traits<Format>;
   using dense_traits = format_traits<format::dense>;
+  static constexpr bool encodes_pages = !std::is_same<Format, format::dense>::value;
 
  public:
   engine(const kvmosaic::detail::engine_shape& shape, const Format& format)
@@ -121,6 +138,10 @@ class engine {
           make_row_map(tails_.data(), static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
     }
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
+      use_tma_ = false;
+      if (use_bulk_copy_) choose_compressed_stages(device);
+    }
     prepare_decode_kernel();
   }
   ~engine() {
@@ -144,9 +165,18 @@ class engine {
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
               const page_id* new_pages) {
     check_device_rows("cache::prefill", k, v);
-    const kernel::extend_item item{0, static_cast<std::int32_t>(k.extent(0)), slot, tail_rows, 0};
-    const std::int32_t pages = (tail_rows + item.count) / shape_.page_size;
-    run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), k.extent(0));
+    // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena).
+    const std::int64_t rows = k.extent(0);
+    const std::int64_t chunk_rows = encodes_pages ? std::int64_t{encode_chunk_pages} * shape_.page_size : rows;
+    for (std::int64_t first = 0; first < rows;) {
+      const auto count = static_cast<std::int32_t>(std::min(chunk_rows - tail_rows, rows - first));
+      const kernel::extend_item item{first, count, slot, tail_rows, 0};
+      const std::int32_t pages = (tail_rows + count) / shape_.page_size;
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), count);
+      new_pages += pages;
+      tail_rows = (tail_rows + count) % shape_.page_size;
+      first += count;
+    }
   }
 
   /// One decode token per sequence: row b of k, v (device, [batch][heads][head_dim]) to items[b].
@@ -168,6 +198,26 @@ class engine {
     const std::size_t bytes = geometry_.tail_slot_bytes();
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * bytes, tails_.as<std::byte>() + from * bytes, bytes,
                                         cudaMemcpyDeviceToDevice, stream_));
+    if constexpr (has_key_weights_v<Format>) {
+      has_key_weights_[static_cast<std::size_t>(to)] = has_key_weights_[static_cast<std::size_t>(from)];
+      if (has_key_weights_[static_cast<std::size_t>(from)]) {
+        const std::size_t row = shape_.row_elements() * sizeof(float);
+        KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(key_weights_.as<std::byte>() + to * row, key_weights_.as<std::byte>() + from * row,
+                                            row, cudaMemcpyDeviceToDevice, stream_));
+      }
+    }
+  }
+
+  /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
+  /// [head_dim] in host memory (copied before this returns), or null for plain magnitudes.
+  void set_key_weights(std::int32_t slot, const float* weights) {
+    static_assert(has_key_weights_v<Format>, "this format has no K weights");
+    has_key_weights_[static_cast<std::size_t>(slot)] = weights != nullptr;
+    if (weights == nullptr) return;
+    const std::size_t row = shape_.row_elements() * sizeof(float);
+    if (key_weights_.size() == 0) key_weights_ = device_buffer(static_cast<std::size_t>(shape_.max_sequences) * row);
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // encodes in flight may read the old row
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(key_weights_.as<std::byte>() + slot * row, weights, row, cudaMemcpyHostToDevice));
   }
 
   /// A decode step: plan, then launch. q and out are device arrays [batch][num_q_heads][head_dim].
@@ -217,7 +267,7 @@ class engine {
     }
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
-        make_split_plan(full_pages, tail_rows, target_splits(), use_bulk_copy_ ? tuning.max_pages_per_split : 1 << 30);
+        make_split_plan(full_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30);
     reserve_step(n, longest, plan.num_splits());
     batch_ = n;
     step_splits_ = plan.num_splits();
@@ -268,6 +318,7 @@ class engine {
     p.out = out;
     p.page_rows = page_rows_;
     p.tail_rows_map = tail_rows_map_;
+    p.stages = compressed_stages_;
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -291,24 +342,49 @@ class engine {
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      if (use_tma_) {
+      if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
+        if (use_bulk_copy_) {
+          using layout = kernel::bitmap_decode_layout<head_dim>;
+          const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
+          f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128,
+            layout::bytes(stage_bytes, compressed_stages_));
+        } else {
+          using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
+          f(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+            kernel::bitmap_portable_layout<head_dim, group_size, collective::rows>::bytes);
+        }
+      } else if (use_tma_) {
         constexpr int stage_tokens = 64, stages = t.tma_stages;
         using layout = kernel::tma_decode_layout<T, head_dim, stage_tokens, stages, t.max_pages_per_split>;
         f(kernel::decode_partial_tma_kernel<T, head_dim, group_size, stage_tokens, stages, t.max_pages_per_split>, 128,
           layout::bytes);
-        return;
-      }
-      if (use_bulk_copy_) {
+      } else if (use_bulk_copy_) {
         using layout =
             kernel::bulk_decode_layout<T, head_dim, group_size, t.stage_tokens, t.stages, t.max_pages_per_split>;
-        f(kernel::decode_partial_bulk_kernel<Format, T, head_dim, group_size, t.threads, t.unroll, t.stage_tokens, t.stages,
-                                             t.max_pages_per_split>,
+        f(kernel::decode_partial_bulk_kernel<format::dense, T, head_dim, group_size, t.threads, t.unroll, t.stage_tokens,
+                                             t.stages, t.max_pages_per_split>,
           t.threads, layout::bytes);
       } else {
-        f(kernel::decode_partial_kernel<Format, T, head_dim, group_size, t.threads, t.unroll>, t.threads, 0);
+        f(kernel::decode_partial_kernel<format::dense, T, head_dim, group_size, t.threads, t.unroll>, t.threads, 0);
       }
     });
   }
+
+  /// The most pages one split may hold: the page ids the dense sm_90 kernels keep in shared
+  /// memory (the bitmap_tiles kernel reads them from the block table: no limit).
+  static constexpr int max_pages_per_split(const decode_tuning& t) {
+    return std::is_same<Format, format::bitmap_tiles>::value ? 1 << 30 : t.max_pages_per_split;
+  }
+
+  /// bitmap_tiles on sm_90: sets the compressed page pairs each CTA keeps in flight (1 to 4) and
+  /// re-reads the occupancy. For tuning experiments; the engine picks a value by itself.
+  void set_compressed_stages(int stages) {
+    kvmosaic::detail::require(stages >= 1 && stages <= 4, "cuda::engine::set_compressed_stages", "stages", stages,
+                              "1 to 4");
+    compressed_stages_ = stages;
+    prepare_decode_kernel();
+  }
+  int compressed_stages() const noexcept { return compressed_stages_; }
 
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
@@ -327,6 +403,11 @@ class engine {
   /// True when decode runs the sm_90 TMA kernel with q.k and p.v on tensor cores (p also split
   /// into two 16-bit halves).
   bool uses_tma() const noexcept { return use_tma_; }
+  /// True when decode multiplies p.v on tensor cores, p split into two 16-bit halves (the dense
+  /// TMA kernel and the sm_90 bitmap_tiles kernel).
+  bool splits_p_on_tensor_cores() const noexcept {
+    return use_tma_ || (std::is_same<Format, format::bitmap_tiles>::value && use_bulk_copy_);
+  }
   /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
   /// (at most target + batch: each sequence rounds its split count up by less than one), so a
   /// captured graph stays valid. Plans capped by max_pages_per_split (longer than a wave) may need
@@ -335,6 +416,42 @@ class engine {
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
+  /// Completed pages per encode pass (encoded formats): bounds the scratch arena for a prefill.
+  static constexpr std::int32_t encode_chunk_pages = 64;
+
+  /// bitmap_tiles on sm_90: the compressed stages per CTA. Expanding tiles is latency-bound integer
+  /// work, so occupancy comes first: as many CTAs per SM as the kernel's registers allow (at most
+  /// 4) with at least one stage each, then as many stages as fit next to them (at most 4).
+  /// Measured on H100 at batch 8, 128K, head_dim 128: s = 0.5 ran 2.40 ms with three CTAs of one
+  /// stage and 2.99 ms with two CTAs of three; s = 0.7, three CTAs of two stages 1.65 ms, of one
+  /// 1.68 ms. Capping registers at 128 for four CTAs spilled and lost 8-11%. Pages too large for
+  /// one stage run the portable kernel.
+  void choose_compressed_stages(int device) {
+    int per_sm = 0, per_block = 0, reserved = 0, registers = 0;
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&registers, cudaDevAttrMaxRegistersPerMultiprocessor, device));
+    int kernel_registers = 0;
+    with_decode_kernel([&](auto kernel, int, int) {
+      cudaFuncAttributes attributes{};
+      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+      kernel_registers = attributes.numRegs;
+    });
+    // Registers are allocated per warp in units of 256; the kernel runs 4 warps.
+    const int per_cta_registers = 4 * ((kernel_registers * 32 + 255) / 256 * 256);
+    const int pair = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
+    const int fixed = kernel::bitmap_decode_fixed_bytes(shape_.head_dim);
+    for (int ctas = std::min(4, registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
+      const int budget = std::min(per_sm / ctas - reserved, per_block);
+      const int stages = (budget - fixed) / pair;
+      if (stages >= 1) {
+        compressed_stages_ = std::min(stages, kernel::bitmap_decode_layout<64>::max_stages);
+        return;
+      }
+    }
+    use_bulk_copy_ = false;  // not even one page pair fits next to the dense tiles
+  }
 
   /// Raises the chosen split kernel's dynamic shared-memory limit and reads its occupancy, which
   /// sizes the split plan.
@@ -379,40 +496,99 @@ class engine {
   template <class T>
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
                   const T* k, const T* v, std::int64_t max_rows) {
+    // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
+    // weight row of each new page, -1 for none].
     const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
-    const std::size_t bytes = items_bytes + align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
+    const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
+    const std::size_t bytes = items_bytes + (encodes_pages ? 3 : 1) * pages_bytes;
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     extend_staging_.reserve(bytes);
     extend_metadata_.reserve(bytes);
-    std::memcpy(extend_staging_.data(), items.data(), items.size() * sizeof(kernel::extend_item));
-    if (num_new_pages > 0)
-      std::memcpy(extend_staging_.as<std::byte>() + items_bytes, new_pages, num_new_pages * sizeof(page_id));
+    std::byte* staging = extend_staging_.as<std::byte>();
+    std::memcpy(staging, items.data(), items.size() * sizeof(kernel::extend_item));
+    if (num_new_pages > 0) std::memcpy(staging + items_bytes, new_pages, num_new_pages * sizeof(page_id));
+    if (encodes_pages) {
+      auto* ordinals = reinterpret_cast<std::int32_t*>(staging + items_bytes + pages_bytes);
+      for (std::int32_t i = 0; i < num_new_pages; ++i) ordinals[i] = i;
+      auto* weight_rows = reinterpret_cast<std::int32_t*>(staging + items_bytes + 2 * pages_bytes);
+      for (const kernel::extend_item& item : items) {
+        const std::int32_t pages = (item.tail_rows + item.count) / shape_.page_size;
+        bool weighted = false;
+        if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
+        for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
+      }
+      reserve_scratch(num_new_pages);
+    }
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(), bytes, cudaMemcpyHostToDevice, stream_));
     KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+    const std::byte* metadata = extend_metadata_.as<const std::byte>();
+    const auto* page_ids = reinterpret_cast<const std::int32_t*>(metadata + items_bytes);
     kernel::extend_params p{};
-    p.pages = pages_.as<std::byte>();
+    // Completed pages: dense rows straight into their pages, or into scratch slots to encode.
+    p.pages = encodes_pages ? scratch_.as<std::byte>() : pages_.as<std::byte>();
+    p.page_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
+    p.new_pages = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
     p.tails = tails_.as<std::byte>();
-    p.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
     p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
     p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
     p.num_kv_heads = shape_.num_kv_heads;
     p.head_dim = shape_.head_dim;
     p.page_size = shape_.page_size;
-    p.items = extend_metadata_.as<const kernel::extend_item>();
-    p.new_pages = reinterpret_cast<const std::int32_t*>(extend_metadata_.as<const std::byte>() + items_bytes);
+    p.items = reinterpret_cast<const kernel::extend_item*>(metadata);
     const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
     const dim3 tail_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(items.size()));
     const dim3 row_grid(detail::grid_for(vectors_per_row * max_rows, extend_threads), static_cast<unsigned>(items.size()));
-    if (shape_.storage == dtype::f16) {
-      kernel::move_tail_rows_kernel<half><<<tail_grid, extend_threads, 0, stream_>>>(p);
+    const auto scatter = [&](auto element) {
+      using S = decltype(element);
+      kernel::move_tail_rows_kernel<S><<<tail_grid, extend_threads, 0, stream_>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      kernel::scatter_rows_kernel<half, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
-    } else {
-      kernel::move_tail_rows_kernel<bfloat16><<<tail_grid, extend_threads, 0, stream_>>>(p);
+      kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      kernel::scatter_rows_kernel<bfloat16, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
+    };
+    if (shape_.storage == dtype::f16)
+      scatter(half{});
+    else
+      scatter(bfloat16{});
+    if constexpr (encodes_pages) {
+      if (num_new_pages > 0)
+        encode_pages(page_ids, reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes), num_new_pages);
     }
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  }
+
+  /// Grows the scratch arena of dense page rows that encoded formats compress from.
+  void reserve_scratch(std::int32_t pages) {
+    if (pages <= scratch_pages_) return;
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old arena may still be read
+    scratch_pages_ = std::max(pages, encode_chunk_pages);
+    scratch_ = device_buffer(static_cast<std::size_t>(scratch_pages_) * geometry_.tail_slot_bytes());
+  }
+
+  /// Compresses scratch slots 0 .. n into pages page_ids[0 .. n), K scored with weight rows
+  /// weight_rows[0 .. n) (device arrays).
+  void encode_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
+    static_assert(std::is_same<Format, format::bitmap_tiles>::value, "encode kernels exist for bitmap_tiles only");
+    kernel::bitmap_encode_params e{};
+    e.rows = scratch_.as<const std::byte>();
+    e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+    e.pages = pages_.as<std::byte>();
+    e.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+    e.k_page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+    e.v_page_bytes = static_cast<std::int64_t>(geometry_.v_page_bytes);
+    e.new_pages = page_ids;
+    e.num_kv_heads = shape_.num_kv_heads;
+    e.page_size = shape_.page_size;
+    e.keep_k = kvmosaic::detail::kept_per_vector(format_.s_k, shape_.head_dim);
+    e.keep_v = kvmosaic::detail::kept_per_vector(format_.s_v, shape_.head_dim);
+    e.key_weights = key_weights_.as<const float>();
+    e.weight_rows = key_weights_.size() > 0 ? weight_rows : nullptr;
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);
+    const int mask_bytes = shape_.page_size * shape_.head_dim / 8;
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+      using S = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      kernel::encode_bitmap_pages_kernel<S, head_dim><<<grid, kernel::encode_threads, mask_bytes, stream_>>>(e);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
   }
 
   struct layout_capacity {
@@ -442,6 +618,11 @@ class engine {
   std::int32_t step_splits_ = 0;
   pinned_buffer staging_, extend_staging_;
   device_buffer step_metadata_, extend_metadata_, partials_;
+  device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
+  device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
+  std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
+  std::int32_t scratch_pages_ = 0;
+  int compressed_stages_ = 2;    ///< bitmap_tiles sm_90 kernel: compressed page pairs in flight
 };
 
 }  // namespace cuda

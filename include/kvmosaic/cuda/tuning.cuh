@@ -32,6 +32,7 @@ constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   // 78 KB of shared memory at head_dim 128 (two CTAs per SM) and 142 KB at 256 (one). 512 page
   // ids would fit three CTAs per SM but cap splits at 512 pages: batch 32 at 128K then needs
   // three waves and lost 2.5%.
+  // The bitmap_tiles kernel sizes its stages at run time: see engine::choose_compressed_stages.
   return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 2};
 }
 

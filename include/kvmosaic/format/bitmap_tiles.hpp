@@ -6,8 +6,11 @@
 /// Unstructured Sparsity for KV Cache Pruning in LLM Inference", sections 2-3, 4.3, appendix C).
 ///
 /// Pruning: every token's K vector and V vector keeps exactly `head_dim - round(s * head_dim)`
-/// elements of largest magnitude (per-token magnitude pruning, the paper's choice for both caches;
-/// its output-aware K score is not implemented yet). Ties in magnitude keep the lower channel.
+/// elements of largest magnitude (per-token magnitude pruning, the paper's choice for both caches).
+/// Ties in magnitude keep the lower channel. Optionally K is pruned output-aware (section 2.1): the
+/// score of k_c is |k_c| * w_c, with w the sum of |q| over a window of queries (the GQA group
+/// summed), set per sequence with `cache::set_key_weights` (`output_aware_key_weights` computes
+/// w); scores are fp32 products on host and device alike.
 ///
 /// Storage of one page (page_size tokens) of one KV head, K and V alike:
 ///   [bitmaps: tiles x uint64][tile offsets: tiles x uint32][non-zero values: 16-bit, packed]
@@ -37,6 +40,7 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/view.hpp"
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 
@@ -62,11 +66,13 @@ inline int kept_per_vector(float sparsity, int head_dim) {
   return head_dim - static_cast<int>(std::lround(static_cast<double>(sparsity) * head_dim));
 }
 
-/// Indices of the `keep` largest |x| of x[0..n), ties to the lower index, in increasing order.
-inline void largest_magnitudes(const float* x, int n, int keep, std::vector<int>& kept) {
+/// Indices of the `keep` largest scores |x_i| (times weights[i] when weights are given) of
+/// x[0..n), ties to the lower index, in increasing order.
+inline void largest_magnitudes(const float* x, int n, int keep, std::vector<int>& kept, const float* weights = nullptr) {
   kept.resize(static_cast<std::size_t>(n));
   std::iota(kept.begin(), kept.end(), 0);
-  std::stable_sort(kept.begin(), kept.end(), [x](int a, int b) { return std::abs(x[a]) > std::abs(x[b]); });
+  const auto score = [x, weights](int i) { return weights ? std::abs(x[i]) * weights[i] : std::abs(x[i]); };
+  std::stable_sort(kept.begin(), kept.end(), [&score](int a, int b) { return score(a) > score(b); });
   kept.resize(static_cast<std::size_t>(keep));
   std::sort(kept.begin(), kept.end());
 }
@@ -85,10 +91,10 @@ inline bitmap_page_layout bitmap_layout(float sparsity, const page_shape& shape)
                             shape.page_size * kept_per_vector(sparsity, shape.head_dim)};
 }
 
-/// Prunes rows [page_size][head_dim] per token and packs them; `along_tokens` tiles each channel
-/// along tokens (K), otherwise each token along channels (V).
+/// Prunes rows [page_size][head_dim] per token (scores weighted by `weights` when given) and packs
+/// them; `along_tokens` tiles each channel along tokens (K), otherwise each token along channels (V).
 inline void encode_bitmap_page(float sparsity, const page_shape& shape, const float* rows, bool along_tokens,
-                               std::byte* page) {
+                               std::byte* page, const float* weights = nullptr) {
   const int p = shape.page_size, d = shape.head_dim;
   const bitmap_page_layout layout = bitmap_layout(sparsity, shape);
   // Which elements each token keeps (the decision, not the value: a kept zero stays kept, so
@@ -96,7 +102,7 @@ inline void encode_bitmap_page(float sparsity, const page_shape& shape, const fl
   std::vector<std::uint8_t> keep_mask(static_cast<std::size_t>(p) * d, 0);
   std::vector<int> kept;
   for (int t = 0; t < p; ++t) {
-    largest_magnitudes(rows + static_cast<std::size_t>(t) * d, d, kept_per_vector(sparsity, d), kept);
+    largest_magnitudes(rows + static_cast<std::size_t>(t) * d, d, kept_per_vector(sparsity, d), kept, weights);
     for (const int c : kept) keep_mask[static_cast<std::size_t>(t) * d + c] = 1;
   }
   std::vector<float> values;
@@ -151,9 +157,25 @@ inline void decode_bitmap_page(float sparsity, const page_shape& shape, const st
 
 }  // namespace detail
 
+/// MUSTAFAR's output-aware K weights (section 2.1): w[h][c] = sum over the window's queries and
+/// the query heads of KV head h of |q[t][h * group_size + g][c]|. `queries`: [window][num_q_heads]
+/// [head_dim] (the paper uses the 32 most recent). Returns [num_kv_heads][head_dim].
+inline std::vector<float> output_aware_key_weights(tensor_view<const float, 3> queries, int group_size) {
+  detail::require(group_size >= 1 && queries.extent(1) % group_size == 0, "output_aware_key_weights", "group_size",
+                  group_size, "a divisor of queries.extent(1) (the query heads)");
+  const std::int64_t kv_heads = queries.extent(1) / group_size, d = queries.extent(2);
+  std::vector<float> w(static_cast<std::size_t>(kv_heads * d), 0.0f);
+  for (std::int64_t t = 0; t < queries.extent(0); ++t)
+    for (std::int64_t j = 0; j < queries.extent(1); ++j)
+      for (std::int64_t c = 0; c < d; ++c) w[static_cast<std::size_t>((j / group_size) * d + c)] += std::abs(queries(t, j, c));
+  return w;
+}
+
 template <>
 struct format_traits<format::bitmap_tiles> {
   static constexpr const char* name = "bitmap_tiles";
+  /// K may be pruned output-aware (cache::set_key_weights).
+  static constexpr bool has_key_weights = true;
 
   static std::string describe(const format::bitmap_tiles& f) {
     std::ostringstream os;
@@ -181,6 +203,11 @@ struct format_traits<format::bitmap_tiles> {
 
   static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
     detail::encode_bitmap_page(f.s_k, shape, rows, /*along_tokens=*/true, page);
+  }
+  /// As encode_k, each element scored |k_c| * weights[c] (weights: [head_dim], or null).
+  static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, const float* weights,
+                       std::byte* page) {
+    detail::encode_bitmap_page(f.s_k, shape, rows, /*along_tokens=*/true, page, weights);
   }
   static void encode_v(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
     detail::encode_bitmap_page(f.s_v, shape, rows, /*along_tokens=*/false, page);

@@ -30,11 +30,18 @@
 ///   static void accumulate(const Format&, const page_shape&, const std::byte* v_page, int n,
 ///                          const float* p /*[G][n]*/, int G, float* o /*[G][D], += */);
 ///
+/// Optional: a format whose K pruning can weigh channels (output-aware scores) declares
+///   static constexpr bool has_key_weights = true;
+///   static void encode_k(const Format&, const page_shape&, const float* rows, const float* weights
+///                        /*[head_dim] or null*/, std::byte* page);
+/// and `cache::set_key_weights` becomes available for it.
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
 
 #include <cstddef>
+#include <type_traits>
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"
 
@@ -54,5 +61,21 @@ struct format_traits {
                 "specialize kvmosaic::format_traits<YourFormat> as described in "
                 "kvmosaic/format/format_traits.hpp");
 };
+
+namespace detail {
+/// format_traits<Format>::has_key_weights, false when a format does not declare it.
+template <class Traits, class = void>
+struct key_weights_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct key_weights_of<Traits, std::void_t<decltype(Traits::has_key_weights)>> {
+  static constexpr bool value = Traits::has_key_weights;
+};
+}  // namespace detail
+
+/// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
+template <class Format>
+inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
 
 }  // namespace kvmosaic

@@ -175,10 +175,24 @@ class engine {
     }
   }
 
-  /// Copies the first `rows` tail rows of one slot to another (fork).
+  /// Copies the first `rows` tail rows of one slot to another (fork); the K weights go along.
   void copy_tail(std::int32_t from, std::int32_t to, int rows) {
     (void)rows;  // whole slot: simpler, and the bytes past `rows` are never read
     std::memcpy(tail_slot(to), tail_slot(from), geometry_.tail_slot_bytes());
+    if constexpr (has_key_weights_v<Format>) {
+      key_weights_[static_cast<std::size_t>(to)] = key_weights_[static_cast<std::size_t>(from)];
+    }
+  }
+
+  /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
+  /// [head_dim] (host memory), or null for plain magnitudes.
+  void set_key_weights(std::int32_t slot, const float* weights) {
+    static_assert(has_key_weights_v<Format>, "this format has no K weights");
+    std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+    if (weights == nullptr)
+      w.clear();
+    else
+      w.assign(weights, weights + shape_.row_elements());
   }
 
   /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b.
@@ -267,7 +281,13 @@ class engine {
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
-      traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
+      if constexpr (has_key_weights_v<Format>) {
+        const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+        traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * shape_.head_dim,
+                         base + geometry_.k_page_offset(h));
+      } else {
+        traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
+      }
       dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
       traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
@@ -278,6 +298,8 @@ class engine {
   detail::arena_geometry geometry_;
   detail::host_buffer pages_;
   detail::host_buffer tails_;
+  /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
+  std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };
 
 }  // namespace host

@@ -33,6 +33,7 @@ struct decode_params {
   std::int64_t tail_head_bytes;
   int num_kv_heads;
   int page_size;
+  int stages;                         ///< sm_90 bitmap_tiles kernel: compressed pages in flight per CTA
 
   const std::int32_t* step_header;    ///< device: [0] splits this step, [1] block-table row stride
   const std::int32_t* block_tables;   ///< [batch][stride] page ids
@@ -135,14 +136,37 @@ __device__ __forceinline__ void write_partial(const decode_params& p, int work_i
 
 /// The sm_90 kernels' prologue: the split's page ids to shared memory (all threads) and one
 /// mbarrier per stage (thread 0). A barrier must follow before either is used.
-template <int Stages>
 __device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, int threads,
-                                                  std::int32_t* ids, std::uint64_t* full) {
+                                                  int stages, std::int32_t* ids, std::uint64_t* full) {
   const int num_pages = w.page_end - w.page_begin;
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
   for (int i = static_cast<int>(threadIdx.x); i < num_pages; i += threads) ids[i] = table[i];
   if (threadIdx.x == 0)
-    for (int b = 0; b < Stages; ++b) detail::barrier_init(&full[b], 1);
+    for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
+}
+
+/// The tensor-core kernels' epilogue: each warp's `warp_attend_mma` state to `temp` (lane 4 g + q
+/// holds head g, channels 8 c + 2 q + {0, 1}), then the CTA merge. `temp` may alias the stage
+/// buffers: the caller has passed a barrier after its last read of them.
+template <class Attend, int HeadDim, int Group, int Warps>
+__device__ __forceinline__ void write_warp_partial(const decode_params& p, int work_index, int head,
+                                                   const Attend& state,
+                                                   decode_temp_storage<Group, HeadDim, Warps>& temp) {
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane / 4, quad = lane % 4;
+  const float l = state.total_l();
+  if (g < Group) {
+#pragma unroll
+    for (int c = 0; c < HeadDim / 8; ++c) {
+      temp.o[warp][g][8 * c + 2 * quad] = state.o[c][0];
+      temp.o[warp][g][8 * c + 2 * quad + 1] = state.o[c][1];
+    }
+    if (quad == 0) {
+      temp.m[warp][g] = state.m;
+      temp.l[warp][g] = l;
+    }
+  }
+  merge_and_write_partial<HeadDim, Group, Warps * 32, Warps>(p, work_index, head, temp);
 }
 
 }  // namespace detail_decode
@@ -227,7 +251,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages<Stages>(p, w, Threads, ids, full);
+  detail_decode::stage_split_pages(p, w, Threads, Stages, ids, full);
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
@@ -329,7 +353,7 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages<Stages>(p, w, threads, ids, full);
+  detail_decode::stage_split_pages(p, w, threads, Stages, ids, full);
   __syncthreads();
 
   const int page_size = p.page_size;
@@ -393,22 +417,8 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }
 
-  // Each warp's state to shared memory (lane 4 g + q: head g, channels 8 c + 2 q + {0, 1}).
-  auto& temp = *reinterpret_cast<temp_storage*>(k_tiles);
-  const int lane = tid % 32, g = lane / 4, quad = lane % 4;
-  const float l = state.total_l();
-  if (g < Group) {
-#pragma unroll
-    for (int c = 0; c < HeadDim / 8; ++c) {
-      temp.o[warp][g][8 * c + 2 * quad] = state.o[c][0];
-      temp.o[warp][g][8 * c + 2 * quad + 1] = state.o[c][1];
-    }
-    if (quad == 0) {
-      temp.m[warp][g] = state.m;
-      temp.l[warp][g] = l;
-    }
-  }
-  detail_decode::merge_and_write_partial<HeadDim, Group, threads, warps>(p, work_index, head, temp);
+  detail_decode::write_warp_partial<attend, HeadDim, Group, warps>(p, work_index, head, state,
+                                                                   *reinterpret_cast<temp_storage*>(k_tiles));
 }
 
 /// out[b][j] = merge over the splits of b of their normalized partials (lse_s, o_s): weights

@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The "extract" step of MUSTAFAR's load-as-compressed, compute-as-dense pipeline (appendix C):
+/// a CTA expands one segment of tokens of a compressed `format::bitmap_tiles` page (K and V of one
+/// head) into a dense tile pair in shared memory, which the dense attention collectives then
+/// consume (tensor cores on sm_90, SIMT elsewhere). The compressed page may sit in shared memory
+/// (staged by bulk copies) or in global memory (the portable kernel reads it in place).
+///
+/// Cost per segment: one work item per 1x64 tile touching the segment (head_dim K tiles, one per
+/// channel, and segment x head_dim / 64 V tiles) and, per kept value, a bit scan, a 16-bit load
+/// and a 16-bit shared store with a few integer operations of addressing. The tiles must be zero
+/// where nothing is kept: the kernels clear them between segments with 16-byte stores.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/cuda/detail/bulk_copy.cuh"
+
+namespace kvmosaic::cuda {
+
+namespace detail {
+__device__ __forceinline__ void store_shared_u16(std::uint32_t address, std::uint16_t value) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(address), "h"(value) : "memory");
+}
+__device__ __forceinline__ std::uint16_t load_shared_u16(std::uint32_t address) {
+  std::uint16_t value;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(value) : "r"(address));
+  return value;
+}
+__device__ __forceinline__ void store_shared_zero16(std::uint32_t address) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
+}
+}  // namespace detail
+
+/// Dense tile addressing: the 128-byte-swizzled layout of the tensor-core collective (64-channel
+/// blocks of `Tokens` rows of 128 bytes; 16-byte chunk k of row r at chunk k ^ (r mod 8)).
+/// `column(c).at(t)` and `row(t, j).at(b)` hoist what is constant along a K tile (a channel) and
+/// a V tile (64 channels of a token), leaving 2-4 integer operations per element.
+template <int Tokens>
+struct swizzled_tile {
+  struct column_address {
+    std::uint32_t base, chunk_key;
+    /// Byte offset of (token, this channel): t * 128 + ((t mod 8) ^ chunk) * 16 + base.
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const {
+      return base + (token << 7) + (((token << 4) & 0x70u) ^ chunk_key);
+    }
+  };
+  struct row_address {
+    std::uint32_t base, row_key;
+    /// Byte offset of (this token, channel 64 j + bit): bit * 2 with its chunk bits xor (t mod 8).
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t bit) const { return base + ((bit << 1) ^ row_key); }
+  };
+  __device__ __forceinline__ static column_address column(int channel) {
+    return {static_cast<std::uint32_t>((channel / 64) * Tokens * 128 + (channel % 8) * 2),
+            static_cast<std::uint32_t>(((channel % 64) / 8) << 4)};
+  }
+  __device__ __forceinline__ static row_address row(int token, int block) {
+    return {static_cast<std::uint32_t>(block * Tokens * 128 + token * 128), static_cast<std::uint32_t>((token & 7) << 4)};
+  }
+  /// Byte offset of the 16-byte chunk holding channels 8 k .. 8 k + 7 of a token.
+  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
+    return static_cast<std::uint32_t>((k / 8) * Tokens * 128 + token * 128 + (((k % 8) ^ (token & 7)) << 4));
+  }
+};
+
+/// Dense tile addressing: plain rows of `HeadDim` 16-bit values (the SIMT collective's layout).
+template <int HeadDim>
+struct row_major_tile {
+  struct column_address {
+    std::uint32_t base;
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const { return base + token * (HeadDim * 2); }
+  };
+  struct row_address {
+    std::uint32_t base;
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t bit) const { return base + bit * 2; }
+  };
+  __device__ __forceinline__ static column_address column(int channel) {
+    return {static_cast<std::uint32_t>(channel * 2)};
+  }
+  __device__ __forceinline__ static row_address row(int token, int block) {
+    return {static_cast<std::uint32_t>((token * HeadDim + block * 64) * 2)};
+  }
+  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
+    return static_cast<std::uint32_t>((token * HeadDim + k * 8) * 2);
+  }
+};
+
+/// A compressed page ([bitmaps: tiles x u64][offsets: tiles x u32][values: u16]) in shared memory,
+/// read through 32-bit shared addresses.
+struct shared_bitmap_page {
+  std::uint32_t base;
+  int tiles;
+  __device__ __forceinline__ shared_bitmap_page(const std::byte* page, int tile_count)
+      : base(detail::shared_address(page)), tiles(tile_count) {}
+  __device__ __forceinline__ std::uint64_t bitmap(int tile) const {
+    std::uint64_t bits;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(bits) : "r"(base + tile * 8));
+    return bits;
+  }
+  __device__ __forceinline__ std::uint32_t offset(int tile) const {
+    std::uint32_t offset;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(offset) : "r"(base + tiles * 8 + tile * 4));
+    return offset;
+  }
+  /// Cursor at value `index` of the run.
+  struct cursor {
+    std::uint32_t address;
+    __device__ __forceinline__ std::uint16_t next() {
+      const std::uint16_t value = detail::load_shared_u16(address);
+      address += 2;
+      return value;
+    }
+  };
+  __device__ __forceinline__ cursor values_from(std::uint32_t index) const {
+    return {base + static_cast<std::uint32_t>(tiles) * 12 + index * 2};
+  }
+};
+
+/// A compressed page in global memory, read in place (the portable kernel).
+struct global_bitmap_page {
+  const std::byte* base;
+  int tiles;
+  __device__ __forceinline__ std::uint64_t bitmap(int tile) const {
+    return reinterpret_cast<const std::uint64_t*>(base)[tile];
+  }
+  __device__ __forceinline__ std::uint32_t offset(int tile) const {
+    return reinterpret_cast<const std::uint32_t*>(base + tiles * 8)[tile];
+  }
+  struct cursor {
+    const std::uint16_t* value;
+    __device__ __forceinline__ std::uint16_t next() { return *value++; }
+  };
+  __device__ __forceinline__ cursor values_from(std::uint32_t index) const {
+    return {reinterpret_cast<const std::uint16_t*>(base + tiles * 12) + index};
+  }
+};
+
+/// Calls f(bit) for each set bit of `bits`, lowest first (32-bit scans: cheaper than 64-bit ones).
+template <class F>
+__device__ __forceinline__ void for_each_set_bit(std::uint64_t bits, F&& f) {
+  auto low = static_cast<std::uint32_t>(bits);
+  auto high = static_cast<std::uint32_t>(bits >> 32);
+  while (low != 0) {
+    f(static_cast<std::uint32_t>(__ffs(static_cast<int>(low)) - 1));
+    low &= low - 1;
+  }
+  while (high != 0) {
+    f(static_cast<std::uint32_t>(__ffs(static_cast<int>(high)) + 31));
+    high &= high - 1;
+  }
+}
+
+/// Stores the values at `cursor` to tile_base + address.at(bit) for each set bit of `bits`, in
+/// order. (Tried: two bits per iteration with 64-bit scans, to keep two loads in flight: 26%
+/// slower on H100.)
+template <class Cursor, class Address>
+__device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cursor, const Address& address,
+                                                 std::uint32_t tile_base) {
+  for_each_set_bit(bits, [&](std::uint32_t bit) { detail::store_shared_u16(tile_base + address.at(bit), cursor.next()); });
+}
+
+/// Expands tokens [first, first + SegmentTokens) of one head's compressed K page and V page into
+/// dense tiles (layout `Tile`, SegmentTokens rows). `first` is a multiple of SegmentTokens, which
+/// is 64 or 32, so a segment never straddles a K tile.
+template <int HeadDim, int SegmentTokens, int Threads, class Tile>
+struct bitmap_segment_expand {
+  static_assert(SegmentTokens == 64 || SegmentTokens == 32, "segments are whole or half 1x64 tiles");
+  static constexpr int tile_bytes = SegmentTokens * HeadDim * 2;  ///< one dense tile (K or V)
+  static constexpr int v_tiles_per_token = HeadDim / 64;
+  /// Work items of a segment: head_dim K tiles (one per channel), then segment x head_dim / 64
+  /// V tiles (one per token and 64 channels).
+  static constexpr int items = HeadDim + SegmentTokens * v_tiles_per_token;
+
+  /// Zeroes a dense tile pair (K then V, contiguous). Every thread of the CTA calls it.
+  __device__ __forceinline__ static void zero_tiles(std::byte* tiles) {
+    const std::uint32_t base = detail::shared_address(tiles);
+    for (int i = static_cast<int>(threadIdx.x); i < 2 * tile_bytes / 16; i += Threads)
+      detail::store_shared_zero16(base + i * 16);
+  }
+
+  /// Zeroes rows [first, first + rows) of both tiles (swizzled tiles: whole 128-byte rows per
+  /// 64-channel block). A warp calls it for the rows only it reads.
+  __device__ __forceinline__ static void zero_rows_of_warp(std::byte* k_tile, std::byte* v_tile, int first, int rows) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    constexpr int blocks = HeadDim / 64;
+    const int chunks = rows * 8;  // 16-byte chunks per block
+    for (int i = lane; i < 2 * blocks * chunks; i += 32) {
+      const int tile = i / (blocks * chunks), rest = i % (blocks * chunks);
+      const int block = rest / chunks, chunk = rest % chunks;
+      detail::store_shared_zero16(detail::shared_address(tile ? v_tile : k_tile) + block * SegmentTokens * 128 +
+                                  first * 128 + chunk * 16);
+    }
+  }
+
+  /// Writes the kept values of the segment into the zeroed tiles `k_tile`, `v_tile`. K tiles run
+  /// along tokens (tile c * tiles_per_channel + first / 64 holds channel c), V tiles along
+  /// channels (tile t * head_dim / 64 + j holds token t, channels 64 j ..). Every thread calls it.
+  template <class Page>
+  __device__ __forceinline__ static void scatter(const Page& k_page, const Page& v_page, int page_size, int first,
+                                                 std::byte* k_tile, std::byte* v_tile) {
+    const std::uint32_t k_base = detail::shared_address(k_tile), v_base = detail::shared_address(v_tile);
+    const int k_part = first / 64, shift = first % 64;
+    for (int item = static_cast<int>(threadIdx.x); item < items; item += Threads) {
+      if (item < HeadDim) {
+        const int channel = item, tile = channel * (page_size / 64) + k_part;
+        const std::uint64_t all = k_page.bitmap(tile);
+        std::uint64_t bits = all >> shift;
+        if constexpr (SegmentTokens < 64) bits &= (std::uint64_t{1} << (SegmentTokens % 64)) - 1;
+        // Values of the tile's tokens before the segment precede it in the run.
+        const std::uint32_t skipped = shift == 0 ? 0u : __popcll(all & ((std::uint64_t{1} << shift) - 1));
+        auto value = k_page.values_from(k_page.offset(tile) + skipped);
+        scatter_set_bits(bits, value, Tile::column(channel), k_base);
+      } else {
+        const int index = item - HeadDim;
+        const int token = index / v_tiles_per_token, block = index % v_tiles_per_token;
+        const int tile = (first + token) * v_tiles_per_token + block;
+        auto value = v_page.values_from(v_page.offset(tile));
+        scatter_set_bits(v_page.bitmap(tile), value, Tile::row(token, block), v_base);
+      }
+    }
+  }
+
+  /// Copies rows [0, n) of dense K and V rows (global memory, head_dim 16-bit values each) into
+  /// the tiles and zeroes rows [n, SegmentTokens): the dense tail's segments. Every thread calls it.
+  __device__ __forceinline__ static void load_dense(const std::byte* k_rows, const std::byte* v_rows, int n,
+                                                    std::byte* k_tile, std::byte* v_tile) {
+    constexpr int chunks_per_row = HeadDim / 8;
+    for (int i = static_cast<int>(threadIdx.x); i < 2 * SegmentTokens * chunks_per_row; i += Threads) {
+      const int is_v = i / (SegmentTokens * chunks_per_row);
+      const int rest = i % (SegmentTokens * chunks_per_row);
+      const int token = rest / chunks_per_row, chunk = rest % chunks_per_row;
+      const std::byte* source = (is_v ? v_rows : k_rows) + (static_cast<std::size_t>(token) * HeadDim + chunk * 8) * 2;
+      const uint4 x = token < n ? *reinterpret_cast<const uint4*>(source) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>((is_v ? v_tile : k_tile) + Tile::chunk(token, chunk)) = x;
+    }
+  }
+};
+
+}  // namespace kvmosaic::cuda
