@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
       state.fold(k_tile, v_tile, query_tiles, warp * 16, segment);
+      __syncwarp();  // every lane's ldmatrix reads of these rows are done before any lane clears them
       expand::zero_rows_of_warp(k_tile, v_tile, warp * 16, 16);
       __syncthreads();  // the tiles are zero again
     }
