@@ -6,6 +6,8 @@
 //   kvmosaic_demo [--kv-heads 8] [--q-heads 32] [--head-dim 128] [--context 32768] [--batch 1]
 //                 [--page-size 64] [--dtype bf16] [--steps 5] [--seed N] [--json FILE]
 
+#include <algorithm>
+
 #include "demo_common.hpp"
 
 int main(int argc, char** argv) {
@@ -21,6 +23,16 @@ int main(int argc, char** argv) {
       for (const float sparsity : {0.5f, 0.7f}) {
         cache<format::bitmap_tiles> sparse(w.config, format::bitmap_tiles{sparsity, sparsity});
         rows.push_back(demo::run_host(sparse, w, o.steps));
+      }
+    }
+    // HACK's 2-bit codes: host backend (no CUDA kernels yet). Pi = 128 needs pages of 128.
+    for (const int partition : {32, 64, 128}) {
+      if (w.config.head_dim % partition != 0) continue;  // K partitions run along head_dim
+      for (const auto mode : {format::rounding::stochastic, format::rounding::nearest}) {
+        cache_config config = w.config;
+        config.page_size = std::max(config.page_size, partition);
+        cache<format::quant2> c(config, format::quant2{partition, mode, o.seed});
+        rows.push_back(demo::run_host(c, w, o.steps));
       }
     }
     demo::print_table(rows, o);

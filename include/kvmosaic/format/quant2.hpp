@@ -1,0 +1,346 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `format::quant2`: HACK's asymmetric 2-bit quantization with attention computed on the codes
+/// (Zhang et al., "HACK: Homomorphic Acceleration via Compression of the Key-Value Cache for
+/// Disaggregated LLM Inference", sections 5.2-5.3 and 6). Host part: encode, decode, and the host
+/// attend on codes (the reference the CUDA kernels will be tested against).
+///
+/// Quantization: each partition of `partition` (Pi) elements keeps a min m and a scale
+/// s = (max - m) / 3 (both 16-bit floats, as the paper stores them) and codes c in {0..3} with
+/// x ~ m + s c. K is partitioned along head_dim for each token, V along tokens for each channel
+/// (each product's inner dimension, Fig. 7). Rounding is stochastic (to floor(t) + 1 with
+/// probability frac(t), t = (x - m) / s, unbiased) or to nearest. The stochastic noise is a
+/// counter-based hash of (seed, the element's index in its page, its value, its partition's m and
+/// s): a pure function of the data, so the host and the device draw the same codes with no
+/// stream of positions, and different seeds give independent roundings.
+///
+/// Summation elimination (5.3): each partition stores its code sum, so no step re-sums the cache.
+/// Requantization elimination (5.3): V partitions run along tokens, and the newest ones stay
+/// 16-bit until complete. Here the dense tail plays that part: a page is encoded when it is full,
+/// and page_size must be a multiple of Pi, so a sealed page holds whole V partitions. (The paper
+/// keeps at most Pi - 1 tokens unquantized; we keep up to page_size - 1.) Sink tokens are not
+/// kept 16-bit yet.
+///
+/// Attention on codes (Eq. 4): for a partition of an inner product sum_k (m_a + s_a a_k)
+/// (m_b + s_b b_k) = Pi m_a m_b + m_a s_b sum(b) + s_a m_b sum(a) + s_a s_b sum(a b): q is
+/// quantized to 8 bits per partition of Pi channels (round to nearest, min and scale in fp32:
+/// q is transient), the softmax numerators p to 8 bits per partition of Pi tokens, and only the
+/// integer products sum(a b) touch the codes; sum(b) comes from the page.
+///
+/// Page layout (one head, K or V): [mins: partitions x f16][scales: partitions x f16]
+/// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each, 4 per byte, each
+/// partition's Pi codes contiguous] padded to 16 bytes. K partition t * (head_dim / Pi) + j holds
+/// channels j Pi .. of token t; V partition c * (page_size / Pi) + j holds tokens j Pi .. of
+/// channel c. At Pi = 64, head_dim 128, pages of 64: 2688 bytes per page, 16.4% of dense.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/format/dense.hpp"
+#include "kvmosaic/format/format_traits.hpp"
+
+namespace kvmosaic {
+namespace format {
+
+/// How quant2 rounds a value to a code.
+enum class rounding {
+  stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
+  nearest,     ///< to the nearest code
+};
+
+/// HACK's 2-bit KV quantization with attention on the codes. Cost per page: 2 bits per element
+/// plus 4-6 bytes (min, scale, code sum) per partition of `partition` elements.
+struct quant2 {
+  using policy_category = format_tag;
+  int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
+  rounding mode = rounding::stochastic;
+  std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
+};
+
+}  // namespace format
+
+namespace detail {
+
+/// splitmix64's finalizer: a bijective 64-bit mix (Steele et al.), the counter-based generator of
+/// the stochastic rounding (host and device compute it the same way).
+constexpr std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// Uniform in [0, 1) with 24 bits, from the seed and a 64-bit key.
+inline float rounding_noise(std::uint64_t seed, std::uint64_t key) {
+  return static_cast<float>(mix64(mix64(seed) ^ key) >> 40) * (1.0f / 16777216.0f);
+}
+
+/// Geometry of one quant2 page (one head, K or V).
+struct quant2_layout {
+  int partitions;  ///< partitions in the page
+  int partition;   ///< Pi
+  int sum_bytes;   ///< 1 or 2
+  std::size_t scales_at() const { return static_cast<std::size_t>(partitions) * 2; }
+  std::size_t sums_at() const { return static_cast<std::size_t>(partitions) * 4; }
+  std::size_t codes_at() const { return sums_at() + static_cast<std::size_t>(partitions) * sum_bytes; }
+  std::size_t bytes() const {
+    return (codes_at() + static_cast<std::size_t>(partitions) * partition / 4 + 15) / 16 * 16;
+  }
+};
+
+inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape& shape) {
+  return quant2_layout{shape.page_size * shape.head_dim / f.partition, f.partition, f.partition * 3 > 255 ? 2 : 1};
+}
+
+/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) with the stored
+/// (16-bit-rounded) min and scale; returns them. `key` numbers the elements within the page.
+inline void quantize_partition(const format::quant2& f, const float* x, int count, int stride, std::uint64_t key,
+                               float& min_out, float& scale_out, std::uint8_t* codes) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < count; ++i) {
+    lo = std::min(lo, x[static_cast<std::size_t>(i) * stride]);
+    hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
+  }
+  // The min and the scale as stored (f16); codes are computed against these, so decoding the
+  // stored form reproduces exactly the values the codes stand for.
+  const float m = to_float(half(lo));
+  const float s = to_float(half((hi - m) / 3.0f));
+  min_out = m;
+  scale_out = s;
+  std::uint32_t m_bits = 0, s_bits = 0;
+  std::memcpy(&m_bits, &m, 4);
+  std::memcpy(&s_bits, &s, 4);
+  for (int i = 0; i < count; ++i) {
+    const float v = x[static_cast<std::size_t>(i) * stride];
+    const float t = s > 0.0f ? (v - m) / s : 0.0f;
+    float c;
+    if (f.mode == format::rounding::nearest) {
+      c = std::floor(t + 0.5f);
+    } else {
+      std::uint32_t v_bits = 0;
+      std::memcpy(&v_bits, &v, 4);
+      const std::uint64_t element_key = (key + static_cast<std::uint64_t>(i)) ^ (static_cast<std::uint64_t>(v_bits) << 32) ^
+                                        mix64((static_cast<std::uint64_t>(m_bits) << 32) | s_bits);
+      const float below = std::floor(t);
+      c = below + (rounding_noise(f.seed, element_key) < t - below ? 1.0f : 0.0f);
+    }
+    codes[i] = static_cast<std::uint8_t>(std::clamp(c, 0.0f, 3.0f));
+  }
+}
+
+/// Encodes rows [page_size][head_dim]: K partitions along channels (`along_tokens` false) or V
+/// partitions along tokens (true).
+inline void encode_quant2_page(const format::quant2& f, const page_shape& shape, const float* rows, bool along_tokens,
+                               std::byte* page) {
+  const quant2_layout layout = quant2_layout_of(f, shape);
+  const int d = shape.head_dim, pi = f.partition;
+  std::memset(page, 0, layout.bytes());
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(pi));
+  for (int part = 0; part < layout.partitions; ++part) {
+    const float* first;
+    int stride;
+    if (along_tokens) {  // V: channel c, tokens j Pi ..
+      const int per_channel = shape.page_size / pi, c = part / per_channel, j = part % per_channel;
+      first = rows + static_cast<std::size_t>(j) * pi * d + c;
+      stride = d;
+    } else {             // K: token t, channels j Pi ..
+      first = rows + static_cast<std::size_t>(part) * pi;  // token-major: partitions follow the rows
+      stride = 1;
+    }
+    float m = 0, s = 0;
+    quantize_partition(f, first, pi, stride, static_cast<std::uint64_t>(part) * pi, m, s, codes.data());
+    const half m16(m), s16(s);
+    std::memcpy(page + static_cast<std::size_t>(part) * 2, &m16, 2);
+    std::memcpy(page + layout.scales_at() + static_cast<std::size_t>(part) * 2, &s16, 2);
+    unsigned sum = 0;
+    for (int i = 0; i < pi; ++i) {
+      sum += codes[static_cast<std::size_t>(i)];
+      const std::size_t bit = (static_cast<std::size_t>(part) * pi + i) * 2;
+      page[layout.codes_at() + bit / 8] |= static_cast<std::byte>(codes[static_cast<std::size_t>(i)] << (bit % 8));
+    }
+    if (layout.sum_bytes == 1) {
+      page[layout.sums_at() + static_cast<std::size_t>(part)] = static_cast<std::byte>(sum);
+    } else {
+      const auto sum16 = static_cast<std::uint16_t>(sum);
+      std::memcpy(page + layout.sums_at() + static_cast<std::size_t>(part) * 2, &sum16, 2);
+    }
+  }
+}
+
+/// The stored form of one page, read back: mins, scales, code sums and codes, as numbers.
+struct quant2_page_view {
+  quant2_layout layout;
+  const std::byte* page;
+  float min(int part) const { return load_half(page + static_cast<std::size_t>(part) * 2); }
+  float scale(int part) const { return load_half(page + layout.scales_at() + static_cast<std::size_t>(part) * 2); }
+  unsigned code_sum(int part) const {
+    if (layout.sum_bytes == 1) return static_cast<unsigned>(page[layout.sums_at() + static_cast<std::size_t>(part)]);
+    std::uint16_t sum16;
+    std::memcpy(&sum16, page + layout.sums_at() + static_cast<std::size_t>(part) * 2, 2);
+    return sum16;
+  }
+  int code(int part, int i) const {
+    const std::size_t bit = (static_cast<std::size_t>(part) * layout.partition + i) * 2;
+    return (static_cast<int>(page[layout.codes_at() + bit / 8]) >> (bit % 8)) & 3;
+  }
+  static float load_half(const std::byte* at) {
+    half h;
+    std::memcpy(&h, at, 2);
+    return to_float(h);
+  }
+};
+
+/// 8-bit asymmetric quantization of a transient operand (q, or the softmax numerators), round to
+/// nearest: x ~ m + s a, a in 0..255. Returns sum(a).
+inline unsigned quantize8(const float* x, int count, int stride, float& m, float& s, int* a) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < count; ++i) {
+    lo = std::min(lo, x[static_cast<std::size_t>(i) * stride]);
+    hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
+  }
+  m = lo;
+  s = (hi - lo) / 255.0f;
+  unsigned sum = 0;
+  for (int i = 0; i < count; ++i) {
+    const float t = s > 0.0f ? (x[static_cast<std::size_t>(i) * stride] - m) / s : 0.0f;
+    a[i] = static_cast<int>(std::clamp(std::floor(t + 0.5f), 0.0f, 255.0f));
+    sum += static_cast<unsigned>(a[i]);
+  }
+  return sum;
+}
+
+/// Eq. 4 for one partition: sum_k (m_a + s_a a_k)(m_b + s_b b_k) from the integer dot sum(a b),
+/// the code sums and the partition length.
+inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, double m_b, double s_b, double sum_b,
+                              double dot) {
+  return length * m_a * m_b + m_a * s_b * sum_b + s_a * m_b * sum_a + s_a * s_b * dot;
+}
+
+}  // namespace detail
+
+template <>
+struct format_traits<format::quant2> {
+  static constexpr const char* name = "quant2";
+
+  static std::string describe(const format::quant2& f) {
+    std::ostringstream os;
+    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") << ")";
+    return os.str();
+  }
+
+  static void validate(const format::quant2& f, const page_shape& shape) {
+    const char* where = "format::quant2";
+    detail::require(f.partition == 32 || f.partition == 64 || f.partition == 128, where, "partition", f.partition,
+                    "32, 64 or 128");
+    detail::require(shape.head_dim % f.partition == 0, where, "head_dim", shape.head_dim,
+                    "a multiple of partition (K partitions run along head_dim)");
+    detail::require(shape.page_size % f.partition == 0, where, "page_size", shape.page_size,
+                    "a multiple of partition (a sealed page holds whole V partitions)");
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
+                    to_string(shape.storage), "f16 or bf16");
+  }
+
+  static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
+    return detail::quant2_layout_of(f, shape).bytes();
+  }
+  static std::size_t v_page_bytes(const format::quant2& f, const page_shape& shape) { return k_page_bytes(f, shape); }
+
+  static void encode_k(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant2_page(f, shape, rows, /*along_tokens=*/false, page);
+  }
+  static void encode_v(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant2_page(f, shape, rows, /*along_tokens=*/true, page);
+  }
+  static void decode_k(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    decode(f, shape, page, n, /*along_tokens=*/false, rows);
+  }
+  static void decode_v(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    decode(f, shape, page, n, /*along_tokens=*/true, rows);
+  }
+
+  /// logits[g][t] = q[g] . k[t] on the codes (Eq. 4): q quantized to 8 bits per partition, one
+  /// integer dot product per (token, partition) plus the correction terms. Cost: n G D integer
+  /// multiply-adds, 4 n G D / Pi floating-point operations.
+  static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
+                    int groups, float* logits) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), k_page};
+    const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
+    std::vector<int> a(static_cast<std::size_t>(d));
+    std::vector<float> m_a(static_cast<std::size_t>(per_token)), s_a(m_a.size());
+    std::vector<unsigned> sum_a(m_a.size());
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < per_token; ++j)
+        sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
+                                                               m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
+                                                               a.data() + static_cast<std::size_t>(j) * pi);
+      for (int t = 0; t < n; ++t) {
+        double logit = 0;
+        for (int j = 0; j < per_token; ++j) {
+          const int part = t * per_token + j;
+          std::int64_t dot = 0;
+          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(j * pi + i)] * view.code(part, i);
+          logit += detail::homomorphic_dot(pi, m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
+                                           sum_a[static_cast<std::size_t>(j)], view.min(part), view.scale(part),
+                                           view.code_sum(part), static_cast<double>(dot));
+        }
+        logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
+      }
+    }
+  }
+
+  /// o[g] += sum_t p[g][t] v[t] on the codes (Eq. 4): p quantized to 8 bits per partition of Pi
+  /// tokens. Pages are full (n = page_size): tails are dense. Cost as `score`.
+  static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), v_page};
+    const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
+    detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
+    std::vector<int> a(static_cast<std::size_t>(n));
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < per_channel; ++j) {
+        float m_p = 0, s_p = 0;
+        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, a.data());
+        for (int c = 0; c < d; ++c) {
+          const int part = c * per_channel + j;
+          std::int64_t dot = 0;
+          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(i)] * view.code(part, i);
+          o[static_cast<std::size_t>(g) * d + c] += static_cast<float>(detail::homomorphic_dot(
+              pi, m_p, s_p, sum_p, view.min(part), view.scale(part), view.code_sum(part), static_cast<double>(dot)));
+        }
+      }
+    }
+  }
+
+ private:
+  static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool along_tokens,
+                     float* rows) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page};
+    const int d = shape.head_dim, pi = f.partition;
+    for (int part = 0; part < view.layout.partitions; ++part) {
+      for (int i = 0; i < pi; ++i) {
+        int t, c;
+        if (along_tokens) {
+          const int per_channel = shape.page_size / pi;
+          c = part / per_channel;
+          t = (part % per_channel) * pi + i;
+        } else {
+          t = part / (d / pi);
+          c = (part % (d / pi)) * pi + i;
+        }
+        if (t < n) rows[static_cast<std::size_t>(t) * d + c] = view.min(part) + view.scale(part) * static_cast<float>(view.code(part, i));
+      }
+    }
+  }
+};
+
+}  // namespace kvmosaic

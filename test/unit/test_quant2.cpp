@@ -1,0 +1,300 @@
+// SPDX-License-Identifier: Apache-2.0
+// format::quant2 (HACK) on the host: hand-computed partitions, stochastic rounding unbiased over
+// seeds, nearest rounding within half a step, Eq. 4 (attention on codes) equal to
+// dequantize-then-multiply with the same codes and the same q and p quantization, the byte
+// accounting, and bad parameters.
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "../support/oracle.hpp"
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/support/synthetic.hpp"
+
+using namespace kvmosaic;
+using traits = format_traits<format::quant2>;
+
+namespace {
+
+std::vector<float> random_rows(int n, int d, std::uint32_t seed, float spread = 2.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, spread);
+  std::vector<float> rows(static_cast<std::size_t>(n) * d);
+  for (float& x : rows) x = to_float(bfloat16(normal(rng)));
+  return rows;
+}
+
+}  // namespace
+
+TEST_CASE("quant2: a partition on the code grid is exact; 1.5 steps rounds up to nearest", "[quant2]") {
+  const page_shape shape{64, 64, dtype::bf16};
+  // K, Pi = 32: every token's two partitions hold values of {-1, 0, 1, 2} (min -1, max 2: scale 1).
+  std::vector<float> rows(64 * 64);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(static_cast<int>(i % 4) - 1);
+  std::vector<float> decoded(rows.size());
+  for (const auto mode : {format::rounding::nearest, format::rounding::stochastic}) {
+    const format::quant2 f{32, mode, 7};
+    std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+    traits::encode_k(f, shape, rows.data(), page.data());
+    traits::decode_k(f, shape, page.data(), 64, decoded.data());
+    CHECK(decoded == rows);
+    traits::encode_v(f, shape, rows.data(), page.data());
+    traits::decode_v(f, shape, page.data(), 64, decoded.data());
+    CHECK(decoded == rows);
+  }
+  // 0.5 lies 1.5 steps above -1: nearest rounds half up, to code 2 (value 1).
+  rows[5] = 0.5f;
+  const format::quant2 nearest{32, format::rounding::nearest, 0};
+  std::vector<std::byte> page(traits::k_page_bytes(nearest, shape));
+  traits::encode_k(nearest, shape, rows.data(), page.data());
+  traits::decode_k(nearest, shape, page.data(), 64, decoded.data());
+  CHECK(decoded[5] == 1.0f);
+}
+
+TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within half a step", "[quant2]") {
+  const page_shape shape{64, 64, dtype::bf16};
+  const std::vector<float> rows = random_rows(64, 64, 3);
+  const int pi = GENERATE(32, 64);
+  CAPTURE(pi);
+  std::vector<double> mean_error(rows.size(), 0.0);
+  std::vector<float> decoded(rows.size());
+  const int seeds = 2000;
+  double max_step = 0;
+  for (int seed = 0; seed < seeds; ++seed) {
+    const format::quant2 f{pi, format::rounding::stochastic, static_cast<std::uint64_t>(seed)};
+    std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+    traits::encode_k(f, shape, rows.data(), page.data());
+    traits::decode_k(f, shape, page.data(), 64, decoded.data());
+    for (std::size_t i = 0; i < rows.size(); ++i) mean_error[i] += (decoded[i] - rows[i]) / seeds;
+    if (seed == 0) {
+      const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page.data()};
+      for (int part = 0; part < view.layout.partitions; ++part) max_step = std::max<double>(max_step, view.scale(part));
+    }
+  }
+  // Each draw errs by less than one step s, so its standard deviation is at most s / 2; the mean
+  // of 2000 draws lies within 5 standard errors of 0 (the clamped extremes of a partition aside,
+  // where f16 rounding of min and scale may push a value just past the grid).
+  int outside = 0;
+  for (std::size_t i = 0; i < rows.size(); ++i) outside += std::abs(mean_error[i]) > 5 * (max_step / 2) / std::sqrt(seeds);
+  CHECK(outside <= static_cast<int>(rows.size() / 200));
+
+  const format::quant2 f{pi, format::rounding::nearest, 0};
+  std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+  traits::encode_k(f, shape, rows.data(), page.data());
+  traits::decode_k(f, shape, page.data(), 64, decoded.data());
+  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page.data()};
+  for (int t = 0; t < 64; ++t)
+    for (int c = 0; c < 64; ++c) {
+      const std::size_t i = static_cast<std::size_t>(t) * 64 + c;
+      const float s = view.scale(t * (64 / pi) + c / pi);
+      // half a step, plus the f16 rounding of min and scale (relative 2^-11 each, times 3 steps)
+      REQUIRE(std::abs(decoded[i] - rows[i]) <= s / 2 + 4 * std::ldexp(std::abs(rows[i]) + 3 * s, -11) + 1e-6f);
+    }
+}
+
+TEST_CASE("quant2: Eq. 4 on codes equals dequantize-then-multiply (same codes, same q and p quantization)",
+          "[quant2]") {
+  const int pi = GENERATE(32, 64, 128);
+  const int head_dim = 128, page_size = 128, groups = 3;
+  CAPTURE(pi);
+  const page_shape shape{page_size, head_dim, dtype::bf16};
+  const format::quant2 f{pi, format::rounding::stochastic, 11};
+  const std::vector<float> k = random_rows(page_size, head_dim, 5), v = random_rows(page_size, head_dim, 6, 0.5f);
+  std::vector<std::byte> k_page(traits::k_page_bytes(f, shape)), v_page(traits::v_page_bytes(f, shape));
+  traits::encode_k(f, shape, k.data(), k_page.data());
+  traits::encode_v(f, shape, v.data(), v_page.data());
+  std::vector<float> k_hat(k.size()), v_hat(v.size());
+  traits::decode_k(f, shape, k_page.data(), page_size, k_hat.data());
+  traits::decode_v(f, shape, v_page.data(), page_size, v_hat.data());
+  const std::vector<float> q = random_rows(groups, head_dim, 8, 0.1f);
+
+  // q.k: the library's logits against fp64 sums of dequantized q (m + s a) times decoded k.
+  std::vector<float> logits(static_cast<std::size_t>(groups) * page_size);
+  traits::score(f, shape, k_page.data(), page_size, q.data(), groups, logits.data());
+  std::vector<int> a(static_cast<std::size_t>(head_dim));
+  for (int g = 0; g < groups; ++g) {
+    std::vector<double> q_hat(static_cast<std::size_t>(head_dim));
+    for (int j = 0; j < head_dim / pi; ++j) {
+      float m = 0, s = 0;
+      detail::quantize8(q.data() + static_cast<std::size_t>(g) * head_dim + j * pi, pi, 1, m, s, a.data());
+      for (int i = 0; i < pi; ++i) q_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
+    }
+    for (int t = 0; t < page_size; ++t) {
+      double dot = 0, magnitude = 0;
+      for (int c = 0; c < head_dim; ++c) {
+        const double term = q_hat[static_cast<std::size_t>(c)] * k_hat[static_cast<std::size_t>(t) * head_dim + c];
+        dot += term;
+        magnitude += std::abs(term);
+      }
+      REQUIRE(std::abs(logits[static_cast<std::size_t>(g) * page_size + t] - dot) <= 1e-6 * (magnitude + 1e-30));
+    }
+  }
+
+  // p.v: the library's accumulation against fp64 sums of dequantized p times decoded v.
+  std::vector<float> p(static_cast<std::size_t>(groups) * page_size);
+  for (std::size_t i = 0; i < p.size(); ++i) p[i] = std::exp(-0.01f * static_cast<float>((i * 37) % 300));
+  std::vector<float> o(static_cast<std::size_t>(groups) * head_dim, 0.0f);
+  traits::accumulate(f, shape, v_page.data(), page_size, p.data(), groups, o.data());
+  for (int g = 0; g < groups; ++g) {
+    std::vector<double> p_hat(static_cast<std::size_t>(page_size));
+    for (int j = 0; j < page_size / pi; ++j) {
+      float m = 0, s = 0;
+      detail::quantize8(p.data() + static_cast<std::size_t>(g) * page_size + j * pi, pi, 1, m, s, a.data());
+      for (int i = 0; i < pi; ++i) p_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
+    }
+    for (int c = 0; c < head_dim; ++c) {
+      double sum = 0, magnitude = 0;
+      for (int t = 0; t < page_size; ++t) {
+        const double term = p_hat[static_cast<std::size_t>(t)] * v_hat[static_cast<std::size_t>(t) * head_dim + c];
+        sum += term;
+        magnitude += std::abs(term);
+      }
+      REQUIRE(std::abs(o[static_cast<std::size_t>(g) * head_dim + c] - sum) <= 1e-6 * (magnitude + 1e-30));
+    }
+  }
+  // Eq. 4 itself, in fp64 with integers: exact up to fp64 rounding.
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 100; ++trial) {
+    double sum_a = 0, sum_b = 0, dot = 0, direct = 0;
+    const double m_a = -0.3 + 0.01 * trial, s_a = 0.002 * (trial + 1), m_b = 0.7 - 0.02 * trial, s_b = 0.05;
+    for (int i = 0; i < pi; ++i) {
+      const int x = static_cast<int>(rng() % 256), y = static_cast<int>(rng() % 4);
+      sum_a += x;
+      sum_b += y;
+      dot += x * y;
+      direct += (m_a + s_a * x) * (m_b + s_b * y);
+    }
+    REQUIRE(detail::homomorphic_dot(pi, m_a, s_a, sum_a, m_b, s_b, sum_b, dot) == Approx(direct).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("quant2 accounting: at Pi = 64, head_dim 128, long context, at most 20% of dense", "[quant2][accounting]") {
+  const page_shape shape{64, 128, dtype::bf16};
+  // 128 partitions x (2 + 2 + 1 bytes) + 64 x 128 codes / 4
+  CHECK(traits::k_page_bytes(format::quant2{}, shape) == 128 * 5 + 64 * 128 / 4);
+  CHECK(traits::k_page_bytes(format::quant2{128}, page_shape{128, 128, dtype::bf16}) == 128 * 6 + 128 * 128 / 4);
+  cache_config c;
+  c.max_pages = 200;
+  cache<format::quant2> q2(c);
+  synthetic::kv_config cfg;
+  const auto kv = synthetic::generate_kv(cfg, 0, 8192 + 10);
+  const sequence_id id = q2.add_sequence();
+  q2.prefill(id, test::k_view(kv), test::v_view(kv));
+  const memory_stats m = q2.sequence_memory(id);
+  CHECK(m.compression_ratio() == Approx((128.0 * 8 * 2 * 2688 + 10.0 * 8 * 128 * 2 * 2) / ((8192 + 10) * 8 * 128 * 2 * 2.0)));
+  CHECK(m.compression_ratio() <= 0.20);
+}
+
+TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p steps predict", "[quant2]") {
+  // The cache's output against exact fp64 attention on what the pages decode to (the tail as
+  // stored): the differences are q quantized to 8 bits per partition and p to 8 bits per
+  // partition of tokens. Bound, per output channel c: with logit errors |ds_t| <= D (computed
+  // from the dequantized q), softmax weights move by at most a factor e^(2D):
+  // (e^(2D) - 1) max_t |v_tc|; each p (block-local, in (0, 1]) errs by at most half a step,
+  // <= 1/510: e^(3D) / 510 * sum_t e^(m_b(t) - M) |v_tc| / L, with m_b the exact maximum of
+  // t's page, M the global one, L = sum_t e^(s_t - M).
+  const int pi = GENERATE(32, 64);
+  CAPTURE(pi);
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  cache<format::quant2> q2(c, format::quant2{pi, format::rounding::stochastic, 3});
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  const int length = 150;
+  const auto kv = synthetic::generate_kv(cfg, 2, length);
+  const sequence_id id = q2.add_sequence();
+  q2.prefill(id, test::k_view(kv), test::v_view(kv));
+  const auto q = synthetic::generate_query(cfg, 2, length);
+  std::vector<float> out(q.size());
+  q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+            tensor_view<float, 3>(out.data(), 1, 4, 64));
+
+  synthetic::kv_data decoded = test::rounded(kv, dtype::bf16);
+  const page_shape shape{64, 64, dtype::bf16};
+  std::vector<float> rows(64 * 64);
+  const auto& pages = q2.pages(id);
+  for (std::size_t pg = 0; pg < pages.size(); ++pg)
+    for (int h = 0; h < 2; ++h)
+      for (const bool is_v : {false, true}) {
+        if (is_v) traits::decode_v(q2.format(), shape, q2.engine().v_page(pages[pg], h), 64, rows.data());
+        else traits::decode_k(q2.format(), shape, q2.engine().k_page(pages[pg], h), 64, rows.data());
+        for (int t = 0; t < 64; ++t)
+          for (int ch = 0; ch < 64; ++ch)
+            (is_v ? decoded.v : decoded.k)[((pg * 64 + static_cast<std::size_t>(t)) * 2 + h) * 64 + ch] =
+                rows[static_cast<std::size_t>(t) * 64 + ch];
+      }
+  const float scale = 1.0f / 8.0f;
+  const auto exact = test::exact(q, decoded, scale);
+  const int full = static_cast<int>(pages.size()) * 64;
+  std::vector<int> a(64);
+  for (int j = 0; j < 4; ++j) {  // query head j, KV head j / 2
+    const int h = j / 2;
+    std::vector<float> scaled(64);
+    std::vector<double> q_hat(64);
+    for (int ch = 0; ch < 64; ++ch) scaled[static_cast<std::size_t>(ch)] = q[static_cast<std::size_t>(j) * 64 + ch] * scale;
+    for (int part = 0; part < 64 / pi; ++part) {
+      float m = 0, s = 0;
+      detail::quantize8(scaled.data() + part * pi, pi, 1, m, s, a.data());
+      for (int i = 0; i < pi; ++i) q_hat[static_cast<std::size_t>(part * pi + i)] = m + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
+    }
+    std::vector<double> logit(length);
+    double worst = 0, top = -1e300;
+    for (int t = 0; t < length; ++t) {
+      double exact_logit = 0, quantized_logit = 0;
+      for (int ch = 0; ch < 64; ++ch) {
+        const double key = decoded.k[(static_cast<std::size_t>(t) * 2 + h) * 64 + ch];
+        exact_logit += static_cast<double>(q[static_cast<std::size_t>(j) * 64 + ch]) * scale * key;
+        quantized_logit += (t < full ? q_hat[static_cast<std::size_t>(ch)] : scaled[static_cast<std::size_t>(ch)]) * key;
+      }
+      logit[static_cast<std::size_t>(t)] = exact_logit;
+      worst = std::max(worst, std::abs(quantized_logit - exact_logit));
+      top = std::max(top, exact_logit);
+    }
+    double l = 0;
+    for (double x : logit) l += std::exp(x - top);
+    for (int ch = 0; ch < 64; ++ch) {
+      double max_v = 0, p_term = 0;
+      for (int t = 0; t < length; ++t) {
+        const double value = std::abs(decoded.v[(static_cast<std::size_t>(t) * 2 + h) * 64 + ch]);
+        max_v = std::max(max_v, value);
+        if (t < full) {
+          double page_max = -1e300;
+          for (int u = t / 64 * 64; u < t / 64 * 64 + 64; ++u) page_max = std::max(page_max, logit[static_cast<std::size_t>(u)]);
+          p_term += std::exp(page_max - top) * value;
+        }
+      }
+      const double bound = (std::exp(2 * worst) - 1) * max_v + std::exp(3 * worst) / 510 * p_term / l + 1e-5 * max_v;
+      const std::size_t i = static_cast<std::size_t>(j) * 64 + ch;
+      REQUIRE(std::abs(out[i] - exact[i]) <= bound);
+    }
+  }
+}
+
+TEST_CASE("quant2 rejects bad partitions and shapes, naming the parameter", "[quant2][errors]") {
+  const auto message = [](int partition, int head_dim, int page_size) {
+    cache_config c;
+    c.head_dim = head_dim;
+    c.page_size = page_size;
+    try {
+      cache<format::quant2> bad(c, format::quant2{partition});
+    } catch (const invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  CHECK(message(48, 128, 64) == "kvmosaic: format::quant2: partition = 48; allowed: 32, 64 or 128");
+  CHECK(message(128, 64, 128) ==
+        "kvmosaic: format::quant2: head_dim = 64; allowed: a multiple of partition (K partitions run along head_dim)");
+  CHECK(message(128, 128, 64) ==
+        "kvmosaic: format::quant2: page_size = 64; allowed: a multiple of partition (a sealed page holds whole V partitions)");
+  CHECK(message(64, 128, 64) == "accepted");
+}
