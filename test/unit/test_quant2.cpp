@@ -32,23 +32,27 @@ std::vector<float> random_rows(int n, int d, std::uint32_t seed, float spread = 
 
 TEST_CASE("quant2: a partition on the code grid is exact; 1.5 steps rounds up to nearest", "[quant2]") {
   const page_shape shape{64, 64, dtype::bf16};
-  // K, Pi = 32: every token's two partitions hold values of {-1, 0, 1, 2} (min -1, max 2: scale 1).
+  // Pi = 32: every partition along channels holds values of {-1, 0, 1, 2} (min -1, max 2:
+  // scale 1); along tokens each channel is constant (scale 0, the min alone).
   std::vector<float> rows(64 * 64);
   for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(static_cast<int>(i % 4) - 1);
   std::vector<float> decoded(rows.size());
   for (const auto mode : {format::rounding::nearest, format::rounding::stochastic}) {
-    const format::quant2 f{32, mode, 7};
-    std::vector<std::byte> page(traits::k_page_bytes(f, shape));
-    traits::encode_k(f, shape, rows.data(), page.data());
-    traits::decode_k(f, shape, page.data(), 64, decoded.data());
-    CHECK(decoded == rows);
-    traits::encode_v(f, shape, rows.data(), page.data());
-    traits::decode_v(f, shape, page.data(), 64, decoded.data());
-    CHECK(decoded == rows);
+    for (const auto axis : {format::key_axis::head_dim, format::key_axis::tokens}) {
+      const format::quant2 f{32, mode, 7, axis};
+      std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+      traits::encode_k(f, shape, rows.data(), page.data());
+      traits::decode_k(f, shape, page.data(), 64, decoded.data());
+      CHECK(decoded == rows);
+      traits::encode_v(f, shape, rows.data(), page.data());
+      traits::decode_v(f, shape, page.data(), 64, decoded.data());
+      CHECK(decoded == rows);
+    }
   }
-  // 0.5 lies 1.5 steps above -1: nearest rounds half up, to code 2 (value 1).
+  // K per token: 0.5 lies 1.5 steps above -1 in its partition (channels 0-31 of token 0):
+  // nearest rounds half up, to code 2 (value 1).
   rows[5] = 0.5f;
-  const format::quant2 nearest{32, format::rounding::nearest, 0};
+  const format::quant2 nearest{32, format::rounding::nearest, 0, format::key_axis::head_dim};
   std::vector<std::byte> page(traits::k_page_bytes(nearest, shape));
   traits::encode_k(nearest, shape, rows.data(), page.data());
   traits::decode_k(nearest, shape, page.data(), 64, decoded.data());
@@ -59,13 +63,18 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
   const page_shape shape{64, 64, dtype::bf16};
   const std::vector<float> rows = random_rows(64, 64, 3);
   const int pi = GENERATE(32, 64);
-  CAPTURE(pi);
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
+  CAPTURE(pi, axis == format::key_axis::tokens);
+  // The partition holding K element (t, c).
+  const auto partition_of = [&](int t, int c) {
+    return axis == format::key_axis::head_dim ? t * (64 / pi) + c / pi : c * (64 / pi) + t / pi;
+  };
   std::vector<double> mean_error(rows.size(), 0.0);
   std::vector<float> decoded(rows.size());
   const int seeds = 2000;
   double max_step = 0;
   for (int seed = 0; seed < seeds; ++seed) {
-    const format::quant2 f{pi, format::rounding::stochastic, static_cast<std::uint64_t>(seed)};
+    const format::quant2 f{pi, format::rounding::stochastic, static_cast<std::uint64_t>(seed), axis};
     std::vector<std::byte> page(traits::k_page_bytes(f, shape));
     traits::encode_k(f, shape, rows.data(), page.data());
     traits::decode_k(f, shape, page.data(), 64, decoded.data());
@@ -82,7 +91,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
   for (std::size_t i = 0; i < rows.size(); ++i) outside += std::abs(mean_error[i]) > 5 * (max_step / 2) / std::sqrt(seeds);
   CHECK(outside <= static_cast<int>(rows.size() / 200));
 
-  const format::quant2 f{pi, format::rounding::nearest, 0};
+  const format::quant2 f{pi, format::rounding::nearest, 0, axis};
   std::vector<std::byte> page(traits::k_page_bytes(f, shape));
   traits::encode_k(f, shape, rows.data(), page.data());
   traits::decode_k(f, shape, page.data(), 64, decoded.data());
@@ -90,7 +99,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
   for (int t = 0; t < 64; ++t)
     for (int c = 0; c < 64; ++c) {
       const std::size_t i = static_cast<std::size_t>(t) * 64 + c;
-      const float s = view.scale(t * (64 / pi) + c / pi);
+      const float s = view.scale(partition_of(t, c));
       // half a step, plus the f16 rounding of min and scale (relative 2^-11 each, times 3 steps)
       REQUIRE(std::abs(decoded[i] - rows[i]) <= s / 2 + 4 * std::ldexp(std::abs(rows[i]) + 3 * s, -11) + 1e-6f);
     }
@@ -99,10 +108,11 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
 TEST_CASE("quant2: Eq. 4 on codes equals dequantize-then-multiply (same codes, same q and p quantization)",
           "[quant2]") {
   const int pi = GENERATE(32, 64, 128);
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
   const int head_dim = 128, page_size = 128, groups = 3;
-  CAPTURE(pi);
+  CAPTURE(pi, axis == format::key_axis::tokens);
   const page_shape shape{page_size, head_dim, dtype::bf16};
-  const format::quant2 f{pi, format::rounding::stochastic, 11};
+  const format::quant2 f{pi, format::rounding::stochastic, 11, axis};
   const std::vector<float> k = random_rows(page_size, head_dim, 5), v = random_rows(page_size, head_dim, 6, 0.5f);
   std::vector<std::byte> k_page(traits::k_page_bytes(f, shape)), v_page(traits::v_page_bytes(f, shape));
   traits::encode_k(f, shape, k.data(), k_page.data());
@@ -112,23 +122,49 @@ TEST_CASE("quant2: Eq. 4 on codes equals dequantize-then-multiply (same codes, s
   traits::decode_v(f, shape, v_page.data(), page_size, v_hat.data());
   const std::vector<float> q = random_rows(groups, head_dim, 8, 0.1f);
 
-  // q.k: the library's logits against fp64 sums of dequantized q (m + s a) times decoded k.
+  // q.k: the library's logits against fp64 sums of the dequantized operands. K per token: the
+  // dequantized q (m + s a) times decoded k. K per channel: sum_c q_c m_cj plus the dequantized
+  // q' = q * s_j (m' + s' a) times the codes.
   std::vector<float> logits(static_cast<std::size_t>(groups) * page_size);
   traits::score(f, shape, k_page.data(), page_size, q.data(), groups, logits.data());
+  const detail::quant2_page_view k_view{detail::quant2_layout_of(f, shape), k_page.data()};
   std::vector<int> a(static_cast<std::size_t>(head_dim));
-  for (int g = 0; g < groups; ++g) {
-    std::vector<double> q_hat(static_cast<std::size_t>(head_dim));
+  const auto dequantized8 = [&](const float* x) {  // 8-bit q (or q') per group of Pi channels
+    std::vector<double> x_hat(static_cast<std::size_t>(head_dim));
     for (int j = 0; j < head_dim / pi; ++j) {
       float m = 0, s = 0;
-      detail::quantize8(q.data() + static_cast<std::size_t>(g) * head_dim + j * pi, pi, 1, m, s, a.data());
-      for (int i = 0; i < pi; ++i) q_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
+      detail::quantize8(x + j * pi, pi, 1, m, s, a.data());
+      for (int i = 0; i < pi; ++i) x_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
     }
+    return x_hat;
+  };
+  for (int g = 0; g < groups; ++g) {
+    const float* q_g = q.data() + static_cast<std::size_t>(g) * head_dim;
     for (int t = 0; t < page_size; ++t) {
       double dot = 0, magnitude = 0;
-      for (int c = 0; c < head_dim; ++c) {
-        const double term = q_hat[static_cast<std::size_t>(c)] * k_hat[static_cast<std::size_t>(t) * head_dim + c];
-        dot += term;
-        magnitude += std::abs(term);
+      if (axis == format::key_axis::head_dim) {
+        const std::vector<double> q_hat = dequantized8(q_g);
+        for (int c = 0; c < head_dim; ++c) {
+          const double term = q_hat[static_cast<std::size_t>(c)] * k_hat[static_cast<std::size_t>(t) * head_dim + c];
+          dot += term;
+          magnitude += std::abs(term);
+        }
+      } else {
+        const int per_channel = page_size / pi, j = t / pi;
+        std::vector<float> folded(static_cast<std::size_t>(head_dim));
+        for (int c = 0; c < head_dim; ++c) {
+          const int part = c * per_channel + j;
+          folded[static_cast<std::size_t>(c)] = q_g[c] * k_view.scale(part);
+          const double term = static_cast<double>(q_g[c]) * k_view.min(part);
+          dot += term;
+          magnitude += std::abs(term);
+        }
+        const std::vector<double> folded_hat = dequantized8(folded.data());
+        for (int c = 0; c < head_dim; ++c) {
+          const double term = folded_hat[static_cast<std::size_t>(c)] * k_view.code(c * per_channel + j, t % pi);
+          dot += term;
+          magnitude += std::abs(term);
+        }
       }
       REQUIRE(std::abs(logits[static_cast<std::size_t>(g) * page_size + t] - dot) <= 1e-6 * (magnitude + 1e-30));
     }
@@ -191,20 +227,21 @@ TEST_CASE("quant2 accounting: at Pi = 64, head_dim 128, long context, at most 20
 
 TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p steps predict", "[quant2]") {
   // The cache's output against exact fp64 attention on what the pages decode to (the tail as
-  // stored): the differences are q quantized to 8 bits per partition and p to 8 bits per
-  // partition of tokens. Bound, per output channel c: with logit errors |ds_t| <= D (computed
-  // from the dequantized q), softmax weights move by at most a factor e^(2D):
+  // stored): the differences are q (or q') quantized to 8 bits per group of channels and p to 8
+  // bits per partition of tokens. Bound, per output channel c: with logit errors |ds_t| <= D
+  // (measured on the page logits), softmax weights move by at most a factor e^(2D):
   // (e^(2D) - 1) max_t |v_tc|; each p (block-local, in (0, 1]) errs by at most half a step,
   // <= 1/510: e^(3D) / 510 * sum_t e^(m_b(t) - M) |v_tc| / L, with m_b the exact maximum of
   // t's page, M the global one, L = sum_t e^(s_t - M).
   const int pi = GENERATE(32, 64);
-  CAPTURE(pi);
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
+  CAPTURE(pi, axis == format::key_axis::tokens);
   cache_config c;
   c.num_kv_heads = 2;
   c.group_size = 2;
   c.head_dim = 64;
   c.max_pages = 16;
-  cache<format::quant2> q2(c, format::quant2{pi, format::rounding::stochastic, 3});
+  cache<format::quant2> q2(c, format::quant2{pi, format::rounding::stochastic, 3, axis});
   synthetic::kv_config cfg;
   cfg.num_kv_heads = 2;
   cfg.group_size = 2;
@@ -235,28 +272,25 @@ TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p s
   const float scale = 1.0f / 8.0f;
   const auto exact = test::exact(q, decoded, scale);
   const int full = static_cast<int>(pages.size()) * 64;
-  std::vector<int> a(64);
   for (int j = 0; j < 4; ++j) {  // query head j, KV head j / 2
     const int h = j / 2;
     std::vector<float> scaled(64);
-    std::vector<double> q_hat(64);
     for (int ch = 0; ch < 64; ++ch) scaled[static_cast<std::size_t>(ch)] = q[static_cast<std::size_t>(j) * 64 + ch] * scale;
-    for (int part = 0; part < 64 / pi; ++part) {
-      float m = 0, s = 0;
-      detail::quantize8(scaled.data() + part * pi, pi, 1, m, s, a.data());
-      for (int i = 0; i < pi; ++i) q_hat[static_cast<std::size_t>(part * pi + i)] = m + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
-    }
+    // The logits the cache computes on the codes of each page (checked against dequantized
+    // operands by the Eq. 4 test), and their distance D to the exact ones.
+    std::vector<float> page_logits(64);
     std::vector<double> logit(length);
     double worst = 0, top = -1e300;
     for (int t = 0; t < length; ++t) {
-      double exact_logit = 0, quantized_logit = 0;
-      for (int ch = 0; ch < 64; ++ch) {
-        const double key = decoded.k[(static_cast<std::size_t>(t) * 2 + h) * 64 + ch];
-        exact_logit += static_cast<double>(q[static_cast<std::size_t>(j) * 64 + ch]) * scale * key;
-        quantized_logit += (t < full ? q_hat[static_cast<std::size_t>(ch)] : scaled[static_cast<std::size_t>(ch)]) * key;
-      }
+      double exact_logit = 0;
+      for (int ch = 0; ch < 64; ++ch)
+        exact_logit += static_cast<double>(q[static_cast<std::size_t>(j) * 64 + ch]) * scale *
+                       decoded.k[(static_cast<std::size_t>(t) * 2 + h) * 64 + ch];
+      if (t < full && t % 64 == 0)
+        traits::score(q2.format(), shape, q2.engine().k_page(pages[static_cast<std::size_t>(t / 64)], h), 64,
+                      scaled.data(), 1, page_logits.data());
+      if (t < full) worst = std::max(worst, std::abs(page_logits[static_cast<std::size_t>(t % 64)] - exact_logit));
       logit[static_cast<std::size_t>(t)] = exact_logit;
-      worst = std::max(worst, std::abs(quantized_logit - exact_logit));
       top = std::max(top, exact_logit);
     }
     double l = 0;

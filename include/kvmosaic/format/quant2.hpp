@@ -52,6 +52,13 @@
 namespace kvmosaic {
 namespace format {
 
+/// Along which axis quant2 partitions K (V is always partitioned along tokens, per channel).
+enum class key_axis {
+  head_dim,  ///< per token, Pi channels a partition: the paper's layout (the product's inner dimension)
+  tokens,    ///< per channel, Pi tokens a partition: one range per channel, so outlier channels
+             ///< do not stretch their neighbours' steps; the scales are folded into q
+};
+
 /// How quant2 rounds a value to a code.
 enum class rounding {
   stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
@@ -65,6 +72,7 @@ struct quant2 {
   int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
   rounding mode = rounding::stochastic;
   std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
+  key_axis k_axis = key_axis::tokens;        ///< how K is partitioned (see key_axis)
 };
 
 }  // namespace format
@@ -219,6 +227,28 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
   return sum;
 }
 
+/// K partitioned along tokens: the code sums the channel dimension needs (Eq. 4 runs over
+/// channels), per token and group of Pi channels, replace the per-partition sums (same count,
+/// same width): sums[t * (head_dim / Pi) + p] = sum of the codes of token t, channels p Pi ...
+inline void store_token_code_sums(const format::quant2& f, const page_shape& shape, std::byte* page) {
+  const quant2_layout layout = quant2_layout_of(f, shape);
+  const quant2_page_view view{layout, page};
+  const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
+  std::vector<unsigned> sums(static_cast<std::size_t>(layout.partitions), 0u);
+  for (int c = 0; c < d; ++c)
+    for (int t = 0; t < shape.page_size; ++t)
+      sums[static_cast<std::size_t>(t * (d / pi) + c / pi)] +=
+          static_cast<unsigned>(view.code(c * per_channel + t / pi, t % pi));
+  for (int i = 0; i < layout.partitions; ++i) {
+    if (layout.sum_bytes == 1) {
+      page[layout.sums_at() + static_cast<std::size_t>(i)] = static_cast<std::byte>(sums[static_cast<std::size_t>(i)]);
+    } else {
+      const auto sum16 = static_cast<std::uint16_t>(sums[static_cast<std::size_t>(i)]);
+      std::memcpy(page + layout.sums_at() + static_cast<std::size_t>(i) * 2, &sum16, 2);
+    }
+  }
+}
+
 /// Eq. 4 for one partition: sum_k (m_a + s_a a_k)(m_b + s_b b_k) from the integer dot sum(a b),
 /// the code sums and the partition length.
 inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, double m_b, double s_b, double sum_b,
@@ -234,7 +264,8 @@ struct format_traits<format::quant2> {
 
   static std::string describe(const format::quant2& f) {
     std::ostringstream os;
-    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") << ")";
+    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
+       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token") << ")";
     return os.str();
   }
 
@@ -256,13 +287,15 @@ struct format_traits<format::quant2> {
   static std::size_t v_page_bytes(const format::quant2& f, const page_shape& shape) { return k_page_bytes(f, shape); }
 
   static void encode_k(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
-    detail::encode_quant2_page(f, shape, rows, /*along_tokens=*/false, page);
+    const bool along_tokens = f.k_axis == format::key_axis::tokens;
+    detail::encode_quant2_page(f, shape, rows, along_tokens, page);
+    if (along_tokens) detail::store_token_code_sums(f, shape, page);
   }
   static void encode_v(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
     detail::encode_quant2_page(f, shape, rows, /*along_tokens=*/true, page);
   }
   static void decode_k(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
-    decode(f, shape, page, n, /*along_tokens=*/false, rows);
+    decode(f, shape, page, n, /*along_tokens=*/f.k_axis == format::key_axis::tokens, rows);
   }
   static void decode_v(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
     decode(f, shape, page, n, /*along_tokens=*/true, rows);
@@ -273,6 +306,10 @@ struct format_traits<format::quant2> {
   /// multiply-adds, 4 n G D / Pi floating-point operations.
   static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
                     int groups, float* logits) {
+    if (f.k_axis == format::key_axis::tokens) {
+      score_channel_partitioned(f, shape, k_page, n, q, groups, logits);
+      return;
+    }
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), k_page};
     const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
     std::vector<int> a(static_cast<std::size_t>(d));
@@ -322,6 +359,44 @@ struct format_traits<format::quant2> {
   }
 
  private:
+  /// score with K partitioned along tokens: for the tokens of partition j, k_tc = m_cj + s_cj b_tc,
+  /// so q.k_t = sum_c q_c m_cj + sum_c (q_c s_cj) b_tc. The first term is one number per j; the
+  /// scales fold into q' = q * s_j, quantized to 8 bits per group of Pi channels, and Eq. 4 runs
+  /// over channels with the stored per-token code sums (no m_b term: the mins are in the first).
+  static void score_channel_partitioned(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n,
+                                        const float* q, int groups, float* logits) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), k_page};
+    const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
+    std::vector<float> folded(static_cast<std::size_t>(d));
+    std::vector<int> a(static_cast<std::size_t>(d));
+    std::vector<float> m_a(static_cast<std::size_t>(groups_of_channels)), s_a(m_a.size());
+    for (int g = 0; g < groups; ++g) {
+      const float* q_g = q + static_cast<std::size_t>(g) * d;
+      for (int j = 0; j < per_channel && j * pi < n; ++j) {
+        double base = 0;
+        for (int c = 0; c < d; ++c) {
+          const int part = c * per_channel + j;
+          base += static_cast<double>(q_g[c]) * view.min(part);
+          folded[static_cast<std::size_t>(c)] = q_g[c] * view.scale(part);
+        }
+        for (int p = 0; p < groups_of_channels; ++p)
+          detail::quantize8(folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, m_a[static_cast<std::size_t>(p)],
+                            s_a[static_cast<std::size_t>(p)], a.data() + static_cast<std::size_t>(p) * pi);
+        for (int t = j * pi; t < std::min(n, (j + 1) * pi); ++t) {
+          double logit = base;
+          for (int p = 0; p < groups_of_channels; ++p) {
+            std::int64_t dot = 0;
+            for (int c = p * pi; c < (p + 1) * pi; ++c)
+              dot += a[static_cast<std::size_t>(c)] * view.code(c * per_channel + j, t % pi);
+            logit += static_cast<double>(m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
+                     static_cast<double>(s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
+          }
+          logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
+        }
+      }
+    }
+  }
+
   static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool along_tokens,
                      float* rows) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page};
