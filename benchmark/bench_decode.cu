@@ -6,9 +6,12 @@
 // The step's device part is a captured CUDA graph (as engines replay decode steps), enqueued
 // behind a short busy-wait kernel, so the events measure GPU time, not host launch latency.
 //
-// Counters (decimal units): time_us (median step), bytes (KV + q + out actually read/written per
-// step), GBps = bytes / median time, fraction_of_hbm = GBps / hbm_read GBps, plan_us (host time of
-// the step's plan, not included in time_us).
+// Counters (decimal units): time_us (median step), bytes (the stored K and V by the format's
+// accounting, plus q and out, read/written per step), GBps = bytes / median time,
+// fraction_of_hbm = GBps / hbm_read GBps, plan_us (host time of the step's plan, not included in
+// time_us), prefill_us_per_page (the first sequence's prefill: row kernels plus, for compressed
+// formats, the device encoder; per page of all KV heads), stages (bitmap_tiles: compressed pages
+// in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES overrides the stages, for tuning.
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
