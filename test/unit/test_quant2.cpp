@@ -246,7 +246,8 @@ TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p s
   cfg.num_kv_heads = 2;
   cfg.group_size = 2;
   cfg.head_dim = 64;
-  const int length = 150;
+  const int length = GENERATE(1, 64, 150);  // the tail alone, one full page, pages and a tail
+  CAPTURE(length);
   const auto kv = synthetic::generate_kv(cfg, 2, length);
   const sequence_id id = q2.add_sequence();
   q2.prefill(id, test::k_view(kv), test::v_view(kv));
@@ -296,7 +297,7 @@ TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p s
     double l = 0;
     for (double x : logit) l += std::exp(x - top);
     for (int ch = 0; ch < 64; ++ch) {
-      double max_v = 0, p_term = 0;
+      double max_v = 0, p_term = 0;  // (a 1-token sequence: all dense, the bound is the slack)
       for (int t = 0; t < length; ++t) {
         const double value = std::abs(decoded.v[(static_cast<std::size_t>(t) * 2 + h) * 64 + ch]);
         max_v = std::max(max_v, value);
