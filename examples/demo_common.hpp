@@ -216,10 +216,12 @@ row run_host(Cache& cache, const workload& w, int steps) {
 inline void print_table(const std::vector<row>& rows, const options& o) {
   std::printf("\nkvmosaic %s: %d KV heads, %d query heads, head_dim %d, context %d, batch %d, page %d, %s\n",
               version_string(), o.kv_heads, o.q_heads, o.head_dim, o.context, o.batch, o.page_size, to_string(o.storage));
-  std::printf("%-32s %14s %12s %13s %12s %14s  %s\n", "configuration", "bytes/token", "compression", "rel L2 error",
-              "cosine", "decode (us)", "backend");
+  int width = static_cast<int>(std::strlen("configuration"));  // the longest configuration name
+  for (const row& r : rows) width = std::max(width, static_cast<int>(r.cache.size()));
+  std::printf("%-*s %12s %12s %13s %12s %14s  %s\n", width, "configuration", "bytes/token", "compression",
+              "rel L2 error", "cosine", "decode (us)", "backend");
   for (const row& r : rows) {
-    std::printf("%-32s %14.1f %12.4f %13.3e %12.9f %14.1f  %s\n", r.cache.c_str(), r.bytes_per_token,
+    std::printf("%-*s %12.1f %12.4f %13.3e %12.9f %14.1f  %s\n", width, r.cache.c_str(), r.bytes_per_token,
                 r.compression_ratio, r.rel_l2_error, r.cosine, r.decode_us, r.backend.c_str());
   }
 }
