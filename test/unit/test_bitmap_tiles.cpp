@@ -281,3 +281,36 @@ TEST_CASE("cache::set_key_weights prunes sealed K pages output-aware, and reject
                     Catch::Contains("weights = -1; allowed: finite and >= 0"));
   sparse.set_key_weights(id, tensor_view<const float, 2>(nullptr, 0, 0));  // back to magnitudes
 }
+
+TEST_CASE("cache::fork_sequence: the child inherits the output-aware K weights", "[bitmap_tiles]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  cache<format::bitmap_tiles> sparse(c, format::bitmap_tiles{0.7f, 0.3f});
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  std::vector<float> weights(2 * 64);
+  for (std::size_t i = 0; i < weights.size(); ++i) weights[i] = 1.0f + static_cast<float>((i * 13) % 7);
+  const auto kv = synthetic::generate_kv(cfg, 8, 150);
+  const sequence_id parent = sparse.add_sequence();
+  sparse.set_key_weights(parent, tensor_view<const float, 2>(weights.data(), 2, 64));
+  // 30 tokens stay in the parent's tail; the child seals them, with 120 more, into its own pages.
+  const auto rows = [&](const std::vector<float>& x, int first, int n) {
+    return tensor_view<const float, 3>(x.data() + static_cast<std::size_t>(first) * 2 * 64, n, 2, 64);
+  };
+  sparse.prefill(parent, rows(kv.k, 0, 30), rows(kv.v, 0, 30));
+  const sequence_id child = sparse.fork_sequence(parent);
+  sparse.prefill(child, rows(kv.k, 30, 120), rows(kv.v, 30, 120));
+  const auto q = synthetic::generate_query(cfg, 8, 150);
+  std::vector<float> out(q.size());
+  sparse.attend(span<const sequence_id>(&child, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+                tensor_view<float, 3>(out.data(), 1, 4, 64));
+  const synthetic::kv_data kept = test::pruned_cache(test::rounded(kv, dtype::bf16), 64, 0.7f, 0.3f, weights);
+  const auto exact = test::exact(q, kept, 1.0 / 8.0);
+  const auto bound = test::attention_error_bound(q, kept, 2, 1.0 / 8.0, dtype::bf16, 64, /*exact_storage=*/true);
+  for (std::size_t i = 0; i < out.size(); ++i) REQUIRE(std::abs(out[i] - exact[i]) <= bound.per_element[i]);
+}
