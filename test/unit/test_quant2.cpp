@@ -80,7 +80,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
     traits::decode_k(f, shape, page.data(), 64, decoded.data());
     for (std::size_t i = 0; i < rows.size(); ++i) mean_error[i] += (decoded[i] - rows[i]) / seeds;
     if (seed == 0) {
-      const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page.data()};
+      const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
       for (int part = 0; part < view.layout.partitions; ++part) max_step = std::max<double>(max_step, view.scale(part));
     }
   }
@@ -95,7 +95,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
   std::vector<std::byte> page(traits::k_page_bytes(f, shape));
   traits::encode_k(f, shape, rows.data(), page.data());
   traits::decode_k(f, shape, page.data(), 64, decoded.data());
-  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page.data()};
+  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
   for (int t = 0; t < 64; ++t)
     for (int c = 0; c < 64; ++c) {
       const std::size_t i = static_cast<std::size_t>(t) * 64 + c;
@@ -127,7 +127,7 @@ TEST_CASE("quant2: Eq. 4 on codes equals dequantize-then-multiply (same codes, s
   // q' = q * s_j (m' + s' a) times the codes.
   std::vector<float> logits(static_cast<std::size_t>(groups) * page_size);
   traits::score(f, shape, k_page.data(), page_size, q.data(), groups, logits.data());
-  const detail::quant2_page_view k_view{detail::quant2_layout_of(f, shape), k_page.data()};
+  const detail::quant2_page_view k_view{detail::quant2_layout_of(f, shape, true), k_page.data()};
   std::vector<int> a(static_cast<std::size_t>(head_dim));
   const auto dequantized8 = [&](const float* x) {  // 8-bit q (or q') per group of Pi channels
     std::vector<double> x_hat(static_cast<std::size_t>(head_dim));

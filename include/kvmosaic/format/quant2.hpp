@@ -30,10 +30,13 @@
 /// integer products sum(a b) touch the codes; sum(b) comes from the page.
 ///
 /// Page layout (one head, K or V): [mins: partitions x f16][scales: partitions x f16]
-/// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each, 4 per byte, each
-/// partition's Pi codes contiguous] padded to 16 bytes. K partition t * (head_dim / Pi) + j holds
-/// channels j Pi .. of token t; V partition c * (page_size / Pi) + j holds tokens j Pi .. of
-/// channel c. At Pi = 64, head_dim 128, pages of 64: 2688 bytes per page, 16.4% of dense.
+/// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each] padded to 16 bytes. V
+/// partition c * (page_size / Pi) + j holds tokens j Pi .. of channel c; K partition the same
+/// (K per channel) or t * (head_dim / Pi) + j, channels j Pi .. of token t (K per token). The
+/// codes are not stored partition by partition: they form the int8 tensor-core operand the CUDA
+/// kernel multiplies (K as [tokens][channels], V as [channels][tokens], in 16 x 32 tiles; see
+/// `quant2_code_bit`), so a warp unpacks them with shifts and masks. At Pi = 64, head_dim 128,
+/// pages of 64: 2688 bytes per page, 16.4% of dense.
 
 #include <algorithm>
 #include <cmath>
@@ -93,21 +96,64 @@ inline float rounding_noise(std::uint64_t seed, std::uint64_t key) {
   return static_cast<float>(mix64(mix64(seed) ^ key) >> 40) * (1.0f / 16777216.0f);
 }
 
-/// Geometry of one quant2 page (one head, K or V).
+/// Bit of the code at (row, col) of a page's code matrix with `cols` columns. The matrix is
+/// stored in tiles of 16 rows x 32 columns, row-major over tiles, 128 bytes a tile. Within a tile,
+/// the 32-bit word of lane 4 g + q holds in byte b, bits 2 s and 2 s + 1, the code at row
+/// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
+/// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
+/// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
+constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+  const int tile = row / 16 * (cols / 32) + col / 32;
+  const int r = row % 16, c = col % 32;
+  const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
+  return static_cast<std::size_t>(tile) * 1024 + static_cast<std::size_t>(lane) * 32 + (c % 4) * 8 + s * 2;
+}
+
+/// Geometry of one quant2 page (one head, K or V): the byte layout, how partition elements map to
+/// (token, channel), and how those map to the code matrix. The codes form the A operand of the
+/// attention products on tensor cores: K as [tokens][channels] (S^T = K Q^T, an inner product
+/// over channels), V as [channels][tokens] (O^T = V^T P^T, over tokens).
 struct quant2_layout {
-  int partitions;  ///< partitions in the page
-  int partition;   ///< Pi
-  int sum_bytes;   ///< 1 or 2
+  int partitions;     ///< partitions in the page
+  int partition;      ///< Pi
+  int sum_bytes;      ///< 1 or 2
+  int page_size;
+  int head_dim;
+  bool along_tokens;  ///< partitions run along tokens, one channel each (V, and K per channel)
+  bool is_key;        ///< code matrix rows are tokens (K) rather than channels (V)
+
   std::size_t scales_at() const { return static_cast<std::size_t>(partitions) * 2; }
   std::size_t sums_at() const { return static_cast<std::size_t>(partitions) * 4; }
   std::size_t codes_at() const { return sums_at() + static_cast<std::size_t>(partitions) * sum_bytes; }
   std::size_t bytes() const {
     return (codes_at() + static_cast<std::size_t>(partitions) * partition / 4 + 15) / 16 * 16;
   }
+  /// Element i of partition `part`: (token, channel).
+  void element(int part, int i, int& token, int& channel) const {
+    if (along_tokens) {
+      const int per_channel = page_size / partition;
+      channel = part / per_channel;
+      token = part % per_channel * partition + i;
+    } else {
+      const int per_token = head_dim / partition;
+      token = part / per_token;
+      channel = part % per_token * partition + i;
+    }
+  }
+  /// Bit of the code of (token, channel), counted from codes_at().
+  std::size_t code_bit(int token, int channel) const {
+    return is_key ? quant2_code_bit(head_dim, token, channel) : quant2_code_bit(page_size, channel, token);
+  }
 };
 
-inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape& shape) {
-  return quant2_layout{shape.page_size * shape.head_dim / f.partition, f.partition, f.partition * 3 > 255 ? 2 : 1};
+inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape& shape, bool is_key) {
+  return quant2_layout{shape.page_size * shape.head_dim / f.partition,
+                       f.partition,
+                       f.partition * 3 > 255 ? 2 : 1,
+                       shape.page_size,
+                       shape.head_dim,
+                       !is_key || f.k_axis == format::key_axis::tokens,
+                       is_key};
 }
 
 /// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) with the stored
@@ -146,25 +192,19 @@ inline void quantize_partition(const format::quant2& f, const float* x, int coun
   }
 }
 
-/// Encodes rows [page_size][head_dim]: K partitions along channels (`along_tokens` false) or V
-/// partitions along tokens (true).
-inline void encode_quant2_page(const format::quant2& f, const page_shape& shape, const float* rows, bool along_tokens,
+/// Encodes rows [page_size][head_dim] into a K (`is_key`) or V page: each partition quantized
+/// (`quantize_partition`), its min, scale and code sum stored, its codes placed in the code matrix.
+inline void encode_quant2_page(const format::quant2& f, const page_shape& shape, const float* rows, bool is_key,
                                std::byte* page) {
-  const quant2_layout layout = quant2_layout_of(f, shape);
+  const quant2_layout layout = quant2_layout_of(f, shape, is_key);
   const int d = shape.head_dim, pi = f.partition;
   std::memset(page, 0, layout.bytes());
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(pi));
   for (int part = 0; part < layout.partitions; ++part) {
-    const float* first;
-    int stride;
-    if (along_tokens) {  // V: channel c, tokens j Pi ..
-      const int per_channel = shape.page_size / pi, c = part / per_channel, j = part % per_channel;
-      first = rows + static_cast<std::size_t>(j) * pi * d + c;
-      stride = d;
-    } else {             // K: token t, channels j Pi ..
-      first = rows + static_cast<std::size_t>(part) * pi;  // token-major: partitions follow the rows
-      stride = 1;
-    }
+    int token = 0, channel = 0;
+    layout.element(part, 0, token, channel);
+    const float* first = rows + static_cast<std::size_t>(token) * d + channel;
+    const int stride = layout.along_tokens ? d : 1;
     float m = 0, s = 0;
     quantize_partition(f, first, pi, stride, static_cast<std::uint64_t>(part) * pi, m, s, codes.data());
     const half m16(m), s16(s);
@@ -173,7 +213,8 @@ inline void encode_quant2_page(const format::quant2& f, const page_shape& shape,
     unsigned sum = 0;
     for (int i = 0; i < pi; ++i) {
       sum += codes[static_cast<std::size_t>(i)];
-      const std::size_t bit = (static_cast<std::size_t>(part) * pi + i) * 2;
+      layout.element(part, i, token, channel);
+      const std::size_t bit = layout.code_bit(token, channel);
       page[layout.codes_at() + bit / 8] |= static_cast<std::byte>(codes[static_cast<std::size_t>(i)] << (bit % 8));
     }
     if (layout.sum_bytes == 1) {
@@ -197,9 +238,16 @@ struct quant2_page_view {
     std::memcpy(&sum16, page + layout.sums_at() + static_cast<std::size_t>(part) * 2, 2);
     return sum16;
   }
-  int code(int part, int i) const {
-    const std::size_t bit = (static_cast<std::size_t>(part) * layout.partition + i) * 2;
+  /// The code of (token, channel).
+  int code_at(int token, int channel) const {
+    const std::size_t bit = layout.code_bit(token, channel);
     return (static_cast<int>(page[layout.codes_at() + bit / 8]) >> (bit % 8)) & 3;
+  }
+  /// The code of element i of partition `part`.
+  int code(int part, int i) const {
+    int token = 0, channel = 0;
+    layout.element(part, i, token, channel);
+    return code_at(token, channel);
   }
   static float load_half(const std::byte* at) {
     half h;
@@ -218,9 +266,11 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
   }
   m = lo;
   s = (hi - lo) / 255.0f;
+  // One reciprocal, then products: what the device kernels compute, rounding for rounding.
+  const float inverse = s > 0.0f ? 1.0f / s : 0.0f;
   unsigned sum = 0;
   for (int i = 0; i < count; ++i) {
-    const float t = s > 0.0f ? (x[static_cast<std::size_t>(i) * stride] - m) / s : 0.0f;
+    const float t = (x[static_cast<std::size_t>(i) * stride] - m) * inverse;
     a[i] = static_cast<int>(std::clamp(std::floor(t + 0.5f), 0.0f, 255.0f));
     sum += static_cast<unsigned>(a[i]);
   }
@@ -231,14 +281,13 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
 /// channels), per token and group of Pi channels, replace the per-partition sums (same count,
 /// same width): sums[t * (head_dim / Pi) + p] = sum of the codes of token t, channels p Pi ...
 inline void store_token_code_sums(const format::quant2& f, const page_shape& shape, std::byte* page) {
-  const quant2_layout layout = quant2_layout_of(f, shape);
+  const quant2_layout layout = quant2_layout_of(f, shape, /*is_key=*/true);
   const quant2_page_view view{layout, page};
-  const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
+  const int d = shape.head_dim, pi = f.partition;
   std::vector<unsigned> sums(static_cast<std::size_t>(layout.partitions), 0u);
   for (int c = 0; c < d; ++c)
     for (int t = 0; t < shape.page_size; ++t)
-      sums[static_cast<std::size_t>(t * (d / pi) + c / pi)] +=
-          static_cast<unsigned>(view.code(c * per_channel + t / pi, t % pi));
+      sums[static_cast<std::size_t>(t * (d / pi) + c / pi)] += static_cast<unsigned>(view.code_at(t, c));
   for (int i = 0; i < layout.partitions; ++i) {
     if (layout.sum_bytes == 1) {
       page[layout.sums_at() + static_cast<std::size_t>(i)] = static_cast<std::byte>(sums[static_cast<std::size_t>(i)]);
@@ -282,23 +331,22 @@ struct format_traits<format::quant2> {
   }
 
   static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
-    return detail::quant2_layout_of(f, shape).bytes();
+    return detail::quant2_layout_of(f, shape, true).bytes();
   }
   static std::size_t v_page_bytes(const format::quant2& f, const page_shape& shape) { return k_page_bytes(f, shape); }
 
   static void encode_k(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
-    const bool along_tokens = f.k_axis == format::key_axis::tokens;
-    detail::encode_quant2_page(f, shape, rows, along_tokens, page);
-    if (along_tokens) detail::store_token_code_sums(f, shape, page);
+    detail::encode_quant2_page(f, shape, rows, /*is_key=*/true, page);
+    if (f.k_axis == format::key_axis::tokens) detail::store_token_code_sums(f, shape, page);
   }
   static void encode_v(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
-    detail::encode_quant2_page(f, shape, rows, /*along_tokens=*/true, page);
+    detail::encode_quant2_page(f, shape, rows, /*is_key=*/false, page);
   }
   static void decode_k(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
-    decode(f, shape, page, n, /*along_tokens=*/f.k_axis == format::key_axis::tokens, rows);
+    decode(f, shape, page, n, /*is_key=*/true, rows);
   }
   static void decode_v(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
-    decode(f, shape, page, n, /*along_tokens=*/true, rows);
+    decode(f, shape, page, n, /*is_key=*/false, rows);
   }
 
   /// logits[g][t] = q[g] . k[t] on the codes (Eq. 4): q quantized to 8 bits per partition, one
@@ -310,7 +358,7 @@ struct format_traits<format::quant2> {
       score_channel_partitioned(f, shape, k_page, n, q, groups, logits);
       return;
     }
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), k_page};
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
     std::vector<int> a(static_cast<std::size_t>(d));
     std::vector<float> m_a(static_cast<std::size_t>(per_token)), s_a(m_a.size());
@@ -339,7 +387,7 @@ struct format_traits<format::quant2> {
   /// tokens. Pages are full (n = page_size): tails are dense. Cost as `score`.
   static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
                          const float* p, int groups, float* o) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), v_page};
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), v_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
     detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
     std::vector<int> a(static_cast<std::size_t>(n));
@@ -365,7 +413,7 @@ struct format_traits<format::quant2> {
   /// over channels with the stored per-token code sums (no m_b term: the mins are in the first).
   static void score_channel_partitioned(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n,
                                         const float* q, int groups, float* logits) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), k_page};
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
     std::vector<float> folded(static_cast<std::size_t>(d));
     std::vector<int> a(static_cast<std::size_t>(d));
@@ -387,7 +435,7 @@ struct format_traits<format::quant2> {
           for (int p = 0; p < groups_of_channels; ++p) {
             std::int64_t dot = 0;
             for (int c = p * pi; c < (p + 1) * pi; ++c)
-              dot += a[static_cast<std::size_t>(c)] * view.code(c * per_channel + j, t % pi);
+              dot += a[static_cast<std::size_t>(c)] * view.code_at(t, c);
             logit += static_cast<double>(m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
                      static_cast<double>(s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
           }
@@ -397,21 +445,14 @@ struct format_traits<format::quant2> {
     }
   }
 
-  static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool along_tokens,
+  static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
                      float* rows) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape), page};
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, is_key), page};
     const int d = shape.head_dim, pi = f.partition;
     for (int part = 0; part < view.layout.partitions; ++part) {
       for (int i = 0; i < pi; ++i) {
-        int t, c;
-        if (along_tokens) {
-          const int per_channel = shape.page_size / pi;
-          c = part / per_channel;
-          t = (part % per_channel) * pi + i;
-        } else {
-          t = part / (d / pi);
-          c = (part % (d / pi)) * pi + i;
-        }
+        int t = 0, c = 0;
+        view.layout.element(part, i, t, c);
         if (t < n) rows[static_cast<std::size_t>(t) * d + c] = view.min(part) + view.scale(part) * static_cast<float>(view.code(part, i));
       }
     }
