@@ -142,7 +142,8 @@ void hbm_read(benchmark::State& state) {
 }
 
 /// Decode of one format: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4
-/// (Hq=32; or range 2), bf16, pages of 64; bitmap_tiles at s_k = s_v = range 4 percent.
+/// (Hq=32; or range 2), bf16, pages of 64; bitmap_tiles at s_k = s_v = range 4 percent; quant2
+/// with partition Pi = range 4 (pages of max(64, Pi) tokens), stochastic rounding.
 /// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
 /// first sequence: prefill_us_per_page is per page of all KV heads, K and V.
 template <class Format>
@@ -153,17 +154,21 @@ void decode(benchmark::State& state) {
   c.num_kv_heads = 8;
   c.group_size = state.range(2) > 0 ? static_cast<int>(state.range(2)) : 4;
   c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
-  c.page_size = 64;
+  constexpr bool is_quant2 = std::is_same<Format, format::quant2>::value;
+  c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : 64;
   c.storage = dtype::bf16;
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
   Format format{};
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value)
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
+  if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
   cuda_cache<Format> kv(c, format);
-  if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
-    // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES overrides the engine's compressed stages.
-    if (const char* stages = std::getenv("KVMOSAIC_BENCH_BITMAP_STAGES")) kv.engine().set_compressed_stages(std::atoi(stages));
+  if constexpr (std::is_same<Format, format::bitmap_tiles>::value || is_quant2) {
+    // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES (KVMOSAIC_BENCH_QUANT2_STAGES) overrides
+    // the engine's compressed stages.
+    if (const char* stages = std::getenv(is_quant2 ? "KVMOSAIC_BENCH_QUANT2_STAGES" : "KVMOSAIC_BENCH_BITMAP_STAGES"))
+      kv.engine().set_compressed_stages(std::atoi(stages));
     state.counters["stages"] = kv.engine().compressed_stages();
   }
 
@@ -242,7 +247,10 @@ void decode(benchmark::State& state) {
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);
   state.counters["prefill_us_per_page"] = prefill_seconds * 1e6 / (context / c.page_size);
-  state.counters["sparsity"] = static_cast<double>(state.range(4)) / 100.0;
+  if constexpr (is_quant2)
+    state.counters["partition"] = static_cast<double>(state.range(4));
+  else
+    state.counters["sparsity"] = static_cast<double>(state.range(4)) / 100.0;
   state.counters["plan_us"] = median(plan_times) * 1e6;
   state.counters["batch"] = batch;
   state.counters["context"] = context;
@@ -279,6 +287,16 @@ BENCHMARK(decode<format::bitmap_tiles>)
     ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {50, 70}})
     ->Args({1, 524288, 4, 128, 50})
     ->Args({1, 524288, 4, 128, 70})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// HACK's quant2 at Pi = 64 over the same matrix, and Pi = 32 and 128 at batch 8.
+BENCHMARK(decode<format::quant2>)
+    ->Name("quant2_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition"})
+    ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {64}})
+    ->Args({1, 524288, 4, 128, 64})
+    ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {32, 128}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

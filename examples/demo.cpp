@@ -24,14 +24,8 @@ int main(int argc, char** argv) {
         cache<format::bitmap_tiles> sparse(w.config, format::bitmap_tiles{sparsity, sparsity});
         rows.push_back(demo::run_host(sparse, w, o.steps));
       }
-    }
-    // HACK's 2-bit codes: host backend (no CUDA kernels yet). Pi = 128 needs pages of 128.
-    for (const int partition : {32, 64, 128}) {
-      if (w.config.head_dim % partition != 0) continue;  // K partitions run along head_dim
-      for (const auto mode : {format::rounding::stochastic, format::rounding::nearest}) {
-        cache_config config = w.config;
-        config.page_size = std::max(config.page_size, partition);
-        cache<format::quant2> c(config, format::quant2{partition, mode, o.seed});
+      for (const auto& [config, format] : demo::quant2_variants(w.config, o.seed)) {
+        cache<format::quant2> c(config, format);
         rows.push_back(demo::run_host(c, w, o.steps));
       }
     }

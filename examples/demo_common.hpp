@@ -13,6 +13,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvmosaic/kvmosaic.hpp"
@@ -257,6 +258,23 @@ inline void write_json(const std::vector<row>& rows, const std::string& path) {
 
 /// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when
 /// no GPU is present (the caller then runs the host backend).
+/// HACK's quant2 configurations the demo reports: Pi = 32, 64, 128 (those dividing head_dim), each
+/// with stochastic and nearest rounding; pages hold at least one partition of tokens.
+inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> quant2_variants(
+    const kvmosaic::cache_config& base, std::uint64_t seed) {
+  using namespace kvmosaic;
+  std::vector<std::pair<cache_config, format::quant2>> variants;
+  for (const int partition : {32, 64, 128}) {
+    if (base.head_dim % partition != 0) continue;  // K groups channels by Pi
+    for (const auto mode : {format::rounding::stochastic, format::rounding::nearest}) {
+      cache_config config = base;
+      config.page_size = std::max(config.page_size, partition);
+      variants.emplace_back(config, format::quant2{partition, mode, seed});
+    }
+  }
+  return variants;
+}
+
 std::vector<row> run_cuda(const workload& w, int steps);
 
 }  // namespace demo

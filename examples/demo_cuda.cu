@@ -57,6 +57,10 @@ std::vector<row> run_cuda(const workload& w, int steps) {
                                                                              format::bitmap_tiles{sparsity, sparsity});
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
+  for (const auto& [config, format] : quant2_variants(w.config, w.generator.seed)) {  // HACK, codes attended on the device
+    cache<format::quant2, select::all, compact::none, backend::cuda> c(config, format);
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return rows;

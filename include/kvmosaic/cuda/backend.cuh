@@ -32,12 +32,15 @@
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/decode_bitmap.cuh"
+#include "kvmosaic/cuda/kernel/decode_quant2.cuh"
 #include "kvmosaic/cuda/kernel/encode_bitmap.cuh"
+#include "kvmosaic/cuda/kernel/encode_quant2.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/bitmap_tiles.hpp"
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
+#include "kvmosaic/format/quant2.hpp"
 #include "kvmosaic/host/backend.hpp"
 
 namespace kvmosaic {
@@ -82,6 +85,28 @@ void dispatch_shape(dtype storage, int head_dim, int group_size, F&& f) {
   return by_dim(bfloat16{});
 }
 
+/// Calls f(head_dim constant, partition constant) for a quant2 shape (Pi at most head_dim).
+template <class F>
+void dispatch_quant2(int head_dim, int partition, F&& f) {
+  const auto by_partition = [&](auto dim) {
+    switch (partition) {
+      case 32: return f(dim, std::integral_constant<int, 32>{});
+      case 64: return f(dim, std::integral_constant<int, 64>{});
+      case 128:
+        if constexpr (decltype(dim)::value >= 128) return f(dim, std::integral_constant<int, 128>{});
+        break;
+    }
+    kvmosaic::detail::require(false, "cuda::dispatch_quant2", "format::quant2::partition", partition,
+                              "32, 64 or 128, at most head_dim");
+  };
+  switch (head_dim) {
+    case 64: return by_partition(std::integral_constant<int, 64>{});
+    case 128: return by_partition(std::integral_constant<int, 128>{});
+    case 256: return by_partition(std::integral_constant<int, 256>{});
+  }
+  kvmosaic::detail::require(false, "cuda::dispatch_quant2", "head_dim", head_dim, limits::supported_head_dims);
+}
+
 /// Grid x for a grid-stride loop over `count` items.
 inline unsigned grid_for(std::int64_t count, int threads) {
   return static_cast<unsigned>(std::clamp<std::int64_t>((count + threads - 1) / threads, 1, 65535));
@@ -96,9 +121,11 @@ template <>
 struct has_kernels<format::dense> : std::true_type {};
 template <>
 struct has_kernels<format::bitmap_tiles> : std::true_type {};
+template <>
+struct has_kernels<format::quant2> : std::true_type {};
 
-/// The CUDA engine of one format (`format::dense` or `format::bitmap_tiles`); other formats fail
-/// to compile with a sentence rather than at run time.
+/// The CUDA engine of one format (`format::dense`, `format::bitmap_tiles` or `format::quant2`);
+/// other formats fail to compile with a sentence rather than at run time.
 ///
 /// Dense pages are written in place by the row kernels. Other formats' pages are encoded on the
 /// device: the row kernels write the completed pages' dense rows to a scratch arena (at most
@@ -107,10 +134,15 @@ struct has_kernels<format::bitmap_tiles> : std::true_type {};
 template <class Format>
 class engine {
   static_assert(has_kernels<Format>::value,
-                "kvmosaic: the CUDA backend has kernels for format::dense and format::bitmap_tiles only so far");
+                "kvmosaic: the CUDA backend has kernels for format::dense, format::bitmap_tiles and format::quant2 "
+                "only so far");
   using traits = format_traits<Format>;
   using dense_traits = format_traits<format::dense>;
   static constexpr bool encodes_pages = !std::is_same<Format, format::dense>::value;
+  static constexpr bool is_bitmap = std::is_same<Format, format::bitmap_tiles>::value;
+  static constexpr bool is_quant2 = std::is_same<Format, format::quant2>::value;
+  /// Formats whose sm_90 kernel streams compressed page pairs through shared-memory stages.
+  static constexpr bool streams_compressed_pages = is_bitmap || is_quant2;
 
  public:
   engine(const kvmosaic::detail::engine_shape& shape, const Format& format)
@@ -138,7 +170,14 @@ class engine {
           make_row_map(tails_.data(), static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
     }
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
-    if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
+    if constexpr (is_quant2) {
+      kvmosaic::detail::require(format.k_axis == format::key_axis::tokens, "cuda::engine", "format::quant2::k_axis",
+                                "key_axis::head_dim",
+                                "key_axis::tokens (the CUDA kernels read K partitioned per channel; the per-token "
+                                "layout runs on the host backend)");
+      detail::dispatch_quant2(shape.head_dim, format.partition, [](auto, auto) {});  // rejects Pi > head_dim
+    }
+    if constexpr (streams_compressed_pages) {
       use_tma_ = false;
       if (use_bulk_copy_) choose_compressed_stages(device);
     }
@@ -319,6 +358,7 @@ class engine {
     p.page_rows = page_rows_;
     p.tail_rows_map = tail_rows_map_;
     p.stages = compressed_stages_;
+    p.group_size = shape_.group_size;
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -337,12 +377,32 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
+    if constexpr (is_quant2) {
+      // The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
+      const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
+      const auto by_shape = [&](auto element) {
+        using T = decltype(element);
+        detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
+          constexpr int head_dim = decltype(dim)::value, pi = decltype(partition)::value;
+          using layout = kernel::quant2_decode_layout<head_dim, pi>;
+          if (use_bulk_copy_)
+            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true>, 128, layout::bytes(stage_bytes, compressed_stages_));
+          else
+            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false>, 128, layout::bytes(stage_bytes, 1));
+        });
+      };
+      if (shape_.storage == dtype::f16)
+        by_shape(half{});
+      else
+        by_shape(bfloat16{});
+      return;
+    }
     detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto element, auto dim, auto group) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
+      if constexpr (is_bitmap) {
         if (use_bulk_copy_) {
           using layout = kernel::bitmap_decode_layout<head_dim>;
           const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
@@ -371,13 +431,14 @@ class engine {
   }
 
   /// The most pages one split may hold: the page ids the dense sm_90 kernels keep in shared
-  /// memory (the bitmap_tiles kernel reads them from the block table: no limit).
+  /// memory (the bitmap_tiles and quant2 kernels read them from the block table: no limit).
   static constexpr int max_pages_per_split(const decode_tuning& t) {
-    return std::is_same<Format, format::bitmap_tiles>::value ? 1 << 30 : t.max_pages_per_split;
+    return streams_compressed_pages ? 1 << 30 : t.max_pages_per_split;
   }
 
-  /// bitmap_tiles on sm_90: sets the compressed page pairs each CTA keeps in flight (1 to 4) and
-  /// re-reads the occupancy. For tuning experiments; the engine picks a value by itself.
+  /// bitmap_tiles and quant2 on sm_90: sets the compressed page pairs in flight (1 to 4; per CTA
+  /// for bitmap_tiles, per warp for quant2) and re-reads the occupancy. For tuning experiments;
+  /// the engine picks a value by itself.
   void set_compressed_stages(int stages) {
     kvmosaic::detail::require(stages >= 1 && stages <= 4, "cuda::engine::set_compressed_stages", "stages", stages,
                               "1 to 4");
@@ -406,7 +467,7 @@ class engine {
   /// True when decode multiplies p.v on tensor cores, p split into two 16-bit halves (the dense
   /// TMA kernel and the sm_90 bitmap_tiles kernel).
   bool splits_p_on_tensor_cores() const noexcept {
-    return use_tma_ || (std::is_same<Format, format::bitmap_tiles>::value && use_bulk_copy_);
+    return use_tma_ || (is_bitmap && use_bulk_copy_);
   }
   /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
   /// (at most target + batch: each sequence rounds its split count up by less than one), so a
@@ -438,10 +499,17 @@ class engine {
       KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
       kernel_registers = attributes.numRegs;
     });
-    // Registers are allocated per warp in units of 256; the kernel runs 4 warps.
+    // Registers are allocated per warp in units of 256; the kernels run 4 warps.
     const int per_cta_registers = 4 * ((kernel_registers * 32 + 255) / 256 * 256);
-    const int pair = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
-    const int fixed = kernel::bitmap_decode_fixed_bytes(shape_.head_dim);
+    // A stage: one page pair for the CTA (bitmap_tiles), or for each of its 4 warps (quant2).
+    const int pair = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes) * (is_quant2 ? 4 : 1);
+    int fixed = 0;
+    if constexpr (is_quant2)
+      detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
+        fixed = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset + 1024;
+      });
+    else
+      fixed = kernel::bitmap_decode_fixed_bytes(shape_.head_dim);
     for (int ctas = std::min(4, registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
       const int budget = std::min(per_sm / ctas - reserved, per_block);
       const int stages = (budget - fixed) / pair;
@@ -566,7 +634,45 @@ class engine {
   /// Compresses scratch slots 0 .. n into pages page_ids[0 .. n), K scored with weight rows
   /// weight_rows[0 .. n) (device arrays).
   void encode_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
-    static_assert(std::is_same<Format, format::bitmap_tiles>::value, "encode kernels exist for bitmap_tiles only");
+    if constexpr (is_quant2) {
+      kernel::quant2_encode_params e{};
+      e.rows = scratch_.as<const std::byte>();
+      e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+      e.pages = pages_.as<std::byte>();
+      e.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+      e.page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+      e.new_pages = page_ids;
+      e.num_kv_heads = shape_.num_kv_heads;
+      e.page_size = shape_.page_size;
+      e.partition = format_.partition;
+      e.stochastic = format_.mode == format::rounding::stochastic;
+      e.seed = format_.seed;
+      const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);
+      const int code_bytes = shape_.page_size * shape_.head_dim;
+      if (code_bytes > 48 * 1024) raise_encode_shared_limit(code_bytes);
+      detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+        using S = decltype(element);
+        constexpr int head_dim = decltype(dim)::value;
+        kernel::encode_quant2_pages_kernel<S, head_dim>
+            <<<grid, kernel::quant2_encode_threads, code_bytes, stream_>>>(e);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      });
+      (void)weight_rows;
+      return;
+    } else {
+      encode_bitmap_pages(page_ids, weight_rows, n);
+    }
+  }
+
+  /// quant2 encode with pages of more than 48 KB of codes (page_size x head_dim bytes).
+  void raise_encode_shared_limit(int bytes) {
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+      KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel::encode_quant2_pages_kernel<decltype(element), decltype(dim)::value>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    });
+  }
+
+  void encode_bitmap_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
     kernel::bitmap_encode_params e{};
     e.rows = scratch_.as<const std::byte>();
     e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
@@ -622,7 +728,7 @@ class engine {
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
   std::int32_t scratch_pages_ = 0;
-  int compressed_stages_ = 2;    ///< bitmap_tiles sm_90 kernel: compressed page pairs in flight
+  int compressed_stages_ = 2;    ///< bitmap_tiles / quant2 sm_90 kernels: compressed page pairs in flight
 };
 
 }  // namespace cuda

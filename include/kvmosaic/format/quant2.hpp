@@ -84,7 +84,7 @@ namespace detail {
 
 /// splitmix64's finalizer: a bijective 64-bit mix (Steele et al.), the counter-based generator of
 /// the stochastic rounding (host and device compute it the same way).
-constexpr std::uint64_t mix64(std::uint64_t x) {
+KVMOSAIC_HOST_DEVICE constexpr std::uint64_t mix64(std::uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
@@ -92,8 +92,35 @@ constexpr std::uint64_t mix64(std::uint64_t x) {
 }
 
 /// Uniform in [0, 1) with 24 bits, from the seed and a 64-bit key.
-inline float rounding_noise(std::uint64_t seed, std::uint64_t key) {
+KVMOSAIC_HOST_DEVICE inline float rounding_noise(std::uint64_t seed, std::uint64_t key) {
   return static_cast<float>(mix64(mix64(seed) ^ key) >> 40) * (1.0f / 16777216.0f);
+}
+
+/// The stored min and scale of a partition whose values span [lo, hi]: both rounded to f16, the
+/// scale computed from the rounded min, so the codes are computed against what is stored.
+KVMOSAIC_HOST_DEVICE inline void quant2_range(float lo, float hi, float& min_out, float& scale_out) {
+  min_out = static_cast<float>(half(lo));
+  scale_out = static_cast<float>(half((hi - min_out) / 3.0f));
+}
+
+/// The 2-bit code of v in a partition with stored min m and scale s (`quant2_range`). Stochastic:
+/// up with probability frac((v - m) / s), the noise a hash of (seed, the element's index in its
+/// page, v, m, s); nearest: to the nearest code. One function for host and device: no product
+/// feeds a sum here, so no compiler contracts an operation and both round alike.
+KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed, std::uint64_t element_index, float v,
+                                            float m, float s) {
+  const float t = s > 0.0f ? (v - m) / s : 0.0f;
+  float c;
+  if (!stochastic) {
+    c = floorf(t + 0.5f);
+  } else {
+    const std::uint64_t range_key =
+        mix64((static_cast<std::uint64_t>(detail::float_bits(m)) << 32) | detail::float_bits(s));
+    const std::uint64_t key = element_index ^ (static_cast<std::uint64_t>(detail::float_bits(v)) << 32) ^ range_key;
+    const float below = floorf(t);
+    c = below + (rounding_noise(seed, key) < t - below ? 1.0f : 0.0f);
+  }
+  return c < 0.0f ? 0 : (c > 3.0f ? 3 : static_cast<int>(c));
 }
 
 /// Bit of the code at (row, col) of a page's code matrix with `cols` columns. The matrix is
@@ -165,31 +192,11 @@ inline void quantize_partition(const format::quant2& f, const float* x, int coun
     lo = std::min(lo, x[static_cast<std::size_t>(i) * stride]);
     hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
   }
-  // The min and the scale as stored (f16); codes are computed against these, so decoding the
-  // stored form reproduces exactly the values the codes stand for.
-  const float m = to_float(half(lo));
-  const float s = to_float(half((hi - m) / 3.0f));
-  min_out = m;
-  scale_out = s;
-  std::uint32_t m_bits = 0, s_bits = 0;
-  std::memcpy(&m_bits, &m, 4);
-  std::memcpy(&s_bits, &s, 4);
-  for (int i = 0; i < count; ++i) {
-    const float v = x[static_cast<std::size_t>(i) * stride];
-    const float t = s > 0.0f ? (v - m) / s : 0.0f;
-    float c;
-    if (f.mode == format::rounding::nearest) {
-      c = std::floor(t + 0.5f);
-    } else {
-      std::uint32_t v_bits = 0;
-      std::memcpy(&v_bits, &v, 4);
-      const std::uint64_t element_key = (key + static_cast<std::uint64_t>(i)) ^ (static_cast<std::uint64_t>(v_bits) << 32) ^
-                                        mix64((static_cast<std::uint64_t>(m_bits) << 32) | s_bits);
-      const float below = std::floor(t);
-      c = below + (rounding_noise(f.seed, element_key) < t - below ? 1.0f : 0.0f);
-    }
-    codes[i] = static_cast<std::uint8_t>(std::clamp(c, 0.0f, 3.0f));
-  }
+  quant2_range(lo, hi, min_out, scale_out);
+  const bool stochastic = f.mode == format::rounding::stochastic;
+  for (int i = 0; i < count; ++i)
+    codes[i] = static_cast<std::uint8_t>(quant2_code(stochastic, f.seed, key + static_cast<std::uint64_t>(i),
+                                                     x[static_cast<std::size_t>(i) * stride], min_out, scale_out));
 }
 
 /// Encodes rows [page_size][head_dim] into a K (`is_key`) or V page: each partition quantized

@@ -2,8 +2,9 @@
 #pragma once
 
 /// \file
-/// The tensor-core atom the decode kernels use: `mma.sync.m16n8k16` with 16-bit operands and fp32
-/// accumulators (sm_80+), and the packing of float pairs into its 16-bit operand registers.
+/// The tensor-core atoms the decode kernels use: `mma.sync.m16n8k16` with 16-bit operands and fp32
+/// accumulators (sm_80+), the packing of float pairs into its 16-bit operand registers, and the
+/// integer `m16n8k32` with int8 operands and int32 accumulators (quant2's codes).
 /// Fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16"), for lane = 4 g + q:
 ///   A (16x16, row): a[0] = (row g,   k 2q..2q+1)  a[1] = (row g+8, k 2q..2q+1)
 ///                   a[2] = (row g,   k 2q+8..+9)  a[3] = (row g+8, k 2q+8..+9)
@@ -53,6 +54,40 @@ __device__ __forceinline__ void mma_16816<half>(float (&c)[4], const std::uint32
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  (void)c;
+  (void)a;
+  (void)b0;
+  (void)b1;
+  __trap();
+#endif
+}
+
+/// c += a * b for one m16n8k32 tile of int8 operands (values 0..255 fit as unsigned: u8 x u8,
+/// s32 accumulators). Fragments (PTX ISA, "mma.m16n8k32"), lane = 4 g + q, 4 bytes a register:
+///   A (16x32, row): a[0] = (row g, k 4q..4q+3)  a[1] = (row g+8, k 4q..)  a[2] = (row g, k 16+4q..)
+///                   a[3] = (row g+8, k 16+4q..)
+///   B (32x8, col):  b0 = (k 4q..4q+3, col g)    b1 = (k 16+4q.., col g)
+///   C (16x8):       c[0..1] = (row g, cols 2q, 2q+1)   c[2..3] = (row g+8, cols 2q, 2q+1)
+/// sm_80+ runs it as one instruction; sm_75 as four m8n8k16 products with the same fragments.
+__device__ __forceinline__ void mma_u8_16832(int (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                             std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  // m8n8k16: A (8x16) a = (row g, k 4q..4q+3), B b = (k 4q.., col g), C = (row g, cols 2q, 2q+1).
+  asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.u8.s32 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+r"(c[0]), "+r"(c[1]) : "r"(a[0]), "r"(b0));
+  asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.u8.s32 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+r"(c[0]), "+r"(c[1]) : "r"(a[2]), "r"(b1));
+  asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.u8.s32 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+r"(c[2]), "+r"(c[3]) : "r"(a[1]), "r"(b0));
+  asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.u8.s32 {%0, %1}, {%2}, {%3}, {%0, %1};"
+               : "+r"(c[2]), "+r"(c[3]) : "r"(a[3]), "r"(b1));
 #else
   (void)c;
   (void)a;

@@ -34,6 +34,7 @@ struct decode_params {
   int num_kv_heads;
   int page_size;
   int stages;                         ///< sm_90 bitmap_tiles kernel: compressed pages in flight per CTA
+  int group_size;                     ///< query heads per KV head (for kernels where it is a run-time value)
 
   const std::int32_t* step_header;    ///< device: [0] splits this step, [1] block-table row stride
   const std::int32_t* block_tables;   ///< [batch][stride] page ids
@@ -89,15 +90,17 @@ __device__ __forceinline__ void start_state(const decode_params& p, const split_
 }
 
 /// Merges the `Rows` states the CTA left in shared memory `temp` (token rows of the SIMT kernels,
-/// or warps of the tensor-core kernel) and writes this split's normalized partial output and
-/// log-sum-exp. Starts with a barrier: the caller has just written `temp`.
+/// or warps of the tensor-core kernels) and writes this split's normalized partial output and
+/// log-sum-exp, for the first `group` (at most Group, the default) query heads. Starts with a
+/// barrier: the caller has just written `temp`.
 template <int HeadDim, int Group, int Threads, int Rows>
 __device__ __forceinline__ void merge_and_write_partial(const decode_params& p, int work_index, int head,
-                                                        const decode_temp_storage<Group, HeadDim, Rows>& temp) {
+                                                        const decode_temp_storage<Group, HeadDim, Rows>& temp,
+                                                        int group = Group) {
   __syncthreads();
-  const int num_q_heads = p.num_kv_heads * Group;
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+  const int num_q_heads = p.num_kv_heads * group;
+  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * group;
+  for (int index = static_cast<int>(threadIdx.x); index < group * HeadDim; index += Threads) {
     const int g = index / HeadDim, c = index % HeadDim;
     softmax_state<float> total;
     float o = 0.0f;

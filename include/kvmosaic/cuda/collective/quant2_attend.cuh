@@ -1,0 +1,426 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `quant2_warp_attend`: the warp collective of `format::quant2` decode attention (HACK, Eq. 4),
+/// computed on the 2-bit codes with int8 tensor cores; the cache is never dequantized.
+///
+/// A warp folds a partition of Pi tokens (K partitioned along tokens per channel, V along tokens)
+/// into a running softmax state for every query head of its GQA group:
+///  1. q' = q * s_K (the partition's per-channel K scales) is quantized to 8 bits per group of Pi
+///     channels, and base = q . m_K (the per-channel K mins) is one number per head;
+///  2. S^T = K Q'^T on tensor cores: int8 m16n8k32 products of the 2-bit codes, unpacked from the
+///     page by shift and mask (the page stores them as the A operand), with the quantized q';
+///     logit = base + sum over channel groups of (m_q' * code sum of the token + s_q' * dot);
+///  3. p = exp(logit - partition max) is quantized to 8 bits over the partition;
+///  4. O^T = V^T P^T on tensor cores, with Eq. 4's corrections per (channel, head):
+///     o += Pi m_p m_v + m_p s_v sum(v codes) + s_p m_v sum(p codes) + s_p s_v dot.
+/// The quantization of q' and p is the host reference's (`detail::quantize8`) operation for
+/// operation, in round-to-nearest fp32 without contraction, so both draw the same 8-bit codes;
+/// the logits and outputs then differ by fp32 rounding only, and where that moves a p value
+/// across a rounding boundary of its 8-bit grid, by one step of that code.
+///
+/// Thread mapping: lane 4 g + q owns heads 2q and 2q + 1 (the C fragment's columns) and, of the
+/// output, channels 16 t + g and 16 t + g + 8 of every 16-channel tile t. Groups of fewer than 8
+/// heads leave columns unused: the product costs the same, so the group size is a run-time value
+/// (one instantiation serves groups 1-8).
+///
+/// Cost per partition and warp: (Pi / 16) (D / 32) + (D / 16) (Pi / 32) tensor-core products,
+/// four shift-and-mask pairs per 16 codes, and O(G D / 32 + G Pi / 32) fp32 work per lane for
+/// the quantization of q' and p and the corrections.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/detail/mma.cuh"
+
+namespace kvmosaic::cuda {
+
+/// Where the parts of one quant2 page (K or V of one head) lie, in bytes from its start (see
+/// format/quant2.hpp: mins, scales, code sums, codes).
+struct quant2_page_geometry {
+  int page_size;
+  int partitions;
+  int per_channel;  ///< partitions per channel: page_size / Pi
+  int sums_at;
+  int codes_at;
+
+  __host__ __device__ static quant2_page_geometry of(int page_size, int head_dim, int partition) {
+    const int partitions = page_size * head_dim / partition;
+    const int sum_bytes = partition * 3 > 255 ? 2 : 1;
+    return quant2_page_geometry{page_size, partitions, page_size / partition, partitions * 4,
+                                partitions * (4 + sum_bytes)};
+  }
+};
+
+template <int HeadDim, int Partition>
+class quant2_warp_attend {
+  static_assert(Partition == 32 || Partition == 64 || Partition == 128,
+                "quant2_warp_attend: Partition (format::quant2::partition) must be 32, 64 or 128");
+  static_assert(HeadDim % Partition == 0 && HeadDim % 32 == 0,
+                "quant2_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
+
+ public:
+  static constexpr int max_group = 8;  ///< query heads per KV head: the product's N
+  static constexpr int channels_per_lane = HeadDim / 32;           ///< of q' while it is quantized
+  static constexpr int lanes_per_channel_group = Partition / channels_per_lane;
+  static constexpr int channel_groups = HeadDim / Partition;       ///< 8-bit partitions of q'
+  static constexpr int token_tiles = Partition / 16;               ///< M tiles of q.k
+  static constexpr int channel_steps = HeadDim / 32;               ///< K steps of q.k
+  static constexpr int channel_tiles = HeadDim / 16;               ///< M tiles of p.v
+  static constexpr int token_steps = Partition / 32;               ///< K steps of p.v
+  static constexpr int sum_bytes = Partition * 3 > 255 ? 2 : 1;
+  // Rows of the operand tables padded by 4 words: lanes g = 0..7 reading column q land in
+  // distinct banks.
+  static constexpr int q_row_words = HeadDim / 4 + 4;
+  static constexpr int p_row_words = Partition / 4 + 4;
+
+  /// Per-warp scratch: the partition's 8-bit q' and p operands and q's quantization constants.
+  struct temp_storage {
+    std::uint32_t q_codes[8][q_row_words];
+    std::uint32_t p_codes[8][p_row_words];
+    float q_min[8][channel_groups];
+    float q_scale[8][channel_groups];
+    float q_base[8];
+  };
+
+  float o[channel_tiles][4];  ///< unnormalized output, C fragment layout: channels x heads
+  float m[2];                 ///< running max of heads 2q, 2q + 1
+  float l[2];                 ///< running sum of exp(logit - m)
+  int group;                  ///< query heads per KV head, 1 to 8
+
+  /// Empty state for `group_size` query heads; zeroes the rows of heads past the group in `temp`
+  /// (read as zero operands).
+  __device__ __forceinline__ void start(int group_size, temp_storage& temp) {
+    group = group_size;
+#pragma unroll
+    for (int t = 0; t < channel_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[t][e] = 0.0f;
+    m[0] = m[1] = -HUGE_VALF;
+    l[0] = l[1] = 0.0f;
+    const int lane = lane_id();
+    for (int h = group; h < max_group; ++h) {
+      for (int i = lane; i < q_row_words; i += 32) temp.q_codes[h][i] = 0u;
+      if (lane < channel_groups) {
+        temp.q_min[h][lane] = 0.0f;
+        temp.q_scale[h][lane] = 0.0f;
+      }
+      if (lane == 0) temp.q_base[h] = 0.0f;
+    }
+    __syncwarp();
+  }
+
+  /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quant2 K and
+  /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
+  /// in shared memory.
+  __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
+                                                 const quant2_page_geometry& geometry, int j, const float* q,
+                                                 temp_storage& temp) {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+    quantize_folded_query(k_page, geometry, j, q, group, temp);
+    __syncwarp();
+
+    // q.k: int8 products per 16-token tile, then the per-group corrections.
+    std::uint32_t b_q[channel_steps][2];
+#pragma unroll
+    for (int k = 0; k < channel_steps; ++k) {
+      b_q[k][0] = temp.q_codes[g][k * 8 + quad];
+      b_q[k][1] = temp.q_codes[g][k * 8 + 4 + quad];
+    }
+    float base[2], q_min[2][channel_groups], q_scale[2][channel_groups];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      base[hh] = temp.q_base[2 * quad + hh];
+#pragma unroll
+      for (int c = 0; c < channel_groups; ++c) {
+        q_min[hh][c] = temp.q_min[2 * quad + hh][c];
+        q_scale[hh][c] = temp.q_scale[2 * quad + hh][c];
+      }
+    }
+    const auto* k_codes = reinterpret_cast<const std::uint32_t*>(k_page + geometry.codes_at);
+    const std::byte* k_sums = k_page + geometry.sums_at;
+    float s[token_tiles][4];
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t) {
+      int dot[channel_groups][4];
+#pragma unroll
+      for (int c = 0; c < channel_groups; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dot[c][e] = 0;
+      const int tile_row = j * token_tiles + t;
+#pragma unroll
+      for (int k = 0; k < channel_steps; ++k) {
+        std::uint32_t a[4];
+        unpack(k_codes[(tile_row * channel_steps + k) * 32 + lane], a);
+        detail::mma_u8_16832(dot[k * 32 / Partition], a, b_q[k][0], b_q[k][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int token = j * Partition + t * 16 + g + 8 * (e / 2), hh = e % 2;
+        float logit = base[hh];
+#pragma unroll
+        for (int c = 0; c < channel_groups; ++c) {
+          const float code_sum = load_sum(k_sums, token * channel_groups + c);
+          logit += q_min[hh][c] * code_sum + q_scale[hh][c] * static_cast<float>(dot[c][e]);
+        }
+        s[t][e] = logit;
+      }
+    }
+
+    // Softmax over the partition: p relative to the partition's max (as the host's page-local
+    // softmax when a page is one partition), quantized to 8 bits per head.
+    float block_max[2] = {-HUGE_VALF, -HUGE_VALF};
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) block_max[e % 2] = fmaxf(block_max[e % 2], s[t][e]);
+    float p_lo[2] = {HUGE_VALF, HUGE_VALF}, p_hi[2] = {-HUGE_VALF, -HUGE_VALF}, p_sum[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) block_max[hh] = reduce_max_over_rows(block_max[hh]);
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[t][e] = __expf(s[t][e] - block_max[e % 2]);
+        p_lo[e % 2] = fminf(p_lo[e % 2], s[t][e]);
+        p_hi[e % 2] = fmaxf(p_hi[e % 2], s[t][e]);
+      }
+    float p_step[2], p_inverse[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
+      p_hi[hh] = reduce_max_over_rows(p_hi[hh]);
+      p_step[hh] = __fdiv_rn(__fsub_rn(p_hi[hh], p_lo[hh]), 255.0f);
+      p_inverse[hh] = p_step[hh] > 0.0f ? __fdiv_rn(1.0f, p_step[hh]) : 0.0f;
+      p_sum[hh] = 0.0f;
+    }
+    int code_sum[2] = {0, 0};
+    auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0]);
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e % 2;
+        p_sum[hh] += s[t][e];
+        const int code = quantize8(s[t][e], p_lo[hh], p_inverse[hh]);
+        code_sum[hh] += code;
+        p_bytes[(2 * quad + hh) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
+      }
+    float alpha[2], b_mean[2], b_min[2], b_step[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      p_sum[hh] = reduce_sum_over_rows(p_sum[hh]);
+      code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
+      const float m_new = fmaxf(m[hh], block_max[hh]);
+      alpha[hh] = __expf(m[hh] - m_new);
+      const float beta = __expf(block_max[hh] - m_new);
+      m[hh] = m_new;
+      l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
+      // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
+      b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * static_cast<float>(code_sum[hh]));
+      b_min[hh] = beta * p_lo[hh];
+      b_step[hh] = beta * p_step[hh];
+    }
+    __syncwarp();
+
+    // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
+    std::uint32_t b_p[token_steps][2];
+#pragma unroll
+    for (int k = 0; k < token_steps; ++k) {
+      b_p[k][0] = temp.p_codes[g][k * 8 + quad];
+      b_p[k][1] = temp.p_codes[g][k * 8 + 4 + quad];
+    }
+    const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
+    const int token_columns = geometry.page_size / 32;
+#pragma unroll
+    for (int t = 0; t < channel_tiles; ++t) {
+      int dot[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int k = 0; k < token_steps; ++k) {
+        std::uint32_t a[4];
+        unpack(v_codes[(t * token_columns + j * token_steps + k) * 32 + lane], a);
+        detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
+      }
+#pragma unroll
+      for (int half_row = 0; half_row < 2; ++half_row) {
+        const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
+        const float v_min = load_half(v_page, part);
+        const float v_scale = load_half(v_page + geometry.partitions * 2, part);
+        const float v_sum = load_sum(v_page + geometry.sums_at, part);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * half_row + hh;
+          const float corrected = b_min[hh] * v_sum + b_step[hh] * static_cast<float>(dot[e]);
+          o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
+        }
+      }
+    }
+    __syncwarp();  // temp is rewritten by the next partition
+  }
+
+  /// Folds `n` (1 to 16) dense rows of the tail (16-bit, [n][HeadDim] from `k_rows`, `v_rows` in
+  /// global memory) in fp32: exact softmax, as the host folds its tail.
+  template <class T>
+  __device__ __forceinline__ void fold_dense_rows(const T* k_rows, const T* v_rows, int n, const float* q) {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int token = g + 8 * (e / 2), head = 2 * quad + e % 2;
+      float dot = 0.0f;
+      if (token < n && head < group) {
+        const T* k = k_rows + static_cast<std::size_t>(token) * HeadDim;
+        const float* q_h = q + head * HeadDim;
+#pragma unroll 8
+        for (int c = 0; c < HeadDim; ++c) dot += q_h[c] * to_float(k[c]);
+      }
+      s[e] = token < n ? dot : -HUGE_VALF;
+    }
+    float block_max[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])}, p_sum[2], alpha[2], beta[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) block_max[hh] = reduce_max_over_rows(block_max[hh]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = __expf(s[e] - block_max[e % 2]);  // 0 past n
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      p_sum[hh] = reduce_sum_over_rows(s[hh] + s[2 + hh]);
+      const float m_new = fmaxf(m[hh], block_max[hh]);
+      alpha[hh] = __expf(m[hh] - m_new);
+      beta[hh] = __expf(block_max[hh] - m_new);
+      m[hh] = m_new;
+      l[hh] = l[hh] * alpha[hh] + beta[hh] * p_sum[hh];
+    }
+#pragma unroll
+    for (int t = 0; t < channel_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[t][e] *= alpha[e % 2];
+    for (int token = 0; token < n; ++token) {
+      // p of (token, heads 2q, 2q + 1) lives in lane 4 (token % 8) + q, elements 2 (token / 8) + hh.
+      const int source = 4 * (token % 8) + quad;
+      const float p0 = __shfl_sync(0xffffffffu, token < 8 ? s[0] : s[2], source) * beta[0];
+      const float p1 = __shfl_sync(0xffffffffu, token < 8 ? s[1] : s[3], source) * beta[1];
+      const T* v = v_rows + static_cast<std::size_t>(token) * HeadDim;
+#pragma unroll
+      for (int t = 0; t < channel_tiles; ++t) {
+        const float v0 = to_float(v[t * 16 + g]), v1 = to_float(v[t * 16 + g + 8]);
+        o[t][0] += p0 * v0;
+        o[t][1] += p1 * v0;
+        o[t][2] += p0 * v1;
+        o[t][3] += p1 * v1;
+      }
+    }
+  }
+
+  /// This lane's share of the state for a CTA reduction: calls out(head, channel, o) for its
+  /// outputs and, on lanes 0..3, state(head, m, l), for heads of the group.
+  template <class Out, class State>
+  __device__ __forceinline__ void for_each_output(Out&& out, State&& state) const {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int head = 2 * quad + hh;
+      if (head >= group) continue;
+#pragma unroll
+      for (int t = 0; t < channel_tiles; ++t) {
+        out(head, t * 16 + g, o[t][hh]);
+        out(head, t * 16 + g + 8, o[t][2 + hh]);
+      }
+      if (g == 0) state(head, m[hh], l[hh]);
+    }
+  }
+
+ private:
+  __device__ __forceinline__ static int lane_id() { return static_cast<int>(threadIdx.x) % 32; }
+
+  /// Register s of the A fragment is byte-wise bits 2 s, 2 s + 1 of the stored word.
+  __device__ __forceinline__ static void unpack(std::uint32_t word, std::uint32_t (&a)[4]) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
+  }
+
+  /// 8-bit code of x on the grid (lo, 1 / step): the host's quantize8, rounding for rounding.
+  __device__ __forceinline__ static int quantize8(float x, float lo, float inverse) {
+    const float t = __fmul_rn(__fsub_rn(x, lo), inverse);
+    return static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(t, 0.5f)), 0.0f), 255.0f));
+  }
+
+  __device__ __forceinline__ static float load_half(const std::byte* base, int index) {
+    half h;
+    h.bits = reinterpret_cast<const std::uint16_t*>(base)[index];
+    return to_float(h);
+  }
+  __device__ __forceinline__ static float load_sum(const std::byte* sums, int index) {
+    if constexpr (sum_bytes == 1)
+      return static_cast<float>(reinterpret_cast<const std::uint8_t*>(sums)[index]);
+    else
+      return static_cast<float>(reinterpret_cast<const std::uint16_t*>(sums)[index]);
+  }
+
+  // Reductions over the 8 lanes of one column pair (same q, g = 0..7).
+  template <class V>
+  __device__ __forceinline__ static V reduce_sum_over_rows(V x) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+  }
+  __device__ __forceinline__ static float reduce_max_over_rows(float x) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+  }
+  __device__ __forceinline__ static float reduce_min_over_rows(float x) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+  }
+
+  /// Step 1: q' = q * s_K of partition j quantized to 8 bits per group of Pi channels (lane owns
+  /// channels_per_lane consecutive channels), its min, scale and base = q . m_K, into temp.
+  __device__ __forceinline__ static void quantize_folded_query(const std::byte* k_page,
+                                                               const quant2_page_geometry& geometry, int j,
+                                                               const float* q, int group, temp_storage& temp) {
+    const int lane = lane_id();
+    const int first_channel = lane * channels_per_lane;
+    float k_min[channels_per_lane], k_scale[channels_per_lane];
+#pragma unroll
+    for (int i = 0; i < channels_per_lane; ++i) {
+      const int part = (first_channel + i) * geometry.per_channel + j;
+      k_min[i] = load_half(k_page, part);
+      k_scale[i] = load_half(k_page + geometry.partitions * 2, part);
+    }
+    for (int h = 0; h < group; ++h) {
+      float folded[channels_per_lane];
+      float base = 0.0f, lo = HUGE_VALF, hi = -HUGE_VALF;
+#pragma unroll
+      for (int i = 0; i < channels_per_lane; ++i) {
+        const float q_c = q[h * HeadDim + first_channel + i];
+        folded[i] = __fmul_rn(q_c, k_scale[i]);
+        base += q_c * k_min[i];
+        lo = fminf(lo, folded[i]);
+        hi = fmaxf(hi, folded[i]);
+      }
+#pragma unroll
+      for (int offset = 1; offset < lanes_per_channel_group; offset *= 2) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) base += __shfl_xor_sync(0xffffffffu, base, offset);
+      const float step = __fdiv_rn(__fsub_rn(hi, lo), 255.0f);
+      const float inverse = step > 0.0f ? __fdiv_rn(1.0f, step) : 0.0f;
+      auto* codes = reinterpret_cast<std::uint8_t*>(&temp.q_codes[h][0]) + first_channel;
+#pragma unroll
+      for (int i = 0; i < channels_per_lane; ++i) codes[i] = static_cast<std::uint8_t>(quantize8(folded[i], lo, inverse));
+      if (lane % lanes_per_channel_group == 0) {
+        temp.q_min[h][lane / lanes_per_channel_group] = lo;
+        temp.q_scale[h][lane / lanes_per_channel_group] = step;
+      }
+      if (lane == 0) temp.q_base[h] = base;
+    }
+  }
+};
+
+}  // namespace kvmosaic::cuda

@@ -1,0 +1,145 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Decode split kernel for `format::quant2` pages (HACK, Eq. 4): attention on the 2-bit codes with
+/// int8 tensor cores (`quant2_warp_attend`); the cache is never dequantized. The dense tail is
+/// folded in fp32 by the same collective. Partial states merge with the dense path's
+/// `merge_splits_kernel`.
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/cuda/collective/quant2_attend.cuh"
+#include "kvmosaic/cuda/detail/bulk_copy.cuh"
+#include "kvmosaic/cuda/kernel/decode.cuh"
+
+namespace kvmosaic::cuda::kernel {
+
+/// Dynamic shared memory of the quant2 kernel: per-warp barriers, the group's scaled queries, one
+/// `temp_storage` per warp, then `stages` compressed page pairs (K and V) per warp. The CTA's
+/// final reduction reuses the stage area.
+template <int HeadDim, int Partition>
+struct quant2_decode_layout {
+  static constexpr int warps = 4;
+  static constexpr int max_stages = 4;
+  using attend = quant2_warp_attend<HeadDim, Partition>;
+  static constexpr int max_group = attend::max_group;
+  static constexpr int barrier_offset = 0;
+  static constexpr int query_offset = 128;
+  static constexpr int temp_offset = query_offset + (max_group * HeadDim * 4 + 127) / 128 * 128;
+  static constexpr int stage_offset =
+      temp_offset + (warps * static_cast<int>(sizeof(typename attend::temp_storage)) + 127) / 128 * 128;
+  using reduction_storage = decode_temp_storage<max_group, HeadDim, warps>;
+  static constexpr int reduction_bytes = static_cast<int>(sizeof(reduction_storage));
+  /// Total bytes for `stages` page pairs of `stage_bytes` per warp.
+  static constexpr int bytes(int stage_bytes, int stages) {
+    const int stage_area = warps * stages * stage_bytes;
+    return stage_offset + (stage_area > reduction_bytes ? stage_area : reduction_bytes);
+  }
+};
+
+/// The quant2 split kernel. Each of the 4 warps takes every 4th page of the split and streams it
+/// through its own ring of `p.stages` shared-memory slots: with `BulkCopy` (sm_90), lane 0 issues
+/// one bulk copy per page and cache on the slot's mbarrier, `stages` pages ahead; without (the
+/// portable path, sm_75+), the warp copies each page with 16-byte loads before folding it. Warps
+/// never wait for each other until the tail and the CTA reduction.
+/// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
+/// type, head_dim, Pi, copy path). Grid: (splits capacity, num_kv_heads).
+template <class T, int HeadDim, int Partition, bool BulkCopy>
+__global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ decode_params p) {
+  using layout = quant2_decode_layout<HeadDim, Partition>;
+  using attend = quant2_warp_attend<HeadDim, Partition>;
+  constexpr int warps = layout::warps, threads = warps * 32;
+  extern __shared__ __align__(128) std::byte quant2_shared[];
+  const int work_index = static_cast<int>(blockIdx.x);
+  if (work_index >= p.step_header[0]) return;
+  const split_work w = p.work[work_index];
+  const int head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int stages = BulkCopy ? p.stages : 1;
+  const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
+  const int stage_bytes = k_bytes + v_bytes;
+
+  auto* full = reinterpret_cast<std::uint64_t*>(quant2_shared + layout::barrier_offset) + warp * layout::max_stages;
+  auto* q = reinterpret_cast<float*>(quant2_shared + layout::query_offset);
+  auto& temp = reinterpret_cast<typename attend::temp_storage*>(quant2_shared + layout::temp_offset)[warp];
+  std::byte* ring = quant2_shared + layout::stage_offset + warp * stages * stage_bytes;
+
+  const int group = p.group_size, num_q_heads = p.num_kv_heads * group;
+  const float* q_group = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * group) * HeadDim;
+  for (int i = tid; i < group * HeadDim; i += threads) q[i] = __fmul_rn(q_group[i], p.softmax_scale);
+  if constexpr (BulkCopy) {
+    if (lane == 0)
+      for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
+  }
+  attend state;
+  state.start(group, temp);
+  __syncthreads();  // q and the barriers are ready
+
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  const int num_pages = w.page_end - w.page_begin;
+  const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
+  const quant2_page_geometry geometry = quant2_page_geometry::of(p.page_size, HeadDim, Partition);
+  const auto page_of = [&](int k) {
+    return p.pages + static_cast<std::size_t>(table[warp + k * warps]) * p.page_slot_bytes;
+  };
+  const auto issue = [&](int k) {  // lane 0: this warp's k-th page into slot k % stages
+    const int slot = k % stages;
+    const std::byte* page = page_of(k);
+    detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(stage_bytes));
+    std::byte* destination = ring + slot * stage_bytes;
+    detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
+    detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                                static_cast<std::uint32_t>(v_bytes), &full[slot]);
+  };
+  if constexpr (BulkCopy) {
+    if (lane == 0)
+      for (int k = 0; k < min(stages, my_pages); ++k) issue(k);
+  }
+  for (int k = 0; k < my_pages; ++k) {
+    const int slot = k % stages;
+    std::byte* k_page = ring + slot * stage_bytes;
+    if constexpr (BulkCopy) {
+      detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((k / stages) & 1));
+    } else {
+      const std::byte* page = page_of(k);
+      const std::byte* sources[2] = {page + head * p.k_page_bytes,
+                                     page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes};
+      const int sizes[2] = {k_bytes, v_bytes};
+      std::byte* destination = k_page;
+      for (int part = 0; part < 2; ++part) {
+        for (int at = lane * 16; at < sizes[part]; at += 32 * 16)
+          *reinterpret_cast<uint4*>(destination + at) = *reinterpret_cast<const uint4*>(sources[part] + at);
+        destination += sizes[part];
+      }
+      __syncwarp();
+    }
+    for (int j = 0; j < geometry.per_channel; ++j) state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp);
+    __syncwarp();  // every lane is done with the slot
+    if constexpr (BulkCopy) {
+      if (lane == 0 && k + stages < my_pages) issue(k + stages);
+    }
+  }
+  if (w.with_tail) {
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+    const auto* k_rows = reinterpret_cast<const T*>(slot + head * p.tail_head_bytes);
+    const auto* v_rows = reinterpret_cast<const T*>(slot + (p.num_kv_heads + head) * p.tail_head_bytes);
+    const int rows = p.tail_rows[w.batch_index];
+    for (int first = warp * 16; first < rows; first += warps * 16) {
+      const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
+      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q);
+    }
+  }
+  __syncthreads();  // every warp is done with the stage area
+  auto& reduction = *reinterpret_cast<typename layout::reduction_storage*>(quant2_shared + layout::stage_offset);
+  state.for_each_output([&](int g, int c, float o) { reduction.o[warp][g][c] = o; },
+                        [&](int g, float m, float l) {
+                          reduction.m[warp][g] = m;
+                          reduction.l[warp][g] = l;
+                        });
+  detail_decode::merge_and_write_partial<HeadDim, layout::max_group, threads, warps>(p, work_index, head, reduction,
+                                                                                   group);
+}
+
+}  // namespace kvmosaic::cuda::kernel

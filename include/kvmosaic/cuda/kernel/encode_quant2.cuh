@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Device encode of `format::quant2` pages (HACK sections 5.2-5.3): 2-bit quantization of full
+/// pages of dense 16-bit rows, byte for byte what the host encoder writes (tests compare the
+/// pages): the same `quant2_range` and `quant2_code`, so the same stochastic draws for the same
+/// seed. One CTA encodes one page of K or of V of one KV head; K is partitioned along tokens per
+/// channel (the layout the CUDA decode kernel reads).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/format/quant2.hpp"
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x page_size x head_dim,
+/// 16-bit), written quantized to page `new_pages[i]` of the page arena.
+struct quant2_encode_params {
+  const std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t page_bytes;  ///< one K (= one V) page
+  const std::int32_t* new_pages;
+  int num_kv_heads;
+  int page_size;
+  int partition;
+  bool stochastic;
+  std::uint64_t seed;
+};
+
+constexpr int quant2_encode_threads = 128;
+
+/// Grid (pages, num_kv_heads, 2: K then V); dynamic shared memory page_size x HeadDim bytes (the
+/// codes as a [token][channel] byte matrix, before they are packed into the operand tiles).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_kernel(const quant2_encode_params e) {
+  extern __shared__ std::uint8_t quant2_codes[];
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const bool is_key = blockIdx.z == 0;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int pi = e.partition, page_size = e.page_size, per_channel = page_size / pi;
+  const int partitions = page_size * HeadDim / pi;
+  const int sum_bytes = pi * 3 > 255 ? 2 : 1;
+  const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes +
+                                                (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) *
+                                                    page_size * HeadDim * 2);
+  std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
+                    (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.page_bytes;
+  const int sums_at = partitions * 4, codes_at = partitions * (4 + sum_bytes);
+
+  // Partition = (channel, token block): K per channel and V alike run along tokens.
+  for (int part = tid; part < partitions; part += quant2_encode_threads) {
+    const int channel = part / per_channel, first_token = part % per_channel * pi;
+    const T* x = rows + static_cast<std::size_t>(first_token) * HeadDim + channel;
+    float lo = to_float(x[0]), hi = lo;
+    for (int i = 1; i < pi; ++i) {
+      const float v = to_float(x[static_cast<std::size_t>(i) * HeadDim]);
+      lo = v < lo ? v : lo;  // std::min and std::max, as the host: the same signed zero is kept
+      hi = hi < v ? v : hi;
+    }
+    float m = 0.0f, s = 0.0f;
+    kvmosaic::detail::quant2_range(lo, hi, m, s);
+    unsigned sum = 0;
+    for (int i = 0; i < pi; ++i) {
+      const int code = kvmosaic::detail::quant2_code(e.stochastic, e.seed, static_cast<std::uint64_t>(part) * pi + i,
+                                                     to_float(x[static_cast<std::size_t>(i) * HeadDim]), m, s);
+      sum += static_cast<unsigned>(code);
+      quant2_codes[(first_token + i) * HeadDim + channel] = static_cast<std::uint8_t>(code);
+    }
+    reinterpret_cast<std::uint16_t*>(page)[part] = half(m).bits;
+    reinterpret_cast<std::uint16_t*>(page + partitions * 2)[part] = half(s).bits;
+    if (!is_key) {  // V: the partition's code sum
+      if (sum_bytes == 1)
+        reinterpret_cast<std::uint8_t*>(page + sums_at)[part] = static_cast<std::uint8_t>(sum);
+      else
+        reinterpret_cast<std::uint16_t*>(page + sums_at)[part] = static_cast<std::uint16_t>(sum);
+    }
+  }
+  __syncthreads();
+
+  // K: per token, the code sum of each group of Pi channels (the channel dimension's Eq. 4 sums).
+  if (is_key) {
+    const int groups = HeadDim / pi;
+    for (int index = tid; index < page_size * groups; index += quant2_encode_threads) {
+      const std::uint8_t* codes = quant2_codes + (index / groups) * HeadDim + index % groups * pi;
+      unsigned sum = 0;
+      for (int i = 0; i < pi; ++i) sum += codes[i];
+      if (sum_bytes == 1)
+        reinterpret_cast<std::uint8_t*>(page + sums_at)[index] = static_cast<std::uint8_t>(sum);
+      else
+        reinterpret_cast<std::uint16_t*>(page + sums_at)[index] = static_cast<std::uint16_t>(sum);
+    }
+  }
+  // Codes packed into the operand tiles (`quant2_code_bit`): K as [tokens][channels], V as
+  // [channels][tokens]; one 32-bit word per (tile, lane).
+  const int columns = is_key ? HeadDim : page_size;
+  const int words = page_size * HeadDim / 16;
+  for (int word_index = tid; word_index < words; word_index += quant2_encode_threads) {
+    const int tile = word_index / 32, lane = word_index % 32;
+    const int tile_row = tile / (columns / 32), tile_column = tile % (columns / 32);
+    std::uint32_t word = 0;
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const int row = tile_row * 16 + lane / 4 + 8 * (s % 2);
+        const int column = tile_column * 32 + 16 * (s / 2) + 4 * (lane % 4) + b;
+        const int token = is_key ? row : column, channel = is_key ? column : row;
+        word |= static_cast<std::uint32_t>(quant2_codes[token * HeadDim + channel]) << (b * 8 + s * 2);
+      }
+    reinterpret_cast<std::uint32_t*>(page + codes_at)[word_index] = word;
+  }
+  // Padding to the page's 16-byte size.
+  for (int at = codes_at + words * 4 + tid; at < static_cast<int>(e.page_bytes); at += quant2_encode_threads)
+    page[at] = std::byte{0};
+}
+
+}  // namespace kvmosaic::cuda::kernel

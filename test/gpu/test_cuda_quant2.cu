@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: Apache-2.0
+// format::quant2 on the CUDA backend against the host backend: the device encoder writes the
+// host's bytes exactly (the same stochastic draws for the same seed; prefill chunks and pages that
+// appends complete), and the attention on the codes (int8 tensor cores, sm_90 pipeline and the
+// portable kernel) equals the host's Eq. 4 within fp32 rounding and its effect on the 8-bit p
+// grid, and exact attention on the decoded values within the bound the 8-bit steps predict.
+
+#include "../support/quant2_bound.hpp"
+#include "twin.hpp"
+
+using namespace kvmosaic;
+using test::gpu_available;
+using test::small_config;
+using twin = test::twin<format::quant2>;
+
+namespace {
+
+/// Attends on both backends; checks the GPU against the host and against exact attention on the
+/// values the host's pages decode to (test/support/quant2_bound.hpp derives both bounds).
+void check_quant2_attention(twin& t) {
+  const std::vector<float> q = t.queries();
+  const auto batch = static_cast<std::int64_t>(t.seqs.size());
+  const int hq = t.config.num_q_heads(), d = t.config.head_dim;
+  const span<const sequence_id> ids(t.seqs.data(), batch);
+  std::vector<float> host_out(q.size());
+  t.host.attend(ids, tensor_view<const float, 3>(q.data(), batch, hq, d), tensor_view<float, 3>(host_out.data(), batch, hq, d));
+  test::device_array<float> dq(q), dout(q.size());
+  t.device.attend(ids, tensor_view<const float, 3>(dq.data(), batch, hq, d), tensor_view<float, 3>(dout.data(), batch, hq, d));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> gpu_out = dout.to_host(q.size());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::size_t per_seq = static_cast<std::size_t>(hq) * d;
+  for (std::size_t b = 0; b < t.seqs.size(); ++b) {
+    const int length = static_cast<int>(t.host.length(t.seqs[b]));
+    CAPTURE(b, length);
+    const auto decoded = test::quant2_decoded(
+        t.host, t.seqs[b], test::rounded(synthetic::generate_kv(t.generator, t.streams[b], length), t.config.storage));
+    const std::vector<float> qb(q.begin() + static_cast<std::ptrdiff_t>(b * per_seq),
+                                q.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
+    const auto exact = test::exact(qb, decoded, scale);
+    const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, t.seqs[b], qb, decoded, scale);
+    for (std::size_t i = 0; i < per_seq; ++i) {
+      const float g = gpu_out[b * per_seq + i], h = host_out[b * per_seq + i];
+      INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);
+      REQUIRE(std::isfinite(g));  // every output written (the buffer was poisoned with NaN)
+      REQUIRE(std::abs(g - h) <= bounds.vs_twin[i]);
+      REQUIRE(std::abs(g - exact[i]) <= bounds.vs_exact[i]);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("GPU quant2: device encode writes the host's bytes and attention on codes equals the host's",
+          "[gpu][quant2]") {
+  if (!gpu_available()) return;
+  const int head_dim = GENERATE(64, 128, 256);
+  const int partition = GENERATE(32, 64, 128);
+  if (partition > head_dim) return;
+  const int group_size = GENERATE(1, 3, 8);
+  const dtype storage = GENERATE(dtype::bf16, dtype::f16);
+  const auto mode = GENERATE(format::rounding::stochastic, format::rounding::nearest);
+  const int page_size = partition == 128 ? 128 : GENERATE(64, 128);
+  const bool portable = GENERATE(false, true);
+  CAPTURE(head_dim, partition, group_size, to_string(storage), mode == format::rounding::stochastic, page_size, portable);
+  twin t(small_config(head_dim, group_size, storage, page_size), 13, format::quant2{partition, mode, 7});
+  if (portable) t.device.engine().use_portable_kernel();
+  // Lengths in the tail only, ending mid-partition, at page boundaries, and several pages.
+  for (int length : {1, 7, partition + 5, page_size - 1, page_size, page_size + 1, 3 * page_size + 3, 700})
+    t.add(length, t.seqs.size());
+  t.check_storage();
+  check_quant2_attention(t);
+  for (int step = 0; step < 3; ++step) t.append_step();  // completes pages from the tail
+  t.check_storage();
+  check_quant2_attention(t);
+}
+
+TEST_CASE("GPU quant2 on small cases (compute-sanitizer)", "[gpu][quant2][sanitize]") {
+  if (!gpu_available()) return;
+  const bool portable = GENERATE(false, true);
+  twin t(small_config(128, 4, dtype::bf16, 64), 3, format::quant2{});
+  if (portable) t.device.engine().use_portable_kernel();
+  t.add(1, 0);
+  t.add(64, 1);
+  t.add(200, 2);
+  t.check_storage();
+  check_quant2_attention(t);
+  t.append_step();
+  t.check_storage();
+  check_quant2_attention(t);
+}
+
+TEST_CASE("GPU quant2 at 128K context, batch 1: prefill in encode chunks, split and merged", "[gpu][quant2][long]") {
+  if (!gpu_available()) return;
+  cache_config c = small_config(128, 4, dtype::bf16, 64);
+  c.num_kv_heads = 1;
+  c.max_pages = 2100;
+  twin t(c, 5, format::quant2{});
+  t.add(131072 + 5, 0);
+  t.check_storage();
+  check_quant2_attention(t);
+}
+
+TEST_CASE("GPU quant2 with batch 64 of ragged sequences", "[gpu][quant2]") {
+  if (!gpu_available()) return;
+  cache_config c = small_config(128, 8, dtype::f16, 64);
+  c.max_sequences = 64;
+  c.max_pages = 64 * 10;
+  twin t(c, 9, format::quant2{});
+  for (int b = 0; b < 64; ++b) t.add(1 + (b * 37) % 500, static_cast<std::uint64_t>(b));
+  check_quant2_attention(t);
+  for (int step = 0; step < 70; ++step) t.append_step();  // every sequence completes a page
+  t.check_storage();
+  check_quant2_attention(t);
+}
+
+TEST_CASE("GPU quant2 rejects K partitioned per token, naming the parameter", "[gpu][quant2][errors]") {
+  if (!gpu_available()) return;
+  try {
+    cache<format::quant2, select::all, compact::none, backend::cuda> bad(
+        small_config(128, 4, dtype::bf16, 64), format::quant2{64, format::rounding::stochastic, 0, format::key_axis::head_dim});
+    FAIL("accepted");
+  } catch (const invalid_argument& e) {
+    CHECK(std::string(e.what()).find("format::quant2::k_axis") != std::string::npos);
+  }
+}

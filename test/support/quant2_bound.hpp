@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// What a quant2 cache attends over (its pages decoded, its tail as stored), and the error bounds
+// of its output: against exact attention on those values (the 8-bit q and p steps), and between
+// two implementations of Eq. 4 that draw the same codes (the host and the CUDA kernels).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/support/synthetic.hpp"
+
+namespace kvmosaic::test {
+
+/// `stored` (the rows as the cache stores them, rounded to its dtype) with every token on a page
+/// replaced by what the page decodes to. `cache` is a host-backend quant2 cache.
+template <class Cache>
+synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
+  using traits = format_traits<format::quant2>;
+  const cache_config& c = cache.config();
+  const page_shape shape{c.page_size, c.head_dim, c.storage};
+  std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
+  const auto& pages = cache.pages(id);
+  for (std::size_t pg = 0; pg < pages.size(); ++pg)
+    for (int h = 0; h < c.num_kv_heads; ++h)
+      for (const bool is_v : {false, true}) {
+        if (is_v)
+          traits::decode_v(cache.format(), shape, cache.engine().v_page(pages[pg], h), c.page_size, rows.data());
+        else
+          traits::decode_k(cache.format(), shape, cache.engine().k_page(pages[pg], h), c.page_size, rows.data());
+        for (int t = 0; t < c.page_size; ++t)
+          for (int ch = 0; ch < c.head_dim; ++ch)
+            (is_v ? stored.v : stored.k)[((pg * c.page_size + static_cast<std::size_t>(t)) * c.num_kv_heads + h) *
+                                             c.head_dim +
+                                         ch] = rows[static_cast<std::size_t>(t) * c.head_dim + ch];
+      }
+  return stored;
+}
+
+/// Per-output bounds for one sequence's attention output [num_q_heads][head_dim].
+struct quant2_bounds {
+  /// |out - exact| on the decoded values. With the page logits computed on the codes (8-bit q)
+  /// off the exact ones by at most D (measured with the host's score), softmax weights move by
+  /// at most a factor e^(2D): (e^(2D) - 1) max_t |v_tc|; each p (page-local, in (0, 1]) is off by
+  /// at most half a step of 1/255: e^(3D) / 510 sum_t e^(m_b(t) - M) |v_tc| / L, with m_b the
+  /// exact maximum of t's page, M the global one, L = sum_t e^(s_t - M); plus fp32 slack.
+  std::vector<double> vs_exact;
+  /// |a - b| for two evaluations of Eq. 4 on the same codes and the same 8-bit q': their logits
+  /// differ by fp32 rounding, at most delta = 2^-16 sum_c |q_c| max_t |k_tc| (sums of at most 256
+  /// terms, 256 unit roundoffs), and where that moves a p across a rounding boundary of its 8-bit
+  /// grid, that p's code differs by one step (<= 1/255): (e^(2 delta) - 1) max_t |v_tc| +
+  /// e^(2 delta) / 255 sum_t e^(m_b(t) - M) |v_tc| / L, plus fp32 slack.
+  std::vector<double> vs_twin;
+};
+
+/// The bounds for query q ([num_q_heads][head_dim], unscaled) of sequence `id` of the host quant2
+/// cache `cache`, whose decoded values are `decoded` (quant2_decoded).
+template <class Cache>
+quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
+                                      const synthetic::kv_data& decoded, double scale) {
+  using traits = format_traits<format::quant2>;
+  const cache_config& c = cache.config();
+  const int d = c.head_dim, heads = c.num_kv_heads, page = c.page_size, groups = c.group_size;
+  const page_shape shape{page, d, c.storage};
+  const int length = static_cast<int>(cache.length(id));
+  const auto& pages = cache.pages(id);
+  const int full = static_cast<int>(pages.size()) * page;
+  quant2_bounds bounds;
+  bounds.vs_exact.resize(static_cast<std::size_t>(heads) * groups * d);
+  bounds.vs_twin.resize(bounds.vs_exact.size());
+  const auto k_at = [&](int t, int h, int ch) { return decoded.k[(static_cast<std::size_t>(t) * heads + h) * d + ch]; };
+  const auto v_at = [&](int t, int h, int ch) { return decoded.v[(static_cast<std::size_t>(t) * heads + h) * d + ch]; };
+  std::vector<float> scaled(static_cast<std::size_t>(d)), page_logits(static_cast<std::size_t>(page));
+  std::vector<double> logit(static_cast<std::size_t>(length));
+  for (int j = 0; j < heads * groups; ++j) {
+    const int h = j / groups;
+    for (int ch = 0; ch < d; ++ch)
+      scaled[static_cast<std::size_t>(ch)] = q[static_cast<std::size_t>(j) * d + ch] * static_cast<float>(scale);
+    double worst = 0, top = -1e300, magnitude = 0;
+    for (int ch = 0; ch < d; ++ch) {
+      double k_max = 0;
+      for (int t = 0; t < length; ++t) k_max = std::max(k_max, std::abs(static_cast<double>(k_at(t, h, ch))));
+      magnitude += std::abs(static_cast<double>(scaled[static_cast<std::size_t>(ch)])) * k_max;
+    }
+    for (int t = 0; t < length; ++t) {
+      double exact_logit = 0;
+      for (int ch = 0; ch < d; ++ch) exact_logit += static_cast<double>(scaled[static_cast<std::size_t>(ch)]) * k_at(t, h, ch);
+      if (t < full && t % page == 0)
+        traits::score(cache.format(), shape, cache.engine().k_page(pages[static_cast<std::size_t>(t / page)], h), page,
+                      scaled.data(), 1, page_logits.data());
+      if (t < full) worst = std::max(worst, std::abs(page_logits[static_cast<std::size_t>(t % page)] - exact_logit));
+      logit[static_cast<std::size_t>(t)] = exact_logit;
+      top = std::max(top, exact_logit);
+    }
+    const double delta = std::ldexp(magnitude, -16);
+    double l = 0;
+    for (const double x : logit) l += std::exp(x - top);
+    std::vector<double> page_weight(pages.size());  // e^(m_b - M) per page
+    for (std::size_t pg = 0; pg < pages.size(); ++pg) {
+      const auto first = logit.begin() + static_cast<std::ptrdiff_t>(pg) * page;
+      page_weight[pg] = std::exp(*std::max_element(first, first + page) - top);
+    }
+    for (int ch = 0; ch < d; ++ch) {
+      double max_v = 0, p_term = 0;
+      for (int t = 0; t < length; ++t) {
+        const double value = std::abs(static_cast<double>(v_at(t, h, ch)));
+        max_v = std::max(max_v, value);
+        if (t < full) p_term += page_weight[static_cast<std::size_t>(t / page)] * value;
+      }
+      const std::size_t i = static_cast<std::size_t>(j) * d + ch;
+      bounds.vs_exact[i] = (std::exp(2 * worst) - 1) * max_v + std::exp(3 * worst) / 510 * p_term / l + 1e-5 * max_v;
+      bounds.vs_twin[i] =
+          (std::exp(2 * delta) - 1) * max_v + std::exp(2 * delta) / 255 * p_term / l + 1e-5 * max_v;
+    }
+  }
+  return bounds;
+}
+
+}  // namespace kvmosaic::test
