@@ -221,8 +221,15 @@ void decode(benchmark::State& state) {
   engine.launch_step(q.as<const float>(), out.as<float>(), scale);
   KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&step, graph, 0));
-  for (int warm = 0; warm < 2; ++warm) KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(step, stream));
-  KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Warm-up by time, at least 0.2 s of steps: the first configuration run after a large one
+  // (dense, batch 8, 128K) ran up to 3x slow through its whole timing loop, and the same
+  // configuration right after it did not (H100, 2026-11-22: quant2 batch 1, 128K, 210 us then
+  // 80 us); two warm-up steps did not absorb it.
+  const auto warm_start = std::chrono::steady_clock::now();
+  do {
+    for (int warm = 0; warm < 10; ++warm) KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(step, stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm_start).count() < 0.2);
   for (auto _ : state) {
     const auto plan_start = std::chrono::steady_clock::now();
     engine.plan_step(refs);

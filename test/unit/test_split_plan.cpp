@@ -74,3 +74,28 @@ TEST_CASE("bad plan arguments are rejected", "[split_plan]") {
   CHECK_THROWS_WITH(make_split_plan({0}, {0}, 4), Catch::Contains("at least one token per sequence"));
   CHECK_THROWS_WITH(make_split_plan({1}, {0}, 0), Catch::Contains("target_splits = 0"));
 }
+
+TEST_CASE("page_multiple keeps split boundaries on multiples, so every worker of a split gets as many pages",
+          "[split_plan]") {
+  // Batch 8 at 128K with pages of 64 and 66 slots per KV head: without a multiple, 4 waves of
+  // 60- and 61-page splits (15 or 16 pages for each of 4 warps); with 4, equal splits of a
+  // multiple of 4 pages (here one wave of 256: a tie with four waves of 64).
+  const std::vector<std::int32_t> pages(8, 2048), tails(8, 0);
+  CHECK(make_split_plan(pages, tails, 66).pages_per_split == 63);
+  const split_plan plan = make_split_plan(pages, tails, 66, 1 << 30, 4);
+  check_covers(plan, pages, tails);
+  CHECK(plan.pages_per_split % 4 == 0);
+  for (const split_work& w : plan.work) CHECK(w.page_end - w.page_begin == plan.pages_per_split);
+  // Ragged lengths: boundaries on multiples of the unit but at a sequence's end.
+  const std::vector<std::int32_t> ragged{0, 1, 7, 300, 2001, 64}, ragged_tails{3, 0, 9, 0, 1, 63};
+  for (std::int32_t target : {1, 5, 49, 400}) {
+    for (std::int32_t multiple : {2, 4, 8}) {
+      CAPTURE(target, multiple);
+      const split_plan p = make_split_plan(ragged, ragged_tails, target, 1 << 30, multiple);
+      check_covers(p, ragged, ragged_tails);
+      CHECK(p.pages_per_split % multiple == 0);
+      for (const split_work& w : p.work) CHECK((w.page_begin % multiple == 0));
+    }
+  }
+  CHECK_THROWS_WITH(make_split_plan(pages, tails, 66, 16, 32), Catch::Contains("page_multiple = 32"));
+}

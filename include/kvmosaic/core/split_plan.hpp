@@ -40,20 +40,31 @@ struct split_plan {
 /// `target_splits` is how many splits fill the device in one wave (per KV head). For 1 to 4 waves,
 /// the split size is the smallest number of pages for which the batch needs at most that many
 /// waves of splits (binary search, as in FlashInfer's scheduler); the plan takes the one with the
-/// least (waves x longest split), the time of a step when every split streams at the same rate. Splits never exceed `max_pages_per_split` (kernels keep a split's page ids
-/// on chip), even if that takes more than one wave. Cost: O(batch log pages) host work.
+/// least (waves x longest split), the time of a step when every split streams at the same rate.
+/// Splits never exceed `max_pages_per_split` (kernels keep a split's page ids on chip), even if
+/// that takes more than one wave. With `page_multiple` > 1, split sizes and boundaries are
+/// multiples of it (but a sequence's last split): for kernels that deal a split's pages to that
+/// many workers, none of which should idle at the end (quant2's 4 warps). Cost: O(batch log
+/// pages) host work.
 inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, const std::vector<std::int32_t>& tail_rows,
-                                  std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30) {
+                                  std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30,
+                                  std::int32_t page_multiple = 1) {
   detail::require(full_pages.size() == tail_rows.size(), "make_split_plan", "tail_rows.size()", tail_rows.size(),
                   "full_pages.size()");
   detail::require(target_splits >= 1, "make_split_plan", "target_splits", target_splits, ">= 1");
   detail::require(max_pages_per_split >= 1, "make_split_plan", "max_pages_per_split", max_pages_per_split, ">= 1");
+  detail::require(page_multiple >= 1 && page_multiple <= max_pages_per_split, "make_split_plan", "page_multiple",
+                  page_multiple, "1 to max_pages_per_split");
   std::int32_t longest = 1;
   for (std::size_t b = 0; b < full_pages.size(); ++b) {
     detail::require(full_pages[b] >= 0 && tail_rows[b] >= 0 && full_pages[b] + tail_rows[b] > 0, "make_split_plan",
                     "sequence length", full_pages[b], "at least one token per sequence");
     longest = std::max(longest, full_pages[b]);
   }
+  const auto rounded = [&](std::int32_t pages_per_split) {
+    const std::int32_t up = (pages_per_split + page_multiple - 1) / page_multiple * page_multiple;
+    return up <= max_pages_per_split ? up : max_pages_per_split / page_multiple * page_multiple;
+  };
   const auto splits_for = [&](std::int32_t pages_per_split) {
     std::int64_t splits = 0;
     for (const std::int32_t pages : full_pages) splits += std::max<std::int32_t>(1, (pages + pages_per_split - 1) / pages_per_split);
@@ -71,10 +82,10 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
   };
   // A step lasts about (waves) x (longest split): one wave of few long splits can lose to two
   // waves of many short ones when the batch leaves SMs idle (32 sequences on 49 slots per head).
-  std::int32_t lo = smallest_fitting(1);
+  std::int32_t lo = rounded(smallest_fitting(1));
   std::int64_t best_cost = ((splits_for(lo) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(lo);
   for (std::int64_t waves = 2; waves <= 4; ++waves) {
-    const std::int32_t size = smallest_fitting(waves);
+    const std::int32_t size = rounded(smallest_fitting(waves));
     const std::int64_t cost = ((splits_for(size) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(size);
     if (cost < best_cost) {
       best_cost = cost;
@@ -87,11 +98,16 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
   for (std::size_t b = 0; b < full_pages.size(); ++b) {
     plan.partial_offset.push_back(plan.num_splits());
     const std::int32_t pages = full_pages[b];
-    // Even splits: the sequence's pages spread over its split count, sizes differing by at most 1.
+    // Even splits: the sequence's pages, in units of page_multiple, spread over its split count,
+    // sizes differing by at most one unit.
     const std::int32_t count = std::max<std::int32_t>(1, (pages + lo - 1) / lo);
+    const std::int64_t units = (pages + page_multiple - 1) / page_multiple;
+    const auto boundary = [&](std::int32_t i) {
+      return static_cast<std::int32_t>(std::min<std::int64_t>(pages, units * i / count * page_multiple));
+    };
     for (std::int32_t i = 0; i < count; ++i) {
-      const std::int32_t begin = static_cast<std::int32_t>(static_cast<std::int64_t>(pages) * i / count);
-      const std::int32_t end = static_cast<std::int32_t>(static_cast<std::int64_t>(pages) * (i + 1) / count);
+      const std::int32_t begin = boundary(i);
+      const std::int32_t end = i + 1 == count ? pages : boundary(i + 1);
       plan.work.push_back(split_work{static_cast<std::int32_t>(b), begin, end, i + 1 == count && tail_rows[b] > 0 ? 1 : 0});
     }
   }

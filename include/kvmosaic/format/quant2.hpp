@@ -272,8 +272,9 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
     hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
   }
   m = lo;
-  s = (hi - lo) / 255.0f;
-  // One reciprocal, then products: what the device kernels compute, rounding for rounding.
+  // Products and one reciprocal, no divisions: what the device kernels compute, rounding for
+  // rounding (a division costs a GPU several times as much).
+  s = (hi - lo) * (1.0f / 255.0f);
   const float inverse = s > 0.0f ? 1.0f / s : 0.0f;
   unsigned sum = 0;
   for (int i = 0; i < count; ++i) {

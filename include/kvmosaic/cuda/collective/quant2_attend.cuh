@@ -88,7 +88,8 @@ class quant2_warp_attend {
 
   float o[channel_tiles][4];  ///< unnormalized output, C fragment layout: channels x heads
   float m[2];                 ///< running max of heads 2q, 2q + 1
-  float l[2];                 ///< running sum of exp(logit - m)
+  float l[2];                 ///< running sum of exp(logit - m) over this lane's tokens (rows g, g + 8):
+                              ///< the 8 lanes of a column sum theirs once, at the end
   int group;                  ///< query heads per KV head, 1 to 8
 
   /// Empty state for `group_size` query heads; zeroes the rows of heads past the group in `temp`
@@ -164,7 +165,7 @@ class quant2_warp_attend {
 #pragma unroll
         for (int c = 0; c < channel_groups; ++c) {
           const float code_sum = load_sum(k_sums, token * channel_groups + c);
-          logit += q_min[hh][c] * code_sum + q_scale[hh][c] * static_cast<float>(dot[c][e]);
+          logit += q_min[hh][c] * code_sum + q_scale[hh][c] * small_to_float(dot[c][e]);
         }
         s[t][e] = logit;
       }
@@ -177,7 +178,7 @@ class quant2_warp_attend {
     for (int t = 0; t < token_tiles; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) block_max[e % 2] = fmaxf(block_max[e % 2], s[t][e]);
-    float p_lo[2] = {HUGE_VALF, HUGE_VALF}, p_hi[2] = {-HUGE_VALF, -HUGE_VALF}, p_sum[2];
+    float p_lo[2] = {HUGE_VALF, HUGE_VALF}, p_sum[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) block_max[hh] = reduce_max_over_rows(block_max[hh]);
 #pragma unroll
@@ -186,15 +187,14 @@ class quant2_warp_attend {
       for (int e = 0; e < 4; ++e) {
         s[t][e] = __expf(s[t][e] - block_max[e % 2]);
         p_lo[e % 2] = fminf(p_lo[e % 2], s[t][e]);
-        p_hi[e % 2] = fmaxf(p_hi[e % 2], s[t][e]);
       }
+    // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
     float p_step[2], p_inverse[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
-      p_hi[hh] = reduce_max_over_rows(p_hi[hh]);
-      p_step[hh] = __fdiv_rn(__fsub_rn(p_hi[hh], p_lo[hh]), 255.0f);
-      p_inverse[hh] = p_step[hh] > 0.0f ? __fdiv_rn(1.0f, p_step[hh]) : 0.0f;
+      p_step[hh] = step_of(p_lo[hh], 1.0f);
+      p_inverse[hh] = inverse_of(p_step[hh]);
       p_sum[hh] = 0.0f;
     }
     int code_sum[2] = {0, 0};
@@ -212,7 +212,6 @@ class quant2_warp_attend {
     float alpha[2], b_mean[2], b_min[2], b_step[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      p_sum[hh] = reduce_sum_over_rows(p_sum[hh]);
       code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
       const float m_new = fmaxf(m[hh], block_max[hh]);
       alpha[hh] = __expf(m[hh] - m_new);
@@ -220,7 +219,7 @@ class quant2_warp_attend {
       m[hh] = m_new;
       l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
       // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
-      b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * static_cast<float>(code_sum[hh]));
+      b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * small_to_float(code_sum[hh]));
       b_min[hh] = beta * p_lo[hh];
       b_step[hh] = beta * p_step[hh];
     }
@@ -253,7 +252,7 @@ class quant2_warp_attend {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int e = 2 * half_row + hh;
-          const float corrected = b_min[hh] * v_sum + b_step[hh] * static_cast<float>(dot[e]);
+          const float corrected = b_min[hh] * v_sum + b_step[hh] * small_to_float(dot[e]);
           o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
         }
       }
@@ -286,7 +285,7 @@ class quant2_warp_attend {
     for (int e = 0; e < 4; ++e) s[e] = __expf(s[e] - block_max[e % 2]);  // 0 past n
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      p_sum[hh] = reduce_sum_over_rows(s[hh] + s[2 + hh]);
+      p_sum[hh] = s[hh] + s[2 + hh];
       const float m_new = fmaxf(m[hh], block_max[hh]);
       alpha[hh] = __expf(m[hh] - m_new);
       beta[hh] = __expf(block_max[hh] - m_new);
@@ -319,6 +318,7 @@ class quant2_warp_attend {
   template <class Out, class State>
   __device__ __forceinline__ void for_each_output(Out&& out, State&& state) const {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+    const float l_total[2] = {reduce_sum_over_rows(l[0]), reduce_sum_over_rows(l[1])};
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int head = 2 * quad + hh;
@@ -328,7 +328,7 @@ class quant2_warp_attend {
         out(head, t * 16 + g, o[t][hh]);
         out(head, t * 16 + g + 8, o[t][2 + hh]);
       }
-      if (g == 0) state(head, m[hh], l[hh]);
+      if (g == 0) state(head, m[hh], l_total[hh]);
     }
   }
 
@@ -341,10 +341,27 @@ class quant2_warp_attend {
     for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
   }
 
-  /// 8-bit code of x on the grid (lo, 1 / step): the host's quantize8, rounding for rounding.
+  /// x as a float for 0 <= x < 2^22 (dot products and code sums are): 2^23 + x has x in its
+  /// mantissa, so one integer and one float addition replace a quarter-rate I2F conversion.
+  __device__ __forceinline__ static float small_to_float(int x) {
+    return __int_as_float(0x4b000000 + x) - 8388608.0f;
+  }
+
+  /// The step of an 8-bit grid over [lo, hi] and its reciprocal (0 for an empty range): the
+  /// host's quantize8, operation for operation (no division: a multiply and a correctly rounded
+  /// reciprocal).
+  __device__ __forceinline__ static float step_of(float lo, float hi) {
+    return __fmul_rn(__fsub_rn(hi, lo), 1.0f / 255.0f);
+  }
+  __device__ __forceinline__ static float inverse_of(float step) { return step > 0.0f ? __frcp_rn(step) : 0.0f; }
+
+  /// 8-bit code of x on the grid (lo, 1 / step), round half up: the host's quantize8, rounding
+  /// for rounding. floor(y) for 0 <= y < 2^22 is the mantissa of y + 2^23 rounded down, which
+  /// keeps the float-to-int conversion off the quarter-rate pipe.
   __device__ __forceinline__ static int quantize8(float x, float lo, float inverse) {
-    const float t = __fmul_rn(__fsub_rn(x, lo), inverse);
-    return static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(t, 0.5f)), 0.0f), 255.0f));
+    const float y = __fadd_rn(__fmul_rn(__fsub_rn(x, lo), inverse), 0.5f);
+    const int code = __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
+    return min(code, 255);  // x >= lo: code >= 0
   }
 
   __device__ __forceinline__ static float load_half(const std::byte* base, int index) {
@@ -354,9 +371,9 @@ class quant2_warp_attend {
   }
   __device__ __forceinline__ static float load_sum(const std::byte* sums, int index) {
     if constexpr (sum_bytes == 1)
-      return static_cast<float>(reinterpret_cast<const std::uint8_t*>(sums)[index]);
+      return small_to_float(reinterpret_cast<const std::uint8_t*>(sums)[index]);
     else
-      return static_cast<float>(reinterpret_cast<const std::uint16_t*>(sums)[index]);
+      return small_to_float(reinterpret_cast<const std::uint16_t*>(sums)[index]);
   }
 
   // Reductions over the 8 lanes of one column pair (same q, g = 0..7).
@@ -391,34 +408,66 @@ class quant2_warp_attend {
       k_min[i] = load_half(k_page, part);
       k_scale[i] = load_half(k_page + geometry.partitions * 2, part);
     }
-    for (int h = 0; h < group; ++h) {
-      float folded[channels_per_lane];
-      float base = 0.0f, lo = HUGE_VALF, hi = -HUGE_VALF;
+    // Two heads per pass: their shuffle chains interleave (a pass for one head is one long chain).
+    for (int first_head = 0; first_head < group; first_head += 2) {
+      float folded[2][channels_per_lane], base[2], lo[2], hi[2];
 #pragma unroll
-      for (int i = 0; i < channels_per_lane; ++i) {
-        const float q_c = q[h * HeadDim + first_channel + i];
-        folded[i] = __fmul_rn(q_c, k_scale[i]);
-        base += q_c * k_min[i];
-        lo = fminf(lo, folded[i]);
-        hi = fmaxf(hi, folded[i]);
+      for (int u = 0; u < 2; ++u) {
+        const int h = min(first_head + u, group - 1);  // an odd group repeats its last head, unstored
+        base[u] = 0.0f;
+        lo[u] = HUGE_VALF;
+        hi[u] = -HUGE_VALF;
+#pragma unroll
+        for (int i = 0; i < channels_per_lane; ++i) {
+          const float q_c = q[h * HeadDim + first_channel + i];
+          folded[u][i] = __fmul_rn(q_c, k_scale[i]);
+          base[u] += q_c * k_min[i];
+          lo[u] = fminf(lo[u], folded[u][i]);
+          hi[u] = fmaxf(hi[u], folded[u][i]);
+        }
       }
 #pragma unroll
-      for (int offset = 1; offset < lanes_per_channel_group; offset *= 2) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, offset));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, offset));
-      }
+      for (int offset = 1; offset < lanes_per_channel_group; offset *= 2)
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) base += __shfl_xor_sync(0xffffffffu, base, offset);
-      const float step = __fdiv_rn(__fsub_rn(hi, lo), 255.0f);
-      const float inverse = step > 0.0f ? __fdiv_rn(1.0f, step) : 0.0f;
-      auto* codes = reinterpret_cast<std::uint8_t*>(&temp.q_codes[h][0]) + first_channel;
+        for (int u = 0; u < 2; ++u) {
+          lo[u] = fminf(lo[u], __shfl_xor_sync(0xffffffffu, lo[u], offset));
+          hi[u] = fmaxf(hi[u], __shfl_xor_sync(0xffffffffu, hi[u], offset));
+        }
 #pragma unroll
-      for (int i = 0; i < channels_per_lane; ++i) codes[i] = static_cast<std::uint8_t>(quantize8(folded[i], lo, inverse));
-      if (lane % lanes_per_channel_group == 0) {
-        temp.q_min[h][lane / lanes_per_channel_group] = lo;
-        temp.q_scale[h][lane / lanes_per_channel_group] = step;
+      for (int offset = 16; offset > 0; offset /= 2)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) base[u] += __shfl_xor_sync(0xffffffffu, base[u], offset);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int h = first_head + u;
+        if (h >= group) break;
+        const float step = step_of(lo[u], hi[u]);
+        const float inverse = inverse_of(step);
+        store_codes(temp.q_codes[h], first_channel, folded[u], lo[u], inverse);
+        if (lane % lanes_per_channel_group == 0) {
+          temp.q_min[h][lane / lanes_per_channel_group] = lo[u];
+          temp.q_scale[h][lane / lanes_per_channel_group] = step;
+        }
+        if (lane == 0) temp.q_base[h] = base[u];
       }
-      if (lane == 0) temp.q_base[h] = base;
+    }
+  }
+
+  /// The 8-bit codes of x[0 .. channels_per_lane) into row bytes [first, ...), 4 per store.
+  __device__ __forceinline__ static void store_codes(std::uint32_t* row, int first, const float (&x)[channels_per_lane],
+                                                     float lo, float inverse) {
+    if constexpr (channels_per_lane % 4 == 0) {
+#pragma unroll
+      for (int w = 0; w < channels_per_lane / 4; ++w) {
+        std::uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) word |= static_cast<std::uint32_t>(quantize8(x[4 * w + b], lo, inverse)) << (8 * b);
+        row[first / 4 + w] = word;
+      }
+    } else {
+      auto* bytes = reinterpret_cast<std::uint8_t*>(row) + first;
+#pragma unroll
+      for (int i = 0; i < channels_per_lane; ++i) bytes[i] = static_cast<std::uint8_t>(quantize8(x[i], lo, inverse));
     }
   }
 };
