@@ -259,7 +259,8 @@ inline void write_json(const std::vector<row>& rows, const std::string& path) {
 /// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when
 /// no GPU is present (the caller then runs the host backend).
 /// HACK's quant2 configurations the demo reports: Pi = 32, 64, 128 (those dividing head_dim), each
-/// with stochastic and nearest rounding; pages hold at least one partition of tokens.
+/// with stochastic and nearest rounding, and Pi = 64 with 4 sink tokens kept 16-bit; pages hold
+/// at least one partition of tokens.
 inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> quant2_variants(
     const kvmosaic::cache_config& base, std::uint64_t seed) {
   using namespace kvmosaic;
@@ -271,6 +272,11 @@ inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> 
       config.page_size = std::max(config.page_size, partition);
       variants.emplace_back(config, format::quant2{partition, mode, seed});
     }
+  }
+  if (base.head_dim % 64 == 0) {  // the generator's attention sinks kept 16-bit
+    cache_config config = base;
+    config.page_size = std::max(config.page_size, 64);
+    variants.emplace_back(config, format::quant2{64, format::rounding::stochastic, seed, format::key_axis::tokens, 4});
   }
   return variants;
 }

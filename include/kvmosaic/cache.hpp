@@ -107,6 +107,7 @@ struct attend_params {
 struct memory_stats {
   std::int64_t tokens = 0;          ///< tokens stored
   std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
+                                    ///< + sink rows (formats that keep sinks dense)
   std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
   std::int32_t pages_used = 0;      ///< pool pages held
   std::int32_t pages_free = 0;      ///< the free-page gauge
@@ -251,7 +252,9 @@ class cache {
     detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
     const int tail = tail_rows(s);
     const std::vector<page_id> fresh = pool_.allocate((tail + k.extent(0)) / config_.page_size);
-    write_then_commit(fresh, [&] { engine_.extend(seq, tail, k, v, fresh.data()); });
+    write_then_commit(fresh, [&] {
+      engine_.extend(seq, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
+    });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
     s.length += k.extent(0);
   }
@@ -277,8 +280,10 @@ class cache {
     items.reserve(static_cast<std::size_t>(seqs.size()));
     auto next = fresh.begin();
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      const int tail = tail_rows(sequences_[static_cast<std::size_t>(seqs(b))]);
-      items.push_back(detail::append_item{seqs(b), tail, tail + 1 == config_.page_size ? *next++ : -1});
+      const sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+      const int tail = tail_rows(s);
+      items.push_back(detail::append_item{seqs(b), tail, tail + 1 == config_.page_size ? *next++ : -1,
+                                          static_cast<std::int64_t>(s.pages.size())});
     }
     write_then_commit(fresh, [&] { engine_.append(items, k, v); });
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
@@ -328,7 +333,7 @@ class cache {
     memory_stats m = pool_gauge();
     m.tokens = s.length;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * static_cast<std::int64_t>(engine_.page_slot_bytes()) +
-                     tail_rows(s) * tail_row_bytes();
+                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes();
     m.dense_bytes = s.length * tail_row_bytes();
     return m;
   }
@@ -340,7 +345,7 @@ class cache {
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.length;
-      m.stored_bytes += tail_rows(s) * tail_row_bytes();
+      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes();
       m.dense_bytes += s.length * tail_row_bytes();
     }
     return m;
@@ -375,6 +380,10 @@ class cache {
 
   int tail_rows(const sequence_state& s) const {
     return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+  }
+  /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
+  std::int64_t sink_rows_of(const sequence_state& s) const {
+    return s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
   }
   /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
   std::int64_t tail_row_bytes() const {

@@ -127,6 +127,23 @@ TEST_CASE("GPU quant2 with batch 64 of ragged sequences", "[gpu][quant2]") {
   check_quant2_attention(t, /*report=*/true);
 }
 
+TEST_CASE("GPU quant2 with sink tokens: the device keeps them as the host does", "[gpu][quant2][sinks]") {
+  if (!gpu_available()) return;
+  const int sinks = GENERATE(1, 4, 16);
+  const bool portable = GENERATE(false, true);
+  CAPTURE(sinks, portable);
+  twin t(small_config(128, 4, dtype::bf16, 64), 21,
+         format::quant2{64, format::rounding::stochastic, 5, format::key_axis::tokens, sinks});
+  if (portable) t.device.engine().use_portable_kernel();
+  // Tail only; first page sealed by the prefill; by an append (63 + 1); several pages and splits.
+  for (int length : {10, 64, 63, 300, 4000}) t.add(length, t.seqs.size());
+  t.check_storage();
+  check_quant2_attention(t);
+  t.append_step();
+  t.check_storage();
+  check_quant2_attention(t);
+}
+
 TEST_CASE("GPU quant2 rejects K partitioned per token, naming the parameter", "[gpu][quant2][errors]") {
   if (!gpu_available()) return;
   try {

@@ -15,7 +15,8 @@
 namespace kvmosaic::test {
 
 /// `stored` (the rows as the cache stores them, rounded to its dtype) with every token on a page
-/// replaced by what the page decodes to. `cache` is a host-backend quant2 cache.
+/// replaced by what the page decodes to, but the sink tokens (kept dense). `cache` is a
+/// host-backend quant2 cache.
 template <class Cache>
 synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
   using traits = format_traits<format::quant2>;
@@ -23,6 +24,7 @@ synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic:
   const page_shape shape{c.page_size, c.head_dim, c.storage};
   std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
   const auto& pages = cache.pages(id);
+  const int sinks = cache.format().sink_tokens;
   for (std::size_t pg = 0; pg < pages.size(); ++pg)
     for (int h = 0; h < c.num_kv_heads; ++h)
       for (const bool is_v : {false, true}) {
@@ -30,7 +32,7 @@ synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic:
           traits::decode_v(cache.format(), shape, cache.engine().v_page(pages[pg], h), c.page_size, rows.data());
         else
           traits::decode_k(cache.format(), shape, cache.engine().k_page(pages[pg], h), c.page_size, rows.data());
-        for (int t = 0; t < c.page_size; ++t)
+        for (int t = pg == 0 ? sinks : 0; t < c.page_size; ++t)
           for (int ch = 0; ch < c.head_dim; ++ch)
             (is_v ? stored.v : stored.k)[((pg * c.page_size + static_cast<std::size_t>(t)) * c.num_kv_heads + h) *
                                              c.head_dim +
@@ -67,6 +69,8 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
   const int length = static_cast<int>(cache.length(id));
   const auto& pages = cache.pages(id);
   const int full = static_cast<int>(pages.size()) * page;
+  const int sinks = pages.empty() ? 0 : cache.format().sink_tokens;  // dense, as the tail
+  const auto on_codes = [&](int t) { return t >= sinks && t < full; };
   quant2_bounds bounds;
   bounds.vs_exact.resize(static_cast<std::size_t>(heads) * groups * d);
   bounds.vs_twin.resize(bounds.vs_exact.size());
@@ -90,7 +94,7 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
       if (t < full && t % page == 0)
         traits::score(cache.format(), shape, cache.engine().k_page(pages[static_cast<std::size_t>(t / page)], h), page,
                       scaled.data(), 1, page_logits.data());
-      if (t < full) worst = std::max(worst, std::abs(page_logits[static_cast<std::size_t>(t % page)] - exact_logit));
+      if (on_codes(t)) worst = std::max(worst, std::abs(page_logits[static_cast<std::size_t>(t % page)] - exact_logit));
       logit[static_cast<std::size_t>(t)] = exact_logit;
       top = std::max(top, exact_logit);
     }
@@ -107,7 +111,7 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
       for (int t = 0; t < length; ++t) {
         const double value = std::abs(static_cast<double>(v_at(t, h, ch)));
         max_v = std::max(max_v, value);
-        if (t < full) p_term += page_weight[static_cast<std::size_t>(t / page)] * value;
+        if (on_codes(t)) p_term += page_weight[static_cast<std::size_t>(t / page)] * value;
       }
       const std::size_t i = static_cast<std::size_t>(j) * d + ch;
       bounds.vs_exact[i] = (std::exp(2 * worst) - 1) * max_v + std::exp(3 * worst) / 510 * p_term / l + 1e-5 * max_v;

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../support/oracle.hpp"
@@ -281,4 +283,96 @@ TEST_CASE("quant2 rejects bad partitions and shapes, naming the parameter", "[qu
   CHECK(message(128, 128, 64) ==
         "kvmosaic: format::quant2: page_size = 64; allowed: a multiple of partition (a sealed page holds whole V partitions)");
   CHECK(message(64, 128, 64) == "accepted");
+  for (const int sinks : {-1, 17}) {
+    cache_config c;
+    try {
+      cache<format::quant2> bad(c, format::quant2{64, format::rounding::stochastic, 0, format::key_axis::tokens, sinks});
+      FAIL("accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()) ==
+            "kvmosaic: format::quant2: sink_tokens = " + std::to_string(sinks) + "; allowed: 0 to 16");
+    }
+  }
+}
+
+TEST_CASE("quant2 sink tokens stay 16-bit: masked in the first page, attended exactly, counted", "[quant2][sinks]") {
+  // Sinks as StreamingLLM sees them: the first tokens carry activations far larger than the rest.
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  const int length = 150;  // two pages and a tail
+  synthetic::kv_data kv = synthetic::generate_kv(cfg, 4, length);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(4 * 2 * 64); ++i) {
+    kv.v[i] *= 8.0f;  // V outliers: K stays as generated, so attention is not all on the sinks
+  }
+  const auto q = synthetic::generate_query(cfg, 4, length);
+  const float scale = 1.0f / 8.0f;
+  const synthetic::kv_data stored = test::rounded(kv, dtype::bf16);
+  const auto exact_stored = test::exact(q, stored, scale);
+
+  const auto run = [&](int sinks) {
+    cache<format::quant2> q2(c, format::quant2{64, format::rounding::nearest, 0, format::key_axis::tokens, sinks});
+    const sequence_id id = q2.add_sequence();
+    q2.prefill(id, test::k_view(kv), test::v_view(kv));
+    std::vector<float> out(q.size());
+    q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+              tensor_view<float, 3>(out.data(), 1, 4, 64));
+    // Against exact attention on what the cache keeps: decoded pages, dense sinks and tail.
+    const synthetic::kv_data decoded = test::quant2_decoded(q2, id, stored);
+    const auto exact = test::exact(q, decoded, scale);
+    const test::quant2_bounds bounds = test::quant2_attention_bounds(q2, id, q, decoded, scale);
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      INFO("sinks " << sinks << ", element " << i);
+      REQUIRE(std::abs(out[i] - exact[i]) <= bounds.vs_exact[i]);
+    }
+    if (sinks > 0) {
+      // The first page is the encoding of its rows with the sinks replaced by row `sinks`.
+      const page_shape shape{64, 64, dtype::bf16};
+      for (int h = 0; h < 2; ++h)
+        for (const bool is_v : {false, true}) {
+          std::vector<float> rows(64 * 64);
+          for (int t = 0; t < 64; ++t)
+            for (int ch = 0; ch < 64; ++ch)
+              rows[static_cast<std::size_t>(t) * 64 + ch] =
+                  (is_v ? stored.v : stored.k)[(static_cast<std::size_t>(std::max(t, sinks)) * 2 + h) * 64 + ch];
+          std::vector<std::byte> page(traits::k_page_bytes(q2.format(), shape));
+          if (is_v) traits::encode_v(q2.format(), shape, rows.data(), page.data());
+          else traits::encode_k(q2.format(), shape, rows.data(), page.data());
+          const std::byte* held = is_v ? q2.engine().v_page(q2.pages(id)[0], h) : q2.engine().k_page(q2.pages(id)[0], h);
+          REQUIRE(std::memcmp(page.data(), held, page.size()) == 0);
+        }
+      // Accounting: two pages, the 22-row tail and the sink rows, all 16-bit rows at 2 x 2 x 64 x 2 bytes.
+      const memory_stats m = q2.sequence_memory(id);
+      CHECK(m.stored_bytes == 2 * static_cast<std::int64_t>(q2.engine().page_slot_bytes()) + (22 + sinks) * 512);
+      // A fork keeps them.
+      const sequence_id child = q2.fork_sequence(id);
+      std::vector<float> forked(q.size());
+      q2.attend(span<const sequence_id>(&child, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+                tensor_view<float, 3>(forked.data(), 1, 4, 64));
+      CHECK(forked == out);
+    }
+    double error = 0, norm = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      error += (out[i] - exact_stored[i]) * (out[i] - exact_stored[i]);
+      norm += exact_stored[i] * exact_stored[i];
+    }
+    return std::sqrt(error / norm);
+  };
+  const double without = run(0), with = run(4);
+  CAPTURE(without, with);
+  // Outliers no longer set the first page's ranges, and the sinks themselves are exact.
+  CHECK(with < without);
+
+  // Before the first page is sealed, sinks are tail rows like any other, and not counted twice.
+  cache<format::quant2> short_cache(c, format::quant2{64, format::rounding::nearest, 0, format::key_axis::tokens, 4});
+  const sequence_id s = short_cache.add_sequence();
+  const auto few = synthetic::generate_kv(cfg, 5, 10);
+  short_cache.prefill(s, test::k_view(few), test::v_view(few));
+  CHECK(short_cache.sequence_memory(s).stored_bytes == 10 * 512);
 }

@@ -199,10 +199,11 @@ class engine {
   void set_stream(cudaStream_t stream) noexcept { stream_ = stream; }
   cudaStream_t stream() const noexcept { return stream_; }
 
-  /// Prefill (a chunk of) one sequence from device rows [n][heads][head_dim].
+  /// Prefill (a chunk of) one sequence, which has `sealed_pages` pages and `tail_rows` tail rows,
+  /// from device rows [n][heads][head_dim].
   template <class T>
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
-              const page_id* new_pages) {
+              const page_id* new_pages, std::int64_t sealed_pages) {
     check_device_rows("cache::prefill", k, v);
     // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena).
     const std::int64_t rows = k.extent(0);
@@ -211,8 +212,11 @@ class engine {
       const auto count = static_cast<std::int32_t>(std::min(chunk_rows - tail_rows, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), count);
+      std::vector<std::int32_t> sink_slots(static_cast<std::size_t>(pages), -1);  // the sequence's first page
+      if (pages > 0 && sealed_pages == 0) sink_slots[0] = slot;
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), count, sink_slots);
       new_pages += pages;
+      sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
       first += count;
     }
@@ -225,12 +229,16 @@ class engine {
     check_device_rows("cache::append", k, v);
     std::vector<kernel::extend_item> work;
     std::vector<page_id> new_pages;
+    std::vector<std::int32_t> sink_slots;
     for (std::size_t b = 0; b < items.size(); ++b) {
       work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
                                          static_cast<std::int32_t>(new_pages.size())});
-      if (items[b].new_page >= 0) new_pages.push_back(items[b].new_page);
+      if (items[b].new_page >= 0) {
+        new_pages.push_back(items[b].new_page);
+        sink_slots.push_back(items[b].sealed_pages == 0 ? items[b].slot : -1);
+      }
     }
-    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), 1);
+    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), 1, sink_slots);
   }
 
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
@@ -360,6 +368,7 @@ class engine {
     p.tail_rows_map = tail_rows_map_;
     p.stages = compressed_stages_;
     p.group_size = shape_.group_size;
+    p.sink_rows = static_cast<int>(geometry_.sink_rows);
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -565,14 +574,16 @@ class engine {
                               "contiguous device arrays [rows][num_kv_heads][head_dim] on the CUDA backend");
   }
 
+  /// Writes rows and completes pages; `sink_slots[i]`: the tail slot that keeps the sink rows of
+  /// new page i when it is a sequence's first page (formats with sinks), else -1.
   template <class T>
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const T* k, const T* v, std::int64_t max_rows) {
+                  const T* k, const T* v, std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots) {
     // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
-    // weight row of each new page, -1 for none].
+    // weight row of each new page, -1 for none] [sink slots].
     const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
     const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
-    const std::size_t bytes = items_bytes + (encodes_pages ? 3 : 1) * pages_bytes;
+    const std::size_t bytes = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     extend_staging_.reserve(bytes);
     extend_metadata_.reserve(bytes);
@@ -589,6 +600,8 @@ class engine {
         if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
         for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
       }
+      if (num_new_pages > 0)
+        std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
       reserve_scratch(num_new_pages);
     }
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(), bytes, cudaMemcpyHostToDevice, stream_));
@@ -623,7 +636,8 @@ class engine {
       scatter(bfloat16{});
     if constexpr (encodes_pages) {
       if (num_new_pages > 0)
-        encode_pages(page_ids, reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes), num_new_pages);
+        encode_pages(page_ids, reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
+                     reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes), num_new_pages);
     }
   }
 
@@ -636,15 +650,20 @@ class engine {
   }
 
   /// Compresses scratch slots 0 .. n into pages page_ids[0 .. n), K scored with weight rows
-  /// weight_rows[0 .. n) (device arrays).
-  void encode_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
+  /// weight_rows[0 .. n), sinks kept in tail slots sink_slots[0 .. n) (device arrays).
+  void encode_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, const std::int32_t* sink_slots,
+                    std::int32_t n) {
     if constexpr (is_quant2) {
       kernel::quant2_encode_params e{};
       e.rows = scratch_.as<const std::byte>();
       e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+      e.rows_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
       e.pages = pages_.as<std::byte>();
       e.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
       e.page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+      e.tails = tails_.as<std::byte>();
+      e.sink_rows = static_cast<int>(geometry_.sink_rows);
+      e.sink_slots = sink_slots;
       e.new_pages = page_ids;
       e.num_kv_heads = shape_.num_kv_heads;
       e.page_size = shape_.page_size;
@@ -664,6 +683,7 @@ class engine {
       (void)weight_rows;
       return;
     } else {
+      (void)sink_slots;  // no sinks in other formats
       encode_bitmap_pages(page_ids, weight_rows, n);
     }
   }

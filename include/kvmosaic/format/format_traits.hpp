@@ -42,6 +42,7 @@
 
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"
 
@@ -77,5 +78,25 @@ struct key_weights_of<Traits, std::void_t<decltype(Traits::has_key_weights)>> {
 /// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
 template <class Format>
 inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
+
+namespace detail {
+/// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
+template <class Format, class = void>
+struct sink_rows_of {
+  static int get(const Format&) { return 0; }
+};
+template <class Format>
+struct sink_rows_of<Format, std::void_t<decltype(format_traits<Format>::sink_rows(std::declval<const Format&>()))>> {
+  static int get(const Format& f) { return format_traits<Format>::sink_rows(f); }
+};
+}  // namespace detail
+
+/// The leading tokens of every sequence a format keeps as dense 16-bit rows besides its pages
+/// (attention sinks): stored after the tail rows of the sequence's tail slot once its first page
+/// is sealed, masked out of that page, and attended exactly.
+template <class Format>
+int sink_rows(const Format& format) {
+  return detail::sink_rows_of<Format>::get(format);
+}
 
 }  // namespace kvmosaic

@@ -20,8 +20,8 @@
 /// Requantization elimination (5.3): V partitions run along tokens, and the newest ones stay
 /// 16-bit until complete. Here the dense tail plays that part: a page is encoded when it is full,
 /// and page_size must be a multiple of Pi, so a sealed page holds whole V partitions. (The paper
-/// keeps at most Pi - 1 tokens unquantized; we keep up to page_size - 1.) Sink tokens are not
-/// kept 16-bit yet.
+/// keeps at most Pi - 1 tokens unquantized; we keep up to page_size - 1.) Optional sink tokens
+/// stay 16-bit (`sink_tokens`; not in the paper: our addition, for StreamingLLM's attention sinks).
 ///
 /// Attention on codes (Eq. 4): for a partition of an inner product sum_k (m_a + s_a a_k)
 /// (m_b + s_b b_k) = Pi m_a m_b + m_a s_b sum(b) + s_a m_b sum(a) + s_a s_b sum(a b): q is
@@ -76,6 +76,12 @@ struct quant2 {
   rounding mode = rounding::stochastic;
   std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
   key_axis k_axis = key_axis::tokens;        ///< how K is partitioned (see key_axis)
+  /// Attention sinks kept 16-bit: the first `sink_tokens` (0 to 16) tokens of every sequence are
+  /// stored as dense rows too once the sequence's first page is sealed, and attended exactly;
+  /// in that page they are masked, and quantized as copies of the first token after them so that
+  /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
+  /// sequence.
+  int sink_tokens = 0;
 };
 
 }  // namespace format
@@ -272,14 +278,15 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
     hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
   }
   m = lo;
-  // Products and one reciprocal, no divisions: what the device kernels compute, rounding for
-  // rounding (a division costs a GPU several times as much).
+  // A product, one reciprocal and one fused multiply-add per value, no division: what the
+  // device kernels compute, rounding for rounding (fma is correctly rounded on both sides).
   s = (hi - lo) * (1.0f / 255.0f);
   const float inverse = s > 0.0f ? 1.0f / s : 0.0f;
+  const float bias = std::fma(-lo, inverse, 0.5f);  // code = floor((x - lo) / s + 1/2)
   unsigned sum = 0;
   for (int i = 0; i < count; ++i) {
-    const float t = (x[static_cast<std::size_t>(i) * stride] - m) * inverse;
-    a[i] = static_cast<int>(std::clamp(std::floor(t + 0.5f), 0.0f, 255.0f));
+    const float y = std::fma(x[static_cast<std::size_t>(i) * stride], inverse, bias);
+    a[i] = static_cast<int>(std::clamp(std::floor(y), 0.0f, 255.0f));
     sum += static_cast<unsigned>(a[i]);
   }
   return sum;
@@ -322,7 +329,9 @@ struct format_traits<format::quant2> {
   static std::string describe(const format::quant2& f) {
     std::ostringstream os;
     os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
-       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token") << ")";
+       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
+    if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
+    os << ")";
     return os.str();
   }
 
@@ -336,7 +345,13 @@ struct format_traits<format::quant2> {
                     "a multiple of partition (a sealed page holds whole V partitions)");
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
                     to_string(shape.storage), "f16 or bf16");
+    detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
+                    "0 to 16");
   }
+
+  /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.
+  static constexpr int max_sink_tokens = 16;
+  static int sink_rows(const format::quant2& f) { return f.sink_tokens; }
 
   static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
     return detail::quant2_layout_of(f, shape, true).bytes();

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -61,17 +62,25 @@ struct arena_geometry {
       : num_kv_heads(shape.num_kv_heads),
         k_page_bytes(format_traits<Format>::k_page_bytes(format, shape.page())),
         v_page_bytes(format_traits<Format>::v_page_bytes(format, shape.page())),
-        tail_head_bytes(format_traits<format::dense>::k_page_bytes(format::dense{}, shape.page())) {}
+        sink_rows(kvmosaic::sink_rows(format)),
+        row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
+        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + sink_rows) * row_bytes) {}
 
   std::size_t num_kv_heads;
   std::size_t k_page_bytes;     ///< one page of K of one head, by the format's accounting
   std::size_t v_page_bytes;     ///< one page of V of one head
-  std::size_t tail_head_bytes;  ///< page_size dense rows of one head (K or V)
+  std::size_t sink_rows;        ///< dense sink rows kept after the tail rows (formats with sinks)
+  std::size_t row_bytes;        ///< one dense row of one head
+  std::size_t tail_head_bytes;  ///< page_size tail rows, then the sink rows, of one head (K or V)
 
   /// One pool slot: a page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return num_kv_heads * (k_page_bytes + v_page_bytes); }
-  /// One tail slot: page_size dense rows of K and of V for every KV head.
+  /// One tail slot: page_size dense rows (and the sink rows) of K and of V for every KV head.
   std::size_t tail_slot_bytes() const noexcept { return 2 * num_kv_heads * tail_head_bytes; }
+  /// Offset of the first sink row inside a tail slot's head.
+  std::size_t sink_offset(const engine_shape& shape) const noexcept {
+    return static_cast<std::size_t>(shape.page_size) * row_bytes;
+  }
   /// Offsets inside a page slot and a tail slot.
   std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
   std::size_t v_page_offset(int head) const noexcept { return num_kv_heads * k_page_bytes + head * v_page_bytes; }
@@ -87,12 +96,13 @@ struct sequence_ref {
   std::int32_t slot;          ///< tail slot
 };
 
-/// One sequence of a decode batch's append: its tail slot, the rows its tail holds, and the page
-/// its tail is sealed into when this token fills it (-1 otherwise).
+/// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
+/// its tail is sealed into when this token fills it (-1 otherwise), and the pages it has.
 struct append_item {
   std::int32_t slot;
   std::int32_t tail_rows;
   page_id new_page;
+  std::int64_t sealed_pages;
 };
 
 /// Row b of a [batch][heads][head_dim] view, as a one-row view.
@@ -144,10 +154,11 @@ class engine {
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
 
   /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
-  /// rows. Each time the tail fills, it is encoded into the next page of `new_pages`.
+  /// rows after `sealed_pages` pages. Each time the tail fills, it is encoded into the next page
+  /// of `new_pages`.
   template <class T>
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
-              const page_id* new_pages) {
+              const page_id* new_pages, std::int64_t sealed_pages) {
     const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
     std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
     const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
@@ -160,7 +171,7 @@ class engine {
         store(v, true, t, h);
       }
       if (++tail_rows == shape_.page_size) {
-        seal_tail(slot, *new_pages++);
+        seal_tail(slot, *new_pages++, sealed_pages++ == 0);
         tail_rows = 0;
       }
     }
@@ -171,7 +182,8 @@ class engine {
   void append(const std::vector<detail::append_item>& items, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
     for (std::size_t b = 0; b < items.size(); ++b) {
       const auto row = static_cast<std::int64_t>(b);
-      extend(items[b].slot, items[b].tail_rows, detail::row_of(k, row), detail::row_of(v, row), &items[b].new_page);
+      extend(items[b].slot, items[b].tail_rows, detail::row_of(k, row), detail::row_of(v, row), &items[b].new_page,
+             items[b].sealed_pages);
     }
   }
 
@@ -210,8 +222,15 @@ class engine {
         std::fill(s.o.begin(), s.o.end(), 0.0f);
         std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
         const page_shape shape = shape_.page();
-        for (const page_id page : *seq.pages) {
-          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s);
+        const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
+        for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+          const page_id page = (*seq.pages)[i];
+          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0);
+        }
+        if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
+          const std::size_t at = geometry_.sink_offset(shape_);
+          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
+                                   tail_head(seq.slot, true, h) + at, sinks, s);
         }
         if (tail_rows > 0) {
           fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
@@ -245,16 +264,18 @@ class engine {
   };
 
   /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
-  /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge.
+  /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
+  /// first `masked` tokens (sinks, attended as dense rows instead) get p = 0.
   template <class Traits, class F>
   static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
-                         attend_scratch& s) {
+                         attend_scratch& s, int masked = 0) {
     const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
     Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
-      float m = row[0];
-      for (int t = 1; t < n; ++t) m = std::max(m, row[t]);
+      std::fill(row, row + masked, -std::numeric_limits<float>::infinity());
+      float m = row[masked];
+      for (int t = masked + 1; t < n; ++t) m = std::max(m, row[t]);
       float l = 0;
       for (int t = 0; t < n; ++t) l += (row[t] = std::exp(row[t] - m));
       s.block[g].m = m;
@@ -275,12 +296,27 @@ class engine {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head);
   }
   /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
-  void seal_tail(std::int32_t slot, page_id page) {
+  /// A sequence's first page keeps its sink rows: copied after the tail rows, and replaced by the
+  /// first row after them in what the encoder sees (they are masked in the page).
+  void seal_tail(std::int32_t slot, page_id page, bool first_page) {
     const page_shape shape = shape_.page();
+    const int sinks = first_page ? static_cast<int>(geometry_.sink_rows) : 0;
     std::vector<float> rows(static_cast<std::size_t>(shape_.page_size) * shape_.head_dim);
+    const auto hide_sinks = [&] {
+      for (int t = 0; t < sinks; ++t)
+        std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
+                    rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
+    };
+    if (sinks > 0) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true})
+          std::memcpy(tail_head(slot, is_v, h) + geometry_.sink_offset(shape_), tail_head(slot, is_v, h),
+                      static_cast<std::size_t>(sinks) * geometry_.row_bytes);
+    }
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
+      hide_sinks();
       if constexpr (has_key_weights_v<Format>) {
         const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
         traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * shape_.head_dim,
@@ -289,6 +325,7 @@ class engine {
         traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
       }
       dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
+      hide_sinks();
       traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
   }

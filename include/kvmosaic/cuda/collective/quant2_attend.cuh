@@ -116,10 +116,10 @@ class quant2_warp_attend {
 
   /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quant2 K and
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
-  /// in shared memory.
+  /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0.
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
                                                  const quant2_page_geometry& geometry, int j, const float* q,
-                                                 temp_storage& temp) {
+                                                 temp_storage& temp, int masked = 0) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     quantize_folded_query(k_page, geometry, j, q, group, temp);
     __syncwarp();
@@ -170,6 +170,13 @@ class quant2_warp_attend {
         s[t][e] = logit;
       }
     }
+    if (masked > 0) {  // one page of a sequence: a branch the warp takes together
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j * Partition + t * 16 + g + 8 * (e / 2) < masked) s[t][e] = -HUGE_VALF;
+    }
 
     // Softmax over the partition: p relative to the partition's max (as the host's page-local
     // softmax when a page is one partition), quantized to 8 bits per head.
@@ -189,12 +196,13 @@ class quant2_warp_attend {
         p_lo[e % 2] = fminf(p_lo[e % 2], s[t][e]);
       }
     // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
-    float p_step[2], p_inverse[2];
+    float p_step[2], p_inverse[2], p_bias[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
       p_step[hh] = step_of(p_lo[hh], 1.0f);
       p_inverse[hh] = inverse_of(p_step[hh]);
+      p_bias[hh] = bias_of(p_lo[hh], p_inverse[hh]);
       p_sum[hh] = 0.0f;
     }
     int code_sum[2] = {0, 0};
@@ -205,7 +213,7 @@ class quant2_warp_attend {
       for (int e = 0; e < 4; ++e) {
         const int hh = e % 2;
         p_sum[hh] += s[t][e];
-        const int code = quantize8(s[t][e], p_lo[hh], p_inverse[hh]);
+        const int code = quantize8(s[t][e], p_inverse[hh], p_bias[hh]);
         code_sum[hh] += code;
         p_bytes[(2 * quad + hh) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
       }
@@ -355,13 +363,16 @@ class quant2_warp_attend {
   }
   __device__ __forceinline__ static float inverse_of(float step) { return step > 0.0f ? __frcp_rn(step) : 0.0f; }
 
-  /// 8-bit code of x on the grid (lo, 1 / step), round half up: the host's quantize8, rounding
-  /// for rounding. floor(y) for 0 <= y < 2^22 is the mantissa of y + 2^23 rounded down, which
-  /// keeps the float-to-int conversion off the quarter-rate pipe.
-  __device__ __forceinline__ static int quantize8(float x, float lo, float inverse) {
-    const float y = __fadd_rn(__fmul_rn(__fsub_rn(x, lo), inverse), 0.5f);
+  /// The bias of the 8-bit grid (lo, 1 / step): code = floor(x / step + bias).
+  __device__ __forceinline__ static float bias_of(float lo, float inverse) { return __fmaf_rn(-lo, inverse, 0.5f); }
+
+  /// 8-bit code of x, round half up: the host's quantize8, rounding for rounding (one fused
+  /// multiply-add). floor(y) for |y| < 2^22 is the mantissa of y + 2^23 rounded down, which keeps
+  /// the float-to-int conversion off the quarter-rate pipe.
+  __device__ __forceinline__ static int quantize8(float x, float inverse, float bias) {
+    const float y = __fmaf_rn(x, inverse, bias);
     const int code = __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
-    return min(code, 255);  // x >= lo: code >= 0
+    return max(min(code, 255), 0);
   }
 
   __device__ __forceinline__ static float load_half(const std::byte* base, int index) {
@@ -443,7 +454,7 @@ class quant2_warp_attend {
         if (h >= group) break;
         const float step = step_of(lo[u], hi[u]);
         const float inverse = inverse_of(step);
-        store_codes(temp.q_codes[h], first_channel, folded[u], lo[u], inverse);
+        store_codes(temp.q_codes[h], first_channel, folded[u], inverse, bias_of(lo[u], inverse));
         if (lane % lanes_per_channel_group == 0) {
           temp.q_min[h][lane / lanes_per_channel_group] = lo[u];
           temp.q_scale[h][lane / lanes_per_channel_group] = step;
@@ -455,19 +466,19 @@ class quant2_warp_attend {
 
   /// The 8-bit codes of x[0 .. channels_per_lane) into row bytes [first, ...), 4 per store.
   __device__ __forceinline__ static void store_codes(std::uint32_t* row, int first, const float (&x)[channels_per_lane],
-                                                     float lo, float inverse) {
+                                                     float inverse, float bias) {
     if constexpr (channels_per_lane % 4 == 0) {
 #pragma unroll
       for (int w = 0; w < channels_per_lane / 4; ++w) {
         std::uint32_t word = 0;
 #pragma unroll
-        for (int b = 0; b < 4; ++b) word |= static_cast<std::uint32_t>(quantize8(x[4 * w + b], lo, inverse)) << (8 * b);
+        for (int b = 0; b < 4; ++b) word |= static_cast<std::uint32_t>(quantize8(x[4 * w + b], inverse, bias)) << (8 * b);
         row[first / 4 + w] = word;
       }
     } else {
       auto* bytes = reinterpret_cast<std::uint8_t*>(row) + first;
 #pragma unroll
-      for (int i = 0; i < channels_per_lane; ++i) bytes[i] = static_cast<std::uint8_t>(quantize8(x[i], lo, inverse));
+      for (int i = 0; i < channels_per_lane; ++i) bytes[i] = static_cast<std::uint8_t>(quantize8(x[i], inverse, bias));
     }
   }
 };

@@ -35,6 +35,8 @@ struct decode_params {
   int page_size;
   int stages;                         ///< sm_90 bitmap_tiles kernel: compressed pages in flight per CTA
   int group_size;                     ///< query heads per KV head (for kernels where it is a run-time value)
+  int sink_rows;                      ///< dense sink rows after the tail rows of a slot (quant2), masked in
+                                      ///< a sequence's first page
 
   const std::int32_t* step_header;    ///< device: [0] splits this step, [1] block-table row stride
   const std::int32_t* block_tables;   ///< [batch][stride] page ids

@@ -115,16 +115,24 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
       }
       __syncwarp();
     }
-    for (int j = 0; j < geometry.per_channel; ++j) state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp);
+    // The sequence's first page (warp 0's first page of the split that starts the sequence) masks
+    // its sink tokens: they are attended below, as the dense rows the tail slot keeps.
+    const int masked = k == 0 && warp == 0 && w.page_begin == 0 ? p.sink_rows : 0;
+    for (int j = 0; j < geometry.per_channel; ++j)
+      state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0);
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
       if (lane == 0 && k + stages < my_pages) issue(k + stages);
     }
   }
+  const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+  const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes);
+  const auto* v_rows = reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes);
+  if (p.sink_rows > 0 && w.page_begin == 0 && num_pages > 0 && warp == warps - 1) {
+    const std::size_t skip = static_cast<std::size_t>(p.page_size) * HeadDim;  // sinks follow the tail rows
+    state.fold_dense_rows(k_rows + skip, v_rows + skip, p.sink_rows, q);
+  }
   if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-    const auto* k_rows = reinterpret_cast<const T*>(slot + head * p.tail_head_bytes);
-    const auto* v_rows = reinterpret_cast<const T*>(slot + (p.num_kv_heads + head) * p.tail_head_bytes);
     const int rows = p.tail_rows[w.batch_index];
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;

@@ -16,11 +16,12 @@
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x page_size x head_dim,
-/// 16-bit), written quantized to page `new_pages[i]` of the page arena.
+/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
+/// first page_size rows 16-bit), written quantized to page `new_pages[i]` of the page arena.
 struct quant2_encode_params {
   const std::byte* rows;
   std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;  ///< = the tail arena's: page_size rows, then sink_rows rows
   std::byte* pages;
   std::int64_t page_slot_bytes;
   std::int64_t page_bytes;  ///< one K (= one V) page
@@ -30,6 +31,12 @@ struct quant2_encode_params {
   int partition;
   bool stochastic;
   std::uint64_t seed;
+  /// Sinks: page i with sink_slots[i] >= 0 is a sequence's first page. Its first sink_rows rows
+  /// are copied after the tail rows of tail slot sink_slots[i] (same layout as `rows`) and are
+  /// quantized as copies of row sink_rows.
+  std::byte* tails;
+  int sink_rows;
+  const std::int32_t* sink_slots;
 };
 
 constexpr int quant2_encode_threads = 128;
@@ -45,9 +52,16 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   const int pi = e.partition, page_size = e.page_size, per_channel = page_size / pi;
   const int partitions = page_size * HeadDim / pi;
   const int sum_bytes = pi * 3 > 255 ? 2 : 1;
-  const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes +
-                                                (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) *
-                                                    page_size * HeadDim * 2);
+  const std::int64_t head_at = (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
+  const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
+  const int sinks = e.sink_slots != nullptr && e.sink_slots[page_index] >= 0 ? e.sink_rows : 0;
+  if (sinks > 0) {  // keep them dense, after the sequence's tail rows
+    auto* kept = reinterpret_cast<T*>(e.tails + e.sink_slots[page_index] * e.rows_slot_bytes + head_at) +
+                 static_cast<std::size_t>(page_size) * HeadDim;
+    for (int i = tid; i < sinks * HeadDim; i += quant2_encode_threads) kept[i] = rows[i];
+  }
+  // Row t as the encoder sees it: the sinks replaced by the first row after them.
+  const auto row_of = [&](int t) { return rows + static_cast<std::size_t>(t < sinks ? sinks : t) * HeadDim; };
   std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
                     (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.page_bytes;
   const int sums_at = partitions * 4, codes_at = partitions * (4 + sum_bytes);
@@ -55,10 +69,9 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   // Partition = (channel, token block): K per channel and V alike run along tokens.
   for (int part = tid; part < partitions; part += quant2_encode_threads) {
     const int channel = part / per_channel, first_token = part % per_channel * pi;
-    const T* x = rows + static_cast<std::size_t>(first_token) * HeadDim + channel;
-    float lo = to_float(x[0]), hi = lo;
+    float lo = to_float(row_of(first_token)[channel]), hi = lo;
     for (int i = 1; i < pi; ++i) {
-      const float v = to_float(x[static_cast<std::size_t>(i) * HeadDim]);
+      const float v = to_float(row_of(first_token + i)[channel]);
       lo = v < lo ? v : lo;  // std::min and std::max, as the host: the same signed zero is kept
       hi = hi < v ? v : hi;
     }
@@ -67,7 +80,7 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
     unsigned sum = 0;
     for (int i = 0; i < pi; ++i) {
       const int code = kvmosaic::detail::quant2_code(e.stochastic, e.seed, static_cast<std::uint64_t>(part) * pi + i,
-                                                     to_float(x[static_cast<std::size_t>(i) * HeadDim]), m, s);
+                                                     to_float(row_of(first_token + i)[channel]), m, s);
       sum += static_cast<unsigned>(code);
       quant2_codes[(first_token + i) * HeadDim + channel] = static_cast<std::uint8_t>(code);
     }
