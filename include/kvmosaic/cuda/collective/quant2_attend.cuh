@@ -126,11 +126,7 @@ class quant2_warp_attend {
 
     // q.k: int8 products per 16-token tile, then the per-group corrections.
     std::uint32_t b_q[channel_steps][2];
-#pragma unroll
-    for (int k = 0; k < channel_steps; ++k) {
-      b_q[k][0] = temp.q_codes[g][k * 8 + quad];
-      b_q[k][1] = temp.q_codes[g][k * 8 + 4 + quad];
-    }
+    load_b_fragments(temp.q_codes[g], quad, b_q);
     float base[2], q_min[2][channel_groups], q_scale[2][channel_groups];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -235,11 +231,7 @@ class quant2_warp_attend {
 
     // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
     std::uint32_t b_p[token_steps][2];
-#pragma unroll
-    for (int k = 0; k < token_steps; ++k) {
-      b_p[k][0] = temp.p_codes[g][k * 8 + quad];
-      b_p[k][1] = temp.p_codes[g][k * 8 + 4 + quad];
-    }
+    load_b_fragments(temp.p_codes[g], quad, b_p);
     const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
     const int token_columns = geometry.page_size / 32;
 #pragma unroll
@@ -342,6 +334,17 @@ class quant2_warp_attend {
 
  private:
   __device__ __forceinline__ static int lane_id() { return static_cast<int>(threadIdx.x) % 32; }
+
+  /// The B fragments of K steps of 32 from `row` (column g of B: one head's 8-bit codes).
+  template <int Steps>
+  __device__ __forceinline__ static void load_b_fragments(const std::uint32_t* row, int quad,
+                                                          std::uint32_t (&b)[Steps][2]) {
+#pragma unroll
+    for (int k = 0; k < Steps; ++k) {
+      b[k][0] = row[k * 8 + quad];
+      b[k][1] = row[k * 8 + 4 + quad];
+    }
+  }
 
   /// Register s of the A fragment is byte-wise bits 2 s, 2 s + 1 of the stored word.
   __device__ __forceinline__ static void unpack(std::uint32_t word, std::uint32_t (&a)[4]) {

@@ -17,6 +17,13 @@
 
 namespace kvmosaic::cuda::detail {
 
+/// The body of an atom compiled for an architecture without its instruction (the host pass, or
+/// a portable build that never calls it): uses the operands and traps.
+template <class... Operands>
+__device__ __forceinline__ void unsupported_architecture(const Operands&...) {
+  __trap();
+}
+
 /// Two floats rounded to T (round to nearest even) in one 32-bit operand register, `low` first.
 template <class T>
 __device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
@@ -37,11 +44,7 @@ __device__ __forceinline__ void mma_16816<bfloat16>(float (&c)[4], const std::ui
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  (void)c;
-  (void)a;
-  (void)b0;
-  (void)b1;
-  __trap();
+  unsupported_architecture(c, a, b0, b1);
 #endif
 }
 
@@ -55,11 +58,7 @@ __device__ __forceinline__ void mma_16816<half>(float (&c)[4], const std::uint32
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-  (void)c;
-  (void)a;
-  (void)b0;
-  (void)b1;
-  __trap();
+  unsupported_architecture(c, a, b0, b1);
 #endif
 }
 
@@ -89,11 +88,7 @@ __device__ __forceinline__ void mma_u8_16832(int (&c)[4], const std::uint32_t (&
   asm volatile("mma.sync.aligned.m8n8k16.row.col.s32.u8.u8.s32 {%0, %1}, {%2}, {%3}, {%0, %1};"
                : "+r"(c[2]), "+r"(c[3]) : "r"(a[3]), "r"(b1));
 #else
-  (void)c;
-  (void)a;
-  (void)b0;
-  (void)b1;
-  __trap();
+  unsupported_architecture(c, a, b0, b1);
 #endif
 }
 
