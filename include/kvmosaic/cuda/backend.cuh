@@ -493,9 +493,11 @@ class engine {
   /// Completed pages per encode pass (encoded formats): bounds the scratch arena for a prefill.
   static constexpr std::int32_t encode_chunk_pages = 64;
 
-  /// bitmap_tiles on sm_90: the compressed stages per CTA. Expanding tiles is latency-bound integer
-  /// work, so occupancy comes first: as many CTAs per SM as the kernel's registers allow (at most
-  /// 4) with at least one stage each, then as many stages as fit next to them (at most 4).
+  /// bitmap_tiles and quant2 on sm_90: the compressed stages (per CTA for bitmap_tiles, per warp
+  /// for quant2). Both kernels are bound by instruction issue, not memory, so occupancy comes
+  /// first: as many CTAs per SM as the kernel's registers allow (at most 4) with at least one
+  /// stage each, then as many stages as fit next to them (at most 4). quant2 at Pi = 64, head_dim
+  /// 128 gets 4 CTAs of 4 warps with 2 pages in flight per warp.
   /// Measured on H100 at batch 8, 128K, head_dim 128: s = 0.5 ran 2.40 ms with three CTAs of one
   /// stage and 2.99 ms with two CTAs of three; s = 0.7, three CTAs of two stages 1.65 ms, of one
   /// 1.68 ms. Capping registers at 128 for four CTAs spilled and lost 8-11%. Pages too large for
