@@ -376,3 +376,40 @@ TEST_CASE("quant2 sink tokens stay 16-bit: masked in the first page, attended ex
   short_cache.prefill(s, test::k_view(few), test::v_view(few));
   CHECK(short_cache.sequence_memory(s).stored_bytes == 10 * 512);
 }
+
+TEST_CASE("quant2 codes are stored as int8 m16n8k32 A fragments", "[quant2][layout]") {
+  // Hand-computed positions (PTX ISA, mma.m16n8k32 A fragment: lane 4g + q holds rows g and g + 8,
+  // columns 4q .. 4q + 3 and 16 + 4q ..; register s = row half s % 2, column half s / 2).
+  CHECK(detail::quant2_code_bit(128, 0, 0) == 0);
+  CHECK(detail::quant2_code_bit(128, 8, 0) == 2);         // s = 1
+  CHECK(detail::quant2_code_bit(128, 0, 16) == 4);        // s = 2
+  CHECK(detail::quant2_code_bit(128, 8, 16) == 6);        // s = 3
+  CHECK(detail::quant2_code_bit(128, 0, 1) == 8);         // byte 1 of lane 0
+  CHECK(detail::quant2_code_bit(128, 0, 4) == 32);        // lane 1 (q = 1)
+  CHECK(detail::quant2_code_bit(128, 1, 0) == 4 * 32);    // lane 4 (g = 1)
+  CHECK(detail::quant2_code_bit(128, 0, 32) == 1024);     // the next tile along columns
+  CHECK(detail::quant2_code_bit(128, 16, 0) == 4 * 1024); // the next tile row: 128 / 32 tiles on
+  // Every code of an encoded V page read back through the fragment rule: register s of lane
+  // 4g + q, byte b, is (word >> 2s) & 3 in byte b, and stands for row g + 8(s % 2), column
+  // 16(s / 2) + 4q + b of the [channels][tokens] matrix.
+  const page_shape shape{64, 64, dtype::bf16};
+  const format::quant2 f{32, format::rounding::nearest};
+  const std::vector<float> v = random_rows(64, 64, 9);
+  std::vector<std::byte> page(traits::v_page_bytes(f, shape));
+  traits::encode_v(f, shape, v.data(), page.data());
+  const detail::quant2_layout layout = detail::quant2_layout_of(f, shape, false);
+  const detail::quant2_page_view view{layout, page.data()};
+  for (int tile = 0; tile < 64 * 64 / 512; ++tile)
+    for (int lane = 0; lane < 32; ++lane) {
+      std::uint32_t word = 0;
+      std::memcpy(&word, page.data() + layout.codes_at() + static_cast<std::size_t>(tile) * 128 + lane * 4, 4);
+      for (int s = 0; s < 4; ++s) {
+        const std::uint32_t reg = (word >> (2 * s)) & 0x03030303u;
+        for (int b = 0; b < 4; ++b) {
+          const int channel = tile / 2 * 16 + lane / 4 + 8 * (s % 2);       // 64 tokens = 2 tiles a row
+          const int token = tile % 2 * 32 + 16 * (s / 2) + 4 * (lane % 4) + b;
+          REQUIRE(static_cast<int>((reg >> (8 * b)) & 0xffu) == view.code_at(token, channel));
+        }
+      }
+    }
+}
