@@ -19,9 +19,12 @@
 /// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
 /// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -37,7 +40,9 @@
 #include "kvmosaic/memory/block_table.hpp"
 #include "kvmosaic/memory/page_pool.hpp"
 #include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/quest.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
+#include "kvmosaic/select/sentence_chunks.hpp"
 
 namespace kvmosaic {
 
@@ -121,6 +126,17 @@ struct memory_stats {
   }
 };
 
+/// What the last decode step of a read-less selector read for one sequence, averaged over its KV
+/// heads (each KV head selects on its own).
+struct selection_stats {
+  double tokens_selected = 0;  ///< tokens of the selected spans (within the budget)
+  double tokens_read = 0;      ///< tokens attended: selected, open chunk, sink rows and tail
+  double pages_read = 0;       ///< pages holding at least one attended token (the tail not counted)
+  /// Of the previous step's selected tokens, the fraction this step read again (SentKVCompress's
+  /// reuse); NaN before a sequence's second selected step.
+  double reuse = std::numeric_limits<double>::quiet_NaN();
+};
+
 /// A paged, compressed KV cache for one attention layer. See the file comment.
 ///
 /// \tparam Format    how a page is stored (`format::dense`, ...)
@@ -141,6 +157,9 @@ class cache {
   static_assert(is_backend_v<Backend>,
                 "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
                 "or kvmosaic::backend::cuda");
+  static_assert(!selector_traits<Selector>::needs_token_ids || std::is_same<Backend, backend::host>::value,
+                "kvmosaic::cache: select::sentence_chunks runs on the host backend so far (its chunks are cut "
+                "from host rows); use select::quest on backend::cuda");
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
@@ -154,12 +173,12 @@ class cache {
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
-      : config_(validated(config, format)),
+      : config_(validated(config, format, selector)),
         format_(format),
         selector_(selector),
         compactor_(compactor),
         pool_(config.max_pages),
-        engine_(engine_shape(config), format),
+        engine_(engine_shape(config), format, selector_traits<Selector>::bounds_block_tokens(selector, config.page_size)),
         sequences_(static_cast<std::size_t>(config.max_sequences)) {}
 
   const cache_config& config() const noexcept { return config_; }
@@ -208,6 +227,7 @@ class cache {
     sequence_state& c = sequences_[static_cast<std::size_t>(child)];
     c.pages = parent.pages;
     c.length = parent.length;
+    c.chunks = parent.chunks;
     for (const page_id page : c.pages) pool_.retain(page);
     engine_.copy_tail(seq, child, tail_rows(parent));
     return child;
@@ -247,6 +267,23 @@ class cache {
   /// pool lacks the pages, it throws `capacity_error` and nothing is stored.
   template <class T>
   void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    static_assert(!selector_traits<Selector>::needs_token_ids,
+                  "kvmosaic::cache::prefill: this selector cuts the stream at boundary tokens: pass the token "
+                  "ids, prefill(seq, k, v, token_ids)");
+    prefill_rows(seq, k, v, span<const std::int32_t>{});
+  }
+  /// `prefill` with the tokens' ids (`token_ids.size() == k.extent(0)`), which selectors that cut
+  /// the stream at boundary tokens (`select::sentence_chunks`) need; other selectors ignore them.
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
+                    "k.extent(0) (one id per token)");
+    prefill_rows(seq, k, v, token_ids);
+  }
+
+ private:
+  template <class T>
+  void prefill_rows(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
     sequence_state& s = live(seq, "cache::prefill");
     check_rows("cache::prefill", k, v);
     detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
@@ -257,12 +294,33 @@ class cache {
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
     s.length += k.extent(0);
+    if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(s, k, token_ids, 0, k.extent(0));
   }
+
+ public:
 
   /// Appends one token to each sequence of a decode batch: `k`, `v` are [batch][num_kv_heads]
   /// [head_dim], row b for `seqs[b]`. Sequences must be distinct. All or nothing, as prefill.
   template <class T>
   void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    static_assert(!selector_traits<Selector>::needs_token_ids,
+                  "kvmosaic::cache::append: this selector cuts the stream at boundary tokens: pass the token "
+                  "ids, append(seqs, k, v, token_ids)");
+    append_rows(seqs, k, v, span<const std::int32_t>{});
+  }
+  /// `append` with each new token's id (`token_ids.size() == seqs.size()`); see `prefill`.
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == seqs.size(), "cache::append", "token_ids.size()", token_ids.size(),
+                    "seqs.size() (one id per sequence)");
+    append_rows(seqs, k, v, token_ids);
+  }
+
+ private:
+  template <class T>
+  void append_rows(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                   span<const std::int32_t> token_ids) {
     check_rows("cache::append", k, v);
     detail::require(k.extent(0) == seqs.size(), "cache::append", "k.extent(0) (batch)", k.extent(0),
                     "seqs.size()");
@@ -290,8 +348,11 @@ class cache {
       sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
       if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
       ++s.length;
+      if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(s, k, token_ids, b, 1);
     }
   }
+
+ public:
 
   /// One decode step (not const: a step uses the engine's per-step buffers, and selectors keep
   /// per-step state): out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
@@ -319,7 +380,48 @@ class cache {
     }
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-    engine_.attend(batch, q, out, scale);
+    if constexpr (selector_traits<Selector>::reads_all_pages) {
+      engine_.attend(batch, q, out, scale);
+    } else {
+      detail::selection_request request;
+      request.combine = selector_.combine;
+      request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector_, config_.page_size);
+      for (std::int64_t b = 0; b < seqs.size(); ++b) {
+        const sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+        request.budget.push_back(selector_.budget.resolve(s.length));
+        if constexpr (selector_traits<Selector>::needs_token_ids) {
+          request.always_from.push_back(s.chunks.starts.back());
+          request.chunks.push_back(detail::chunk_list{s.chunks.starts.data(), static_cast<std::int32_t>(s.chunks.starts.size() - 1),
+                                                      s.chunks.bounds.data()});
+        } else {
+          request.always_from.push_back(s.length);
+        }
+      }
+      engine_.attend(batch, q, out, scale, &request);
+      record_selection(seqs);
+    }
+  }
+
+  /// What the last step read for `seq` (read-less selectors; the sequence must have been in it).
+  selection_stats selection(sequence_id seq) const {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
+    return live(seq, "cache::selection").last_selection;
+  }
+  /// The token ranges the last step selected for `seq`, KV head `head` (merged, ascending).
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& selected_ranges(sequence_id seq, int head) const {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selected_ranges: select::all reads every token");
+    const sequence_state& s = live(seq, "cache::selected_ranges");
+    detail::require(head >= 0 && head < config_.num_kv_heads, "cache::selected_ranges", "head", head, "0 to num_kv_heads - 1");
+    detail::require(!s.selected.empty(), "cache::selected_ranges", "seq", seq, "a sequence of a selected decode step");
+    return s.selected[static_cast<std::size_t>(head)];
+  }
+  /// The chunks `select::sentence_chunks` has cut for `seq` so far ([begin, end), final ones only).
+  std::vector<select::chunk> chunks(sequence_id seq) const {
+    static_assert(selector_traits<Selector>::needs_token_ids, "kvmosaic::cache::chunks: only select::sentence_chunks cuts chunks");
+    const sequence_state& s = live(seq, "cache::chunks");
+    std::vector<select::chunk> out;
+    for (std::size_t i = 0; i + 1 < s.chunks.starts.size(); ++i) out.push_back(select::chunk{s.chunks.starts[i], s.chunks.starts[i + 1]});
+    return out;
   }
 
   /// Tokens stored for a sequence.
@@ -332,8 +434,8 @@ class cache {
     const sequence_state& s = live(seq, "cache::sequence_memory");
     memory_stats m = pool_gauge();
     m.tokens = s.length;
-    m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * static_cast<std::int64_t>(engine_.page_slot_bytes()) +
-                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes();
+    m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
+                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + chunk_bytes(s);
     m.dense_bytes = s.length * tail_row_bytes();
     return m;
   }
@@ -341,26 +443,145 @@ class cache {
   /// Memory of the whole cache: every pool page in use once, plus every live tail.
   memory_stats memory() const {
     memory_stats m = pool_gauge();
-    m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * static_cast<std::int64_t>(engine_.page_slot_bytes());
+    m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * page_bytes();
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.length;
-      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes();
+      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + chunk_bytes(s);
       m.dense_bytes += s.length * tail_row_bytes();
     }
     return m;
   }
 
  private:
+  /// `select::sentence_chunks`: the final chunks of a sequence and the tokens after them.
+  struct chunk_state {
+    std::vector<std::int64_t> starts{0};     ///< chunk i is [starts[i], starts[i+1]); back(): the open chunk
+    std::vector<std::uint16_t> bounds;       ///< [chunk][num_kv_heads][lo row, hi row], storage dtype bits
+    std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
+    std::vector<float> pending_keys;         ///< their keys, rounded to the storage dtype [token][heads][head_dim]
+  };
+
   struct sequence_state {
     bool live = false;
     std::int64_t length = 0;
     block_table pages;
+    chunk_state chunks;
+    selection_stats last_selection;
+    /// The previous selected step's ranges per KV head (for reuse).
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
   };
 
-  static cache_config validated(const cache_config& config, const Format& format) {
+  /// Bytes of one pool page, with the key bounds a selector keeps per page.
+  std::int64_t page_bytes() const {
+    return static_cast<std::int64_t>(engine_.page_slot_bytes() + engine_.page_bounds_bytes());
+  }
+  /// Bytes of a sequence's chunk bounds (2 rows of head_dim per chunk and KV head, 16-bit).
+  std::int64_t chunk_bytes(const sequence_state& s) const {
+    return static_cast<std::int64_t>(s.chunks.bounds.size() * sizeof(std::uint16_t));
+  }
+
+  /// Feeds rows [first, first + n) of `k` with their ids to the sequence's chunk state and cuts the
+  /// chunks whose window is complete (select::sentence_chunks).
+  template <class T>
+  void observe_tokens(sequence_state& s, const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
+                      std::int64_t first, std::int64_t n) {
+    chunk_state& c = s.chunks;
+    const int heads = config_.num_kv_heads, d = config_.head_dim;
+    const std::size_t row = static_cast<std::size_t>(heads) * d;
+    for (std::int64_t t = first; t < first + n; ++t) {
+      c.pending_ids.push_back(ids(t));
+      for (int h = 0; h < heads; ++h)
+        for (int ch = 0; ch < d; ++ch) c.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
+    }
+    const std::int64_t horizon = selector_.target_length + selector_.window;
+    std::size_t done = 0;  // tokens of pending already cut into chunks
+    while (static_cast<std::int64_t>(c.pending_ids.size() - done) > horizon) {
+      const std::int64_t end = select::detail::split_end(c.pending_ids.data() + done,
+                                                         static_cast<std::int64_t>(c.pending_ids.size() - done), 0, selector_);
+      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
+      for (int h = 0; h < heads; ++h) {
+        for (int ch = 0; ch < d; ++ch) {
+          float lo = c.pending_keys[done * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
+          for (std::int64_t t = 1; t < end; ++t) {
+            const float x = c.pending_keys[(done + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
+            lo = x < lo ? x : lo;
+            hi = x > hi ? x : hi;
+          }
+          bounds[static_cast<std::size_t>(ch)] = lo;
+          bounds[static_cast<std::size_t>(d + ch)] = hi;
+        }
+        for (const float x : bounds) c.bounds.push_back(storage_bits(x));
+      }
+      c.starts.push_back(c.starts.back() + end);
+      done += static_cast<std::size_t>(end);
+    }
+    c.pending_ids.erase(c.pending_ids.begin(), c.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
+    c.pending_keys.erase(c.pending_keys.begin(), c.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+  }
+  float round_to_storage(float x) const noexcept {
+    return config_.storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))
+                                         : detail::bfloat16_bits_to_float(detail::float_to_bfloat16_bits(x));
+  }
+  std::uint16_t storage_bits(float x) const noexcept {
+    return config_.storage == dtype::f16 ? detail::float_to_half_bits(x) : detail::float_to_bfloat16_bits(x);
+  }
+
+  /// Tokens of [from, to) inside any of `ranges` (which may overlap each other only at the ends
+  /// of the always-read ranges, counted once by clipping).
+  static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> hits;
+    for (const auto& [a, z] : ranges)
+      if (std::max(a, from) < std::min(z, to)) hits.emplace_back(std::max(a, from), std::min(z, to));
+    std::sort(hits.begin(), hits.end());
+    std::int64_t total = 0, reach = from;
+    for (const auto& [a, z] : hits) {
+      const std::int64_t start = std::max(a, reach);
+      if (z > start) total += z - start;
+      reach = std::max(reach, z);
+    }
+    return total;
+  }
+
+  /// After a selected step: each sequence's stats, and its reuse of the previous step's selection.
+  void record_selection(span<const sequence_id> seqs) {
+    const auto& heads = engine_.last_selection();
+    const int num_heads = config_.num_kv_heads;
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+      selection_stats stats;
+      double reused = 0, previous = 0;
+      // Always read: the sink rows, and everything from the open chunk (or the tail) on.
+      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+      std::int64_t always_from = sealed;
+      if constexpr (selector_traits<Selector>::needs_token_ids) always_from = std::min(always_from, s.chunks.starts.back());
+      const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+      std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
+      for (int h = 0; h < num_heads; ++h) {
+        const detail::head_selection& e = heads[static_cast<std::size_t>(b * num_heads + h)];
+        stats.tokens_selected += static_cast<double>(e.tokens_selected) / num_heads;
+        stats.tokens_read += static_cast<double>(e.tokens_read) / num_heads;
+        stats.pages_read += static_cast<double>(e.pages_read) / num_heads;
+        current[static_cast<std::size_t>(h)] = e.selected;
+        if (s.selected.empty()) continue;
+        std::vector<std::pair<std::int64_t, std::int64_t>> read = e.selected;
+        if (sinks > 0) read.emplace_back(0, sinks);
+        read.emplace_back(always_from, std::numeric_limits<std::int64_t>::max());
+        for (const auto& [from, to] : s.selected[static_cast<std::size_t>(h)]) {
+          previous += static_cast<double>(to - from);
+          reused += static_cast<double>(overlap(from, to, read));
+        }
+      }
+      if (!s.selected.empty()) stats.reuse = previous > 0 ? reused / previous : 1.0;
+      s.last_selection = stats;
+      s.selected = std::move(current);
+    }
+  }
+
+  static cache_config validated(const cache_config& config, const Format& format, const Selector& selector) {
     config.validate();
     format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    selector_traits<Selector>::validate(selector, config.page_size);
     return config;
   }
   static detail::engine_shape engine_shape(const cache_config& c) {

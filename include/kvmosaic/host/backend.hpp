@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kvmosaic/core/dtype.hpp"
@@ -28,6 +29,7 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic {
 namespace backend {
@@ -105,6 +107,70 @@ struct append_item {
   std::int64_t sealed_pages;
 };
 
+/// Key bounds kept per block of every page for a read-less selector (`select::quest`): the
+/// channel-wise min row then max row of each block's keys, per KV head, in the storage dtype.
+struct bounds_geometry {
+  bounds_geometry(const engine_shape& shape, int block)
+      : block_tokens(block),
+        blocks_per_page(block > 0 ? shape.page_size / block : 0),
+        row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * 2 * row_bytes),
+        page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
+  int block_tokens;        ///< 0: no bounds kept
+  int blocks_per_page;
+  std::size_t row_bytes;   ///< one row of head_dim values
+  std::size_t head_bytes;  ///< the bounds of one page of one KV head: [blocks][lo row, hi row]
+  std::size_t page_bytes;  ///< the bounds of one page (every KV head): what a page costs on top
+  std::size_t offset(page_id page, int head, int block) const noexcept {
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * 2 * row_bytes;
+  }
+};
+
+/// Writes the channel-wise min and max of `n` rows (head_dim floats each, already exact in the
+/// storage dtype) as two stored rows at `out`.
+inline void store_key_bounds(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  std::vector<float> bounds(2 * static_cast<std::size_t>(head_dim));
+  for (int c = 0; c < head_dim; ++c) {
+    float lo = rows[c], hi = rows[c];
+    for (int t = 1; t < n; ++t) {
+      const float x = rows[static_cast<std::size_t>(t) * head_dim + c];
+      lo = x < lo ? x : lo;
+      hi = x > hi ? x : hi;
+    }
+    bounds[static_cast<std::size_t>(c)] = lo;
+    bounds[static_cast<std::size_t>(head_dim + c)] = hi;
+  }
+  store_dense_rows(storage, bounds.data(), bounds.size(), out);
+}
+
+/// Sentence chunks of one sequence, cut by the cache: chunk i is tokens [starts[i], starts[i+1]),
+/// its key bounds at bounds + (i * num_kv_heads + head) * 2 * head_dim (storage dtype bits).
+struct chunk_list {
+  const std::int64_t* starts = nullptr;
+  std::int32_t count = 0;
+  const std::uint16_t* bounds = nullptr;
+};
+
+/// What a read-less selector asks of one step (select/selector_traits.hpp): per batch entry, the
+/// token budget and the first token of the region read whatever the selection (the open chunk);
+/// the spans are the engine's page blocks (`block_tokens` > 0) or the given chunks.
+struct selection_request {
+  group_combine combine = group_combine::max;
+  int block_tokens = 0;
+  std::vector<std::int64_t> budget;        ///< [batch] tokens
+  std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
+  std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
+};
+
+/// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
+/// ascending), the tokens attended (selected, open chunk, tail, sinks) and the pages read.
+struct head_selection {
+  std::vector<std::pair<std::int64_t, std::int64_t>> selected;
+  std::int64_t tokens_selected = 0;
+  std::int64_t tokens_read = 0;
+  std::int32_t pages_read = 0;
+};
+
 /// Row b of a [batch][heads][head_dim] view, as a one-row view.
 template <class T>
 tensor_view<const T, 3> row_of(const tensor_view<const T, 3>& x, std::int64_t b) {
@@ -142,16 +208,29 @@ class engine {
   using dense_traits = format_traits<format::dense>;
 
  public:
-  engine(const detail::engine_shape& shape, const Format& format)
+  /// `bounds_block_tokens` > 0 keeps the key bounds of every block of that many tokens of each
+  /// sealed page (for `select::quest`).
+  engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0)
       : shape_(shape),
         format_(format),
         geometry_(shape, format),
+        bounds_geometry_(shape, bounds_block_tokens),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
-        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()) {}
+        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
+        bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
 
   const detail::arena_geometry& geometry() const noexcept { return geometry_; }
+  const detail::bounds_geometry& bounds_geometry() const noexcept { return bounds_geometry_; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
+  /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
+  std::size_t page_bounds_bytes() const noexcept { return bounds_geometry_.page_bytes; }
+  /// The key bounds of block `block` of `page`, KV head `head`: lo row then hi row.
+  const std::byte* page_bounds(page_id page, int head, int block) const {
+    return bounds_.data() + bounds_geometry_.offset(page, head, block);
+  }
+  /// What the last selected step read, per (batch entry, KV head): [b * num_kv_heads + h].
+  const std::vector<detail::head_selection>& last_selection() const noexcept { return last_selection_; }
 
   /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
   /// rows after `sealed_pages` pages. Each time the tail fills, it is encoded into the next page
@@ -207,16 +286,31 @@ class engine {
       w.assign(weights, weights + shape_.row_elements());
   }
 
-  /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b.
+  /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b, or,
+  /// with a selection request, over the tokens the selection reads (docs/selectors.md).
   /// q, out: [batch][num_kv_heads * group_size][head_dim].
   void attend(const std::vector<detail::sequence_ref>& batch, tensor_view<const float, 3> q,
-              tensor_view<float, 3> out, float softmax_scale) const {
+              tensor_view<float, 3> out, float softmax_scale, const detail::selection_request* request = nullptr) {
     const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
     attend_scratch s(groups, d, p);
+    if (request != nullptr) last_selection_.assign(batch.size() * static_cast<std::size_t>(shape_.num_kv_heads), {});
+    std::vector<std::uint64_t> keep;
+    const int mask_words = (p + 63) / 64;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const detail::sequence_ref& seq = batch[b];
       const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
       for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        if (request != nullptr) {
+          detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
+          select_tokens(*request, b, seq, q, h, keep, chosen);
+          chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
+          for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+            int tokens = 0;
+            for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
+            chosen.tokens_read += tokens;
+            chosen.pages_read += tokens > 0;
+          }
+        }
         for (int g = 0; g < groups; ++g)
           for (int c = 0; c < d; ++c) s.q_group[g * d + c] = q(b, h * groups + g, c) * softmax_scale;
         std::fill(s.o.begin(), s.o.end(), 0.0f);
@@ -225,7 +319,10 @@ class engine {
         const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
         for (std::size_t i = 0; i < seq.pages->size(); ++i) {
           const page_id page = (*seq.pages)[i];
-          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0);
+          const std::uint64_t* page_keep = request != nullptr ? keep.data() + i * mask_words : nullptr;
+          if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
+            continue;
+          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
         }
         if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
           const std::size_t at = geometry_.sink_offset(shape_);
@@ -265,17 +362,23 @@ class engine {
 
   /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
   /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
-  /// first `masked` tokens (sinks, attended as dense rows instead) get p = 0.
+  /// first `masked` tokens (sinks, attended as dense rows instead) get p = 0, and so do the tokens
+  /// whose bit in `keep` (a token mask, null: all) is clear. A block with no token left is skipped.
   template <class Traits, class F>
   static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
-                         attend_scratch& s, int masked = 0) {
+                         attend_scratch& s, int masked = 0, const std::uint64_t* keep = nullptr) {
     const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
+    constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
     Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
-      std::fill(row, row + masked, -std::numeric_limits<float>::infinity());
-      float m = row[masked];
-      for (int t = masked + 1; t < n; ++t) m = std::max(m, row[t]);
+      std::fill(row, row + masked, minus_infinity);
+      if (keep != nullptr)
+        for (int t = masked; t < n; ++t)
+          if (((keep[t / 64] >> (t % 64)) & 1) == 0) row[t] = minus_infinity;
+      float m = row[0];
+      for (int t = 1; t < n; ++t) m = std::max(m, row[t]);
+      if (m == minus_infinity) return;  // every token masked: nothing to fold (same for all heads)
       float l = 0;
       for (int t = 0; t < n; ++t) l += (row[t] = std::exp(row[t] - m));
       s.block[g].m = m;
@@ -287,6 +390,70 @@ class engine {
       float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
       merge_into(s.state[g], o_g, s.block[g], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
     }
+  }
+
+  static int popcount64(std::uint64_t x) noexcept {
+    int n = 0;
+    for (; x != 0; x &= x - 1) ++n;
+    return n;
+  }
+
+  /// A read-less step for one (sequence, KV head): scores the spans (the page blocks, or the
+  /// sequence's chunks), picks them within the budget (`detail::budget_prefix`) and marks the page
+  /// tokens the step reads in `keep` ([page][mask word]): the selected spans' tokens and every
+  /// token from `always_from` on. The tail and sink rows are read besides.
+  void select_tokens(const detail::selection_request& r, std::size_t b, const detail::sequence_ref& seq,
+                     const tensor_view<const float, 3>& q, int h, std::vector<std::uint64_t>& keep,
+                     detail::head_selection& chosen) const {
+    const int p = shape_.page_size, d = shape_.head_dim, groups = shape_.group_size;
+    const std::size_t mask_words = static_cast<std::size_t>(p + 63) / 64;
+    const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+    keep.assign(seq.pages->size() * mask_words, 0);
+    std::vector<std::int64_t> begin;
+    std::vector<const std::byte*> bounds;
+    std::vector<std::int32_t> length;
+    if (r.block_tokens > 0) {
+      for (std::size_t i = 0; i < seq.pages->size(); ++i)
+        for (int j = 0; j < bounds_geometry_.blocks_per_page; ++j) {
+          begin.push_back(static_cast<std::int64_t>(i) * p + static_cast<std::int64_t>(j) * r.block_tokens);
+          length.push_back(r.block_tokens);
+          bounds.push_back(page_bounds((*seq.pages)[i], h, j));
+        }
+    } else {
+      const detail::chunk_list& c = r.chunks[b];
+      for (std::int32_t i = 0; i < c.count; ++i) {
+        begin.push_back(c.starts[i]);
+        length.push_back(static_cast<std::int32_t>(c.starts[i + 1] - c.starts[i]));
+        bounds.push_back(reinterpret_cast<const std::byte*>(
+            c.bounds + (static_cast<std::size_t>(i) * shape_.num_kv_heads + h) * 2 * static_cast<std::size_t>(d)));
+      }
+    }
+    std::vector<float> scores(begin.size()), head_scores(static_cast<std::size_t>(groups)), lo_hi(2 * static_cast<std::size_t>(d));
+    std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = q(static_cast<std::int64_t>(b), h * groups + g, c);
+    for (std::size_t i = 0; i < begin.size(); ++i) {
+      dense_traits::decode_k(format::dense{}, page_shape{2, d, shape_.storage}, bounds[i], 2, lo_hi.data());
+      for (int g = 0; g < groups; ++g)
+        head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
+          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>(d + c)]);
+        });
+      scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
+    }
+    const auto mark = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t t = std::max<std::int64_t>(from, 0); t < std::min(to, sealed); ++t)
+        keep[static_cast<std::size_t>(t / p) * mask_words + static_cast<std::size_t>(t % p) / 64] |= std::uint64_t{1} << (t % p % 64);
+    };
+    for (const std::int32_t i : detail::budget_prefix(scores, length, r.budget[b])) {
+      const std::int64_t from = begin[static_cast<std::size_t>(i)], to = from + length[static_cast<std::size_t>(i)];
+      mark(from, to);
+      chosen.tokens_selected += to - from;
+      if (!chosen.selected.empty() && chosen.selected.back().second == from)
+        chosen.selected.back().second = to;
+      else
+        chosen.selected.emplace_back(from, to);
+    }
+    mark(r.always_from[b], sealed);
   }
 
   std::byte* tail_slot(std::int32_t slot) const {
@@ -316,6 +483,10 @@ class engine {
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
+      for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
+        detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
+                                 bounds_geometry_.block_tokens, shape_.head_dim,
+                                 bounds_.data() + bounds_geometry_.offset(page, h, block));
       hide_sinks();
       if constexpr (has_key_weights_v<Format>) {
         const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
@@ -333,8 +504,11 @@ class engine {
   detail::engine_shape shape_;
   Format format_;
   detail::arena_geometry geometry_;
+  detail::bounds_geometry bounds_geometry_;
   detail::host_buffer pages_;
   detail::host_buffer tails_;
+  detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
+  std::vector<detail::head_selection> last_selection_;
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };

@@ -23,7 +23,10 @@ struct selector_traits<select::all> {
   static constexpr const char* name = "all";
   static constexpr bool reads_all_pages = true;
   static constexpr bool evicts = false;
+  static constexpr bool needs_token_ids = false;
   static std::string describe(const select::all&) { return "all"; }
+  static void validate(const select::all&, int /*page_size*/) {}
+  static int bounds_block_tokens(const select::all&, int) noexcept { return 0; }
 };
 
 }  // namespace kvmosaic

@@ -17,9 +17,16 @@
 ///   static std::string describe(const Selector&);   // name plus parameters, for reports
 ///   static constexpr bool reads_all_pages;          // true: kernels read every page, no page list
 ///   static constexpr bool evicts;                   // true: a keep-less selector
-/// and, where `reads_all_pages` is false, the per-step selection of the pages each
-/// (sequence, KV head) reads; the attend kernels consume that list and never learn which selector
-/// produced it. The dense tail is always read.
+///   static constexpr bool needs_token_ids;          // true: prefill and append take token ids
+///   static void validate(const Selector&, int page_size);  // throws invalid_argument
+///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
+///                                                   // of a page (0: none)
+///
+/// A read-less selector turns each step's queries into *spans* (runs of tokens with the min and
+/// max of their keys, see select/span_score.hpp), scores them and picks some within a token
+/// budget. What the attend path consumes is the same for every such selector: per (sequence, KV
+/// head), the pages holding a selected token and, per page, which of its tokens are selected
+/// (docs/selectors.md). The dense tail (and a format's sink rows) is always read.
 
 #include <string>
 

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `select::quest`: query-aware block selection (Quest, Tang et al., ICML 2024; the stage-2 page
+/// selection of MosaicKV, section 4.2; "page selection without eviction" in the eviction notes).
+
+#include <string>
+
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
+#include "kvmosaic/select/span_score.hpp"
+
+namespace kvmosaic {
+namespace select {
+
+/// Reads, per (sequence, KV head) and step, the blocks of sealed pages with the highest upper
+/// bound of q . k, within a token budget, plus the dense tail (always read).
+///
+/// What it computes: each block of `block_tokens` tokens of a page keeps the channel-wise min and
+/// max of its keys (`lo`, `hi`, in the storage dtype: exact), written when the page is sealed (at
+/// prefill or when an append fills the tail), never recomputed. A step scores every block with
+/// sum_c max(q_c hi_c, q_c lo_c), combines the group's query heads (`combine`), and reads the
+/// top floor(budget / block_tokens) blocks (higher score first, ties to the earlier block). The
+/// keys are the exact rows before the format encodes them, so for lossy formats the bound is on
+/// the original keys (as in Quest, whose metadata is taken before anything else).
+///
+/// Cost: 2 x head_dim 16-bit values per block and KV head of memory (1/32 of a dense K page at
+/// block 64: counted in `memory_stats`); per step, reading those bounds (1/64 of the dense K+V
+/// bytes at block 64) and a top-k per (sequence, KV head). Memory is not freed: a read-less
+/// selector (size the pool as if uncompressed).
+///
+/// Kernels read whole pages: on the CUDA backend `block_tokens` must equal the page size (0, the
+/// default, means the page size); the host backend also reads sub-page blocks (masking the
+/// unselected tokens of a page).
+struct quest {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
+  int block_tokens = 0;                       ///< tokens per block: 0 = the page size, or a multiple of 8
+                                              ///< dividing it
+  group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
+
+  /// The block size for pages of `page_size` tokens.
+  int block_for(int page_size) const noexcept { return block_tokens == 0 ? page_size : block_tokens; }
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::quest> {
+  static constexpr const char* name = "quest";
+  static constexpr bool reads_all_pages = false;
+  static constexpr bool evicts = false;
+  static constexpr bool needs_token_ids = false;
+  static std::string describe(const select::quest& s) {
+    std::string text = "quest(";
+    text += s.budget.tokens >= 0 ? std::to_string(s.budget.tokens) + " tokens" : "1/" + std::to_string(static_cast<int>(1.0 / s.budget.ratio + 0.5));
+    if (s.block_tokens != 0) text += ", block " + std::to_string(s.block_tokens);
+    text += std::string(", ") + to_string(s.combine) + ")";
+    return text;
+  }
+  /// Checks the parameters against the cache's page size (throws `invalid_argument`).
+  static void validate(const select::quest& s, int page_size) {
+    s.budget.validate("select::quest");
+    const int block = s.block_for(page_size);
+    detail::require(block >= 8 && block % 8 == 0 && page_size % block == 0, "select::quest", "block_tokens",
+                    s.block_tokens, "0 (the page size) or a multiple of 8 that divides page_size");
+  }
+  /// Tokens per block whose key bounds the cache keeps with each page (0: none).
+  static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
+};
+
+}  // namespace kvmosaic

@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// What the read-less selectors share: the token budget, Quest's upper-bound score of a span of
+/// tokens from its per-channel key bounds, the combination of a GQA group's scores, and the
+/// reference selection (the longest prefix of the spans in score order that fits the budget).
+///
+/// A *span* is a run of tokens with the channel-wise min and max of their keys: a fixed block of a
+/// page for `select::quest`, a sentence chunk for `select::sentence_chunks`. Both selectors score
+/// spans the same way and select them the same way; they differ in how spans are cut.
+///
+/// The score's fp32 arithmetic has one fixed order (`span_score`), written so that the host and
+/// the CUDA scoring kernel (one warp per span: lane l sums channels l, l + 32, ... in turn, then a
+/// butterfly over the 32 lanes) round identically: both backends select the same spans.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "kvmosaic/core/config.hpp"
+#include "kvmosaic/core/error.hpp"
+
+namespace kvmosaic {
+
+/// How the scores of the query heads of a GQA group become the one score per span that selects
+/// for their shared KV head (one selection per KV head: the group shares every K/V load).
+///   - `max`: the largest of the group's scores: a span any head of the group wants is kept.
+///   - `sum`: the sum of the group's scores (Quest's bound of the summed logits).
+/// `docs/selectors.md` gives the recall of each against per-query-head selection.
+enum class group_combine { max, sum };
+
+inline const char* to_string(group_combine c) noexcept { return c == group_combine::max ? "max" : "sum"; }
+
+namespace select {
+
+/// The tokens a read-less selector may pick per (sequence, KV head) and step: `tokens` when it is
+/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, sink rows and (for sentence
+/// chunks) the open chunk are read on top of it. A budget of 0 reads only those; a budget of the
+/// whole context or more reads every token.
+struct token_budget {
+  double ratio = 1.0 / 16.0;  ///< fraction of the context, in [0, 1]
+  std::int64_t tokens = -1;   ///< absolute budget in tokens; >= 0 overrides `ratio`
+
+  std::int64_t resolve(std::int64_t length) const noexcept {
+    return tokens >= 0 ? tokens : static_cast<std::int64_t>(std::floor(ratio * static_cast<double>(length)));
+  }
+  void validate(const char* where) const {
+    detail::require(ratio >= 0.0 && ratio <= 1.0, where, "budget.ratio", ratio, "0 to 1");
+  }
+};
+
+}  // namespace select
+
+namespace detail {
+
+/// Lanes of the canonical score order (a warp).
+inline constexpr int span_score_lanes = 32;
+
+/// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
+///   sum_c max(q[c] * hi[c], q[c] * lo[c]),
+/// in the canonical order: lane l sums its channels l, l + 32, l + 64, ... in turn (fp32, no fused
+/// multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1). `load(c)` returns the
+/// pair (lo[c], hi[c]) as floats. Cost: 2 head_dim multiplies and adds.
+template <class Load>
+inline float span_score(const float* q, int head_dim, Load&& load) {
+  float lane[span_score_lanes];
+  for (int l = 0; l < span_score_lanes; ++l) {
+    float s = 0.0f;
+    for (int c = l; c < head_dim; c += span_score_lanes) {
+      const auto bounds = load(c);
+      const float a = q[c] * bounds.first, b = q[c] * bounds.second;
+      s = s + (a > b ? a : b);
+    }
+    lane[l] = s;
+  }
+  for (int offset = span_score_lanes / 2; offset >= 1; offset /= 2) {
+    float next[span_score_lanes];
+    for (int l = 0; l < span_score_lanes; ++l) next[l] = lane[l] + lane[l ^ offset];
+    std::copy(next, next + span_score_lanes, lane);
+  }
+  return lane[0];
+}
+
+/// Combines per-head scores of a group in the canonical order (heads 0, 1, ... in turn).
+inline float combine_scores(const float* scores, int group, group_combine how) noexcept {
+  float total = scores[0];
+  for (int g = 1; g < group; ++g) total = how == group_combine::max ? (scores[g] > total ? scores[g] : total) : total + scores[g];
+  return total;
+}
+
+/// The reference selection, which the device selection reproduces exactly: order the spans by
+/// score (higher first; equal scores by lower index), take the longest prefix of that order whose
+/// `weights` (token counts) sum to at most `budget`. Returns the chosen indices, ascending. NaN
+/// scores sort last. Cost: O(n log n).
+inline std::vector<std::int32_t> budget_prefix(const std::vector<float>& scores, const std::vector<std::int32_t>& weights,
+                                               std::int64_t budget) {
+  std::vector<std::int32_t> order(scores.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto key = [&](std::int32_t i) {
+    const float s = scores[static_cast<std::size_t>(i)];
+    return std::isnan(s) ? -INFINITY : s;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return key(a) > key(b); });
+  std::vector<std::int32_t> chosen;
+  std::int64_t used = 0;
+  for (const std::int32_t i : order) {
+    used += weights[static_cast<std::size_t>(i)];
+    if (used > budget) break;
+    chosen.push_back(i);
+  }
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
