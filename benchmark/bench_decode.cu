@@ -12,6 +12,10 @@
 // time_us), prefill_us_per_page (the first sequence's prefill: row kernels plus, for compressed
 // formats, the device encoder; per page of all KV heads), stages (bitmap_tiles: compressed pages
 // in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES overrides the stages, for tuning.
+// select::quest rows (`*_quest_decode`) time the whole selected step (scoring, top-k, attention
+// over the chosen pages, merge) as time_us, and the scoring and top-k alone (with the metadata
+// copy) as select_us, in a second graph timed the same way; bytes count the pages read, the tail,
+// every page's key bounds, q and out.
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
@@ -31,8 +35,8 @@
 namespace {
 
 using namespace kvmosaic;
-template <class Format>
-using cuda_cache = cache<Format, select::all, compact::none, backend::cuda>;
+template <class Format, class Selector = select::all>
+using cuda_cache = cache<Format, Selector, compact::none, backend::cuda>;
 
 double g_hbm_read_gbps = 0;  // measured by the first benchmark of the run
 
@@ -46,7 +50,7 @@ __global__ void stream_read_kernel(const uint4* __restrict__ data, std::size_t w
     uint4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
-      v[u] = i + u * stride < words ? cuda::detail::load_streaming(data + i + u * stride) : make_uint4(0, 0, 0, 0);
+      v[u] = i + u * stride < words ? kvmosaic::cuda::detail::load_streaming(data + i + u * stride) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < 4; ++u) acc += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
@@ -81,11 +85,11 @@ struct l2_flusher {
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
     bytes = 2 * static_cast<std::size_t>(l2);
-    buffer = cuda::device_buffer(bytes);
+    buffer = kvmosaic::cuda::device_buffer(bytes);
   }
   void flush(cudaStream_t stream) { KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(buffer.data(), 0, bytes, stream)); }
   std::size_t bytes;
-  cuda::device_buffer buffer;
+  kvmosaic::cuda::device_buffer buffer;
 };
 
 struct event_timer {
@@ -121,7 +125,7 @@ void report(benchmark::State& state, const std::vector<double>& times, double by
 
 void hbm_read(benchmark::State& state) {
   const std::size_t bytes = std::size_t{4} << 30;  // 4 GiB: far beyond L2
-  cuda::device_buffer data(bytes), sink(sizeof(unsigned));
+  kvmosaic::cuda::device_buffer data(bytes), sink(sizeof(unsigned));
   KVMOSAIC_CUDA_CHECK(cudaMemset(data.data(), 1, bytes));
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
@@ -146,8 +150,9 @@ void hbm_read(benchmark::State& state) {
 /// with partition Pi = range 4 (pages of max(64, Pi) tokens), stochastic rounding.
 /// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
 /// first sequence: prefill_us_per_page is per page of all KV heads, K and V.
-template <class Format>
+template <class Format, class Selector = select::all>
 void decode(benchmark::State& state) {
+  constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
   const int batch = static_cast<int>(state.range(0));
   const int context = static_cast<int>(state.range(1));
   cache_config c;
@@ -163,7 +168,9 @@ void decode(benchmark::State& state) {
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value)
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
-  cuda_cache<Format> kv(c, format);
+  Selector selector{};
+  if constexpr (selects) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
+  cuda_cache<Format, Selector> kv(c, format, selector);
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value || is_quant2) {
     // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES (KVMOSAIC_BENCH_QUANT2_STAGES) overrides
     // the engine's compressed stages.
@@ -175,7 +182,7 @@ void decode(benchmark::State& state) {
   // Prefill every sequence in chunks from one random source (the bytes differ per page slot).
   const int chunk = std::min(context, 16384);
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
+  kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
   fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   std::vector<sequence_id> seqs;
@@ -196,7 +203,7 @@ void decode(benchmark::State& state) {
     }
   }
   const std::size_t q_count = static_cast<std::size_t>(batch) * c.num_q_heads() * c.head_dim;
-  cuda::device_buffer q(q_count * sizeof(float)), out(q_count * sizeof(float));
+  kvmosaic::cuda::device_buffer q(q_count * sizeof(float)), out(q_count * sizeof(float));
   std::vector<float> q_host(q_count);
   for (std::size_t i = 0; i < q_count; ++i) q_host[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
   KVMOSAIC_CUDA_CHECK(cudaMemcpy(q.data(), q_host.data(), q_count * sizeof(float), cudaMemcpyHostToDevice));
@@ -206,6 +213,13 @@ void decode(benchmark::State& state) {
   std::vector<detail::sequence_ref> refs;
   for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), s});
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  detail::selection_request request;
+  if constexpr (selects) {
+    request.combine = selector.combine;
+    request.block_tokens = c.page_size;
+    for (const sequence_id s : seqs) request.budget.push_back(selector.budget.resolve(kv.length(s)));
+  }
+  const detail::selection_request* step_request = selects ? &request : nullptr;
   l2_flusher flusher;
   event_timer timer;
   std::vector<double> times, plan_times;
@@ -214,7 +228,7 @@ void decode(benchmark::State& state) {
   cudaStream_t stream;
   KVMOSAIC_CUDA_CHECK(cudaStreamCreate(&stream));
   engine.set_stream(stream);
-  engine.plan_step(refs);
+  engine.plan_step(refs, step_request);
   cudaGraph_t graph;
   cudaGraphExec_t step;
   KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -232,7 +246,7 @@ void decode(benchmark::State& state) {
   } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm_start).count() < 0.2);
   for (auto _ : state) {
     const auto plan_start = std::chrono::steady_clock::now();
-    engine.plan_step(refs);
+    engine.plan_step(refs, step_request);
     plan_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - plan_start).count());
     flusher.flush(stream);
     busy_wait_kernel<<<1, 1, 0, stream>>>(50000);  // ~50 us: the host is ahead when the step starts
@@ -244,13 +258,44 @@ void decode(benchmark::State& state) {
     state.SetIterationTime(s);
   }
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  if constexpr (selects) {  // scoring and top-k alone, timed the same way
+    cudaGraph_t select_graph;
+    cudaGraphExec_t select_step;
+    KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    engine.launch_selection_only(q.as<const float>());
+    KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &select_graph));
+    KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&select_step, select_graph, 0));
+    std::vector<double> select_times;
+    for (int i = 0; i < 30; ++i) {
+      flusher.flush(stream);
+      busy_wait_kernel<<<1, 1, 0, stream>>>(50000);
+      KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.start, stream));
+      KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(select_step, stream));
+      KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
+      select_times.push_back(timer.seconds());
+    }
+    state.counters["select_us"] = median(select_times) * 1e6;
+    state.counters["budget"] = 1.0 / static_cast<double>(state.range(5));
+    cudaGraphExecDestroy(select_step);
+    cudaGraphDestroy(select_graph);
+  }
   cudaGraphExecDestroy(step);
   cudaGraphDestroy(graph);
   engine.set_stream(nullptr);
   cudaStreamDestroy(stream);
   // Bytes read: the stored K and V (pages by the format's accounting, dense tail rows), q and out.
   double kv_bytes = 0;
-  for (const sequence_id s : seqs) kv_bytes += static_cast<double>(kv.sequence_memory(s).stored_bytes);
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    const memory_stats m = kv.sequence_memory(seqs[b]);
+    if constexpr (selects) {  // the pages read, the tail, and every page's key bounds
+      const auto pages = static_cast<std::int64_t>(kv.pages(seqs[b]).size());
+      const std::int64_t read = std::min<std::int64_t>(request.budget[b] / c.page_size, pages);
+      const auto slot = static_cast<std::int64_t>(engine.page_slot_bytes());  // stored_bytes counts the bounds
+      kv_bytes += static_cast<double>(m.stored_bytes - pages * slot + read * slot);
+    } else {
+      kv_bytes += static_cast<double>(m.stored_bytes);
+    }
+  }
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);
   state.counters["prefill_us_per_page"] = prefill_seconds * 1e6 / (context / c.page_size);
@@ -304,6 +349,30 @@ BENCHMARK(decode<format::quant2>)
     ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {64}})
     ->Args({1, 524288, 4, 128, 64})
     ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {32, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// select::quest (one block per page) at budgets 1/16 and 1/8 over dense, bitmap_tiles (s = 0.7)
+// and quant2 (Pi = 64): contexts 32K and 128K, batch 1 and 8.
+BENCHMARK(decode<format::dense, select::quest>)
+    ->Name("dense_quest_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::bitmap_tiles, select::quest>)
+    ->Name("bitmap_tiles_quest_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {16, 8}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant2, select::quest>)
+    ->Name("quant2_quest_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -93,6 +93,7 @@ struct workload {
   cache_config config;
   synthetic::kv_config generator;
   std::vector<synthetic::kv_data> kv;
+  std::vector<synthetic::token_stream> tokens;  // the token ids (sentence boundaries), per sequence
   std::vector<float> q;                 // [batch][Hq][D]
   std::vector<std::vector<double>> exact;  // per sequence [Hq][D]
 };
@@ -115,6 +116,7 @@ inline workload make_workload(const options& o) {
   for (int b = 0; b < o.batch; ++b) {
     progress("generating synthetic K/V", static_cast<double>(b) / o.batch);
     w.kv.push_back(synthetic::generate_kv(w.generator, static_cast<std::uint64_t>(b), o.context));
+    w.tokens.push_back(synthetic::generate_tokens(w.generator, static_cast<std::uint64_t>(b), o.context));
     const std::vector<float> q = synthetic::generate_query(w.generator, static_cast<std::uint64_t>(b), o.context);
     w.q.insert(w.q.end(), q.begin(), q.end());
   }
@@ -153,7 +155,8 @@ row run(Cache& cache, const workload& w, int steps, RowsOf&& rows_of, Timed&& ti
     const auto kv_rows = rows_of(b);
     seqs.push_back(cache.add_sequence());
     cache.prefill(seqs.back(), kvmosaic::tensor_view<const float, 3>(kv_rows.first, kv.num_tokens, kv.num_kv_heads, kv.head_dim),
-                  kvmosaic::tensor_view<const float, 3>(kv_rows.second, kv.num_tokens, kv.num_kv_heads, kv.head_dim));
+                  kvmosaic::tensor_view<const float, 3>(kv_rows.second, kv.num_tokens, kv.num_kv_heads, kv.head_dim),
+                  kvmosaic::span<const std::int32_t>(w.tokens[static_cast<std::size_t>(b)].ids.data(), kv.num_tokens));
   }
   progress("prefill " + name, 1.0);
 
@@ -279,6 +282,29 @@ inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> 
     variants.emplace_back(config, format::quant2{64, format::rounding::stochastic, seed, format::key_axis::tokens, 4});
   }
   return variants;
+}
+
+/// The read-less selectors the demo reports, at budgets 1/16 and 1/8 of the context:
+/// select::quest (one block per page) and select::sentence_chunks with the synthetic vocabulary's
+/// boundary tokens.
+inline std::vector<kvmosaic::select::quest> quest_variants() {
+  std::vector<kvmosaic::select::quest> v;
+  for (const int inverse : {16, 8}) {
+    kvmosaic::select::quest s;
+    s.budget.ratio = 1.0 / inverse;
+    v.push_back(s);
+  }
+  return v;
+}
+inline std::vector<kvmosaic::select::sentence_chunks> sentence_chunk_variants() {
+  std::vector<kvmosaic::select::sentence_chunks> v;
+  for (const int inverse : {16, 8}) {
+    kvmosaic::select::sentence_chunks s;
+    s.budget.ratio = 1.0 / inverse;
+    for (const auto& b : synthetic::boundary_tokens) s.boundaries.push_back(kvmosaic::select::boundary{b.id, b.weight});
+    v.push_back(s);
+  }
+  return v;
 }
 
 std::vector<row> run_cuda(const workload& w, int steps);

@@ -19,14 +19,14 @@ std::vector<row> run_cuda(const workload& w, int steps) {
   }
   std::vector<row> rows;
   // Device copies of the inputs, shared by every configuration.
-  std::vector<cuda::device_buffer> k, v;
+  std::vector<kvmosaic::cuda::device_buffer> k, v;
   for (const auto& kv : w.kv) {
     k.emplace_back(kv.k.size() * sizeof(float));
     v.emplace_back(kv.v.size() * sizeof(float));
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(k.back().data(), kv.k.data(), kv.k.size() * sizeof(float), cudaMemcpyHostToDevice));
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(v.back().data(), kv.v.data(), kv.v.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
-  cuda::device_buffer q(w.q.size() * sizeof(float)), out(w.q.size() * sizeof(float));
+  kvmosaic::cuda::device_buffer q(w.q.size() * sizeof(float)), out(w.q.size() * sizeof(float));
   KVMOSAIC_CUDA_CHECK(cudaMemcpy(q.data(), w.q.data(), w.q.size() * sizeof(float), cudaMemcpyHostToDevice));
   cudaEvent_t start, stop;
   KVMOSAIC_CUDA_CHECK(cudaEventCreate(&start));
@@ -59,6 +59,10 @@ std::vector<row> run_cuda(const workload& w, int steps) {
   }
   for (const auto& [config, format] : quant2_variants(w.config, w.generator.seed)) {  // HACK, codes attended on the device
     cache<format::quant2, select::all, compact::none, backend::cuda> c(config, format);
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+  }
+  for (const auto& selector : quest_variants()) {  // Quest: pages scored and chosen on the device
+    cache<format::dense, select::quest, compact::none, backend::cuda> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   cudaEventDestroy(start);

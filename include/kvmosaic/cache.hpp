@@ -398,18 +398,31 @@ class cache {
         }
       }
       engine_.attend(batch, q, out, scale, &request);
+      // The host engine reports what it read; the CUDA engine keeps its selection on the device
+      // (engine().selected_pages), so a step never waits for it.
       record_selection(seqs);
     }
+  }
+
+  /// Changes a read-less selector's token budget from the next step on (engines vary it with load).
+  void set_budget(const select::token_budget& budget) {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::set_budget: select::all has no budget");
+    budget.validate("cache::set_budget");
+    selector_.budget = budget;
   }
 
   /// What the last step read for `seq` (read-less selectors; the sequence must have been in it).
   selection_stats selection(sequence_id seq) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
+    static_assert(std::is_same<Backend, backend::host>::value,
+                  "kvmosaic::cache::selection: on backend::cuda, read engine().selected_pages(b, head)");
     return live(seq, "cache::selection").last_selection;
   }
   /// The token ranges the last step selected for `seq`, KV head `head` (merged, ascending).
   const std::vector<std::pair<std::int64_t, std::int64_t>>& selected_ranges(sequence_id seq, int head) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selected_ranges: select::all reads every token");
+    static_assert(std::is_same<Backend, backend::host>::value,
+                  "kvmosaic::cache::selected_ranges: on backend::cuda, read engine().selected_pages(b, head)");
     const sequence_state& s = live(seq, "cache::selected_ranges");
     detail::require(head >= 0 && head < config_.num_kv_heads, "cache::selected_ranges", "head", head, "0 to num_kv_heads - 1");
     detail::require(!s.selected.empty(), "cache::selected_ranges", "seq", seq, "a sequence of a selected decode step");
@@ -545,6 +558,9 @@ class cache {
 
   /// After a selected step: each sequence's stats, and its reuse of the previous step's selection.
   void record_selection(span<const sequence_id> seqs) {
+    if constexpr (std::is_same<Backend, backend::host>::value) record_host_selection(seqs);
+  }
+  void record_host_selection(span<const sequence_id> seqs) {
     const auto& heads = engine_.last_selection();
     const int num_heads = config_.num_kv_heads;
     for (std::int64_t b = 0; b < seqs.size(); ++b) {

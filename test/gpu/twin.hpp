@@ -51,13 +51,13 @@ struct device_array {
 };
 
 /// The same workload on both backends.
-template <class Format>
+template <class Format, class Selector = select::all>
 struct twin {
-  using host_cache = cache<Format, select::all, compact::none, backend::host>;
-  using cuda_cache = cache<Format, select::all, compact::none, backend::cuda>;
+  using host_cache = cache<Format, Selector, compact::none, backend::host>;
+  using cuda_cache = cache<Format, Selector, compact::none, backend::cuda>;
 
-  twin(const cache_config& c, std::uint64_t seed, const Format& f = {})
-      : config(c), format(f), host(c, f), device(c, f) {
+  twin(const cache_config& c, std::uint64_t seed, const Format& f = {}, const Selector& s = {})
+      : config(c), format(f), host(c, f, s), device(c, f, s) {
     generator.num_kv_heads = c.num_kv_heads;
     generator.group_size = c.group_size;
     generator.head_dim = c.head_dim;

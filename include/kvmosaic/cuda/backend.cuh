@@ -36,6 +36,7 @@
 #include "kvmosaic/cuda/kernel/encode_bitmap.cuh"
 #include "kvmosaic/cuda/kernel/encode_quant2.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
+#include "kvmosaic/cuda/kernel/select_pages.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/bitmap_tiles.hpp"
 #include "kvmosaic/format/dense.hpp"
@@ -145,12 +146,20 @@ class engine {
   static constexpr bool streams_compressed_pages = is_bitmap || is_quant2;
 
  public:
-  engine(const kvmosaic::detail::engine_shape& shape, const Format& format)
+  /// `bounds_block_tokens` > 0 keeps the key bounds of each sealed page for `select::quest`; the
+  /// kernels read whole pages, so it must be the page size.
+  engine(const kvmosaic::detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0)
       : shape_(shape),
         format_(format),
         geometry_(shape, format),
+        bounds_geometry_(shape, bounds_block_tokens),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
-        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()) {
+        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
+        bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {
+    kvmosaic::detail::require(bounds_block_tokens == 0 || bounds_block_tokens == shape.page_size, "cuda::engine",
+                              "select::quest::block_tokens", bounds_block_tokens,
+                              "0 or the page size on backend::cuda (its kernels read whole pages; sub-page blocks "
+                              "run on the host backend)");
     int device = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
@@ -192,6 +201,10 @@ class engine {
   const kvmosaic::detail::arena_geometry& geometry() const noexcept { return geometry_; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
+  /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
+  std::size_t page_bounds_bytes() const noexcept { return bounds_geometry_.page_bytes; }
+  /// Device key bounds: [max_pages][num_kv_heads][lo row, hi row] in the storage dtype.
+  const std::byte* bounds_data() const noexcept { return bounds_.as<const std::byte>(); }
   const std::byte* pages_data() const noexcept { return pages_.as<const std::byte>(); }
   const std::byte* tails_data() const noexcept { return tails_.as<const std::byte>(); }
 
@@ -268,10 +281,35 @@ class engine {
   }
 
   /// A decode step: plan, then launch. q and out are device arrays [batch][num_q_heads][head_dim].
+  /// With a selection request (`select::quest`), the pages each KV head reads are chosen on the
+  /// device from the key bounds (kernel/select_pages.cuh) inside `launch_step`.
   void attend(const std::vector<kvmosaic::detail::sequence_ref>& batch, tensor_view<const float, 3> q,
-              tensor_view<float, 3> out, float softmax_scale) {
-    plan_step(batch);
+              tensor_view<float, 3> out, float softmax_scale, const kvmosaic::detail::selection_request* request = nullptr) {
+    plan_step(batch, request);
     launch_step(q.data(), out.data(), softmax_scale);
+  }
+
+  /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
+  /// from the device; synchronizes). For tests and reports.
+  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const {
+    kvmosaic::detail::require(selecting_ && b >= 0 && b < batch_, "cuda::engine::selected_pages", "b", b,
+                              "a batch entry of the last step, which must have been a selected one");
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(selected_counts_[static_cast<std::size_t>(b)]));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(ids.data(),
+                                   selected_.as<const std::int32_t>() +
+                                       (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * capacity_.table_stride,
+                                   ids.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    return ids;
+  }
+  /// Quest scores of the last selected step for (b, head), one per sealed page (synchronizes).
+  std::vector<float> page_scores(std::int32_t b, int head, std::int32_t pages) const {
+    std::vector<float> scores(static_cast<std::size_t>(pages));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(scores.data(),
+                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * capacity_.table_stride,
+                                   scores.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return scores;
   }
 
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
@@ -287,43 +325,67 @@ class engine {
     capacity_ = new_capacity;
     const std::int32_t work = capacity_.work;
     layout_.header = 0;
-    layout_.work = align(2 * sizeof(std::int32_t));
+    layout_.work = align(4 * sizeof(std::int32_t));
     layout_.partial_offset = layout_.work + align(static_cast<std::size_t>(work) * sizeof(split_work));
     layout_.slots = layout_.partial_offset + align((capacity_.batch + 1) * sizeof(std::int32_t));
     layout_.tail_rows = layout_.slots + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.tables = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.budget = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tables = layout_.budget + align(capacity_.batch * sizeof(std::int32_t));
     layout_.bytes = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     staging_ = pinned_buffer(layout_.bytes);
     step_metadata_ = device_buffer(layout_.bytes);
     const std::size_t partial_floats = static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * (shape_.head_dim + 1);
     partials_ = device_buffer(partial_floats * sizeof(float));
+    if (bounds_geometry_.block_tokens > 0) {  // per (sequence, KV head): a score per page, the chosen pages
+      const std::size_t rows = static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * capacity_.table_stride;
+      scores_ = device_buffer(rows * sizeof(float));
+      selected_ = device_buffer(rows * sizeof(std::int32_t));
+    }
   }
 
   /// Host part of a step: the split plan from the lengths and the block tables, written to
   /// page-locked staging. Waits for the previous step's copy out of that staging, not for kernels.
-  void plan_step(const std::vector<kvmosaic::detail::sequence_ref>& batch) {
+  /// With a selection request, each sequence's splits cover the pages its KV heads will read
+  /// (min(budget / page_size, sealed pages): known here, chosen on the device).
+  void plan_step(const std::vector<kvmosaic::detail::sequence_ref>& batch,
+                 const kvmosaic::detail::selection_request* request = nullptr) {
     const auto n = static_cast<std::int32_t>(batch.size());
-    std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size());
+    std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
     std::int32_t longest = 1;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
       longest = std::max(longest, full_pages[b]);
+      read_pages[b] = request == nullptr ? full_pages[b]
+                                         : static_cast<std::int32_t>(std::min<std::int64_t>(
+                                               std::max<std::int64_t>(request->budget[b], 0) / shape_.page_size, full_pages[b]));
     }
+    kvmosaic::detail::require(request == nullptr || bounds_geometry_.block_tokens > 0, "cuda::engine::plan_step",
+                              "selection request", "without key bounds", "an engine built with bounds_block_tokens");
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
-        make_split_plan(full_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
+        make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
     reserve_step(n, longest, plan.num_splits());
     batch_ = n;
     step_splits_ = plan.num_splits();
+    selecting_ = request != nullptr;
+    if (request != nullptr) {
+      combine_sum_ = request->combine == group_combine::sum;
+      selected_counts_ = read_pages;
+    }
 
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));  // the previous copy has left the staging
     std::byte* host = staging_.as<std::byte>();
-    const std::int32_t header[2] = {plan.num_splits(), capacity_.table_stride};
+    const std::int32_t stride = capacity_.table_stride;
+    const std::int32_t header[4] = {plan.num_splits(), selecting_ ? shape_.num_kv_heads * stride : stride,
+                                    selecting_ ? stride : 0, stride};
     std::memcpy(host + layout_.header, header, sizeof header);
+    std::memcpy(host + layout_.sealed, full_pages.data(), full_pages.size() * sizeof(std::int32_t));
+    std::memcpy(host + layout_.budget, read_pages.data(), read_pages.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.work, plan.work.data(), plan.work.size() * sizeof(split_work));
     std::memcpy(host + layout_.partial_offset, plan.partial_offset.data(), plan.partial_offset.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.slots, slots.data(), slots.size() * sizeof(std::int32_t));
@@ -336,6 +398,33 @@ class engine {
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
   /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel.
   void launch_step(const float* q, float* out, float softmax_scale) {
+    const kernel::decode_params p = stage_step(q, out, softmax_scale);
+    if (selecting_) launch_selection(p, q);
+    const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
+    const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
+    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+      kernel<<<grid, threads, shared_bytes, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
+      constexpr int head_dim = decltype(dim)::value;
+      kernel::merge_splits_kernel<head_dim>
+          <<<static_cast<unsigned>(batch_ * num_q_heads), merge_threads(head_dim), 0, stream_>>>(p, num_q_heads);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
+  /// capturable like `launch_step`: for timing selection apart from attention.
+  void launch_selection_only(const float* q) {
+    kvmosaic::detail::require(selecting_, "cuda::engine::launch_selection_only", "the planned step", "not selected",
+                              "a step planned with a selection request");
+    launch_selection(stage_step(q, nullptr, 1.0f), q);
+  }
+
+ private:
+  /// Copies the staged metadata to the device and returns the step's kernel parameters.
+  kernel::decode_params stage_step(const float* q, float* out, float softmax_scale) {
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(step_metadata_.data(), staging_.data(), layout_.bytes, cudaMemcpyHostToDevice, stream_));
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
@@ -353,7 +442,9 @@ class engine {
     p.num_kv_heads = shape_.num_kv_heads;
     p.page_size = shape_.page_size;
     p.step_header = reinterpret_cast<const std::int32_t*>(device + layout_.header);
-    p.block_tables = reinterpret_cast<const std::int32_t*>(device + layout_.tables);
+    p.sequence_tables = reinterpret_cast<const std::int32_t*>(device + layout_.tables);
+    p.sealed_pages = reinterpret_cast<const std::int32_t*>(device + layout_.sealed);
+    p.block_tables = selecting_ ? selected_.as<const std::int32_t>() : p.sequence_tables;
     p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);
     p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
     p.work = reinterpret_cast<const split_work*>(device + layout_.work);
@@ -369,20 +460,36 @@ class engine {
     p.stages = compressed_stages_;
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
-    const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
-    const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
-    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      kernel<<<grid, threads, shared_bytes, stream_>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    });
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
-      constexpr int head_dim = decltype(dim)::value;
-      kernel::merge_splits_kernel<head_dim>
-          <<<static_cast<unsigned>(batch_ * num_q_heads), merge_threads(head_dim), 0, stream_>>>(p, num_q_heads);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    });
+    return p;
   }
 
+  /// The selection kernels of a step: score every sealed page, then choose each KV head's pages.
+  void launch_selection(const kernel::decode_params& p, const float* q) {
+    kernel::select_params s{};
+    s.bounds = bounds_.as<const std::byte>();
+    s.bounds_page_bytes = static_cast<std::int64_t>(bounds_geometry_.page_bytes);
+    s.step_header = p.step_header;
+    s.block_tables = p.sequence_tables;
+    s.sealed_pages = p.sealed_pages;
+    s.budget_pages = reinterpret_cast<const std::int32_t*>(step_metadata_.as<const std::byte>() + layout_.budget);
+    s.q = q;
+    s.num_kv_heads = shape_.num_kv_heads;
+    s.group_size = shape_.group_size;
+    s.combine_sum = combine_sum_ ? 1 : 0;
+    s.scores = scores_.as<float>();
+    s.selected = selected_.as<std::int32_t>();
+    const dim3 score_grid(static_cast<unsigned>((capacity_.table_stride + kernel::score_warps - 1) / kernel::score_warps),
+                          static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads));
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+      kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    kernel::select_pages_kernel<kernel::select_threads>
+        <<<dim3(static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads)), kernel::select_threads, 0, stream_>>>(s);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  }
+
+ public:
   /// Calls f(kernel, threads, dynamic shared bytes) with the split kernel this engine launches:
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
@@ -636,6 +743,24 @@ class engine {
       scatter(half{});
     else
       scatter(bfloat16{});
+    if (bounds_geometry_.block_tokens > 0 && num_new_pages > 0) {
+      // The rows of the new pages: in their page slots (dense), or in scratch slots 0 .. n.
+      kernel::bounds_params b{};
+      b.rows = encodes_pages ? scratch_.as<const std::byte>() : pages_.as<const std::byte>();
+      b.rows_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
+      b.rows_head_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes);
+      b.row_slots = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
+      b.new_pages = page_ids;
+      b.bounds = bounds_.as<std::byte>();
+      b.bounds_page_bytes = static_cast<std::int64_t>(bounds_geometry_.page_bytes);
+      b.page_size = shape_.page_size;
+      detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+        constexpr int head_dim = decltype(dim)::value;
+        kernel::page_bounds_kernel<decltype(element), head_dim>
+            <<<dim3(static_cast<unsigned>(num_new_pages), static_cast<unsigned>(shape_.num_kv_heads)), head_dim, 0, stream_>>>(b);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      });
+    }
     if constexpr (encodes_pages) {
       if (num_new_pages > 0)
         encode_pages(page_ids, reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
@@ -726,16 +851,25 @@ class engine {
   struct layout_capacity {
     std::int32_t batch = 0, table_stride = 0, work = 0;
   };
-  /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][tables].
+  /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
+  /// [pages to read][tables].
   struct step_layout {
-    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, tables = 0, bytes = 0;
+    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, budget = 0, tables = 0,
+                bytes = 0;
   };
 
   kvmosaic::detail::engine_shape shape_;
   Format format_;
   kvmosaic::detail::arena_geometry geometry_;
+  kvmosaic::detail::bounds_geometry bounds_geometry_;
   device_buffer pages_;
   device_buffer tails_;
+  device_buffer bounds_;          ///< key bounds per page (select::quest), else empty
+  device_buffer scores_;          ///< [batch][num_kv_heads][table stride] page scores of a selected step
+  device_buffer selected_;        ///< [batch][num_kv_heads][table stride] the pages each KV head reads
+  bool selecting_ = false;        ///< the planned step is a selected one
+  bool combine_sum_ = false;
+  std::vector<std::int32_t> selected_counts_;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
   bool use_bulk_copy_ = false;

@@ -38,8 +38,13 @@ struct decode_params {
   int sink_rows;                      ///< dense sink rows after the tail rows of a slot (quant2), masked in
                                       ///< a sequence's first page
 
-  const std::int32_t* step_header;    ///< device: [0] splits this step, [1] block-table row stride
-  const std::int32_t* block_tables;   ///< [batch][stride] page ids
+  /// device: [0] splits this step, [1] row stride of `block_tables`, [2] its KV-head stride (0:
+  /// one table per sequence; a selection's tables are per (sequence, KV head)), [3] row stride of
+  /// `sequence_tables`
+  const std::int32_t* step_header;
+  const std::int32_t* block_tables;   ///< the pages each split reads: [batch][header[1]], head h at h * header[2]
+  const std::int32_t* sequence_tables;///< every sealed page of each sequence, in order: [batch][header[3]]
+  const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has (all, selected or not)
   const std::int32_t* tail_slots;     ///< [batch]
   const std::int32_t* tail_rows;      ///< [batch]
   const split_work* work;             ///< [splits this step]; the grid may be larger (graph replay)
@@ -66,6 +71,13 @@ struct decode_temp_storage {
 };
 
 namespace detail_decode {
+
+/// The page table a split of sequence `batch` reads for KV head `head`: the sequence's block
+/// table, or the pages a selection chose for that head.
+__device__ __forceinline__ const std::int32_t* page_table(const decode_params& p, int batch, int head) {
+  return p.block_tables + static_cast<std::size_t>(batch) * p.step_header[1] +
+         static_cast<std::size_t>(head) * p.step_header[2];
+}
 
 /// Loads this thread's slice of the group's queries, pre-multiplied by the softmax scale, and
 /// starts its state empty.
@@ -141,10 +153,10 @@ __device__ __forceinline__ void write_partial(const decode_params& p, int work_i
 
 /// The sm_90 kernels' prologue: the split's page ids to shared memory (all threads) and one
 /// mbarrier per stage (thread 0). A barrier must follow before either is used.
-__device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, int threads,
+__device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, int head, int threads,
                                                   int stages, std::int32_t* ids, std::uint64_t* full) {
   const int num_pages = w.page_end - w.page_begin;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  const std::int32_t* table = page_table(p, w.batch_index, head) + w.page_begin;
   for (int i = static_cast<int>(threadIdx.x); i < num_pages; i += threads) ids[i] = table[i];
   if (threadIdx.x == 0)
     for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
@@ -194,7 +206,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const decode_pa
   thread_state<Group> s;
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
 
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1];
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
   std::int32_t next_page = w.page_begin < w.page_end ? table[w.page_begin] : 0;
   for (int i = w.page_begin; i < w.page_end; ++i) {
     const std::int32_t page = next_page;
@@ -256,7 +268,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages(p, w, Threads, Stages, ids, full);
+  detail_decode::stage_split_pages(p, w, head, Threads, Stages, ids, full);
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
@@ -358,7 +370,7 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages(p, w, threads, Stages, ids, full);
+  detail_decode::stage_split_pages(p, w, head, threads, Stages, ids, full);
   __syncthreads();
 
   const int page_size = p.page_size;

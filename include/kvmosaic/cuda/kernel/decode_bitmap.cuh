@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
   const int tiles = p.page_size * HeadDim / 64;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + w.page_begin;
   if (tid == 0)
     for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
   // Thread 0: the compressed K and V pages of split page i into slot i % stages (page ids are
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
   thread_state<Group> s;
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
   const int tiles = p.page_size * HeadDim / 64;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1];
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
   for (int i = w.page_begin; i < w.page_end; ++i) {
     const std::byte* slot = p.pages + static_cast<std::size_t>(table[i]) * p.page_slot_bytes;
     const global_bitmap_page k_page{slot + head * p.k_page_bytes, tiles};

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   state.start(group, temp);
   __syncthreads();  // q and the barriers are ready
 
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(w.batch_index) * p.step_header[1] + w.page_begin;
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + w.page_begin;
   const int num_pages = w.page_end - w.page_begin;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant2_page_geometry geometry = quant2_page_geometry::of(p.page_size, HeadDim, Partition);
@@ -115,9 +115,13 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
       }
       __syncwarp();
     }
-    // The sequence's first page (warp 0's first page of the split that starts the sequence) masks
-    // its sink tokens: they are attended below, as the dense rows the tail slot keeps.
-    const int masked = k == 0 && warp == 0 && w.page_begin == 0 ? p.sink_rows : 0;
+    // The sequence's first page (warp 0's first page of the split that starts the sequence, when
+    // it is the sequence's page 0: a selection may skip it) masks its sink tokens: they are
+    // attended below, as the dense rows the tail slot keeps.
+    const int masked = k == 0 && warp == 0 && w.page_begin == 0 && p.sink_rows > 0 &&
+                               table[0] == p.sequence_tables[static_cast<std::size_t>(w.batch_index) * p.step_header[3]]
+                           ? p.sink_rows
+                           : 0;
     for (int j = 0; j < geometry.per_channel; ++j)
       state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0);
     __syncwarp();  // every lane is done with the slot
@@ -128,7 +132,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
   const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes);
   const auto* v_rows = reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes);
-  if (p.sink_rows > 0 && w.page_begin == 0 && num_pages > 0 && warp == warps - 1) {
+  if (p.sink_rows > 0 && w.page_begin == 0 && p.sealed_pages[w.batch_index] > 0 && warp == warps - 1) {
     const std::size_t skip = static_cast<std::size_t>(p.page_size) * HeadDim;  // sinks follow the tail rows
     state.fold_dense_rows(k_rows + skip, v_rows + skip, p.sink_rows, q);
   }

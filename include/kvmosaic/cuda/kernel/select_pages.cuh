@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
+/// run on the device between the step's metadata copy and the split kernel, with no host round
+/// trip, so a selected step is captured in a CUDA graph like a dense one.
+///   - `score_pages_kernel`: one warp per (sequence, page, KV head): Quest's bound of q . k from the
+///     page's key bounds for each query head of the group, combined (select/span_score.hpp gives
+///     the fp32 order, which the host backend follows to the bit).
+///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
+///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
+///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
+///     that writes the chosen page ids in sequence order: the split kernel's per-head page table.
+
+#include <cub/block/block_scan.cuh>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+
+namespace kvmosaic::cuda::kernel {
+
+/// What the selection kernels read and write. Tables and scores are rows of the step metadata.
+struct select_params {
+  const std::byte* bounds;            ///< [max_pages][num_kv_heads][lo row, hi row] in the storage dtype
+  std::int64_t bounds_page_bytes;     ///< one page's bounds, every KV head
+  const std::int32_t* step_header;    ///< [1] selected-table row stride, [2] its head stride, [3] block-table stride
+  const std::int32_t* block_tables;   ///< [batch][header[3]] each sequence's page ids
+  const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has
+  const std::int32_t* budget_pages;   ///< [batch] pages each KV head reads (at most sealed_pages)
+  const float* q;                     ///< [batch][num_kv_heads * group_size][head_dim], unscaled
+  int num_kv_heads;
+  int group_size;
+  int combine_sum;                    ///< 1: group_combine::sum, 0: group_combine::max
+  float* scores;                      ///< [batch][num_kv_heads][header[3]]
+  std::int32_t* selected;             ///< [batch][header[1]]: per KV head, header[2] apart, the chosen page ids
+};
+
+/// Warps per CTA of the scoring kernel.
+inline constexpr int score_warps = 8;
+
+/// Quest scores of every sealed page. Grid: (ceil(pages / score_warps), batch, num_kv_heads).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
+  constexpr int per_lane = HeadDim / 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int b = static_cast<int>(blockIdx.y), head = static_cast<int>(blockIdx.z);
+  const int i = static_cast<int>(blockIdx.x) * score_warps + warp;
+  if (i >= p.sealed_pages[b]) return;
+  const int stride = p.step_header[3];
+  const std::int32_t page = p.block_tables[static_cast<std::size_t>(b) * stride + i];
+  const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(page) * p.bounds_page_bytes) +
+                static_cast<std::size_t>(head) * 2 * HeadDim;
+  const T* hi = lo + HeadDim;
+  float low[per_lane], high[per_lane];
+#pragma unroll
+  for (int j = 0; j < per_lane; ++j) {
+    low[j] = to_float(lo[lane + 32 * j]);
+    high[j] = to_float(hi[lane + 32 * j]);
+  }
+  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
+  float combined = 0.0f;
+  for (int g = 0; g < p.group_size; ++g) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < per_lane; ++j) {  // no fused multiply-add: the host's order, to the bit
+      const float qc = q[g * HeadDim + lane + 32 * j];
+      const float a = __fmul_rn(qc, low[j]), c = __fmul_rn(qc, high[j]);
+      s = __fadd_rn(s, a > c ? a : c);
+    }
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+    combined = g == 0 ? s : p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
+  }
+  if (lane == 0) p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride + i] = combined;
+}
+
+namespace detail_select {
+/// An unsigned key with the order of the scores: NaN as -infinity, -0 as +0 (equal scores tie).
+__device__ __forceinline__ std::uint32_t order_key(float score) {
+  std::uint32_t u = __float_as_uint(score);
+  if (score != score) u = 0xff800000u;
+  if (score == 0.0f) u = 0u;
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+}  // namespace detail_select
+
+/// Threads per CTA of the selection kernel.
+inline constexpr int select_threads = 256;
+
+/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order.
+/// Grid: (batch, num_kv_heads).
+template <int Threads>
+__global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p) {
+  using scan = cub::BlockScan<int, Threads>;
+  __shared__ typename scan::TempStorage scan_storage;
+  __shared__ unsigned histogram[256];
+  __shared__ std::uint32_t shared_prefix;
+  __shared__ int shared_remaining;
+  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int n = p.sealed_pages[b];
+  const int k = min(p.budget_pages[b], n);
+  if (k <= 0) return;
+  const int stride = p.step_header[3];
+  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * stride;
+  std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+
+  // The k-th largest key, 8 bits at a time from the top; `remaining`: how many keys equal to it
+  // the selection takes (the first ones in sequence order).
+  std::uint32_t threshold = 0;
+  int ties_to_take = 0;
+  if (k < n) {
+    std::uint32_t prefix = 0, mask = 0;
+    int remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int d = tid; d < 256; d += Threads) histogram[d] = 0;
+      __syncthreads();
+      for (int i = tid; i < n; i += Threads) {
+        const std::uint32_t key = detail_select::order_key(scores[i]);
+        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        int above = 0, digit = 255;
+        for (; digit > 0 && above + static_cast<int>(histogram[digit]) < remaining; --digit) above += static_cast<int>(histogram[digit]);
+        shared_prefix = prefix | (static_cast<std::uint32_t>(digit) << shift);
+        shared_remaining = remaining - above;
+      }
+      __syncthreads();
+      prefix = shared_prefix;
+      remaining = shared_remaining;
+      mask |= 255u << shift;
+      __syncthreads();  // shared_prefix is rewritten by the next pass
+    }
+    threshold = prefix;
+    ties_to_take = remaining;
+  }
+  // Compaction in sequence order.
+  int ties_before = 0, written = 0;
+  for (int base = 0; base < n; base += Threads) {
+    const int i = base + tid;
+    const std::uint32_t key = i < n ? detail_select::order_key(scores[i]) : 0u;
+    const int is_tie = i < n && k < n && key == threshold;
+    int tie_rank = 0, ties = 0;
+    scan(scan_storage).ExclusiveSum(is_tie, tie_rank, ties);
+    __syncthreads();
+    const int chosen = i < n && (k >= n || key > threshold || (is_tie && ties_before + tie_rank < ties_to_take));
+    int position = 0, count = 0;
+    scan(scan_storage).ExclusiveSum(chosen, position, count);
+    if (chosen) out[written + position] = table[i];
+    ties_before += ties;
+    written += count;
+    __syncthreads();
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+
+namespace kvmosaic::cuda::kernel {
+
+/// Where the key bounds of newly sealed pages come from and go.
+struct bounds_params {
+  const std::byte* rows;              ///< dense rows of the new pages: their page slots, or scratch slots
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
+  const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
+  const std::int32_t* new_pages;      ///< [n] page ids
+  std::byte* bounds;                  ///< [max_pages][num_kv_heads][lo row, hi row]
+  std::int64_t bounds_page_bytes;
+  int page_size;
+};
+
+/// The channel-wise min and max of each new page's keys, per KV head (`select::quest` with one
+/// block per page); the same values as the host's `store_key_bounds`. Grid: (n, num_kv_heads),
+/// one thread per channel.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
+  const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
+  const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
+                                             static_cast<std::size_t>(head) * p.rows_head_bytes);
+  float lo = to_float(rows[c]), hi = lo;
+  for (int t = 1; t < p.page_size; ++t) {
+    const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);
+    lo = x < lo ? x : lo;
+    hi = x > hi ? x : hi;
+  }
+  T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
+           static_cast<std::size_t>(head) * 2 * HeadDim;
+  out[c] = T(lo);  // exact: lo and hi are stored values
+  out[HeadDim + c] = T(hi);
+}
+
+}  // namespace kvmosaic::cuda::kernel
