@@ -296,7 +296,10 @@ int main(int argc, char** argv) {
     codes.sink_tokens = 4;
     select::quest quest16;  // Quest's own page size (host backend: sub-page blocks)
     quest16.block_tokens = 16;
+    select::quest quest_sum;  // the other group combination, for comparison
+    quest_sum.combine = group_combine::sum;
     measure(w, format::dense{}, quest, rows);
+    measure(w, format::dense{}, quest_sum, rows);
     measure(w, format::dense{}, quest16, rows);
     measure(w, format::dense{}, chunks, rows);
     measure(w, sparse, quest, rows);

@@ -388,7 +388,10 @@ class cache {
       request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector_, config_.page_size);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
-        request.budget.push_back(selector_.budget.resolve(s.length));
+        // A step attends to at least one token the selection chose: a sequence whose tail is
+        // empty reads at least one block (sentence chunks always have an open chunk to read).
+        const std::int64_t budget = selector_.budget.resolve(s.length);
+        request.budget.push_back(tail_rows(s) == 0 ? std::max<std::int64_t>(budget, request.block_tokens) : budget);
         if constexpr (selector_traits<Selector>::needs_token_ids) {
           request.always_from.push_back(s.chunks.starts.back());
           request.chunks.push_back(detail::chunk_list{s.chunks.starts.data(), static_cast<std::int32_t>(s.chunks.starts.size() - 1),

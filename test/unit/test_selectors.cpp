@@ -255,6 +255,7 @@ TEST_CASE("quest selects the blocks a brute-force fp64 selection picks, and atte
       select::quest s;
       s.block_tokens = block;
       s.budget.ratio = ratio;
+      s.combine = group_combine::max;  // what brute_force_quest computes
       cache<format::dense, select::quest> q_cache(c, {}, s);
       const sequence_id seq = q_cache.add_sequence();
       q_cache.prefill(seq, test::k_view(kv), test::v_view(kv));
@@ -332,6 +333,26 @@ TEST_CASE("budgets of 0, of the whole context and beyond", "[selectors]") {
     const std::int64_t open = cc.chunks(t).back().end;
     for (int h = 0; h < c.num_kv_heads; ++h) check_head_against_exact(chunk_out, q, stored, {{std::min(open, sealed), n}}, c, h);
   }
+  SECTION("budget 0 with an empty tail: the best block, so that the step attends to something") {
+    select::quest sq;
+    sq.budget.tokens = 0;
+    sq.block_tokens = 16;
+    sq.combine = group_combine::max;
+    cache<format::dense, select::quest> qc(c, {}, sq);
+    const sequence_id s = qc.add_sequence();
+    qc.prefill(s, tensor_view<const float, 3>(kv.k.data(), 128, c.num_kv_heads, c.head_dim),
+               tensor_view<const float, 3>(kv.v.data(), 128, c.num_kv_heads, c.head_dim));
+    const auto out = attend_one(qc, s, q);
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      const auto& chosen = qc.selected_ranges(s, h);
+      REQUIRE(chosen.size() == 1);
+      CHECK(chosen[0].second - chosen[0].first == 16);
+      const auto [expected, gap] = brute_force_quest(stored, q, h, c.group_size, 128, 16, 16);
+      REQUIRE(gap > 1e-4);
+      CHECK(chosen == expected);
+      check_head_against_exact(out, q, stored, chosen, c, h);
+    }
+  }
   SECTION("a sequence still in its tail reads its tail") {
     select::quest sq;
     cache<format::dense, select::quest> qc(c, {}, sq);
@@ -352,6 +373,7 @@ TEST_CASE("sentence_chunks fills the budget with whole chunks in score order and
   select::sentence_chunks s;
   s.boundaries = synthetic_boundaries();
   s.budget.ratio = 1.0 / 8;
+  s.combine = group_combine::max;  // what the brute force below computes
   cache<format::dense, select::sentence_chunks> cc(c, {}, s);
   const sequence_id seq = cc.add_sequence();
   cc.prefill(seq, tensor_view<const float, 3>(kv.k.data(), n, c.num_kv_heads, c.head_dim),

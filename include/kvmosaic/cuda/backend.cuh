@@ -484,8 +484,10 @@ class engine {
       kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
+    const int keys_bytes = kernel::select_shared_bytes(capacity_.table_stride);
     kernel::select_pages_kernel<kernel::select_threads>
-        <<<dim3(static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads)), kernel::select_threads, 0, stream_>>>(s);
+        <<<dim3(static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads)), kernel::select_threads, keys_bytes,
+           stream_>>>(s, keys_bytes > 0 ? 1 : 0);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   }
 

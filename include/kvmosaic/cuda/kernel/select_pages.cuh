@@ -87,18 +87,26 @@ __device__ __forceinline__ std::uint32_t order_key(float score) {
 }
 }  // namespace detail_select
 
-/// Threads per CTA of the selection kernel.
+/// Threads per CTA of the selection kernel: one per radix bin.
 inline constexpr int select_threads = 256;
 
+/// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
+/// keys, up to 48 KB (12288 pages: 786K tokens at pages of 64; every architecture allows it
+/// without opting in). Longer sequences re-read their scores from L2 at each pass.
+inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 12 * 1024 ? max_pages * 4 : 0; }
+
 /// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order.
-/// Grid: (batch, num_kv_heads).
+/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
+/// recomputed from the scores in global memory at each pass).
 template <int Threads>
-__global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p) {
+__global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
+  static_assert(Threads == 256, "one thread per radix bin");
   using scan = cub::BlockScan<int, Threads>;
   __shared__ typename scan::TempStorage scan_storage;
-  __shared__ unsigned histogram[256];
-  __shared__ std::uint32_t shared_prefix;
+  __shared__ int histogram[256];
+  __shared__ std::uint32_t shared_digit;
   __shared__ int shared_remaining;
+  extern __shared__ std::uint32_t shared_keys[];
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int n = p.sealed_pages[b];
@@ -108,33 +116,40 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride;
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * stride;
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+  if (keys_in_shared) {
+    for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);
+    __syncthreads();
+  }
+  const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
 
-  // The k-th largest key, 8 bits at a time from the top; `remaining`: how many keys equal to it
-  // the selection takes (the first ones in sequence order).
+  // The k-th largest key, 8 bits at a time from the top; then how many keys equal to it the
+  // selection takes (the first ones in sequence order).
   std::uint32_t threshold = 0;
   int ties_to_take = 0;
   if (k < n) {
     std::uint32_t prefix = 0, mask = 0;
     int remaining = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int d = tid; d < 256; d += Threads) histogram[d] = 0;
+      histogram[tid] = 0;
       __syncthreads();
       for (int i = tid; i < n; i += Threads) {
-        const std::uint32_t key = detail_select::order_key(scores[i]);
-        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1u);
+        const std::uint32_t key = key_at(i);
+        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
       }
       __syncthreads();
-      if (tid == 0) {
-        int above = 0, digit = 255;
-        for (; digit > 0 && above + static_cast<int>(histogram[digit]) < remaining; --digit) above += static_cast<int>(histogram[digit]);
-        shared_prefix = prefix | (static_cast<std::uint32_t>(digit) << shift);
-        shared_remaining = remaining - above;
+      // Thread t holds bin 255 - t: an inclusive scan counts the keys at or above each bin.
+      const int count = histogram[255 - tid];
+      int at_or_above = 0;
+      scan(scan_storage).InclusiveSum(count, at_or_above);
+      if (at_or_above >= remaining && at_or_above - count < remaining) {
+        shared_digit = static_cast<std::uint32_t>(255 - tid);
+        shared_remaining = remaining - (at_or_above - count);
       }
       __syncthreads();
-      prefix = shared_prefix;
+      prefix |= shared_digit << shift;
       remaining = shared_remaining;
       mask |= 255u << shift;
-      __syncthreads();  // shared_prefix is rewritten by the next pass
+      __syncthreads();  // the histogram and shared_digit are rewritten by the next pass
     }
     threshold = prefix;
     ties_to_take = remaining;
@@ -143,7 +158,7 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   int ties_before = 0, written = 0;
   for (int base = 0; base < n; base += Threads) {
     const int i = base + tid;
-    const std::uint32_t key = i < n ? detail_select::order_key(scores[i]) : 0u;
+    const std::uint32_t key = i < n ? key_at(i) : 0u;
     const int is_tie = i < n && k < n && key == threshold;
     int tie_rank = 0, ties = 0;
     scan(scan_storage).ExclusiveSum(is_tie, tie_rank, ties);
