@@ -161,6 +161,7 @@ void decode(benchmark::State& state) {
   c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
   constexpr bool is_quant2 = std::is_same<Format, format::quant2>::value;
   c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : 64;
+  if (selects && state.range(6) > 0) c.page_size = static_cast<int>(state.range(6));  // quest with smaller pages
   c.storage = dtype::bf16;
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
@@ -276,6 +277,7 @@ void decode(benchmark::State& state) {
     }
     state.counters["select_us"] = median(select_times) * 1e6;
     state.counters["budget"] = 1.0 / static_cast<double>(state.range(5));
+    state.counters["page"] = c.page_size;
     cudaGraphExecDestroy(select_step);
     cudaGraphDestroy(select_graph);
   }
@@ -353,26 +355,35 @@ BENCHMARK(decode<format::quant2>)
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 
-// select::quest (one block per page) at budgets 1/16 and 1/8 over dense, bitmap_tiles (s = 0.7)
+// select::quest (one block per page, pages of 64 but where "page" says) at budgets 1/16 and 1/8 over dense, bitmap_tiles (s = 0.7)
 // and quant2 (Pi = 64): contexts 32K and 128K, batch 1 and 8.
 BENCHMARK(decode<format::dense, select::quest>)
     ->Name("dense_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// Quest's own page size: pages (= blocks) of 16 tokens, dense, batch 8, 128K.
+BENCHMARK(decode<format::dense, select::quest>)
+    ->Name("dense_quest_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
+    ->Args({8, 131072, 4, 128, 0, 16, 16})
+    ->Args({8, 131072, 4, 128, 0, 8, 16})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode<format::bitmap_tiles, select::quest>)
     ->Name("bitmap_tiles_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {16, 8}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {16, 8}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode<format::quant2, select::quest>)
     ->Name("quant2_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse", "page"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -126,14 +126,14 @@ struct memory_stats {
   }
 };
 
-/// What the last decode step of a read-less selector read for one sequence, averaged over its KV
-/// heads (each KV head selects on its own).
+/// What the last decode step of a read-less selector read for one sequence: token and page counts
+/// averaged over its KV heads (each KV head selects on its own); reuse over all of them.
 struct selection_stats {
   double tokens_selected = 0;  ///< tokens of the selected spans (within the budget)
   double tokens_read = 0;      ///< tokens attended: selected, open chunk, sink rows and tail
   double pages_read = 0;       ///< pages holding at least one attended token (the tail not counted)
-  /// Of the previous step's selected tokens, the fraction this step read again (SentKVCompress's
-  /// reuse); NaN before a sequence's second selected step.
+  /// Of the previous step's selected tokens (every KV head's), the fraction this step read again
+  /// (SentKVCompress's reuse); NaN before a sequence's second selected step.
   double reuse = std::numeric_limits<double>::quiet_NaN();
 };
 

@@ -127,6 +127,18 @@ TEST_CASE("GPU quest over dense with the portable kernel and pages of 128", "[gp
   check_selected_step(t);
 }
 
+TEST_CASE("GPU quest over dense with pages of 16 (Quest's block size)", "[gpu][select][quest]") {
+  if (!gpu_available()) return;
+  for (const double ratio : {1.0 / 16, 1.0 / 4}) {
+    const cache_config c = small_config(128, 4, dtype::bf16, 16);
+    test::twin<format::dense, select::quest> t(c, 17, {}, quest_of(ratio));
+    for (const int length : {15, 16, 700, 3000}) t.add(length, static_cast<std::uint64_t>(length));
+    check_selected_step(t);
+    t.append_step();
+    check_selected_step(t);
+  }
+}
+
 TEST_CASE("GPU quest over bitmap_tiles and quant2", "[gpu][select][quest]") {
   if (!gpu_available()) return;
   format::bitmap_tiles bt;

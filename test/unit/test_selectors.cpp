@@ -114,30 +114,36 @@ void check_head_against_exact(const std::vector<float>& got, const std::vector<f
     REQUIRE(std::abs(got[static_cast<std::size_t>(head) * g * d + i] - exact[i]) <= bound.per_element[i]);
 }
 
+/// Quest's bound of tokens [first, end) of KV head `head` in fp64 from the stored keys, the query
+/// heads of the group combined by max.
+double fp64_group_score(const synthetic::kv_data& stored, const std::vector<float>& q, int head, int group,
+                        std::int64_t first, std::int64_t end) {
+  const int d = stored.head_dim;
+  double best = -INFINITY;
+  for (int g = 0; g < group; ++g) {
+    const float* qg = q.data() + static_cast<std::size_t>(head * group + g) * d;
+    double score = 0;
+    for (int c = 0; c < d; ++c) {
+      double lo = INFINITY, hi = -INFINITY;
+      for (std::int64_t t = first; t < end; ++t) {
+        lo = std::min(lo, static_cast<double>(stored.k_at(static_cast<int>(t), head, c)));
+        hi = std::max(hi, static_cast<double>(stored.k_at(static_cast<int>(t), head, c)));
+      }
+      score += std::max(qg[c] * lo, qg[c] * hi);
+    }
+    best = std::max(best, score);
+  }
+  return best;
+}
+
 /// Brute-force Quest selection in fp64 from the stored keys: per block the channel min and max,
 /// the group's bound scores combined by max, the top floor(budget / block) blocks. Returns the
 /// ranges and the gap between the last chosen and the first rejected score (relative).
 std::pair<ranges, double> brute_force_quest(const synthetic::kv_data& stored, const std::vector<float>& q, int head,
                                             int group, std::int64_t sealed, int block, std::int64_t budget) {
-  const int d = stored.head_dim;
   std::vector<std::pair<double, std::int64_t>> scored;  // (-score, block)
-  for (std::int64_t first = 0; first < sealed; first += block) {
-    double best = -INFINITY;
-    for (int g = 0; g < group; ++g) {
-      const float* qg = q.data() + static_cast<std::size_t>(head * group + g) * d;
-      double score = 0;
-      for (int c = 0; c < d; ++c) {
-        double lo = INFINITY, hi = -INFINITY;
-        for (std::int64_t t = first; t < first + block; ++t) {
-          lo = std::min(lo, static_cast<double>(stored.k_at(static_cast<int>(t), head, c)));
-          hi = std::max(hi, static_cast<double>(stored.k_at(static_cast<int>(t), head, c)));
-        }
-        score += std::max(qg[c] * lo, qg[c] * hi);
-      }
-      best = std::max(best, score);
-    }
-    scored.emplace_back(-best, first / block);
-  }
+  for (std::int64_t first = 0; first < sealed; first += block)
+    scored.emplace_back(-fp64_group_score(stored, q, head, group, first, first + block), first / block);
   std::sort(scored.begin(), scored.end());
   const auto k = static_cast<std::size_t>(std::min<std::int64_t>(budget / block, static_cast<std::int64_t>(scored.size())));
   ranges chosen;
@@ -234,8 +240,6 @@ TEST_CASE("the cache cuts the same chunks as Algorithm 2, in one prefill or toke
   CHECK(n - got.back().end <= s.target_length + s.window);
   CHECK(n - got.back().end >= 0);
   // Chunk bounds are counted: 2 rows of head_dim 16-bit values per chunk and KV head.
-  const auto all_memory = cache<format::dense>(c).memory();
-  (void)all_memory;
   const memory_stats m = whole.memory();
   const std::int64_t pages = n / c.page_size;
   const std::int64_t expected_bytes = pages * 2 * c.num_kv_heads * c.page_size * c.head_dim * 2 +
@@ -386,23 +390,8 @@ TEST_CASE("sentence_chunks fills the budget with whole chunks in score order and
   for (int h = 0; h < c.num_kv_heads; ++h) {
     // Brute force: fp64 scores per chunk, the longest prefix of the score order within the budget.
     std::vector<std::pair<double, std::size_t>> scored;
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      double best = -INFINITY;
-      for (int g = 0; g < c.group_size; ++g) {
-        const float* qg = q.data() + static_cast<std::size_t>(h * c.group_size + g) * c.head_dim;
-        double score = 0;
-        for (int ch = 0; ch < c.head_dim; ++ch) {
-          double lo = INFINITY, hi = -INFINITY;
-          for (std::int64_t t = chunks[i].begin; t < chunks[i].end; ++t) {
-            lo = std::min(lo, static_cast<double>(stored.k_at(static_cast<int>(t), h, ch)));
-            hi = std::max(hi, static_cast<double>(stored.k_at(static_cast<int>(t), h, ch)));
-          }
-          score += std::max(qg[ch] * lo, qg[ch] * hi);
-        }
-        best = std::max(best, score);
-      }
-      scored.emplace_back(-best, i);
-    }
+    for (std::size_t i = 0; i < chunks.size(); ++i)
+      scored.emplace_back(-fp64_group_score(stored, q, h, c.group_size, chunks[i].begin, chunks[i].end), i);
     std::sort(scored.begin(), scored.end());
     ranges expected;
     std::int64_t used = 0;
@@ -427,12 +416,24 @@ TEST_CASE("sentence_chunks fills the budget with whole chunks in score order and
     cc.append(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(kv.k.data() + t * row, 1, c.num_kv_heads, c.head_dim),
               tensor_view<const float, 3>(kv.v.data() + t * row, 1, c.num_kv_heads, c.head_dim),
               span<const std::int32_t>(tokens.ids.data() + t, 1));
-    const auto previous = cc.selected_ranges(seq, 0);
+    std::vector<ranges> previous;
+    for (int h = 0; h < c.num_kv_heads; ++h) previous.push_back(cc.selected_ranges(seq, h));
     attend_one(cc, seq, synthetic::generate_query(syn, 4, t + 1));
-    const double reuse = cc.selection(seq).reuse;
-    CHECK(reuse >= 0.0);
-    CHECK(reuse <= 1.0);
-    (void)previous;
+    // Expected reuse, token by token: of the previous selection's tokens (all KV heads), those
+    // read again (selected now, or from the open chunk / the tail on).
+    const std::int64_t always_from = std::min<std::int64_t>(cc.chunks(seq).back().end, (t + 1) / c.page_size * c.page_size);
+    double kept = 0, total = 0;
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      std::vector<char> read(static_cast<std::size_t>(t + 1), 0);
+      for (const auto& [from, to] : cc.selected_ranges(seq, h))
+        for (std::int64_t x = from; x < to; ++x) read[static_cast<std::size_t>(x)] = 1;
+      for (const auto& [from, to] : previous[static_cast<std::size_t>(h)])
+        for (std::int64_t x = from; x < to; ++x) {
+          total += 1;
+          kept += read[static_cast<std::size_t>(x)] || x >= always_from;
+        }
+    }
+    CHECK(cc.selection(seq).reuse == Approx(kept / total).epsilon(1e-12));
   }
   CHECK(cc.selection(seq).reuse > 0.5);  // neighbouring steps share most of their sentences
 }

@@ -478,7 +478,8 @@ class engine {
     s.combine_sum = combine_sum_ ? 1 : 0;
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
-    const dim3 score_grid(static_cast<unsigned>((capacity_.table_stride + kernel::score_warps - 1) / kernel::score_warps),
+    constexpr int pages_per_cta = kernel::score_warps * kernel::score_pages_per_warp;
+    const dim3 score_grid(static_cast<unsigned>((capacity_.table_stride + pages_per_cta - 1) / pages_per_cta),
                           static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads));
     detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
       kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);

@@ -11,8 +11,9 @@
 /// spans the same way and select them the same way; they differ in how spans are cut.
 ///
 /// The score's fp32 arithmetic has one fixed order (`span_score`), written so that the host and
-/// the CUDA scoring kernel (one warp per span: lane l sums channels l, l + 32, ... in turn, then a
-/// butterfly over the 32 lanes) round identically: both backends select the same spans.
+/// the CUDA scoring kernel (one warp per span: lane l sums its head_dim / 32 contiguous channels
+/// in turn, read with one vector load per bound row, then a butterfly over the 32 lanes) round
+/// identically: both backends select the same spans.
 
 #include <algorithm>
 #include <cmath>
@@ -64,15 +65,16 @@ inline constexpr int span_score_lanes = 32;
 
 /// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
 ///   sum_c max(q[c] * hi[c], q[c] * lo[c]),
-/// in the canonical order: lane l sums its channels l, l + 32, l + 64, ... in turn (fp32, no fused
-/// multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1). `load(c)` returns the
-/// pair (lo[c], hi[c]) as floats. Cost: 2 head_dim multiplies and adds.
+/// in the canonical order: lane l sums its channels l * w .. (l + 1) * w - 1 in turn, w = head_dim
+/// / 32 (fp32, no fused multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1).
+/// `load(c)` returns the pair (lo[c], hi[c]) as floats. Cost: 2 head_dim multiplies and adds.
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
+  const int width = head_dim / span_score_lanes;
   for (int l = 0; l < span_score_lanes; ++l) {
     float s = 0.0f;
-    for (int c = l; c < head_dim; c += span_score_lanes) {
+    for (int c = l * width; c < (l + 1) * width; ++c) {
       const auto bounds = load(c);
       const float a = q[c] * bounds.first, b = q[c] * bounds.second;
       s = s + (a > b ? a : b);

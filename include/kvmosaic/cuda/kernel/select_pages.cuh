@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
 
@@ -38,43 +39,68 @@ struct select_params {
   std::int32_t* selected;             ///< [batch][header[1]]: per KV head, header[2] apart, the chosen page ids
 };
 
-/// Warps per CTA of the scoring kernel.
+/// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
 inline constexpr int score_warps = 8;
+inline constexpr int score_pages_per_warp = 2;
 
-/// Quest scores of every sealed page. Grid: (ceil(pages / score_warps), batch, num_kv_heads).
+namespace detail_select {
+/// `Count` consecutive 16-bit values as floats, with one vector load (Count = 2, 4 or 8).
+template <class T, int Count>
+__device__ __forceinline__ void load_floats(const T* source, float* out) {
+  using vector = std::conditional_t<Count == 8, uint4, std::conditional_t<Count == 4, uint2, unsigned>>;
+  const vector raw = *reinterpret_cast<const vector*>(source);
+  const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
+}
+}  // namespace detail_select
+
+/// Quest scores of every sealed page. Grid: (ceil(pages / (score_warps x score_pages_per_warp)),
+/// batch, num_kv_heads).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
-  constexpr int per_lane = HeadDim / 32;
+  constexpr int width = HeadDim / 32;  // contiguous channels per lane: the canonical order
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int b = static_cast<int>(blockIdx.y), head = static_cast<int>(blockIdx.z);
-  const int i = static_cast<int>(blockIdx.x) * score_warps + warp;
-  if (i >= p.sealed_pages[b]) return;
+  const int first = (static_cast<int>(blockIdx.x) * score_warps + warp) * score_pages_per_warp;
+  const int pages = p.sealed_pages[b];
+  if (first >= pages) return;
   const int stride = p.step_header[3];
-  const std::int32_t page = p.block_tables[static_cast<std::size_t>(b) * stride + i];
-  const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(page) * p.bounds_page_bytes) +
-                static_cast<std::size_t>(head) * 2 * HeadDim;
-  const T* hi = lo + HeadDim;
-  float low[per_lane], high[per_lane];
+  float low[score_pages_per_warp][width], high[score_pages_per_warp][width];
 #pragma unroll
-  for (int j = 0; j < per_lane; ++j) {
-    low[j] = to_float(lo[lane + 32 * j]);
-    high[j] = to_float(hi[lane + 32 * j]);
+  for (int k = 0; k < score_pages_per_warp; ++k) {  // every page's bounds in flight first
+    const int i = min(first + k, pages - 1);
+    const std::int32_t page = p.block_tables[static_cast<std::size_t>(b) * stride + i];
+    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(page) * p.bounds_page_bytes) +
+                  static_cast<std::size_t>(head) * 2 * HeadDim + lane * width;
+    detail_select::load_floats<T, width>(lo, low[k]);
+    detail_select::load_floats<T, width>(lo + HeadDim, high[k]);
   }
-  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
-  float combined = 0.0f;
+  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim + lane * width;
+  float combined[score_pages_per_warp] = {};
   for (int g = 0; g < p.group_size; ++g) {
-    float s = 0.0f;
+    float qc[width];
 #pragma unroll
-    for (int j = 0; j < per_lane; ++j) {  // no fused multiply-add: the host's order, to the bit
-      const float qc = q[g * HeadDim + lane + 32 * j];
-      const float a = __fmul_rn(qc, low[j]), c = __fmul_rn(qc, high[j]);
-      s = __fadd_rn(s, a > c ? a : c);
+    for (int j = 0; j < width; ++j) qc[j] = q[g * HeadDim + j];
+#pragma unroll
+    for (int k = 0; k < score_pages_per_warp; ++k) {
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < width; ++j) {  // no fused multiply-add: the host's order, to the bit
+        const float a = __fmul_rn(qc[j], low[k][j]), c = __fmul_rn(qc[j], high[k][j]);
+        s = __fadd_rn(s, a > c ? a : c);
+      }
+#pragma unroll
+      for (int offset = 16; offset >= 1; offset /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+      combined[k] = g == 0 ? s : p.combine_sum ? __fadd_rn(combined[k], s) : (s > combined[k] ? s : combined[k]);
     }
-#pragma unroll
-    for (int offset = 16; offset >= 1; offset /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
-    combined = g == 0 ? s : p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
   }
-  if (lane == 0) p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride + i] = combined;
+  if (lane < score_pages_per_warp && first + lane < pages) {
+    float mine = combined[0];
+#pragma unroll
+    for (int k = 1; k < score_pages_per_warp; ++k) mine = lane == k ? combined[k] : mine;
+    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride + first + lane] = mine;
+  }
 }
 
 namespace detail_select {
