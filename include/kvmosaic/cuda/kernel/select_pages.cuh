@@ -41,7 +41,7 @@ struct select_params {
 
 /// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
 inline constexpr int score_warps = 8;
-inline constexpr int score_pages_per_warp = 2;
+inline constexpr int score_pages_per_warp = 4;
 
 namespace detail_select {
 /// `Count` consecutive 16-bit values as floats, with one vector load (Count = 2, 4 or 8).
@@ -55,35 +55,45 @@ __device__ __forceinline__ void load_floats(const T* source, float* out) {
 }
 }  // namespace detail_select
 
-/// Quest scores of every sealed page. Grid: (ceil(pages / (score_warps x score_pages_per_warp)),
-/// batch, num_kv_heads).
+/// Quest scores of every sealed page. Each warp scores `score_pages_per_warp` pages: their page
+/// ids, then all their bounds, are loaded before any arithmetic, so a warp keeps 4 x 512 bytes in
+/// flight (head_dim 128); the group's queries are staged in shared memory once per CTA (every warp
+/// of the CTA reads the same (sequence, KV head)). Grid: (ceil(pages / (score_warps x
+/// score_pages_per_warp)), batch, num_kv_heads).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
   constexpr int width = HeadDim / 32;  // contiguous channels per lane: the canonical order
+  constexpr int per_warp = score_pages_per_warp;
+  __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int b = static_cast<int>(blockIdx.y), head = static_cast<int>(blockIdx.z);
-  const int first = (static_cast<int>(blockIdx.x) * score_warps + warp) * score_pages_per_warp;
   const int pages = p.sealed_pages[b];
-  if (first >= pages) return;
+  const int cta_first = static_cast<int>(blockIdx.x) * score_warps * per_warp;
+  if (cta_first >= pages) return;  // the whole CTA: before the barrier below
+  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
+  for (int i = static_cast<int>(threadIdx.x); i < p.group_size * HeadDim; i += score_warps * 32) queries[i] = q[i];
+  const int first = cta_first + warp * per_warp;
   const int stride = p.step_header[3];
-  float low[score_pages_per_warp][width], high[score_pages_per_warp][width];
+  std::int32_t ids[per_warp];
 #pragma unroll
-  for (int k = 0; k < score_pages_per_warp; ++k) {  // every page's bounds in flight first
-    const int i = min(first + k, pages - 1);
-    const std::int32_t page = p.block_tables[static_cast<std::size_t>(b) * stride + i];
-    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(page) * p.bounds_page_bytes) +
+  for (int k = 0; k < per_warp; ++k) ids[k] = p.block_tables[static_cast<std::size_t>(b) * stride + min(first + k, pages - 1)];
+  float low[per_warp][width], high[per_warp][width];
+#pragma unroll
+  for (int k = 0; k < per_warp; ++k) {
+    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_page_bytes) +
                   static_cast<std::size_t>(head) * 2 * HeadDim + lane * width;
     detail_select::load_floats<T, width>(lo, low[k]);
     detail_select::load_floats<T, width>(lo + HeadDim, high[k]);
   }
-  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim + lane * width;
-  float combined[score_pages_per_warp] = {};
+  __syncthreads();  // the queries are staged
+  if (first >= pages) return;
+  float combined[per_warp] = {};
   for (int g = 0; g < p.group_size; ++g) {
     float qc[width];
 #pragma unroll
-    for (int j = 0; j < width; ++j) qc[j] = q[g * HeadDim + j];
+    for (int j = 0; j < width; ++j) qc[j] = queries[g * HeadDim + lane * width + j];
 #pragma unroll
-    for (int k = 0; k < score_pages_per_warp; ++k) {
+    for (int k = 0; k < per_warp; ++k) {
       float s = 0.0f;
 #pragma unroll
       for (int j = 0; j < width; ++j) {  // no fused multiply-add: the host's order, to the bit
@@ -95,10 +105,10 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
       combined[k] = g == 0 ? s : p.combine_sum ? __fadd_rn(combined[k], s) : (s > combined[k] ? s : combined[k]);
     }
   }
-  if (lane < score_pages_per_warp && first + lane < pages) {
+  if (lane < per_warp && first + lane < pages) {
     float mine = combined[0];
 #pragma unroll
-    for (int k = 1; k < score_pages_per_warp; ++k) mine = lane == k ? combined[k] : mine;
+    for (int k = 1; k < per_warp; ++k) mine = lane == k ? combined[k] : mine;
     p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride + first + lane] = mine;
   }
 }
