@@ -479,8 +479,9 @@ class engine {
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
     constexpr int pages_per_cta = kernel::score_warps * kernel::score_pages_per_warp;
-    const dim3 score_grid(static_cast<unsigned>((capacity_.table_stride + pages_per_cta - 1) / pages_per_cta),
-                          static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads));
+    const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
+                          static_cast<unsigned>((capacity_.table_stride + pages_per_cta - 1) / pages_per_cta),
+                          static_cast<unsigned>(batch_));
     detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
       kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());

@@ -58,17 +58,19 @@ __device__ __forceinline__ void load_floats(const T* source, float* out) {
 /// Quest scores of every sealed page. Each warp scores `score_pages_per_warp` pages: their page
 /// ids, then all their bounds, are loaded before any arithmetic, so a warp keeps 4 x 512 bytes in
 /// flight (head_dim 128); the group's queries are staged in shared memory once per CTA (every warp
-/// of the CTA reads the same (sequence, KV head)). Grid: (ceil(pages / (score_warps x
-/// score_pages_per_warp)), batch, num_kv_heads).
+/// of the CTA reads the same (sequence, KV head)). Grid: (num_kv_heads, ceil(pages / (score_warps
+/// x score_pages_per_warp)), batch): the KV heads of the same pages run side by side, so the CTAs in
+/// flight read each page's bounds (every head's, contiguous) together rather than 512-byte pieces
+/// of many pages.
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
   constexpr int width = HeadDim / 32;  // contiguous channels per lane: the canonical order
   constexpr int per_warp = score_pages_per_warp;
   __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int b = static_cast<int>(blockIdx.y), head = static_cast<int>(blockIdx.z);
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
   const int pages = p.sealed_pages[b];
-  const int cta_first = static_cast<int>(blockIdx.x) * score_warps * per_warp;
+  const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
   if (cta_first >= pages) return;  // the whole CTA: before the barrier below
   const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
   for (int i = static_cast<int>(threadIdx.x); i < p.group_size * HeadDim; i += score_warps * 32) queries[i] = q[i];
