@@ -543,8 +543,7 @@ class cache {
     return config_.storage == dtype::f16 ? detail::float_to_half_bits(x) : detail::float_to_bfloat16_bits(x);
   }
 
-  /// Tokens of [from, to) inside any of `ranges` (which may overlap each other only at the ends
-  /// of the always-read ranges, counted once by clipping).
+  /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
     std::vector<std::pair<std::int64_t, std::int64_t>> hits;
     for (const auto& [a, z] : ranges)
