@@ -20,16 +20,11 @@ namespace {
 /// Attends on both backends; checks the GPU against the host and against exact attention on the
 /// values the host's pages decode to (test/support/quant2_bound.hpp derives both bounds).
 void check_quant2_attention(twin& t, bool report = false) {
-  const std::vector<float> q = t.queries();
-  const auto batch = static_cast<std::int64_t>(t.seqs.size());
+  const twin::step_outputs step = t.attend_both();
+  const std::vector<float>& q = step.q;
+  const std::vector<float>& host_out = step.host;
+  const std::vector<float>& gpu_out = step.gpu;
   const int hq = t.config.num_q_heads(), d = t.config.head_dim;
-  const span<const sequence_id> ids(t.seqs.data(), batch);
-  std::vector<float> host_out(q.size());
-  t.host.attend(ids, tensor_view<const float, 3>(q.data(), batch, hq, d), tensor_view<float, 3>(host_out.data(), batch, hq, d));
-  test::device_array<float> dq(q), dout(q.size());
-  t.device.attend(ids, tensor_view<const float, 3>(dq.data(), batch, hq, d), tensor_view<float, 3>(dout.data(), batch, hq, d));
-  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<float> gpu_out = dout.to_host(q.size());
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const std::size_t per_seq = static_cast<std::size_t>(hq) * d;
   std::vector<double> used_twin, used_exact;  // |difference| / bound

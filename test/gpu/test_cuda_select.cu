@@ -43,21 +43,13 @@ synthetic::kv_data head_subset(const synthetic::kv_data& kv, int head, const ran
 /// bitmap_tiles) that both outputs match fp64 exact attention over the tokens read.
 template <class Format>
 void check_selected_step(test::twin<Format, select::quest>& t, bool check_exact = true) {
-  const std::vector<float> q = t.queries();
-  const auto batch = static_cast<std::int64_t>(t.seqs.size());
+  const auto step = t.attend_both();
+  const std::vector<float>& q = step.q;
+  const std::vector<float>& host_out = step.host;
+  const std::vector<float>& gpu_out = step.gpu;
   const int hq = t.config.num_q_heads(), d = t.config.head_dim, g = t.config.group_size;
-  const span<const sequence_id> ids(t.seqs.data(), batch);
-  std::vector<float> host_out(q.size());
-  t.host.attend(ids, tensor_view<const float, 3>(q.data(), batch, hq, d), tensor_view<float, 3>(host_out.data(), batch, hq, d));
-  test::device_array<float> dq(q), dout(q.size());
-  t.device.attend(ids, tensor_view<const float, 3>(dq.data(), batch, hq, d), tensor_view<float, 3>(dout.data(), batch, hq, d));
-  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<float> gpu_out = dout.to_host(q.size());
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  const double q_rounding = t.device.engine().uses_bulk_copy()
-                                ? (t.config.storage == dtype::bf16 ? std::ldexp(1.0, -16) : std::ldexp(1.0, -22))
-                                : 0.0;
-  const double p_rounding = t.device.engine().splits_p_on_tensor_cores() ? q_rounding : 0.0;
+  const double q_rounding = t.q_rounding(), p_rounding = t.p_rounding();
   for (std::size_t b = 0; b < t.seqs.size(); ++b) {
     const sequence_id seq = t.seqs[b];
     const int length = static_cast<int>(t.host.length(seq));

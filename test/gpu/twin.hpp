@@ -112,20 +112,43 @@ struct twin {
     return q;
   }
 
+  /// One decode step's queries (each sequence's next position) and both backends' outputs,
+  /// [batch][num_q_heads][head_dim] each; the GPU's output buffer starts poisoned with NaN.
+  struct step_outputs {
+    std::vector<float> q, host, gpu;
+  };
+  step_outputs attend_both() {
+    step_outputs r;
+    r.q = queries();
+    const auto batch = static_cast<std::int64_t>(seqs.size());
+    const int hq = config.num_q_heads(), d = config.head_dim;
+    const span<const sequence_id> ids(seqs.data(), batch);
+    r.host.resize(r.q.size());
+    host.attend(ids, tensor_view<const float, 3>(r.q.data(), batch, hq, d), tensor_view<float, 3>(r.host.data(), batch, hq, d));
+    device_array<float> dq(r.q), dout(r.q.size());
+    device.attend(ids, tensor_view<const float, 3>(dq.data(), batch, hq, d), tensor_view<float, 3>(dout.data(), batch, hq, d));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+    r.gpu = dout.to_host(r.q.size());
+    return r;
+  }
+
+  /// Relative error of q inside the kernel: the sm_90 kernels multiply q split in two 16-bit parts
+  /// on tensor cores (score_mma.cuh).
+  double q_rounding() {
+    return device.engine().uses_bulk_copy() ? (config.storage == dtype::bf16 ? std::ldexp(1.0, -16) : std::ldexp(1.0, -22))
+                                            : 0.0;
+  }
+  /// The same for p, where the kernel splits p too (warp_attend_mma.cuh).
+  double p_rounding() { return device.engine().splits_p_on_tensor_cores() ? q_rounding() : 0.0; }
+
   /// Attends on both backends and checks: GPU vs host, and each vs the fp64 oracle on the stored
   /// values within the fp32 error bound.
   void check_attention() {
-    const std::vector<float> q = queries();
-    const auto batch = static_cast<std::int64_t>(seqs.size());
+    const step_outputs step = attend_both();
+    const std::vector<float>& q = step.q;
+    const std::vector<float>& host_out = step.host;
+    const std::vector<float>& gpu_out = step.gpu;
     const int hq = config.num_q_heads(), d = config.head_dim;
-    std::vector<float> host_out(q.size());
-    host.attend(span<const sequence_id>(seqs.data(), batch), tensor_view<const float, 3>(q.data(), batch, hq, d),
-                tensor_view<float, 3>(host_out.data(), batch, hq, d));
-    device_array<float> dq(q), dout(q.size());
-    device.attend(span<const sequence_id>(seqs.data(), batch), tensor_view<const float, 3>(dq.data(), batch, hq, d),
-                  tensor_view<float, 3>(dout.data(), batch, hq, d));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> gpu_out = dout.to_host(q.size());
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const std::size_t per_seq = static_cast<std::size_t>(hq) * d;
     for (std::size_t b = 0; b < seqs.size(); ++b) {
@@ -135,14 +158,8 @@ struct twin {
       const std::vector<float> qb(q.begin() + static_cast<std::ptrdiff_t>(b * per_seq),
                                   q.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
       const auto exact = test::exact(qb, stored, scale);
-      // The sm_90 kernels multiply q split in two 16-bit parts on tensor cores (score_mma.cuh),
-      // and some p too (warp_attend_mma.cuh).
-      const double q_rounding = device.engine().uses_bulk_copy()
-                                    ? (config.storage == dtype::bf16 ? std::ldexp(1.0, -16) : std::ldexp(1.0, -22))
-                                    : 0.0;
-      const double p_rounding = device.engine().splits_p_on_tensor_cores() ? q_rounding : 0.0;
       const auto bound = test::attention_error_bound(qb, stored, config.group_size, scale, config.storage,
-                                                     config.page_size, /*exact_storage=*/true, q_rounding, p_rounding);
+                                                     config.page_size, /*exact_storage=*/true, q_rounding(), p_rounding());
       for (std::size_t i = 0; i < per_seq; ++i) {
         const float g = gpu_out[b * per_seq + i], h = host_out[b * per_seq + i];
         INFO("element " << i);
