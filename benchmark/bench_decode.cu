@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "kvmosaic/kvmosaic.cuh"
+#include "kvmosaic/support/synthetic.hpp"
 
 namespace {
 
@@ -171,6 +172,10 @@ void decode(benchmark::State& state) {
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
   Selector selector{};
   if constexpr (selects) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
+  constexpr bool chunked = selector_traits<Selector>::needs_token_ids;
+  if constexpr (std::is_same<Selector, select::quest>::value) selector.block_tokens = static_cast<int>(state.range(7));
+  if constexpr (chunked)
+    for (const auto& b : synthetic::boundary_tokens) selector.boundaries.push_back(select::boundary{b.id, b.weight});
   cuda_cache<Format, Selector> kv(c, format, selector);
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value || is_quant2) {
     // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES (KVMOSAIC_BENCH_QUANT2_STAGES) overrides
@@ -191,12 +196,21 @@ void decode(benchmark::State& state) {
   double prefill_seconds = 0;
   for (int b = 0; b < batch; ++b) {
     seqs.push_back(kv.add_sequence());
+    // sentence_chunks: the synthetic generator's token ids (sentences of ~20 tokens).
+    synthetic::kv_config tokens_config;
+    tokens_config.seed = 11;
+    const std::vector<std::int32_t> ids =
+        chunked ? synthetic::generate_tokens(tokens_config, static_cast<std::uint64_t>(b), context).ids : std::vector<std::int32_t>{};
     for (int done = 0; done < context; done += chunk) {
       const int n = std::min(chunk, context - done);
       const bfloat16* k = source.as<const bfloat16>();  // values repeat per chunk; addresses never do
       if (b == 0) KVMOSAIC_CUDA_CHECK(cudaEventRecord(prefill_timer.start));
-      kv.prefill(seqs.back(), tensor_view<const bfloat16, 3>(k, n, c.num_kv_heads, c.head_dim),
-                 tensor_view<const bfloat16, 3>(k + chunk * row, n, c.num_kv_heads, c.head_dim));
+      const tensor_view<const bfloat16, 3> keys(k, n, c.num_kv_heads, c.head_dim);
+      const tensor_view<const bfloat16, 3> values(k + chunk * row, n, c.num_kv_heads, c.head_dim);
+      if constexpr (chunked)
+        kv.prefill(seqs.back(), keys, values, span<const std::int32_t>(ids.data() + done, n));
+      else
+        kv.prefill(seqs.back(), keys, values);
       if (b == 0) {
         KVMOSAIC_CUDA_CHECK(cudaEventRecord(prefill_timer.stop));
         prefill_seconds += prefill_timer.seconds();
@@ -217,8 +231,13 @@ void decode(benchmark::State& state) {
   detail::selection_request request;
   if constexpr (selects) {
     request.combine = selector.combine;
-    request.block_tokens = c.page_size;
-    for (const sequence_id s : seqs) request.budget.push_back(selector.budget.resolve(kv.length(s)));
+    request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector, c.page_size);
+    for (const sequence_id s : seqs) {
+      request.budget.push_back(selector.budget.resolve(kv.length(s)));
+      std::int64_t always_from = kv.length(s);  // sentence_chunks: the open chunk on
+      if constexpr (chunked) always_from = kv.chunks(s).empty() ? 0 : kv.chunks(s).back().end;
+      request.always_from.push_back(always_from);
+    }
   }
   const detail::selection_request* step_request = selects ? &request : nullptr;
   l2_flusher flusher;
@@ -286,17 +305,25 @@ void decode(benchmark::State& state) {
   engine.set_stream(nullptr);
   cudaStreamDestroy(stream);
   // Bytes read: the stored K and V (pages by the format's accounting, dense tail rows), q and out.
-  double kv_bytes = 0;
+  double kv_bytes = 0, pages_read = 0, pages_stored = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
     const memory_stats m = kv.sequence_memory(seqs[b]);
-    if constexpr (selects) {  // the pages read, the tail, and every page's key bounds
+    if constexpr (selects) {  // the pages the device chose (mean over KV heads), the tail, every span's bounds
       const auto pages = static_cast<std::int64_t>(kv.pages(seqs[b]).size());
-      const std::int64_t read = std::min<std::int64_t>(request.budget[b] / c.page_size, pages);
-      const auto slot = static_cast<std::int64_t>(engine.page_slot_bytes());  // stored_bytes counts the bounds
-      kv_bytes += static_cast<double>(m.stored_bytes - pages * slot + read * slot);
+      double read = 0;
+      for (int h = 0; h < c.num_kv_heads; ++h)
+        read += static_cast<double>(engine.selected_pages(static_cast<std::int32_t>(b), h).size()) / c.num_kv_heads;
+      const auto slot = static_cast<double>(engine.page_slot_bytes());  // stored_bytes counts the bounds
+      kv_bytes += static_cast<double>(m.stored_bytes) - static_cast<double>(pages) * slot + read * slot;
+      pages_read += read;
+      pages_stored += static_cast<double>(pages);
     } else {
       kv_bytes += static_cast<double>(m.stored_bytes);
     }
+  }
+  if constexpr (selects) {
+    state.counters["pages_read"] = pages_stored > 0 ? pages_read / pages_stored : 0.0;
+    state.counters["block"] = request.block_tokens;
   }
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);
@@ -359,31 +386,47 @@ BENCHMARK(decode<format::quant2>)
 // and quant2 (Pi = 64): contexts 32K and 128K, batch 1 and 8.
 BENCHMARK(decode<format::dense, select::quest>)
     ->Name("dense_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 // Quest's own page size: pages (= blocks) of 16 tokens, dense, batch 8, 128K.
 BENCHMARK(decode<format::dense, select::quest>)
     ->Name("dense_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
-    ->Args({8, 131072, 4, 128, 0, 16, 16})
-    ->Args({8, 131072, 4, 128, 0, 8, 16})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->Args({8, 131072, 4, 128, 0, 16, 16, 0})
+    ->Args({8, 131072, 4, 128, 0, 8, 16, 0})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// Token-granular selections over dense pages of 64 (the split kernels read row masks): Quest
+// blocks of 16 tokens, and sentence chunks (L = 14, Delta = 8) on the synthetic token stream.
+BENCHMARK(decode<format::dense, select::quest>)
+    ->Name("dense_quest_blocks_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}, {16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::dense, select::sentence_chunks>)
+    ->Name("dense_chunks_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode<format::bitmap_tiles, select::quest>)
     ->Name("bitmap_tiles_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {16, 8}, {0}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {16, 8}, {0}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode<format::quant2, select::quest>)
     ->Name("quant2_quest_decode")
-    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse", "page"})
-    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}, {0}})
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}, {0}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -32,11 +32,10 @@ int main(int argc, char** argv) {
         cache<format::dense, select::quest> c(w.config, {}, selector);
         rows.push_back(demo::run_host(c, w, o.steps));
       }
-    }
-    // Sentence chunks run on the host backend (with or without a GPU).
-    for (const auto& selector : demo::sentence_chunk_variants()) {
-      cache<format::dense, select::sentence_chunks> c(w.config, {}, selector);
-      rows.push_back(demo::run_host(c, w, o.steps));
+      for (const auto& selector : demo::sentence_chunk_variants()) {
+        cache<format::dense, select::sentence_chunks> c(w.config, {}, selector);
+        rows.push_back(demo::run_host(c, w, o.steps));
+      }
     }
     demo::print_table(rows, o);
     if (!o.json.empty()) {

@@ -285,8 +285,8 @@ inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> 
 }
 
 /// The read-less selectors the demo reports, at budgets 1/16 and 1/8 of the context:
-/// select::quest (one block per page) and select::sentence_chunks with the synthetic vocabulary's
-/// boundary tokens.
+/// select::quest (one block per page, and blocks of 16 tokens at 1/16) and select::sentence_chunks
+/// with the synthetic vocabulary's boundary tokens.
 inline std::vector<kvmosaic::select::quest> quest_variants() {
   std::vector<kvmosaic::select::quest> v;
   for (const int inverse : {16, 8}) {
@@ -294,6 +294,10 @@ inline std::vector<kvmosaic::select::quest> quest_variants() {
     s.budget.ratio = 1.0 / inverse;
     v.push_back(s);
   }
+  kvmosaic::select::quest blocks;
+  blocks.budget.ratio = 1.0 / 16;
+  blocks.block_tokens = 16;
+  v.push_back(blocks);
   return v;
 }
 inline std::vector<kvmosaic::select::sentence_chunks> sentence_chunk_variants() {

@@ -61,8 +61,12 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     cache<format::quant2, select::all, compact::none, backend::cuda> c(config, format);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
-  for (const auto& selector : quest_variants()) {  // Quest: pages scored and chosen on the device
+  for (const auto& selector : quest_variants()) {  // Quest: pages (or blocks) scored and chosen on the device
     cache<format::dense, select::quest, compact::none, backend::cuda> c(w.config, {}, selector);
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+  }
+  for (const auto& selector : sentence_chunk_variants()) {  // chunks cut on the host, bounded and chosen on the device
+    cache<format::dense, select::sentence_chunks, compact::none, backend::cuda> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   cudaEventDestroy(start);

@@ -157,9 +157,6 @@ class cache {
   static_assert(is_backend_v<Backend>,
                 "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
                 "or kvmosaic::backend::cuda");
-  static_assert(!selector_traits<Selector>::needs_token_ids || std::is_same<Backend, backend::host>::value,
-                "kvmosaic::cache: select::sentence_chunks runs on the host backend so far (its chunks are cut "
-                "from host rows); use select::quest on backend::cuda");
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
@@ -178,7 +175,8 @@ class cache {
         selector_(selector),
         compactor_(compactor),
         pool_(config.max_pages),
-        engine_(engine_shape(config), format, selector_traits<Selector>::bounds_block_tokens(selector, config.page_size)),
+        engine_(engine_shape(config), format, selector_traits<Selector>::bounds_block_tokens(selector, config.page_size),
+                chunk_limits_of(selector)),
         sequences_(static_cast<std::size_t>(config.max_sequences)) {}
 
   const cache_config& config() const noexcept { return config_; }
@@ -215,6 +213,7 @@ class cache {
   void remove_sequence(sequence_id seq) {
     sequence_state& s = live(seq, "cache::remove_sequence");
     for (const page_id page : s.pages) pool_.release(page);
+    if constexpr (device_chunks) engine_.release_chunks(seq);
     s = sequence_state{};
   }
 
@@ -230,6 +229,7 @@ class cache {
     c.chunks = parent.chunks;
     for (const page_id page : c.pages) pool_.retain(page);
     engine_.copy_tail(seq, child, tail_rows(parent));
+    if constexpr (device_chunks) engine_.copy_chunks(seq, child);
     return child;
   }
 
@@ -294,7 +294,7 @@ class cache {
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
     s.length += k.extent(0);
-    if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(s, k, token_ids, 0, k.extent(0));
+    if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(seq, k, token_ids, 0, k.extent(0));
   }
 
  public:
@@ -348,7 +348,7 @@ class cache {
       sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
       if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
       ++s.length;
-      if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(s, k, token_ids, b, 1);
+      if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(seqs(b), k, token_ids, b, 1);
     }
   }
 
@@ -473,9 +473,9 @@ class cache {
   /// `select::sentence_chunks`: the final chunks of a sequence and the tokens after them.
   struct chunk_state {
     std::vector<std::int64_t> starts{0};     ///< chunk i is [starts[i], starts[i+1]); back(): the open chunk
-    std::vector<std::uint16_t> bounds;       ///< [chunk][num_kv_heads][lo row, hi row], storage dtype bits
+    std::vector<std::uint16_t> bounds;       ///< host backend: [chunk][num_kv_heads][lo row, hi row], storage dtype bits
     std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
-    std::vector<float> pending_keys;         ///< their keys, rounded to the storage dtype [token][heads][head_dim]
+    std::vector<float> pending_keys;         ///< host backend: their keys, rounded to the storage dtype [token][heads][head_dim]
   };
 
   struct sequence_state {
@@ -494,46 +494,68 @@ class cache {
   }
   /// Bytes of a sequence's chunk bounds (2 rows of head_dim per chunk and KV head, 16-bit).
   std::int64_t chunk_bytes(const sequence_state& s) const {
-    return static_cast<std::int64_t>(s.chunks.bounds.size() * sizeof(std::uint16_t));
+    return static_cast<std::int64_t>(s.chunks.starts.size() - 1) * config_.num_kv_heads * 2 * config_.head_dim *
+           static_cast<std::int64_t>(sizeof(std::uint16_t));
+  }
+  /// select::sentence_chunks on a device backend (backend::cuda) keeps its chunk bounds there.
+  static constexpr bool device_chunks =
+      selector_traits<Selector>::needs_token_ids && !std::is_same<Backend, backend::host>::value;
+  static detail::chunk_limits chunk_limits_of(const Selector& selector) {
+    if constexpr (selector_traits<Selector>::needs_token_ids)
+      return detail::chunk_limits{std::max(1, selector.target_length - selector.window), selector.target_length + selector.window};
+    else
+      return detail::chunk_limits{};
   }
 
   /// Feeds rows [first, first + n) of `k` with their ids to the sequence's chunk state and cuts the
   /// chunks whose window is complete (select::sentence_chunks).
   template <class T>
-  void observe_tokens(sequence_state& s, const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
-                      std::int64_t first, std::int64_t n) {
-    chunk_state& c = s.chunks;
+  void observe_tokens(sequence_id seq, const tensor_view<const T, 3>& k, span<const std::int32_t> ids, std::int64_t first,
+                      std::int64_t n) {
+    chunk_state& c = sequences_[static_cast<std::size_t>(seq)].chunks;
     const int heads = config_.num_kv_heads, d = config_.head_dim;
     const std::size_t row = static_cast<std::size_t>(heads) * d;
     for (std::int64_t t = first; t < first + n; ++t) {
       c.pending_ids.push_back(ids(t));
-      for (int h = 0; h < heads; ++h)
-        for (int ch = 0; ch < d; ++ch) c.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
+      if constexpr (!device_chunks)
+        for (int h = 0; h < heads; ++h)
+          for (int ch = 0; ch < d; ++ch) c.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
     }
+    // Algorithm 2 over the open tokens, while the next chunk's window is complete (ids only).
     const std::int64_t horizon = selector_.target_length + selector_.window;
+    std::vector<std::int32_t> lengths;
     std::size_t done = 0;  // tokens of pending already cut into chunks
     while (static_cast<std::int64_t>(c.pending_ids.size() - done) > horizon) {
       const std::int64_t end = select::detail::split_end(c.pending_ids.data() + done,
                                                          static_cast<std::int64_t>(c.pending_ids.size() - done), 0, selector_);
-      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
-      for (int h = 0; h < heads; ++h) {
-        for (int ch = 0; ch < d; ++ch) {
-          float lo = c.pending_keys[done * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
-          for (std::int64_t t = 1; t < end; ++t) {
-            const float x = c.pending_keys[(done + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
-            lo = x < lo ? x : lo;
-            hi = x > hi ? x : hi;
-          }
-          bounds[static_cast<std::size_t>(ch)] = lo;
-          bounds[static_cast<std::size_t>(d + ch)] = hi;
-        }
-        for (const float x : bounds) c.bounds.push_back(storage_bits(x));
-      }
+      lengths.push_back(static_cast<std::int32_t>(end));
       c.starts.push_back(c.starts.back() + end);
       done += static_cast<std::size_t>(end);
     }
     c.pending_ids.erase(c.pending_ids.begin(), c.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
-    c.pending_keys.erase(c.pending_keys.begin(), c.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+    if constexpr (device_chunks) {
+      engine_.add_chunks(seq, k, first, n, lengths);  // the keys are on the device
+    } else {
+      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
+      std::size_t at = 0;
+      for (const std::int32_t length : lengths) {
+        for (int h = 0; h < heads; ++h) {
+          for (int ch = 0; ch < d; ++ch) {
+            float lo = c.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
+            for (std::int64_t t = 1; t < length; ++t) {
+              const float x = c.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
+              lo = x < lo ? x : lo;
+              hi = x > hi ? x : hi;
+            }
+            bounds[static_cast<std::size_t>(ch)] = lo;
+            bounds[static_cast<std::size_t>(d + ch)] = hi;
+          }
+          for (const float x : bounds) c.bounds.push_back(storage_bits(x));
+        }
+        at += static_cast<std::size_t>(length);
+      }
+      c.pending_keys.erase(c.pending_keys.begin(), c.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+    }
   }
   float round_to_storage(float x) const noexcept {
     return config_.storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))

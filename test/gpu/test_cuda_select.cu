@@ -41,8 +41,8 @@ synthetic::kv_data head_subset(const synthetic::kv_data& kv, int head, const ran
 
 /// Attends on both backends; checks that the device chose the host's pages, and (dense and
 /// bitmap_tiles) that both outputs match fp64 exact attention over the tokens read.
-template <class Format>
-void check_selected_step(test::twin<Format, select::quest>& t, bool check_exact = true) {
+template <class Format, class Selector>
+void check_selected_step(test::twin<Format, Selector>& t, bool check_exact = true) {
   const auto step = t.attend_both();
   const std::vector<float>& q = step.q;
   const std::vector<float>& host_out = step.host;
@@ -54,18 +54,49 @@ void check_selected_step(test::twin<Format, select::quest>& t, bool check_exact 
     const sequence_id seq = t.seqs[b];
     const int length = static_cast<int>(t.host.length(seq));
     const std::int64_t sealed = static_cast<std::int64_t>(t.host.pages(seq).size()) * t.config.page_size;
+    // Read whatever the selection: sentence_chunks' open chunk (from the end of the last closed one).
+    std::int64_t always_from = length;
+    if constexpr (selector_traits<Selector>::needs_token_ids) {
+      const auto chunks = t.host.chunks(seq);
+      always_from = chunks.empty() ? 0 : chunks.back().end;
+    }
     CAPTURE(b, length);
     const auto kept = t.kept_values(test::rounded(synthetic::generate_kv(t.generator, t.streams[b], length), t.config.storage));
     for (int h = 0; h < t.config.num_kv_heads; ++h) {
       CAPTURE(h);
-      // The device's pages are the host's selection, page for page.
-      std::vector<std::int32_t> expected;
-      for (const auto& [from, to] : t.host.selected_ranges(seq, h))
-        for (std::int64_t first = from; first < to; first += t.config.page_size)
-          expected.push_back(t.host.pages(seq)[static_cast<std::size_t>(first / t.config.page_size)]);
-      REQUIRE(t.device.engine().selected_pages(static_cast<std::int32_t>(b), h) == expected);
+      // The device's pages are the host's selection, page for page, and with blocks smaller than
+      // a page, row for row.
+      const int page = t.config.page_size, words = (page + 31) / 32;
+      std::vector<std::uint32_t> rows(static_cast<std::size_t>(sealed / page) * words, 0u);
       ranges read = t.host.selected_ranges(seq, h);
-      if (sealed < length) read.emplace_back(sealed, length);
+      read.emplace_back(std::min(always_from, sealed), length);
+      for (const auto& [from, to] : read)
+        for (std::int64_t token = from; token < std::min(to, sealed); ++token)
+          rows[static_cast<std::size_t>(token / page * words + token % page / 32)] |= 1u << (token % page % 32);
+      std::vector<std::int32_t> expected;
+      std::vector<std::uint32_t> expected_rows;
+      for (std::size_t i = 0; i < rows.size() / static_cast<std::size_t>(words); ++i) {
+        const auto first = rows.begin() + static_cast<std::ptrdiff_t>(i * static_cast<std::size_t>(words));
+        if (std::all_of(first, first + words, [](std::uint32_t w) { return w == 0; })) continue;
+        expected.push_back(t.host.pages(seq)[i]);
+        expected_rows.insert(expected_rows.end(), first, first + words);
+      }
+      REQUIRE(t.device.engine().selected_pages(static_cast<std::int32_t>(b), h) == expected);
+      if (t.device.engine().token_granular())
+        REQUIRE(t.device.engine().selected_rows(static_cast<std::int32_t>(b), h) == expected_rows);
+      // The tokens read, once each: the chosen spans (which may reach into the tail) and the rest.
+      std::vector<char> is_read(static_cast<std::size_t>(length), 0);
+      for (const auto& [from, to] : read)
+        for (std::int64_t token = from; token < std::min<std::int64_t>(to, length); ++token) is_read[static_cast<std::size_t>(token)] = 1;
+      for (std::int64_t token = sealed; token < length; ++token) is_read[static_cast<std::size_t>(token)] = 1;
+      read.clear();
+      for (std::int64_t token = 0; token < length; ++token)
+        if (is_read[static_cast<std::size_t>(token)] != 0) {
+          if (!read.empty() && read.back().second == token)
+            ++read.back().second;
+          else
+            read.emplace_back(token, token + 1);
+        }
       const std::size_t first_out = (b * static_cast<std::size_t>(hq) + static_cast<std::size_t>(h) * g) * d;
       for (std::size_t i = 0; i < static_cast<std::size_t>(g) * d; ++i) REQUIRE(std::isfinite(gpu_out[first_out + i]));
       if (!check_exact || read.empty()) continue;
@@ -208,23 +239,80 @@ TEST_CASE("GPU quest with a whole-context budget is select::all, bit for bit; bu
   }
 }
 
-TEST_CASE("GPU quest keeps the host's key bounds and rejects sub-page blocks", "[gpu][select][quest]") {
+TEST_CASE("GPU quest keeps the host's key bounds, per page and per block", "[gpu][select][quest]") {
   if (!gpu_available()) return;
   const cache_config c = small_config(128, 4, dtype::f16, 64);
-  test::twin<format::bitmap_tiles, select::quest> t(c, 3, format::bitmap_tiles{}, quest_of(0.25));
-  t.add(3000, 1);
-  t.append_step();
-  const std::size_t bytes = t.host.engine().page_bounds_bytes();
-  std::vector<std::byte> device_bounds(bytes);
-  for (const page_id page : t.host.pages(t.seqs[0])) {
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_bounds.data(), t.device.engine().bounds_data() + page * bytes, bytes,
-                                   cudaMemcpyDeviceToHost));
-    REQUIRE(std::memcmp(device_bounds.data(), t.host.engine().page_bounds(page, 0, 0), bytes) == 0);
+  for (const int block : {0, 16, 8}) {
+    CAPTURE(block);
+    select::quest s = quest_of(0.25);
+    s.block_tokens = block;
+    test::twin<format::bitmap_tiles, select::quest> t(c, 3, format::bitmap_tiles{}, s);
+    t.add(3000, 1);
+    t.append_step();
+    const std::size_t bytes = t.host.engine().page_bounds_bytes();
+    std::vector<std::byte> device_bounds(bytes);
+    for (const page_id page : t.host.pages(t.seqs[0])) {
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_bounds.data(), t.device.engine().bounds_data() + page * bytes, bytes,
+                                     cudaMemcpyDeviceToHost));
+      REQUIRE(std::memcmp(device_bounds.data(), t.host.engine().page_bounds(page, 0, 0), bytes) == 0);
+    }
   }
-  select::quest sub_page;
-  sub_page.block_tokens = 16;
-  CHECK_THROWS_WITH((cache<format::dense, select::quest, compact::none, backend::cuda>(c, {}, sub_page)),
+  select::quest odd;
+  odd.block_tokens = 12;
+  CHECK_THROWS_WITH((cache<format::dense, select::quest, compact::none, backend::cuda>(c, {}, odd)),
                     Catch::Contains("block_tokens"));
+}
+
+TEST_CASE("GPU quest with blocks smaller than a page: the host's rows, and exact attention over them",
+          "[gpu][select][quest][blocks]") {
+  if (!gpu_available()) return;
+  // (page, block): the TMA kernel (64, 16 and 8; 16, 8), the bulk-copy kernel (48, 16) and four
+  // mask words a page (128, 32).
+  const std::pair<int, int> shapes[] = {{64, 16}, {64, 8}, {16, 8}, {48, 16}, {128, 32}};
+  for (const auto& [page, block] : shapes)
+    for (const int head_dim : {64, 128, 256})
+      for (const int group : {1, 4, 8})
+        for (const double ratio : {1.0 / 16, 1.0 / 4}) {
+          CAPTURE(page, block, head_dim, group, ratio);
+          const cache_config c = small_config(head_dim, group, dtype::bf16, page);
+          select::quest s = quest_of(ratio);
+          s.block_tokens = block;
+          test::twin<format::dense, select::quest> t(c, 11 + head_dim + group, {}, s);
+          for (const int length : {1, page, 3 * page + 5, 40 * page + 17}) t.add(length, static_cast<std::uint64_t>(length));
+          check_selected_step(t);
+          t.append_step();
+          check_selected_step(t);
+        }
+  SECTION("the portable kernel") {
+    const cache_config c = small_config(128, 4, dtype::f16, 64);
+    select::quest s = quest_of(1.0 / 8);
+    s.block_tokens = 16;
+    test::twin<format::dense, select::quest> t(c, 7, {}, s);
+    t.device.engine().use_portable_kernel();
+    for (const int length : {100, 1000, 5000}) t.add(length, static_cast<std::uint64_t>(length));
+    check_selected_step(t);
+  }
+  SECTION("bitmap_tiles and quant2 with sinks") {
+    for (const int block : {8, 32}) {
+      const cache_config c = small_config(128, 4, dtype::bf16, 64);
+      select::quest s = quest_of(1.0 / 8);
+      s.block_tokens = block;
+      format::bitmap_tiles bt;
+      bt.s_k = bt.s_v = 0.7;
+      test::twin<format::bitmap_tiles, select::quest> t(c, 13, bt, s);
+      format::quant2 q2;
+      q2.sink_tokens = 4;
+      test::twin<format::quant2, select::quest> u(c, 13, q2, s);
+      for (const int length : {30, 700, 3000}) {
+        t.add(length, static_cast<std::uint64_t>(length));
+        u.add(length, static_cast<std::uint64_t>(length));
+      }
+      check_selected_step(t);
+      check_selected_step(u, false);
+      t.append_step();
+      check_selected_step(t);
+    }
+  }
 }
 
 TEST_CASE("GPU quest on small cases (compute-sanitizer)", "[gpu][select][sanitize]") {
@@ -238,4 +326,104 @@ TEST_CASE("GPU quest on small cases (compute-sanitizer)", "[gpu][select][sanitiz
   test::twin<format::quant2, select::quest> u(c, 2, q2, quest_of(0.25));
   for (const int length : {5, 300, 700}) u.add(length, static_cast<std::uint64_t>(length));
   check_selected_step(u, false);
+  select::quest blocks = quest_of(0.25);
+  blocks.block_tokens = 16;
+  test::twin<format::dense, select::quest> v(c, 2, {}, blocks);
+  for (const int length : {5, 300, 700}) v.add(length, static_cast<std::uint64_t>(length));
+  check_selected_step(v);
+  select::sentence_chunks chunks;
+  chunks.budget.ratio = 0.25;
+  for (const auto& b : synthetic::boundary_tokens) chunks.boundaries.push_back(select::boundary{b.id, b.weight});
+  test::twin<format::dense, select::sentence_chunks> w(c, 2, {}, chunks);
+  for (const int length : {5, 300, 700}) w.add(length, static_cast<std::uint64_t>(length));
+  for (int step = 0; step < 3; ++step) w.append_step();
+  check_selected_step(w);
+}
+
+namespace {
+
+select::sentence_chunks chunks_of(double ratio) {
+  select::sentence_chunks s;
+  s.budget.ratio = ratio;
+  for (const auto& b : synthetic::boundary_tokens) s.boundaries.push_back(select::boundary{b.id, b.weight});
+  return s;
+}
+
+/// The device closed the host's chunks, for every sequence.
+template <class Format>
+void check_chunk_counts(test::twin<Format, select::sentence_chunks>& t) {
+  for (const sequence_id seq : t.seqs)
+    REQUIRE(t.device.engine().chunk_count(seq) == static_cast<std::int32_t>(t.host.chunks(seq).size()));
+}
+
+}  // namespace
+
+TEST_CASE("GPU sentence_chunks: the host's chunks and rows, and exact attention over them", "[gpu][select][chunks]") {
+  if (!gpu_available()) return;
+  for (const int page : {64, 16})
+    for (const dtype storage : {dtype::bf16, dtype::f16})
+      for (const int head_dim : {64, 128, 256})
+        for (const int group : {1, 4, 8})
+          for (const double ratio : {1.0 / 16, 1.0 / 4}) {
+            CAPTURE(page, to_string(storage), head_dim, group, ratio);
+            const cache_config c = small_config(head_dim, group, storage, page);
+            select::sentence_chunks s = chunks_of(ratio);
+            s.combine = group == 4 ? group_combine::sum : group_combine::max;
+            test::twin<format::dense, select::sentence_chunks> t(c, 23 + head_dim + group, {}, s);
+            for (const int length : {1, 10, 23, page, 3 * page + 5, 40 * page + 17})
+              t.add(length, static_cast<std::uint64_t>(length));
+            check_chunk_counts(t);
+            check_selected_step(t);
+            for (int step = 0; step < 24; ++step) t.append_step();  // closes chunks one token at a time
+            check_chunk_counts(t);
+            check_selected_step(t);
+          }
+  SECTION("bitmap_tiles and quant2 with sinks, and the portable kernel") {
+    const cache_config c = small_config(128, 4, dtype::bf16, 64);
+    format::bitmap_tiles bt;
+    bt.s_k = bt.s_v = 0.7;
+    test::twin<format::bitmap_tiles, select::sentence_chunks> t(c, 29, bt, chunks_of(1.0 / 8));
+    format::quant2 q2;
+    q2.sink_tokens = 4;
+    test::twin<format::quant2, select::sentence_chunks> u(c, 29, q2, chunks_of(1.0 / 8));
+    test::twin<format::dense, select::sentence_chunks> v(c, 29, {}, chunks_of(1.0 / 8));
+    v.device.engine().use_portable_kernel();
+    for (const int length : {30, 700, 3000}) {
+      t.add(length, static_cast<std::uint64_t>(length));
+      u.add(length, static_cast<std::uint64_t>(length));
+      v.add(length, static_cast<std::uint64_t>(length));
+    }
+    check_selected_step(t);
+    check_selected_step(u, false);
+    check_selected_step(v);
+    for (int step = 0; step < 20; ++step) {
+      t.append_step();
+      u.append_step();
+    }
+    check_chunk_counts(t);
+    check_chunk_counts(u);
+    check_selected_step(t);
+    check_selected_step(u, false);
+  }
+  SECTION("forks copy their chunks; removed sequences free theirs") {
+    const cache_config c = small_config(128, 4, dtype::bf16, 64);
+    test::twin<format::dense, select::sentence_chunks> t(c, 31, {}, chunks_of(1.0 / 8));
+    t.add(2000, 1);
+    t.add(500, 2);
+    const sequence_id host_child = t.host.fork_sequence(t.seqs[0]);
+    const sequence_id device_child = t.device.fork_sequence(t.seqs[0]);
+    REQUIRE(host_child == device_child);
+    t.seqs.push_back(host_child);
+    t.streams.push_back(1);  // the child continues the parent's stream
+    for (int step = 0; step < 30; ++step) t.append_step();
+    check_chunk_counts(t);
+    check_selected_step(t);
+    t.host.remove_sequence(t.seqs[1]);
+    t.device.remove_sequence(t.seqs[1]);
+    t.seqs.erase(t.seqs.begin() + 1);
+    t.streams.erase(t.streams.begin() + 1);
+    t.add(900, 3);  // reuses the freed slot
+    check_chunk_counts(t);
+    check_selected_step(t);
+  }
 }

@@ -75,10 +75,18 @@ struct twin {
         device.set_key_weights(d, w);
       }
     }
-    host.prefill(h, test::k_view(kv), test::v_view(kv));
     device_array<float> k(kv.k), v(kv.v);
-    device.prefill(d, tensor_view<const float, 3>(k.data(), tokens, kv.num_kv_heads, kv.head_dim),
-                   tensor_view<const float, 3>(v.data(), tokens, kv.num_kv_heads, kv.head_dim));
+    const tensor_view<const float, 3> dk(k.data(), tokens, kv.num_kv_heads, kv.head_dim);
+    const tensor_view<const float, 3> dv(v.data(), tokens, kv.num_kv_heads, kv.head_dim);
+    if constexpr (selector_traits<Selector>::needs_token_ids) {
+      const auto ids = synthetic::generate_tokens(generator, stream, tokens).ids;
+      const span<const std::int32_t> id_span(ids.data(), tokens);
+      host.prefill(h, test::k_view(kv), test::v_view(kv), id_span);
+      device.prefill(d, dk, dv, id_span);
+    } else {
+      host.prefill(h, test::k_view(kv), test::v_view(kv));
+      device.prefill(d, dk, dv);
+    }
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     streams.push_back(stream);
     seqs.push_back(h);
@@ -88,18 +96,30 @@ struct twin {
   /// One decode token for every sequence, on both backends.
   void append_step() {
     std::vector<float> k, v;
+    std::vector<std::int32_t> token_ids;
     for (std::size_t b = 0; b < seqs.size(); ++b) {
-      const auto row = synthetic::generate_kv(generator, streams[b], static_cast<int>(host.length(seqs[b])), 1);
+      const int position = static_cast<int>(host.length(seqs[b]));
+      const auto row = synthetic::generate_kv(generator, streams[b], position, 1);
       k.insert(k.end(), row.k.begin(), row.k.end());
       v.insert(v.end(), row.v.begin(), row.v.end());
+      if constexpr (selector_traits<Selector>::needs_token_ids)
+        token_ids.push_back(synthetic::generate_tokens(generator, streams[b], position + 1).ids.back());
     }
     const auto batch = static_cast<std::int64_t>(seqs.size());
     const span<const sequence_id> ids(seqs.data(), batch);
-    host.append(ids, tensor_view<const float, 3>(k.data(), batch, config.num_kv_heads, config.head_dim),
-                tensor_view<const float, 3>(v.data(), batch, config.num_kv_heads, config.head_dim));
+    const tensor_view<const float, 3> hk(k.data(), batch, config.num_kv_heads, config.head_dim);
+    const tensor_view<const float, 3> hv(v.data(), batch, config.num_kv_heads, config.head_dim);
     device_array<float> dk(k), dv(v);
-    device.append(ids, tensor_view<const float, 3>(dk.data(), batch, config.num_kv_heads, config.head_dim),
-                  tensor_view<const float, 3>(dv.data(), batch, config.num_kv_heads, config.head_dim));
+    const tensor_view<const float, 3> gk(dk.data(), batch, config.num_kv_heads, config.head_dim);
+    const tensor_view<const float, 3> gv(dv.data(), batch, config.num_kv_heads, config.head_dim);
+    if constexpr (selector_traits<Selector>::needs_token_ids) {
+      const span<const std::int32_t> id_span(token_ids.data(), batch);
+      host.append(ids, hk, hv, id_span);
+      device.append(ids, gk, gv, id_span);
+    } else {
+      host.append(ids, hk, hv);
+      device.append(ids, gk, gv);
+    }
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
   }
 

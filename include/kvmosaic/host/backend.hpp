@@ -209,8 +209,10 @@ class engine {
 
  public:
   /// `bounds_block_tokens` > 0 keeps the key bounds of every block of that many tokens of each
-  /// sealed page (for `select::quest`).
-  engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0)
+  /// sealed page (for `select::quest`). Sentence chunks' bounds are the cache's on this backend
+  /// (`chunk_list`), so the chunk limits are unused.
+  engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
+         detail::chunk_limits = {})
       : shape_(shape),
         format_(format),
         geometry_(shape, format),

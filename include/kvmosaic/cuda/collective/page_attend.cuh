@@ -62,20 +62,24 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
   static_assert(Threads % 32 == 0 && rows >= 1, "Threads must be whole warps covering at least one row");
 
   /// Folds tokens [0, n) of the K rows at `k` and the V rows at `v` (in memory space `Space`) into
-  /// `s`. Every thread of the CTA calls it with the same n (the shuffles need the whole warp).
+  /// `s`: those whose bit is set in `rows_read` (bit t % 32 of word t / 32), or all of them when it
+  /// is null; the others are neither loaded nor counted. Every thread of the CTA calls it with the
+  /// same n (the shuffles need the whole warp).
   template <class Space = from_global>
   __device__ __forceinline__ static void fold(const std::byte* __restrict__ k, const std::byte* __restrict__ v,
-                                              int n, thread_state<Group>& s) {
+                                              int n, thread_state<Group>& s, const std::uint32_t* rows_read = nullptr) {
     const int lane = static_cast<int>(threadIdx.x) % lanes_per_row;
     const int row = static_cast<int>(threadIdx.x) / lanes_per_row;
     const std::byte* k_lane = k + lane * 16;
     const std::byte* v_lane = v + lane * 16;
     for (int t0 = 0; t0 < n; t0 += rows * Unroll) {
       uint4 k_raw[Unroll], v_raw[Unroll];
+      bool read[Unroll];
 #pragma unroll
       for (int u = 0; u < Unroll; ++u) {
         const int t = t0 + row + rows * u;
-        if (t < n) {
+        read[u] = t < n && (rows_read == nullptr || ((rows_read[t >> 5] >> (t & 31)) & 1u) != 0);
+        if (read[u]) {
           k_raw[u] = Space::load(k_lane + static_cast<std::size_t>(t) * row_bytes);
           v_raw[u] = Space::load(v_lane + static_cast<std::size_t>(t) * row_bytes);
         } else {
@@ -102,6 +106,12 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
         for (int g = 0; g < Group; ++g)
 #pragma unroll
           for (int u = 0; u < Unroll; ++u) logit[g][u] += __shfl_xor_sync(0xffffffffu, logit[g][u], offset);
+      }
+      if (rows_read != nullptr) {  // a row not read counts as a logit of -inf: p = 0
+#pragma unroll
+        for (int u = 0; u < Unroll; ++u)
+#pragma unroll
+          for (int g = 0; g < Group; ++g) logit[g][u] = read[u] ? logit[g][u] : -HUGE_VALF;
       }
       update(logit, v_raw, t0, row, n, s);
     }

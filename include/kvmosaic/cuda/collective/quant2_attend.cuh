@@ -116,10 +116,13 @@ class quant2_warp_attend {
 
   /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quant2 K and
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
-  /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0.
+  /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0,
+  /// and so do those whose bit in `rows_read` (bit t % 32 of word t / 32; null: all read) is clear.
+  /// The partition must hold a token read (the caller skips the others: `reads_partition`).
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
                                                  const quant2_page_geometry& geometry, int j, const float* q,
-                                                 temp_storage& temp, int masked = 0) {
+                                                 temp_storage& temp, int masked = 0,
+                                                 const std::uint32_t* rows_read = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     quantize_folded_query(k_page, geometry, j, q, group, temp);
     __syncwarp();
@@ -166,12 +169,15 @@ class quant2_warp_attend {
         s[t][e] = logit;
       }
     }
-    if (masked > 0) {  // one page of a sequence: a branch the warp takes together
+    if (masked > 0 || rows_read != nullptr) {  // branches the warp takes together
 #pragma unroll
       for (int t = 0; t < token_tiles; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (j * Partition + t * 16 + g + 8 * (e / 2) < masked) s[t][e] = -HUGE_VALF;
+        for (int e = 0; e < 4; ++e) {
+          const int token = j * Partition + t * 16 + g + 8 * (e / 2);
+          if (token < masked || (rows_read != nullptr && ((rows_read[token >> 5] >> (token & 31)) & 1u) == 0))
+            s[t][e] = -HUGE_VALF;
+        }
     }
 
     // Softmax over the partition: p relative to the partition's max (as the host's page-local
@@ -258,6 +264,20 @@ class quant2_warp_attend {
       }
     }
     __syncwarp();  // temp is rewritten by the next partition
+  }
+
+  /// Whether partition `j` of a page holds a token to fold: past the first `masked` of the page,
+  /// and marked in `rows_read` (null: all).
+  __device__ __forceinline__ static bool reads_partition(const std::uint32_t* rows_read, int j, int masked) {
+    if (rows_read == nullptr) return masked < (j + 1) * Partition;
+    std::uint32_t any = 0;
+#pragma unroll
+    for (int w = 0; w < Partition / 32; ++w) {
+      const int base = (j * (Partition / 32) + w) * 32;
+      const std::uint32_t past_masked = masked <= base ? ~0u : masked - base >= 32 ? 0u : ~((1u << (masked - base)) - 1u);
+      any |= rows_read[base / 32] & past_masked;
+    }
+    return any != 0;
   }
 
   /// Folds `n` (1 to 16) dense rows of the tail (16-bit, [n][HeadDim] from `k_rows`, `v_rows` in

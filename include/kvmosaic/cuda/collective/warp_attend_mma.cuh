@@ -69,9 +69,10 @@ struct warp_attend_mma {
   }
 
   /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory,
-  /// `n` valid tokens in the stage) into the state. Whole-warp: every lane calls it.
+  /// `n` valid tokens in the stage) into the state: those of the first n whose bit in `rows_read`
+  /// (bit r: token first + r) is set. Whole-warp: every lane calls it.
   __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
-                                       int first, int n) {
+                                       int first, int n, std::uint32_t rows_read = 0xffffu) {
     const int quad = lane() % 4, i = lane();
     float s[2][4];
 #pragma unroll
@@ -100,7 +101,8 @@ struct warp_attend_mma {
     for (int tile = 0; tile < 2; ++tile)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        if (first + 8 * tile + 2 * quad + e >= n) s[tile][e] = -HUGE_VALF;
+        const int r = 8 * tile + 2 * quad + e;
+        if (first + r >= n || ((rows_read >> r) & 1u) == 0) s[tile][e] = -HUGE_VALF;
         tile_max = fmaxf(tile_max, s[tile][e]);
       }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));

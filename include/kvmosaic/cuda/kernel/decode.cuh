@@ -48,6 +48,15 @@ struct decode_params {
   const std::int32_t* tail_slots;     ///< [batch]
   const std::int32_t* tail_rows;      ///< [batch]
   const split_work* work;             ///< [splits this step]; the grid may be larger (graph replay)
+  /// Token-granular selections (sub-page `select::quest` blocks, `select::sentence_chunks`): per
+  /// entry of `block_tables`, `mask_words` 32-bit words whose bit r of word w says page row
+  /// 32 w + r is read. Null: every row of every listed page.
+  const std::uint32_t* token_masks;
+  int mask_words;
+  /// Null, or [batch][num_kv_heads]: the entries a selection wrote in each table, at most the
+  /// plan's `planned_pages[b]`; the splits of a sequence then share them in proportion.
+  const std::int32_t* table_lengths;
+  const std::int32_t* planned_pages;  ///< [batch] the entries the split plan covers
   const std::int32_t* partial_offset; ///< [batch + 1]
 
   const float* q;                     ///< [batch][num_q_heads][head_dim]
@@ -77,6 +86,33 @@ namespace detail_decode {
 __device__ __forceinline__ const std::int32_t* page_table(const decode_params& p, int batch, int head) {
   return p.block_tables + static_cast<std::size_t>(batch) * p.step_header[1] +
          static_cast<std::size_t>(head) * p.step_header[2];
+}
+
+/// The entries [begin, end) of its page table that a split reads: the plan's, or, when a
+/// selection wrote fewer entries than planned, the same share of those it wrote.
+struct split_pages {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ split_pages pages_of_split(const decode_params& p, const split_work& w, int head) {
+  if (p.table_lengths == nullptr) return {w.page_begin, w.page_end};
+  const std::int64_t planned = p.planned_pages[w.batch_index];
+  const std::int64_t written = p.table_lengths[static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head];
+  if (planned == 0) return {0, 0};
+  return {static_cast<int>(w.page_begin * written / planned), static_cast<int>(w.page_end * written / planned)};
+}
+
+/// The row mask of entry `entry` of the page table of (`batch`, `head`) (null: every row read).
+__device__ __forceinline__ const std::uint32_t* page_rows_read(const decode_params& p, int batch, int head, int entry) {
+  if (p.token_masks == nullptr) return nullptr;
+  return p.token_masks + (static_cast<std::size_t>(batch) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2] +
+                          static_cast<std::size_t>(entry)) * p.mask_words;
+}
+
+/// The 16 bits of a row mask for rows [first, first + 16) (first a multiple of 16); all set for
+/// a null mask.
+__device__ __forceinline__ std::uint32_t sixteen_rows_read(const std::uint32_t* rows_read, int first) {
+  return rows_read == nullptr ? 0xffffu : (rows_read[first >> 5] >> (first & 31)) & 0xffffu;
 }
 
 /// Loads this thread's slice of the group's queries, pre-multiplied by the softmax scale, and
@@ -126,7 +162,8 @@ __device__ __forceinline__ void merge_and_write_partial(const decode_params& p, 
       const merge_weights<float> mw = total.merge(part);
       o = o * mw.self + temp.o[r][g][c] * mw.other;
     }
-    p.partial_o[(partial_base + g) * HeadDim + c] = o / total.l;
+    // A split that a selection left without a token is the empty state: it merges as nothing.
+    p.partial_o[(partial_base + g) * HeadDim + c] = total.l > 0.0f ? o / total.l : 0.0f;
     if (c == 0) p.partial_lse[partial_base + g] = total.log_sum_exp();
   }
 }
@@ -153,10 +190,11 @@ __device__ __forceinline__ void write_partial(const decode_params& p, int work_i
 
 /// The sm_90 kernels' prologue: the split's page ids to shared memory (all threads) and one
 /// mbarrier per stage (thread 0). A barrier must follow before either is used.
-__device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, int head, int threads,
-                                                  int stages, std::int32_t* ids, std::uint64_t* full) {
-  const int num_pages = w.page_end - w.page_begin;
-  const std::int32_t* table = page_table(p, w.batch_index, head) + w.page_begin;
+__device__ __forceinline__ void stage_split_pages(const decode_params& p, const split_work& w, const split_pages& range,
+                                                  int head, int threads, int stages, std::int32_t* ids,
+                                                  std::uint64_t* full) {
+  const int num_pages = range.end - range.begin;
+  const std::int32_t* table = page_table(p, w.batch_index, head) + range.begin;
   for (int i = static_cast<int>(threadIdx.x); i < num_pages; i += threads) ids[i] = table[i];
   if (threadIdx.x == 0)
     for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
@@ -207,13 +245,14 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const decode_pa
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
 
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
-  std::int32_t next_page = w.page_begin < w.page_end ? table[w.page_begin] : 0;
-  for (int i = w.page_begin; i < w.page_end; ++i) {
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  std::int32_t next_page = range.begin < range.end ? table[range.begin] : 0;
+  for (int i = range.begin; i < range.end; ++i) {
     const std::int32_t page = next_page;
-    if (i + 1 < w.page_end) next_page = table[i + 1];  // in flight while this page is read
+    if (i + 1 < range.end) next_page = table[i + 1];  // in flight while this page is read
     const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
     collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                     p.page_size, s);
+                     p.page_size, s, detail_decode::page_rows_read(p, w.batch_index, head, i));
   }
   if (w.with_tail) {
     const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
@@ -267,8 +306,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   const split_work w = p.work[work_index];
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
-  const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages(p, w, head, Threads, Stages, ids, full);
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const int num_pages = range.end - range.begin;
+  detail_decode::stage_split_pages(p, w, range, head, Threads, Stages, ids, full);
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
@@ -318,6 +358,18 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
     detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
     scorer.score(k_stages + buffer * layout::stage_bytes, warp * (StageTokens / warps), logits, StageTokens);
     __syncthreads();  // the stage's logits are complete
+    if (p.token_masks != nullptr) {  // a token-granular selection: rows it did not pick get -inf
+      const int first = stage * StageTokens;
+      for (int index = tid; index < Group * n; index += Threads) {
+        const int t = first + index % n;
+        if (t >= page_tokens) continue;
+        const std::uint32_t* rows_read =
+            detail_decode::page_rows_read(p, w.batch_index, head, range.begin + t / p.page_size);
+        const int row = t % p.page_size;
+        if (((rows_read[row >> 5] >> (row & 31)) & 1u) == 0) logits[(index / n) * StageTokens + index % n] = -HUGE_VALF;
+      }
+      __syncthreads();
+    }
     collective::template fold_scored<from_shared>(logits, StageTokens, v_stages + buffer * layout::stage_bytes, n, s);
     __syncthreads();  // every thread is done with this buffer (and the logits) before refills
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
@@ -369,8 +421,9 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const split_work w = p.work[work_index];
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
-  const int num_pages = w.page_end - w.page_begin;
-  detail_decode::stage_split_pages(p, w, head, threads, Stages, ids, full);
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const int num_pages = range.end - range.begin;
+  detail_decode::stage_split_pages(p, w, range, head, threads, Stages, ids, full);
   __syncthreads();
 
   const int page_size = p.page_size;
@@ -428,8 +481,16 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
     detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
     // A warp whose 16 rows start past the stage's last token skips it: no box wrote those rows,
     // and stale shared memory could hold non-finite bits that p = 0 would not cancel (0 x NaN).
-    if (warp * 16 < n)
-      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, n);
+    // So does a warp none of whose rows a token-granular selection picked.
+    const int row0 = stage * StageTokens + warp * 16;
+    const std::uint32_t rows_read =
+        row0 < page_tokens ? detail_decode::sixteen_rows_read(
+                                 detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
+                                 row0 % page_size)
+                           : 0xffffu;
+    if (warp * 16 < n && rows_read != 0)
+      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, n,
+                 rows_read);
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }

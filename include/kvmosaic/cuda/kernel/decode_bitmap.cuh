@@ -72,12 +72,13 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   const split_work w = p.work[work_index];
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
-  const int num_pages = w.page_end - w.page_begin;
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const int num_pages = range.end - range.begin;
   const int stages = p.stages;
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
   const int tiles = p.page_size * HeadDim / 64;
-  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + w.page_begin;
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   if (tid == 0)
     for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
   // Thread 0: the compressed K and V pages of split page i into slot i % stages (page ids are
@@ -107,11 +108,13 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
     detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
     const shared_bitmap_page k_page(compressed + slot * stage_bytes, tiles);
     const shared_bitmap_page v_page(compressed + slot * stage_bytes + k_bytes, tiles);
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += segment) {
       expand::scatter(k_page, v_page, p.page_size, first, k_tile, v_tile);
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
-      state.fold(k_tile, v_tile, query_tiles, warp * 16, segment);
+      const std::uint32_t warp_rows = detail_decode::sixteen_rows_read(rows_read, first + warp * 16);
+      if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, segment, warp_rows);
       __syncwarp();  // every lane's ldmatrix reads of these rows are done before any lane clears them
       expand::zero_rows_of_warp(k_tile, v_tile, warp * 16, 16);
       __syncthreads();  // the tiles are zero again
@@ -171,8 +174,10 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
   const int tiles = p.page_size * HeadDim / 64;
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
-  for (int i = w.page_begin; i < w.page_end; ++i) {
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  for (int i = range.begin; i < range.end; ++i) {
     const std::byte* slot = p.pages + static_cast<std::size_t>(table[i]) * p.page_slot_bytes;
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
     const global_bitmap_page k_page{slot + head * p.k_page_bytes, tiles};
     const global_bitmap_page v_page{slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes, tiles};
     for (int first = 0; first < p.page_size; first += segment) {
@@ -180,7 +185,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
       __syncthreads();
       expand::scatter(k_page, v_page, p.page_size, first, k_tile, v_tile);
       __syncthreads();
-      collective::template fold<from_shared>(k_tile, v_tile, segment, s);
+      collective::template fold<from_shared>(k_tile, v_tile, segment, s,
+                                             rows_read == nullptr ? nullptr : rows_read + first / 32);
       __syncthreads();
     }
   }

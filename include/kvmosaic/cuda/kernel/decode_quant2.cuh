@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   state.start(group, temp);
   __syncthreads();  // q and the barriers are ready
 
-  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + w.page_begin;
-  const int num_pages = w.page_end - w.page_begin;
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
+  const int num_pages = range.end - range.begin;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant2_page_geometry geometry = quant2_page_geometry::of(p.page_size, HeadDim, Partition);
   const auto page_of = [&](int k) {
@@ -118,12 +119,15 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
     // The sequence's first page (warp 0's first page of the split that starts the sequence, when
     // it is the sequence's page 0: a selection may skip it) masks its sink tokens: they are
     // attended below, as the dense rows the tail slot keeps.
-    const int masked = k == 0 && warp == 0 && w.page_begin == 0 && p.sink_rows > 0 &&
+    const int masked = k == 0 && warp == 0 && range.begin == 0 && p.sink_rows > 0 &&
                                table[0] == p.sequence_tables[static_cast<std::size_t>(w.batch_index) * p.step_header[3]]
                            ? p.sink_rows
                            : 0;
+    const std::uint32_t* rows_read =
+        detail_decode::page_rows_read(p, w.batch_index, head, range.begin + warp + k * warps);
     for (int j = 0; j < geometry.per_channel; ++j)
-      state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0);
+      if (attend::reads_partition(rows_read, j, j == 0 ? masked : 0))
+        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read);
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
       if (lane == 0 && k + stages < my_pages) issue(k + stages);

@@ -24,19 +24,40 @@
 namespace kvmosaic::cuda::kernel {
 
 /// What the selection kernels read and write. Tables and scores are rows of the step metadata.
+///
+/// The scoring kernel sees a sequence as `span_counts[b]` spans with key bounds: span i lies in
+/// entry i / spans_per_entry of its span table, whose bounds are a block of `bounds_entry_bytes`:
+/// [num_kv_heads][spans_per_entry][lo row, hi row]. For `select::quest` the entries are the pages
+/// (spans_per_entry = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
 struct select_params {
-  const std::byte* bounds;            ///< [max_pages][num_kv_heads][lo row, hi row] in the storage dtype
-  std::int64_t bounds_page_bytes;     ///< one page's bounds, every KV head
+  const std::byte* bounds;            ///< bounds arena, in the storage dtype
+  std::int64_t bounds_entry_bytes;    ///< one entry's bounds, every KV head
+  int spans_per_entry;
+  const std::int32_t* span_tables;    ///< [batch][span_table_stride] entry ids
+  int span_table_stride;
+  const std::int32_t* span_counts;    ///< [batch] spans of each sequence
+  int score_stride;                   ///< scores of (b, head) at (b * num_kv_heads + head) * score_stride
   const std::int32_t* step_header;    ///< [1] selected-table row stride, [2] its head stride, [3] block-table stride
   const std::int32_t* block_tables;   ///< [batch][header[3]] each sequence's page ids
   const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has
-  const std::int32_t* budget_pages;   ///< [batch] pages each KV head reads (at most sealed_pages)
+  const std::int32_t* budget_pages;   ///< [batch] pages each KV head reads (at most sealed_pages; whole pages)
   const float* q;                     ///< [batch][num_kv_heads * group_size][head_dim], unscaled
   int num_kv_heads;
   int group_size;
   int combine_sum;                    ///< 1: group_combine::sum, 0: group_combine::max
-  float* scores;                      ///< [batch][num_kv_heads][header[3]]
+  float* scores;                      ///< [batch][num_kv_heads][score_stride]
   std::int32_t* selected;             ///< [batch][header[1]]: per KV head, header[2] apart, the chosen page ids
+
+  // Token-granular selection (`select_spans_kernel`) only.
+  int span_tokens;                    ///< > 0: span i is tokens [i * span_tokens, (i + 1) * span_tokens)
+  const int2* span_ranges;            ///< span_tokens == 0: {begin, end} per span slot (entry * spans_per_entry + k)
+  const std::int32_t* budget_tokens;  ///< [batch] tokens each KV head's chosen spans may hold
+  const std::int32_t* always_from;    ///< [batch] sealed tokens from here on are read whatever the selection
+  int page_size;
+  int mask_words;                     ///< 32-bit row-mask words per page
+  std::uint32_t* marks;               ///< scratch: [batch][num_kv_heads][header[3]][mask_words]
+  std::uint32_t* token_masks;         ///< [batch][header[1]] entries of `selected` (head h at h * header[2]) x mask_words
+  std::int32_t* table_lengths;        ///< [batch][num_kv_heads] entries written to `selected`
 };
 
 /// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
@@ -69,21 +90,23 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
   __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
-  const int pages = p.sealed_pages[b];
+  const int pages = p.span_counts[b];  // spans: pages, page blocks or chunks
   const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
   if (cta_first >= pages) return;  // the whole CTA: before the barrier below
   const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
   for (int i = static_cast<int>(threadIdx.x); i < p.group_size * HeadDim; i += score_warps * 32) queries[i] = q[i];
   const int first = cta_first + warp * per_warp;
-  const int stride = p.step_header[3];
+  const int per_entry = p.spans_per_entry;
   std::int32_t ids[per_warp];
 #pragma unroll
-  for (int k = 0; k < per_warp; ++k) ids[k] = p.block_tables[static_cast<std::size_t>(b) * stride + min(first + k, pages - 1)];
+  for (int k = 0; k < per_warp; ++k)
+    ids[k] = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + min(first + k, pages - 1) / per_entry];
   float low[per_warp][width], high[per_warp][width];
 #pragma unroll
   for (int k = 0; k < per_warp; ++k) {
-    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_page_bytes) +
-                  static_cast<std::size_t>(head) * 2 * HeadDim + lane * width;
+    const int in_entry = min(first + k, pages - 1) % per_entry;
+    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_entry_bytes) +
+                  (static_cast<std::size_t>(head) * per_entry + in_entry) * 2 * HeadDim + lane * width;
     detail_select::load_floats<T, width>(lo, low[k]);
     detail_select::load_floats<T, width>(lo + HeadDim, high[k]);
   }
@@ -111,7 +134,7 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
     float mine = combined[0];
 #pragma unroll
     for (int k = 1; k < per_warp; ++k) mine = lane == k ? combined[k] : mine;
-    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride + first + lane] = mine;
+    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + first + lane] = mine;
   }
 }
 
@@ -123,6 +146,7 @@ __device__ __forceinline__ std::uint32_t order_key(float score) {
   if (score == 0.0f) u = 0u;
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
+
 }  // namespace detail_select
 
 /// Threads per CTA of the selection kernel: one per radix bin.
@@ -150,9 +174,8 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const int n = p.sealed_pages[b];
   const int k = min(p.budget_pages[b], n);
   if (k <= 0) return;
-  const int stride = p.step_header[3];
-  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * stride;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * stride;
+  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
   if (keys_in_shared) {
     for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);
@@ -211,6 +234,158 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   }
 }
 
+namespace detail_select {
+/// Sets the row-mask bits of tokens [from, to) of a sequence whose page p's mask is
+/// marks[p * words .. (p + 1) * words): one atomicOr per word touched.
+__device__ __forceinline__ void mark_rows(std::uint32_t* marks, int words, int page_size, int from, int to) {
+  for (int t = from; t < to;) {
+    const int page = t / page_size, row = t % page_size;
+    const int word_end = min((row / 32 + 1) * 32, page_size);
+    const int n = min(to - t, word_end - row);
+    const std::uint32_t bits = (n == 32 ? ~0u : ((1u << n) - 1u)) << (row % 32);
+    atomicOr(&marks[page * words + row / 32], bits);
+    t += n;
+  }
+}
+}  // namespace detail_select
+
+/// Dynamic shared memory of `select_spans_kernel` to cache the keys and token counts of `spans`
+/// spans (6 bytes each).
+inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15) / 16 * 16; }
+
+/// The token-granular selection of each (sequence b, KV head): sub-page `select::quest` blocks or
+/// `select::sentence_chunks` chunks. It takes the longest prefix of the spans' score order (higher
+/// first, ties to the lower index) whose token counts fit budget_tokens[b] (the host's
+/// `detail::budget_prefix`), by a radix select whose histograms count tokens rather than spans
+/// (4 passes of 8 bits; the spans at the threshold key then go in index order by a block scan).
+/// It marks the rows of the chosen spans and every sealed row from always_from[b] on, per page,
+/// then writes the pages with a marked row, in sequence order, with their row masks: the split
+/// kernels' table (`table_lengths` entries). Each span's key and token count are read from
+/// global memory once, into shared memory, when `cached` (dynamic shared memory:
+/// span_select_shared_bytes(spans)); else re-read at each pass.
+/// Grid: (batch, num_kv_heads).
+template <int Threads>
+__global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached) {
+  static_assert(Threads == 256, "one thread per radix bin");
+  using scan = cub::BlockScan<int, Threads>;
+  __shared__ typename scan::TempStorage scan_storage;
+  __shared__ int histogram[256];
+  __shared__ std::uint32_t shared_digit;
+  __shared__ int shared_remaining, shared_total;
+  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int n = p.span_counts[b], sealed = p.sealed_pages[b], words = p.mask_words;
+  const int sealed_tokens = sealed * p.page_size;
+  const int budget = max(p.budget_tokens[b], 0);
+  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
+  std::uint32_t* marks = p.marks + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.step_header[3] * words;
+  const auto range = [&](int i) {
+    if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
+    const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];
+    return p.span_ranges[static_cast<std::size_t>(entry) * p.spans_per_entry + i % p.spans_per_entry];
+  };
+  extern __shared__ std::uint32_t span_keys[];  // [n] keys, then [n] 16-bit token counts when cached
+  auto* span_tokens = reinterpret_cast<std::uint16_t*>(span_keys + (cached ? n : 0));
+  for (int i = tid; i < sealed * words; i += Threads) marks[i] = 0u;
+  if (tid == 0) shared_total = 0;
+  int mine = 0;
+  if (cached) {
+#pragma unroll 4
+    for (int i = tid; i < n; i += Threads) {  // independent loads: many in flight per thread
+      const int2 r = range(i);
+      span_keys[i] = detail_select::order_key(scores[i]);
+      span_tokens[i] = static_cast<std::uint16_t>(r.y - r.x);
+      mine += r.y - r.x;
+    }
+  } else {
+    for (int i = tid; i < n; i += Threads) {
+      const int2 r = range(i);
+      mine += r.y - r.x;
+    }
+  }
+  __syncthreads();  // marks are zero before anything is marked; the total starts at 0; keys cached
+  atomicAdd(&shared_total, mine);
+  __syncthreads();
+  const bool take_all = shared_total <= budget;
+  const auto key_at = [&](int i) { return cached ? span_keys[i] : detail_select::order_key(scores[i]); };
+  const auto tokens_of = [&](int i) {
+    if (cached) return static_cast<int>(span_tokens[i]);
+    const int2 r = range(i);
+    return r.y - r.x;
+  };
+
+  // The threshold key: the spans above it fit the budget, and adding all those at it would not.
+  std::uint32_t threshold = 0;
+  int remaining = budget;
+  if (!take_all) {
+    std::uint32_t prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      histogram[tid] = 0;
+      __syncthreads();
+      for (int i = tid; i < n; i += Threads) {
+        const std::uint32_t key = key_at(i);
+        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], tokens_of(i));
+      }
+      __syncthreads();
+      // Thread t holds bin 255 - t: an inclusive scan gives the tokens at or above each bin.
+      const int tokens = histogram[255 - tid];
+      int at_or_above = 0;
+      scan(scan_storage).InclusiveSum(tokens, at_or_above);
+      if (at_or_above > remaining && at_or_above - tokens <= remaining) {
+        shared_digit = static_cast<std::uint32_t>(255 - tid);
+        shared_remaining = remaining - (at_or_above - tokens);
+      }
+      __syncthreads();
+      prefix |= shared_digit << shift;
+      remaining = shared_remaining;
+      mask |= 255u << shift;
+      __syncthreads();  // the histogram and shared_digit are rewritten by the next pass
+    }
+    threshold = prefix;
+  }
+  // Mark the chosen spans: those above the threshold, and the longest run of those at it (in
+  // index order) that fits what is left of the budget.
+  int ties_before = 0;
+  for (int base = 0; base < n; base += Threads) {
+    const int i = base + tid;
+    const std::uint32_t key = i < n ? key_at(i) : 0u;
+    const int tokens = i < n ? tokens_of(i) : 0;
+    const bool is_tie = !take_all && i < n && key == threshold;
+    int tie_tokens_before = 0, tie_tokens = 0;
+    scan(scan_storage).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
+    const bool chosen = i < n && (take_all || key > threshold ||
+                                  (is_tie && ties_before + tie_tokens_before + tokens <= remaining));
+    if (chosen) {
+      const int2 r = range(i);
+      detail_select::mark_rows(marks, words, p.page_size, r.x, min(r.y, sealed_tokens));
+    }
+    ties_before += tie_tokens;
+    __syncthreads();  // the scan storage is reused
+  }
+  if (tid == 0) detail_select::mark_rows(marks, words, p.page_size, max(p.always_from[b], 0), sealed_tokens);
+  __syncthreads();  // every mark is in
+
+  // The pages with a marked row, in sequence order, with their masks.
+  const std::size_t out_row = static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+  int written = 0;
+  for (int base = 0; base < sealed; base += Threads) {
+    const int i = base + tid;
+    std::uint32_t any = 0;
+    if (i < sealed)
+      for (int w = 0; w < words; ++w) any |= marks[i * words + w];
+    int position = 0, count = 0;
+    scan(scan_storage).ExclusiveSum(any != 0 ? 1 : 0, position, count);
+    if (any != 0) {
+      const std::size_t entry = out_row + written + position;
+      p.selected[entry] = p.block_tables[static_cast<std::size_t>(b) * p.step_header[3] + i];
+      for (int w = 0; w < words; ++w) p.token_masks[entry * words + w] = marks[i * words + w];
+    }
+    written += count;
+    __syncthreads();
+  }
+  if (tid == 0) p.table_lengths[static_cast<std::size_t>(b) * p.num_kv_heads + head] = written;
+}
+
 }  // namespace kvmosaic::cuda::kernel
 
 namespace kvmosaic::cuda::kernel {
@@ -222,27 +397,29 @@ struct bounds_params {
   std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
   const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
   const std::int32_t* new_pages;      ///< [n] page ids
-  std::byte* bounds;                  ///< [max_pages][num_kv_heads][lo row, hi row]
+  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][lo row, hi row]
   std::int64_t bounds_page_bytes;
-  int page_size;
+  int block_tokens;                   ///< tokens per block: the page size, or a multiple of 8 dividing it
 };
 
-/// The channel-wise min and max of each new page's keys, per KV head (`select::quest` with one
-/// block per page); the same values as the host's `store_key_bounds`. Grid: (n, num_kv_heads),
-/// one thread per channel.
+/// The channel-wise min and max of the keys of each block of each new page, per KV head
+/// (`select::quest`); the same values as the host's `store_key_bounds`.
+/// Grid: (n, num_kv_heads, blocks per page), one thread per channel.
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
   const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
+  const int block = static_cast<int>(blockIdx.z), blocks = static_cast<int>(gridDim.z);
   const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
-                                             static_cast<std::size_t>(head) * p.rows_head_bytes);
+                                             static_cast<std::size_t>(head) * p.rows_head_bytes) +
+                  static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
   float lo = to_float(rows[c]), hi = lo;
-  for (int t = 1; t < p.page_size; ++t) {
+  for (int t = 1; t < p.block_tokens; ++t) {
     const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);
     lo = x < lo ? x : lo;
     hi = x > hi ? x : hi;
   }
   T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
-           static_cast<std::size_t>(head) * 2 * HeadDim;
+           (static_cast<std::size_t>(head) * blocks + block) * 2 * HeadDim;
   out[c] = T(lo);  // exact: lo and hi are stored values
   out[HeadDim + c] = T(hi);
 }
