@@ -110,6 +110,20 @@ void dispatch_quant2(int head_dim, int partition, F&& f) {
   kvmosaic::detail::require(false, "cuda::dispatch_quant2", "head_dim", head_dim, limits::supported_head_dims);
 }
 
+/// `bytes` of dynamic shared memory for a launch of `kernel`, opted in (past the default 48 KB)
+/// right here, next to the launch. A kernel template that several translation units instantiate
+/// may have one handle per unit, and which unit's copy of an inline engine function the linker
+/// keeps is not ours to choose: an opt-in made in another function can land on another unit's
+/// copy of the kernel (the GPU test binary, whose units all instantiate the engines, launched
+/// with "invalid argument" that way). `static_bytes`: the kernel's own shared memory, which counts
+/// towards the 48 KB. Cost: one cudaFuncSetAttribute per launch that needs it.
+template <class Kernel>
+int opted_in_shared(Kernel kernel, int bytes, int static_bytes = 0) {
+  if (bytes + static_bytes > 48 * 1024)
+    KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return bytes;
+}
+
 /// Grid x for a grid-stride loop over `count` items.
 inline unsigned grid_for(std::int64_t count, int threads) {
   return static_cast<unsigned>(std::clamp<std::int64_t>((count + threads - 1) / threads, 1, 65535));
@@ -581,7 +595,7 @@ class engine {
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      kernel<<<grid, threads, shared_bytes, stream_>>>(p);
+      kernel<<<grid, threads, detail::opted_in_shared(kernel, shared_bytes), stream_>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
     detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
@@ -696,16 +710,13 @@ class engine {
       s.marks = marks_.as<std::uint32_t>();
       s.token_masks = token_masks_.as<std::uint32_t>();
       s.table_lengths = table_lengths_.as<std::int32_t>();
-      // Keys and token counts in shared memory when they fit (opting in past 48 KB).
+      // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
       const int longest_span = chunks_.limits.shortest > 0 ? chunks_.limits.longest : bounds_geometry_.block_tokens;
       int bytes = kernel::span_select_shared_bytes(score_stride());
       if (bytes > max_dynamic_shared_ || longest_span > 65535) bytes = 0;
-      if (bytes > span_select_opt_in_) {  // with the static shared memory, past 48 KB needs the opt-in
-        KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel::select_spans_kernel<kernel::select_threads>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-        span_select_opt_in_ = bytes;
-      }
-      kernel::select_spans_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, bytes, stream_>>>(s, bytes > 0 ? 1 : 0);
+      const auto select = kernel::select_spans_kernel<kernel::select_threads>;
+      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream_>>>(
+          s, bytes > 0 ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       return;
     }
@@ -1027,12 +1038,11 @@ class engine {
       e.seed = format_.seed;
       const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);
       const int code_bytes = shape_.page_size * shape_.head_dim;
-      if (code_bytes > 48 * 1024) raise_encode_shared_limit(code_bytes);
       detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
         using S = decltype(element);
         constexpr int head_dim = decltype(dim)::value;
-        kernel::encode_quant2_pages_kernel<S, head_dim>
-            <<<grid, kernel::quant2_encode_threads, code_bytes, stream_>>>(e);
+        const auto encode = kernel::encode_quant2_pages_kernel<S, head_dim>;
+        encode<<<grid, kernel::quant2_encode_threads, detail::opted_in_shared(encode, code_bytes), stream_>>>(e);
         KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       });
       (void)weight_rows;
@@ -1041,14 +1051,6 @@ class engine {
       (void)sink_slots;  // no sinks in other formats
       encode_bitmap_pages(page_ids, weight_rows, n);
     }
-  }
-
-  /// quant2 encode with pages of more than 48 KB of codes (page_size x head_dim bytes).
-  void raise_encode_shared_limit(int bytes) {
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
-      KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel::encode_quant2_pages_kernel<decltype(element), decltype(dim)::value>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    });
   }
 
   void encode_bitmap_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
@@ -1151,7 +1153,6 @@ class engine {
   device_buffer table_lengths_;   ///< [batch][num_kv_heads] entries of selected_ a token-granular step wrote
   chunk_store chunks_;            ///< select::sentence_chunks' chunks (limits.shortest == 0: none)
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
-  int span_select_opt_in_ = 0;    ///< dynamic shared memory select_spans_kernel is opted in to
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
   bool use_bulk_copy_ = false;

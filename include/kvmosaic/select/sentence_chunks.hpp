@@ -45,7 +45,8 @@ struct boundary {
 ///
 /// Cost: 2 x head_dim 16-bit values per chunk and KV head (about 1/7 of the dense K bytes at the
 /// default L = 14; SentKVCompress reports 7% of the KV); per step, reading those bounds and a
-/// budgeted top-k per (sequence, KV head). Host backend so far.
+/// budgeted top-k per (sequence, KV head). Both backends: on CUDA the host cuts the chunks from
+/// the ids (host memory) and the device keeps their bounds (docs/selectors.md).
 struct sentence_chunks {
   using policy_category = selector_tag;
 

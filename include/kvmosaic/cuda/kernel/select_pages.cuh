@@ -147,15 +147,61 @@ __device__ __forceinline__ std::uint32_t order_key(float score) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
+/// Shared memory of `budget_threshold` (its block scan is free for the caller afterwards).
+template <int Threads>
+struct threshold_storage {
+  typename cub::BlockScan<int, Threads>::TempStorage scan;
+  int histogram[256];
+  std::uint32_t digit;
+  int remaining;
+};
+
+/// Where a budget runs out along the order of n keys (higher first), each item weighing
+/// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
+/// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
+/// weights of the items matching the digits so far, then the digit by a block scan over the bins
+/// from the top (thread t holds bin 255 - t). Returns T; `remaining` is the budget left for the
+/// items at T. Needs a total weight above the budget. Whole CTA (one thread per bin).
+template <int Threads, class KeyAt, class WeightOf>
+__device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
+                                                          threshold_storage<Threads>& s, int& remaining) {
+  static_assert(Threads == 256, "one thread per radix bin");
+  const int tid = static_cast<int>(threadIdx.x);
+  std::uint32_t prefix = 0, mask = 0;
+  remaining = budget;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    s.histogram[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += Threads) {
+      const std::uint32_t key = key_at(i);
+      if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 255u], weight_of(i));
+    }
+    __syncthreads();
+    const int weight = s.histogram[255 - tid];
+    int at_or_above = 0;
+    cub::BlockScan<int, Threads>(s.scan).InclusiveSum(weight, at_or_above);
+    if (at_or_above > remaining && at_or_above - weight <= remaining) {
+      s.digit = static_cast<std::uint32_t>(255 - tid);
+      s.remaining = remaining - (at_or_above - weight);
+    }
+    __syncthreads();
+    prefix |= s.digit << shift;
+    remaining = s.remaining;
+    mask |= 255u << shift;
+    __syncthreads();  // the histogram and digit are rewritten by the next pass
+  }
+  return prefix;
+}
 }  // namespace detail_select
 
 /// Threads per CTA of the selection kernel: one per radix bin.
 inline constexpr int select_threads = 256;
 
 /// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
-/// keys, up to 48 KB (12288 pages: 786K tokens at pages of 64; every architecture allows it
-/// without opting in). Longer sequences re-read their scores from L2 at each pass.
-inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 12 * 1024 ? max_pages * 4 : 0; }
+/// keys, up to 44 KB (11264 pages: 720K tokens at pages of 64), which with the kernel's static
+/// shared memory stays within the 48 KB every architecture allows without opting in. Longer
+/// sequences re-read their scores from L2 at each pass.
+inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 * 1024 ? max_pages * 4 : 0; }
 
 /// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order.
 /// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
@@ -164,10 +210,7 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
   static_assert(Threads == 256, "one thread per radix bin");
   using scan = cub::BlockScan<int, Threads>;
-  __shared__ typename scan::TempStorage scan_storage;
-  __shared__ int histogram[256];
-  __shared__ std::uint32_t shared_digit;
-  __shared__ int shared_remaining;
+  __shared__ detail_select::threshold_storage<Threads> storage;
   extern __shared__ std::uint32_t shared_keys[];
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
@@ -183,38 +226,11 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   }
   const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
 
-  // The k-th largest key, 8 bits at a time from the top; then how many keys equal to it the
-  // selection takes (the first ones in sequence order).
+  // The key where a budget of k pages runs out; then how many keys equal to it the selection
+  // takes (the first ones in sequence order).
   std::uint32_t threshold = 0;
   int ties_to_take = 0;
-  if (k < n) {
-    std::uint32_t prefix = 0, mask = 0;
-    int remaining = k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      histogram[tid] = 0;
-      __syncthreads();
-      for (int i = tid; i < n; i += Threads) {
-        const std::uint32_t key = key_at(i);
-        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
-      }
-      __syncthreads();
-      // Thread t holds bin 255 - t: an inclusive scan counts the keys at or above each bin.
-      const int count = histogram[255 - tid];
-      int at_or_above = 0;
-      scan(scan_storage).InclusiveSum(count, at_or_above);
-      if (at_or_above >= remaining && at_or_above - count < remaining) {
-        shared_digit = static_cast<std::uint32_t>(255 - tid);
-        shared_remaining = remaining - (at_or_above - count);
-      }
-      __syncthreads();
-      prefix |= shared_digit << shift;
-      remaining = shared_remaining;
-      mask |= 255u << shift;
-      __syncthreads();  // the histogram and shared_digit are rewritten by the next pass
-    }
-    threshold = prefix;
-    ties_to_take = remaining;
-  }
+  if (k < n) threshold = detail_select::budget_threshold(n, k, key_at, [](int) { return 1; }, storage, ties_to_take);
   // Compaction in sequence order.
   int ties_before = 0, written = 0;
   for (int base = 0; base < n; base += Threads) {
@@ -222,11 +238,11 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
     const std::uint32_t key = i < n ? key_at(i) : 0u;
     const int is_tie = i < n && k < n && key == threshold;
     int tie_rank = 0, ties = 0;
-    scan(scan_storage).ExclusiveSum(is_tie, tie_rank, ties);
+    scan(storage.scan).ExclusiveSum(is_tie, tie_rank, ties);
     __syncthreads();
     const int chosen = i < n && (k >= n || key > threshold || (is_tie && ties_before + tie_rank < ties_to_take));
     int position = 0, count = 0;
-    scan(scan_storage).ExclusiveSum(chosen, position, count);
+    scan(storage.scan).ExclusiveSum(chosen, position, count);
     if (chosen) out[written + position] = table[i];
     ties_before += ties;
     written += count;
@@ -266,12 +282,9 @@ inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15
 /// Grid: (batch, num_kv_heads).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached) {
-  static_assert(Threads == 256, "one thread per radix bin");
   using scan = cub::BlockScan<int, Threads>;
-  __shared__ typename scan::TempStorage scan_storage;
-  __shared__ int histogram[256];
-  __shared__ std::uint32_t shared_digit;
-  __shared__ int shared_remaining, shared_total;
+  __shared__ detail_select::threshold_storage<Threads> storage;
+  __shared__ int shared_total;
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int n = p.span_counts[b], sealed = p.sealed_pages[b], words = p.mask_words;
@@ -317,32 +330,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
   // The threshold key: the spans above it fit the budget, and adding all those at it would not.
   std::uint32_t threshold = 0;
   int remaining = budget;
-  if (!take_all) {
-    std::uint32_t prefix = 0, mask = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      histogram[tid] = 0;
-      __syncthreads();
-      for (int i = tid; i < n; i += Threads) {
-        const std::uint32_t key = key_at(i);
-        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], tokens_of(i));
-      }
-      __syncthreads();
-      // Thread t holds bin 255 - t: an inclusive scan gives the tokens at or above each bin.
-      const int tokens = histogram[255 - tid];
-      int at_or_above = 0;
-      scan(scan_storage).InclusiveSum(tokens, at_or_above);
-      if (at_or_above > remaining && at_or_above - tokens <= remaining) {
-        shared_digit = static_cast<std::uint32_t>(255 - tid);
-        shared_remaining = remaining - (at_or_above - tokens);
-      }
-      __syncthreads();
-      prefix |= shared_digit << shift;
-      remaining = shared_remaining;
-      mask |= 255u << shift;
-      __syncthreads();  // the histogram and shared_digit are rewritten by the next pass
-    }
-    threshold = prefix;
-  }
+  if (!take_all) threshold = detail_select::budget_threshold(n, budget, key_at, tokens_of, storage, remaining);
   // Mark the chosen spans: those above the threshold, and the longest run of those at it (in
   // index order) that fits what is left of the budget.
   int ties_before = 0;
@@ -352,7 +340,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     const int tokens = i < n ? tokens_of(i) : 0;
     const bool is_tie = !take_all && i < n && key == threshold;
     int tie_tokens_before = 0, tie_tokens = 0;
-    scan(scan_storage).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
+    scan(storage.scan).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
     const bool chosen = i < n && (take_all || key > threshold ||
                                   (is_tie && ties_before + tie_tokens_before + tokens <= remaining));
     if (chosen) {
@@ -374,7 +362,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     if (i < sealed)
       for (int w = 0; w < words; ++w) any |= marks[i * words + w];
     int position = 0, count = 0;
-    scan(scan_storage).ExclusiveSum(any != 0 ? 1 : 0, position, count);
+    scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
     if (any != 0) {
       const std::size_t entry = out_row + written + position;
       p.selected[entry] = p.block_tables[static_cast<std::size_t>(b) * p.step_header[3] + i];
