@@ -64,10 +64,12 @@ namespace detail {
 inline constexpr int span_score_lanes = 32;
 
 /// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
-///   sum_c max(q[c] * hi[c], q[c] * lo[c]),
+///   sum_c max(q[c] * hi[c], q[c] * lo[c]) = sum_c q[c] * (q[c] >= 0 ? hi[c] : lo[c]),
+/// computed as the right-hand side (one product per channel: rounding is monotone, so for finite
+/// values the product of the bound chosen by q's sign is exactly the larger rounded product),
 /// in the canonical order: lane l sums its channels l * w .. (l + 1) * w - 1 in turn, w = head_dim
 /// / 32 (fp32, no fused multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1).
-/// `load(c)` returns the pair (lo[c], hi[c]) as floats. Cost: 2 head_dim multiplies and adds.
+/// `load(c)` returns the pair (lo[c], hi[c]) as floats. Cost: head_dim multiplies and adds.
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
@@ -76,8 +78,10 @@ inline float span_score(const float* q, int head_dim, Load&& load) {
     float s = 0.0f;
     for (int c = l * width; c < (l + 1) * width; ++c) {
       const auto bounds = load(c);
-      const float a = q[c] * bounds.first, b = q[c] * bounds.second;
-      s = s + (a > b ? a : b);
+      // fl32(q x), exactly (the double product is exact), and out of reach of a contraction
+      // into a fused multiply-add, which would change the order the device follows.
+      const float product = static_cast<float>(static_cast<double>(q[c]) * (q[c] >= 0.0f ? bounds.second : bounds.first));
+      s = s + product;
     }
     lane[l] = s;
   }

@@ -121,10 +121,8 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
     for (int k = 0; k < per_warp; ++k) {
       float s = 0.0f;
 #pragma unroll
-      for (int j = 0; j < width; ++j) {  // no fused multiply-add: the host's order, to the bit
-        const float a = __fmul_rn(qc[j], low[k][j]), c = __fmul_rn(qc[j], high[k][j]);
-        s = __fadd_rn(s, a > c ? a : c);
-      }
+      for (int j = 0; j < width; ++j)  // no fused multiply-add: the host's order, to the bit
+        s = __fadd_rn(s, __fmul_rn(qc[j], qc[j] >= 0.0f ? high[k][j] : low[k][j]));
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
       combined[k] = g == 0 ? s : p.combine_sum ? __fadd_rn(combined[k], s) : (s > combined[k] ? s : combined[k]);
