@@ -739,8 +739,13 @@ class engine {
         detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
           constexpr int head_dim = decltype(dim)::value, pi = decltype(partition)::value;
           using layout = kernel::quant2_decode_layout<head_dim, pi>;
-          if (use_bulk_copy_)
+          const bool masks = selecting_ && token_granular();  // row masks: their own instantiations
+          if (use_bulk_copy_ && masks)
+            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true, true>, 128, layout::bytes(stage_bytes, compressed_stages_));
+          else if (use_bulk_copy_)
             f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true>, 128, layout::bytes(stage_bytes, compressed_stages_));
+          else if (masks)
+            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false, true>, 128, layout::bytes(stage_bytes, 1));
           else
             f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false>, 128, layout::bytes(stage_bytes, 1));
         });

@@ -68,11 +68,18 @@ struct warp_attend_mma {
     l = 0.0f;
   }
 
-  /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory,
-  /// `n` valid tokens in the stage) into the state: those of the first n whose bit in `rows_read`
-  /// (bit r: token first + r) is set. Whole-warp: every lane calls it.
+  /// The 16-row mask of a warp's rows [first, first + 16) when a stage holds `n` tokens.
+  __device__ __forceinline__ static std::uint32_t rows_before(int first, int n) {
+    const int rows = n - first;
+    return rows >= 16 ? 0xffffu : rows <= 0 ? 0u : (1u << rows) - 1u;
+  }
+
+  /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory)
+  /// into the state: those whose bit in `rows` is set (bit r: token first + r; `rows_before` for
+  /// the first n tokens of a stage, and-ed with a selection's row mask). Whole-warp: every lane
+  /// calls it.
   __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
-                                       int first, int n, std::uint32_t rows_read = 0xffffu) {
+                                       int first, std::uint32_t rows) {
     const int quad = lane() % 4, i = lane();
     float s[2][4];
 #pragma unroll
@@ -96,13 +103,13 @@ struct warp_attend_mma {
       }
     }
     // Online softmax for head g over this warp's 16 tokens (4 per lane, the quad shares a head).
+    const std::uint32_t lane_rows = rows >> (2 * quad);  // bit 8 tile + e: this lane's token
     float tile_max = -HUGE_VALF;
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int r = 8 * tile + 2 * quad + e;
-        if (first + r >= n || ((rows_read >> r) & 1u) == 0) s[tile][e] = -HUGE_VALF;
+        if (((lane_rows >> (8 * tile + e)) & 1u) == 0) s[tile][e] = -HUGE_VALF;
         tile_max = fmaxf(tile_max, s[tile][e]);
       }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));

@@ -488,9 +488,9 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
                                  detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
                                  row0 % page_size)
                            : 0xffffu;
-    if (warp * 16 < n && rows_read != 0)
-      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, n,
-                 rows_read);
+    const std::uint32_t rows = rows_read & attend::rows_before(warp * 16, n);
+    if (rows != 0)
+      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, rows);
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }

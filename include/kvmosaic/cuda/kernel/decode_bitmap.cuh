@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
       const std::uint32_t warp_rows = detail_decode::sixteen_rows_read(rows_read, first + warp * 16);
-      if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, segment, warp_rows);
+      if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, warp_rows);
       __syncwarp();  // every lane's ldmatrix reads of these rows are done before any lane clears them
       expand::zero_rows_of_warp(k_tile, v_tile, warp * 16, 16);
       __syncthreads();  // the tiles are zero again
@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
       expand::load_dense(k_rows + skip, v_rows + skip, n, k_tile, v_tile);  // every row written
       __syncthreads();
       // A warp whose rows all lie past the tail skips: p would be 0 for them anyway.
-      if (warp * 16 < n) state.fold(k_tile, v_tile, query_tiles, warp * 16, n);
+      const std::uint32_t rows = attend::rows_before(warp * 16, n);
+      if (rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, rows);
       __syncthreads();
     }
   }
