@@ -765,8 +765,12 @@ class engine {
         if (use_bulk_copy_) {
           using layout = kernel::bitmap_decode_layout<head_dim>;
           const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
-          f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128,
-            layout::bytes(stage_bytes, compressed_stages_));
+          if (selecting_ && token_granular())  // row masks: their own instantiation
+            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128,
+              layout::bytes(stage_bytes, compressed_stages_));
+          else
+            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128,
+              layout::bytes(stage_bytes, compressed_stages_));
         } else {
           using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
           f(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,

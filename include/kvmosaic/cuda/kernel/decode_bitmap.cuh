@@ -46,9 +46,11 @@ struct bitmap_decode_layout {
 /// mbarrier). Per 64-token segment, all 128 threads write the kept values into the zeroed dense
 /// tile pair (`bitmap_segment_expand::scatter`, 128-byte swizzled), then each of the 4 warps runs
 /// q.k and p.v on tensor cores over its 16 tokens (`warp_attend_mma`, as the dense TMA kernel) and
-/// zeroes those 16 rows again, which only it reads: two CTA barriers per segment.
+/// zeroes those 16 rows again, which only it reads: two CTA barriers per segment. `RowMasks`:
+/// whether a token-granular selection's row masks are read (without, the code is what it was
+/// before selections: the kernel is issue-bound, and run-time checks cost it 4-5% at batch 8).
 /// Grid: (splits capacity, num_kv_heads).
-template <class T, int HeadDim, int Group>
+template <class T, int HeadDim, int Group, bool RowMasks = false>
 __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid_constant__ decode_params p) {
   constexpr int threads = 128, warps = 4;
   using layout = bitmap_decode_layout<HeadDim>;
@@ -72,7 +74,8 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   const split_work w = p.work[work_index];
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
-  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const detail_decode::split_pages range =
+      RowMasks ? detail_decode::pages_of_split(p, w, head) : detail_decode::split_pages{w.page_begin, w.page_end};
   const int num_pages = range.end - range.begin;
   const int stages = p.stages;
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
@@ -108,13 +111,17 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
     detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
     const shared_bitmap_page k_page(compressed + slot * stage_bytes, tiles);
     const shared_bitmap_page v_page(compressed + slot * stage_bytes + k_bytes, tiles);
-    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
+    const std::uint32_t* rows_read = RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i) : nullptr;
     for (int first = 0; first < p.page_size; first += segment) {
       expand::scatter(k_page, v_page, p.page_size, first, k_tile, v_tile);
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
-      const std::uint32_t warp_rows = detail_decode::sixteen_rows_read(rows_read, first + warp * 16);
-      if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, warp_rows);
+      if constexpr (RowMasks) {
+        const std::uint32_t warp_rows = detail_decode::sixteen_rows_read(rows_read, first + warp * 16);
+        if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, warp_rows);
+      } else {
+        state.fold(k_tile, v_tile, query_tiles, warp * 16, 0xffffu);
+      }
       __syncwarp();  // every lane's ldmatrix reads of these rows are done before any lane clears them
       expand::zero_rows_of_warp(k_tile, v_tile, warp * 16, 16);
       __syncthreads();  // the tiles are zero again
