@@ -499,8 +499,6 @@ class engine {
     step_metadata_ = device_buffer(layout_.bytes);
     const std::size_t partial_floats = static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * (shape_.head_dim + 1);
     partials_ = device_buffer(partial_floats * sizeof(float));
-    split_counters_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * sizeof(std::int32_t));
-    KVMOSAIC_CUDA_CHECK(cudaMemset(split_counters_.data(), 0, split_counters_.size()));  // the kernels keep them zero
     if (bounds_geometry_.block_tokens > 0 || chunks_.limits.shortest > 0) {  // per (sequence, KV head): a score per span, the chosen pages
       const std::size_t rows = static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * capacity_.table_stride;
       scores_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * score_stride() * sizeof(float));
@@ -590,14 +588,20 @@ class engine {
   }
 
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
-  /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs (whose last split per
-  /// (sequence, KV head) merges the partial states: no separate merge kernel).
+  /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel.
   void launch_step(const float* q, float* out, float softmax_scale) {
     const kernel::decode_params p = stage_step(q, out, softmax_scale);
     if (selecting_) launch_selection(p, q);
+    const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
       kernel<<<grid, threads, detail::opted_in_shared(kernel, shared_bytes), stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
+      constexpr int head_dim = decltype(dim)::value;
+      kernel::merge_splits_kernel<head_dim>
+          <<<static_cast<unsigned>(batch_ * num_q_heads), merge_threads(head_dim), 0, stream_>>>(p, num_q_heads);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
@@ -643,7 +647,6 @@ class engine {
     p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
     p.work = reinterpret_cast<const split_work*>(device + layout_.work);
     p.partial_offset = reinterpret_cast<const std::int32_t*>(device + layout_.partial_offset);
-    p.split_counters = split_counters_.as<std::int32_t>();
     p.q = q;
     p.softmax_scale = softmax_scale;
     const std::int32_t work = capacity_.work;
@@ -1173,7 +1176,6 @@ class engine {
   std::int32_t step_splits_ = 0;
   pinned_buffer staging_, extend_staging_;
   device_buffer step_metadata_, extend_metadata_, partials_;
-  device_buffer split_counters_;  ///< [batch capacity][num_kv_heads] for the fused merge, zero between steps
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);

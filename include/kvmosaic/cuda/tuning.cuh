@@ -36,6 +36,9 @@ constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 2};
 }
 
+/// Threads of the split-merge kernel: one per output channel.
+constexpr int merge_threads(int head_dim) { return head_dim; }
+
 /// Threads of the row-scatter (prefill/append) kernel.
 constexpr int extend_threads = 256;
 

@@ -2,11 +2,11 @@
 #pragma once
 
 /// \file
-/// The decode-attention kernels of one step: one CTA per split of one (sequence, KV head), every
-/// query head of the GQA group sharing each K/V load. The flash-decoding merge of the splits'
-/// partial states is fused into their epilogue: the last split of a (sequence, KV head) to finish
-/// merges them all (`detail_decode::merge_if_last_split`), so a step is one kernel. Generic over
-/// the format through `page_attend`; the dense tail always goes through the dense collective.
+/// The decode-attention kernels of one step: `decode_partial_kernel` (one CTA per split of one
+/// (sequence, KV head): every query head of the GQA group shares each K/V load) and
+/// `merge_splits_kernel` (one CTA per (sequence, query head): the flash-decoding merge of the
+/// splits' partial states). Both are generic over the format through `page_attend`; the dense
+/// tail always goes through the dense collective.
 
 #include <cuda.h>
 
@@ -58,9 +58,6 @@ struct decode_params {
   const std::int32_t* table_lengths;
   const std::int32_t* planned_pages;  ///< [batch] the entries the split plan covers
   const std::int32_t* partial_offset; ///< [batch + 1]
-  /// [batch capacity][num_kv_heads], zero between steps: the splits of (sequence, KV head) that
-  /// have written their partial state this step (the last one merges and resets it)
-  std::int32_t* split_counters;
 
   const float* q;                     ///< [batch][num_q_heads][head_dim]
   float softmax_scale;
@@ -142,89 +139,9 @@ __device__ __forceinline__ void start_state(const decode_params& p, const split_
   }
 }
 
-/// `N` consecutive floats from global memory through L2 only (`__ldcg`), in 8- or 16-byte loads.
-template <int N>
-__device__ __forceinline__ void load_from_l2(const float* from, float (&to)[N]) {
-  static_assert(N == 2 || N % 4 == 0, "load_from_l2: N must be 2 or a multiple of 4");
-  if constexpr (N == 2) {
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(from));
-    to[0] = v.x;
-    to[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(from + i));
-      to[i] = v.x;
-      to[i + 1] = v.y;
-      to[i + 2] = v.z;
-      to[i + 3] = v.w;
-    }
-  }
-}
-
-/// The fused flash-decoding merge: called by every split of (`batch`, `head`) after writing its
-/// normalized partial state; the last to arrive merges all `splits` of them into `out` for the
-/// group's query heads: out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse).
-/// Ordering: each thread's partial stores are fenced before the CTA's arrival is counted (the
-/// CUDA guide's last-block pattern), and the last CTA reads the others' partials from L2
-/// (`__ldcg`). One warp per query head: its lanes hold the weights of 32 splits at a time and
-/// HeadDim / 32 channels each, so the loads of many splits are in flight together (a loop per
-/// output channel over dependent round trips to L2 is what made an earlier fused merge slower
-/// than a separate kernel). Cost: one atomic per split, and for the last one a read of
-/// splits x group x (HeadDim + 1) floats; no launch, and no partials for a one-split sequence.
-template <int HeadDim, int Threads>
-__device__ __forceinline__ void merge_if_last_split(const decode_params& p, int batch, int head, int group,
-                                                    int first_split, int splits) {
-  static_assert(Threads % 32 == 0 && HeadDim % 64 == 0, "merge_if_last_split: whole warps, HeadDim 64/128/256");
-  constexpr int warps = Threads / 32, channels = HeadDim / 32;
-  constexpr unsigned full_warp = 0xffffffffu;
-  __threadfence();
-  __syncthreads();
-  std::int32_t* counter = p.split_counters + static_cast<std::size_t>(batch) * p.num_kv_heads + head;
-  int last = 0;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == splits - 1;
-  if (!__syncthreads_or(last)) return;
-  __threadfence();
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int num_q_heads = p.num_kv_heads * group;
-  const std::size_t split_stride = static_cast<std::size_t>(num_q_heads);
-  for (int g = warp; g < group; g += warps) {
-    const int j = head * group + g;
-    const float* lse = p.partial_lse + static_cast<std::size_t>(first_split) * split_stride + j;
-    float max_lse = -HUGE_VALF;
-    for (int s = lane; s < splits; s += 32) max_lse = fmaxf(max_lse, __ldcg(lse + s * split_stride));
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(full_warp, max_lse, offset));
-    float o[channels] = {}, weight_sum = 0.0f;
-    if (max_lse != -HUGE_VALF) {  // else no split held a token: 0 rather than NaN
-      for (int chunk = 0; chunk < splits; chunk += 32) {
-        const float my_weight = chunk + lane < splits ? __expf(__ldcg(lse + (chunk + lane) * split_stride) - max_lse) : 0.0f;
-        weight_sum += my_weight;
-        const float* partial = p.partial_o + ((first_split + chunk) * split_stride + j) * HeadDim + lane * channels;
-        const int count = min(32, splits - chunk);
-#pragma unroll 8
-        for (int s = 0; s < count; ++s) {
-          const float weight = __shfl_sync(full_warp, my_weight, s);
-          float v[channels];
-          load_from_l2(partial + s * split_stride * HeadDim, v);
-#pragma unroll
-          for (int c = 0; c < channels; ++c) o[c] = fmaf(weight, v[c], o[c]);
-        }
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) weight_sum += __shfl_xor_sync(full_warp, weight_sum, offset);
-    }
-    float* out = p.out + (static_cast<std::size_t>(batch) * num_q_heads + j) * HeadDim + lane * channels;
-#pragma unroll
-    for (int c = 0; c < channels; ++c) out[c] = weight_sum > 0.0f ? o[c] / weight_sum : 0.0f;
-  }
-  if (threadIdx.x == 0) *counter = 0;  // the next step (or graph replay) counts from zero again
-}
-
 /// Merges the `Rows` states the CTA left in shared memory `temp` (token rows of the SIMT kernels,
-/// or warps of the tensor-core kernels) into this split's normalized output and log-sum-exp, for
-/// the first `group` (at most Group, the default) query heads: straight to `out` when the
-/// sequence is one split, else as a partial state, followed by the fused merge. Starts with a
+/// or warps of the tensor-core kernels) and writes this split's normalized partial output and
+/// log-sum-exp, for the first `group` (at most Group, the default) query heads. Starts with a
 /// barrier: the caller has just written `temp`.
 template <int HeadDim, int Group, int Threads, int Rows>
 __device__ __forceinline__ void merge_and_write_partial(const decode_params& p, int work_index, int head,
@@ -232,11 +149,7 @@ __device__ __forceinline__ void merge_and_write_partial(const decode_params& p, 
                                                         int group = Group) {
   __syncthreads();
   const int num_q_heads = p.num_kv_heads * group;
-  const int batch = p.work[work_index].batch_index;
-  const int first_split = p.partial_offset[batch], splits = p.partial_offset[batch + 1] - first_split;
   const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * group;
-  float* const o_base = splits == 1 ? p.out + (static_cast<std::size_t>(batch) * num_q_heads + head * group) * HeadDim
-                                    : p.partial_o + partial_base * HeadDim;
   for (int index = static_cast<int>(threadIdx.x); index < group * HeadDim; index += Threads) {
     const int g = index / HeadDim, c = index % HeadDim;
     softmax_state<float> total;
@@ -250,10 +163,9 @@ __device__ __forceinline__ void merge_and_write_partial(const decode_params& p, 
       o = o * mw.self + temp.o[r][g][c] * mw.other;
     }
     // A split that a selection left without a token is the empty state: it merges as nothing.
-    o_base[index] = total.l > 0.0f ? o / total.l : 0.0f;
-    if (c == 0 && splits > 1) p.partial_lse[partial_base + g] = total.log_sum_exp();
+    p.partial_o[(partial_base + g) * HeadDim + c] = total.l > 0.0f ? o / total.l : 0.0f;
+    if (c == 0) p.partial_lse[partial_base + g] = total.log_sum_exp();
   }
-  if (splits > 1) merge_if_last_split<HeadDim, Threads>(p, batch, head, group, first_split, splits);
 }
 
 /// The SIMT kernels' epilogue: each token row's state to `temp`, then the merge.
@@ -585,6 +497,31 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
 
   detail_decode::write_warp_partial<attend, HeadDim, Group, warps>(p, work_index, head, state,
                                                                    *reinterpret_cast<temp_storage*>(k_tiles));
+}
+
+/// out[b][j] = merge over the splits of b of their normalized partials (lse_s, o_s): weights
+/// exp(lse_s - max lse) / sum. Two passes (the max, then the weighted sum) instead of an online
+/// merge, so the loads of every split are independent and stay in flight together (a sequence
+/// split 64 ways would otherwise pay 64 dependent round trips to L2).
+template <int HeadDim>
+__global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_params p, int num_q_heads) {
+  const int b = static_cast<int>(blockIdx.x) / num_q_heads;
+  const int j = static_cast<int>(blockIdx.x) % num_q_heads;
+  const int c = static_cast<int>(threadIdx.x);
+  const int begin = p.partial_offset[b], end = p.partial_offset[b + 1];
+  float max_lse = -HUGE_VALF;
+#pragma unroll 8
+  for (int split = begin; split < end; ++split)
+    max_lse = fmaxf(max_lse, p.partial_lse[static_cast<std::size_t>(split) * num_q_heads + j]);
+  float weight_sum = 0.0f, o = 0.0f;
+#pragma unroll 8
+  for (int split = begin; split < end; ++split) {
+    const std::size_t index = static_cast<std::size_t>(split) * num_q_heads + j;
+    const float weight = __expf(p.partial_lse[index] - max_lse);  // every split holds >= 1 token
+    weight_sum += weight;
+    o = fmaf(weight, p.partial_o[index * HeadDim + c], o);
+  }
+  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = o / weight_sum;
 }
 
 }  // namespace kvmosaic::cuda::kernel

@@ -7,7 +7,7 @@
 /// SM as they are stored; a CTA expands each 64-token segment into a dense tile in shared memory
 /// (`bitmap_segment_expand`) and runs the dense attention collective on it. No decompressed copy
 /// is ever written to global memory. The dense tail goes through the same collective. The
-/// partial states merge as the dense path's (the fused merge of `merge_and_write_partial`).
+/// partial states merge with the dense path's `merge_splits_kernel`.
 
 #include <cstddef>
 #include <cstdint>

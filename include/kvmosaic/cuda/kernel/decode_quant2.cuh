@@ -4,8 +4,8 @@
 /// \file
 /// Decode split kernel for `format::quant2` pages (HACK, Eq. 4): attention on the 2-bit codes with
 /// int8 tensor cores (`quant2_warp_attend`); the cache is never dequantized. The dense tail is
-/// folded in fp32 by the same collective. Partial states merge as the dense path's
-/// (the fused merge of `merge_and_write_partial`).
+/// folded in fp32 by the same collective. Partial states merge with the dense path's
+/// `merge_splits_kernel`.
 
 #include <cstddef>
 #include <cstdint>
