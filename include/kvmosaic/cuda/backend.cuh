@@ -29,6 +29,7 @@
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/core/split_plan.hpp"
 #include "kvmosaic/core/view.hpp"
+#include "kvmosaic/cuda/detail/pull_from_host.cuh"
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/kernel/chunk_bounds.cuh"
@@ -617,7 +618,7 @@ class engine {
  private:
   /// Copies the staged metadata to the device and returns the step's kernel parameters.
   kernel::decode_params stage_step(const float* q, float* out, float softmax_scale) {
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(step_metadata_.data(), staging_.data(), layout_.bytes, cudaMemcpyHostToDevice, stream_));
+    detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes, stream_);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
     // In a graph the caller orders replays and plan_step (it synchronizes before reading results).
@@ -959,7 +960,7 @@ class engine {
         std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
       reserve_scratch(num_new_pages);
     }
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(extend_metadata_.data(), extend_staging_.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    detail::pull_from_host(extend_staging_, extend_metadata_.data(), bytes, stream_);
     KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
     const std::byte* metadata = extend_metadata_.as<const std::byte>();
     const auto* page_ids = reinterpret_cast<const std::int32_t*>(metadata + items_bytes);

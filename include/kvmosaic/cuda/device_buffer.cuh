@@ -78,16 +78,29 @@ class device_buffer : public detail::raw_buffer<detail::free_device> {
   }
 };
 
-/// Page-locked host memory from cudaMallocHost: the source of asynchronous, graph-capturable
-/// host-to-device copies of per-step metadata.
+/// Page-locked host memory from cudaMallocHost: the staging of per-step metadata. Kernels may
+/// read it over the bus through `device_address()` (with unified addressing, which every 64-bit
+/// platform CUDA supports, page-locked memory is mapped into the device's address space).
 class pinned_buffer : public detail::raw_buffer<detail::free_pinned> {
  public:
   pinned_buffer() = default;
-  explicit pinned_buffer(std::size_t bytes) : raw_buffer(allocate(bytes), bytes) {}
+  explicit pinned_buffer(std::size_t bytes) : raw_buffer(allocate(bytes), bytes) {
+    if (bytes > 0) KVMOSAIC_CUDA_CHECK(cudaHostGetDevicePointer(&device_address_, data(), 0));
+  }
+  pinned_buffer(pinned_buffer&& other) noexcept
+      : raw_buffer(std::move(other)), device_address_(std::exchange(other.device_address_, nullptr)) {}
+  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
+    raw_buffer::operator=(std::move(other));
+    device_address_ = std::exchange(other.device_address_, nullptr);
+    return *this;
+  }
 
   void reserve(std::size_t bytes) {
     if (bytes > size()) *this = pinned_buffer(bytes);
   }
+
+  /// The address at which kernels read this memory (over PCIe or NVLink-C2C, uncached).
+  const void* device_address() const noexcept { return device_address_; }
 
  private:
   static void* allocate(std::size_t bytes) {
@@ -95,6 +108,7 @@ class pinned_buffer : public detail::raw_buffer<detail::free_pinned> {
     if (bytes > 0) KVMOSAIC_CUDA_CHECK(cudaMallocHost(&p, bytes));
     return p;
   }
+  void* device_address_ = nullptr;
 };
 
 }  // namespace kvmosaic::cuda
