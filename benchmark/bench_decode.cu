@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -167,8 +168,13 @@ void decode(benchmark::State& state) {
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
   Format format{};
-  if constexpr (std::is_same<Format, format::bitmap_tiles>::value)
+  if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
+    // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=tokens: the paper's K tiles (one channel, 64 tokens).
+    if (const char* layout = std::getenv("KVMOSAIC_BENCH_BITMAP_K_LAYOUT"); layout != nullptr && std::string(layout) == "tokens")
+      format.k_layout = format::bitmap_k_layout::along_tokens;
+    state.counters["k_along_tokens"] = format.k_layout == format::bitmap_k_layout::along_tokens ? 1 : 0;
+  }
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
   Selector selector{};
   if constexpr (selects) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));

@@ -32,10 +32,31 @@ TEST_CASE("GPU bitmap_tiles: device encode writes the host's bytes and decode eq
   t.check_attention();
 }
 
+TEST_CASE("GPU bitmap_tiles with the paper's K layout (tiles along tokens): host bytes, fp64 on the pruned cache",
+          "[gpu][bitmap_tiles]") {
+  if (!gpu_available()) return;
+  const int head_dim = GENERATE(64, 128, 256);
+  const int group_size = GENERATE(1, 8);
+  const int page_size = GENERATE(64, 128);
+  const auto sparsity = GENERATE(std::pair<float, float>{0.0f, 0.5f}, std::pair<float, float>{0.7f, 0.7f});
+  const bool portable = GENERATE(false, true);
+  CAPTURE(head_dim, group_size, page_size, sparsity.first, sparsity.second, portable);
+  twin t(small_config(head_dim, group_size, dtype::bf16, page_size), 29,
+         format::bitmap_tiles{sparsity.first, sparsity.second, format::bitmap_k_layout::along_tokens});
+  if (portable) t.device.engine().use_portable_kernel();
+  for (int length : {1, page_size, page_size + 1, 3 * page_size + 3, 700}) t.add(length, t.seqs.size());
+  t.check_storage();
+  t.check_attention();
+  for (int step = 0; step < 3; ++step) t.append_step();
+  t.check_storage();
+  t.check_attention();
+}
+
 TEST_CASE("GPU bitmap_tiles on small cases (compute-sanitizer)", "[gpu][bitmap_tiles][sanitize]") {
   if (!gpu_available()) return;
   const bool portable = GENERATE(false, true);
-  twin t(small_config(128, 4, dtype::bf16, 64), 3, format::bitmap_tiles{0.7f, 0.5f});
+  const auto k_layout = GENERATE(format::bitmap_k_layout::along_channels, format::bitmap_k_layout::along_tokens);
+  twin t(small_config(128, 4, dtype::bf16, 64), 3, format::bitmap_tiles{0.7f, 0.5f, k_layout});
   if (portable) t.device.engine().use_portable_kernel();
   t.add(1, 0);
   t.add(64, 1);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../support/oracle.hpp"
@@ -41,13 +42,14 @@ TEST_CASE("bitmap_tiles: decode(encode(x)) is x pruned to its largest magnitudes
   const float sparsity = GENERATE(0.0f, 0.3f, 0.5f, 0.7f, 0.95f);
   const int page_size = GENERATE(64, 128);
   const bool is_v = GENERATE(false, true);
-  CAPTURE(head_dim, sparsity, page_size, is_v);
+  const auto k_layout = GENERATE(format::bitmap_k_layout::along_tokens, format::bitmap_k_layout::along_channels);
+  CAPTURE(head_dim, sparsity, page_size, is_v, static_cast<int>(k_layout));
   synthetic::kv_config cfg;
   cfg.num_kv_heads = 1;
   cfg.head_dim = head_dim;
   const auto kv = synthetic::generate_kv(cfg, 3, page_size);
   const std::vector<float> rows = stored_rows(kv, 0, is_v, dtype::bf16);
-  const format::bitmap_tiles f{sparsity, sparsity};
+  const format::bitmap_tiles f{sparsity, sparsity, k_layout};
   const page_shape shape = shape_of(page_size, head_dim);
   using traits = format_traits<format::bitmap_tiles>;
   std::vector<std::byte> page(is_v ? traits::v_page_bytes(f, shape) : traits::k_page_bytes(f, shape));
@@ -67,6 +69,42 @@ TEST_CASE("bitmap_tiles: decode(encode(x)) is x pruned to its largest magnitudes
                         [](float x) { return x != 0.0f; }) == keep);
 }
 
+TEST_CASE("bitmap_tiles: K tiles along tokens (the paper's) or along channels, hand-computed bytes", "[bitmap_tiles]") {
+  // head_dim 64, a page of 64 tokens, s = 0.5: every token keeps 32 channels; token t has 2 at
+  // channels 0..31 and 1 elsewhere, so channels 0..31 are kept for every token.
+  const page_shape shape = shape_of(64, 64);
+  std::vector<float> rows(64 * 64);
+  for (int t = 0; t < 64; ++t)
+    for (int c = 0; c < 64; ++c) rows[static_cast<std::size_t>(t) * 64 + c] = c < 32 ? 2.0f : 1.0f;
+  using traits = format_traits<format::bitmap_tiles>;
+  for (const auto layout : {format::bitmap_k_layout::along_tokens, format::bitmap_k_layout::along_channels}) {
+    const format::bitmap_tiles f{0.5f, 0.5f, layout};
+    std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+    CHECK(page.size() == 64 * 12 + 64 * 32 * 2);  // the same bytes in either layout
+    traits::encode_k(f, shape, rows.data(), page.data());
+    std::vector<std::uint64_t> bitmaps(64);
+    std::vector<std::uint32_t> offsets(64);
+    std::memcpy(bitmaps.data(), page.data(), 64 * 8);
+    std::memcpy(offsets.data(), page.data() + 64 * 8, 64 * 4);
+    for (int tile = 0; tile < 64; ++tile) {
+      CAPTURE(static_cast<int>(layout), tile);
+      if (layout == format::bitmap_k_layout::along_tokens) {  // tile = channel: all 64 tokens or none
+        CHECK(bitmaps[static_cast<std::size_t>(tile)] == (tile < 32 ? ~std::uint64_t{0} : 0));
+        CHECK(offsets[static_cast<std::size_t>(tile)] == static_cast<std::uint32_t>(std::min(tile, 32) * 64));
+      } else {  // tile = token: channels 0..31
+        CHECK(bitmaps[static_cast<std::size_t>(tile)] == 0xffffffffull);
+        CHECK(offsets[static_cast<std::size_t>(tile)] == static_cast<std::uint32_t>(tile * 32));
+      }
+    }
+    std::vector<float> decoded(rows.size());
+    traits::decode_k(f, shape, page.data(), 64, decoded.data());
+    for (std::size_t i = 0; i < rows.size(); ++i) REQUIRE(decoded[i] == (i % 64 < 32 ? 2.0f : 0.0f));
+  }
+  CHECK(traits::describe(format::bitmap_tiles{0.5f, 0.7f, format::bitmap_k_layout::along_tokens}) ==
+        "bitmap_tiles(k0.5,v0.7,k/tokens)");
+  CHECK(traits::describe(format::bitmap_tiles{0.5f, 0.7f}) == "bitmap_tiles(k0.5,v0.7)");
+}
+
 TEST_CASE("bitmap_tiles: ties in magnitude keep the lower channel", "[bitmap_tiles]") {
   const page_shape shape = shape_of(64, 64);
   std::vector<float> rows(64 * 64, 1.0f);  // every element ties
@@ -84,6 +122,7 @@ TEST_CASE("bitmap_tiles: attention on compressed pages equals exact attention on
   const float s_k = GENERATE(0.5f, 0.7f);
   const float s_v = GENERATE(0.0f, 0.5f, 0.7f);
   const dtype storage = GENERATE(dtype::bf16, dtype::f16);
+  const auto k_layout = GENERATE(format::bitmap_k_layout::along_tokens, format::bitmap_k_layout::along_channels);
   cache_config c;
   c.num_kv_heads = 2;
   c.group_size = 4;
@@ -92,8 +131,8 @@ TEST_CASE("bitmap_tiles: attention on compressed pages equals exact attention on
   c.storage = storage;
   c.max_pages = 64;
   c.max_sequences = 4;
-  CAPTURE(s_k, s_v, to_string(storage));
-  cache<format::bitmap_tiles> sparse(c, format::bitmap_tiles{s_k, s_v});
+  CAPTURE(s_k, s_v, to_string(storage), static_cast<int>(k_layout));
+  cache<format::bitmap_tiles> sparse(c, format::bitmap_tiles{s_k, s_v, k_layout});
   synthetic::kv_config cfg;
   cfg.num_kv_heads = 2;
   cfg.group_size = 4;

@@ -659,6 +659,11 @@ class engine {
     p.stages = compressed_stages_;
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
+    if constexpr (is_bitmap) {
+      p.keep_k = kvmosaic::detail::kept_per_vector(format_.s_k, shape_.head_dim);
+      p.keep_v = kvmosaic::detail::kept_per_vector(format_.s_v, shape_.head_dim);
+      p.k_along_tokens = traits::k_along_tokens(format_) ? 1 : 0;
+    }
     return p;
   }
 
@@ -1076,6 +1081,7 @@ class engine {
     e.page_size = shape_.page_size;
     e.keep_k = kvmosaic::detail::kept_per_vector(format_.s_k, shape_.head_dim);
     e.keep_v = kvmosaic::detail::kept_per_vector(format_.s_v, shape_.head_dim);
+    e.k_along_tokens = format_traits<Format>::k_along_tokens(format_) ? 1 : 0;
     e.key_weights = key_weights_.as<const float>();
     e.weight_rows = key_weights_.size() > 0 ? weight_rows : nullptr;
     const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);

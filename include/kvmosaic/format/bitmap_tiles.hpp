@@ -14,11 +14,18 @@
 ///
 /// Storage of one page (page_size tokens) of one KV head, K and V alike:
 ///   [bitmaps: tiles x uint64][tile offsets: tiles x uint32][non-zero values: 16-bit, packed]
-/// with 1x64 tiles: K is tiled along tokens for each channel (tile (c, j) = channel c, tokens
-/// 64 j .. 64 j + 63: the dimension q.k does not reduce over), V along channels for each token
-/// (tile (t, j) = token t, channels 64 j .. 64 j + 63), appendix C's orientation. Bit b of a
-/// tile's bitmap marks element b as kept; its values follow in bit order at its tile offset
-/// (values before it in the page). Pages append without touching earlier pages.
+/// with 1x64 tiles. The paper (appendix C) tiles K along tokens for each channel (tile (c, j) =
+/// channel c, tokens 64 j .. 64 j + 63: the dimension q.k does not reduce over) and V along
+/// channels for each token (tile (t, j) = token t, channels 64 j .. 64 j + 63). Bit b of a tile's
+/// bitmap marks element b as kept; its values follow in bit order at its tile offset (values
+/// before it in the page). Pages append without touching earlier pages.
+///
+/// Deliberate difference, measured (docs/architecture.md): by default K is tiled as V, along
+/// channels per token (`k_layout = bitmap_k_layout::along_channels`; `along_tokens` is the
+/// paper's). Same bytes. Every K tile row then holds one token's kept values, exactly `keep` of
+/// them, so the CUDA kernel expands a page with every lane doing the same work; a channel tile of
+/// the paper's layout keeps 0 to 64 values (channels with outliers are kept for nearly every
+/// token), and a warp's expansion runs as long as its fullest tile.
 ///
 /// Deliberate difference: the paper pads each tile's values to a multiple of 8 so a thread can
 /// load a tile with aligned vector loads from global memory. Here the values of a page form one
@@ -47,12 +54,21 @@
 namespace kvmosaic {
 namespace format {
 
+/// How bitmap_tiles tiles K (V is always tiled along channels, per token).
+enum class bitmap_k_layout {
+  along_tokens,    ///< tile = one channel, 64 tokens: the paper's orientation (appendix C)
+  along_channels,  ///< tile = one token, 64 channels, as V: every token's K row holds exactly
+                   ///< the kept count, so the decode kernel expands rows without divergence
+};
+
 /// Unstructured per-token magnitude pruning of K and V to sparsities `s_k`, `s_v` in [0, 0.95],
-/// stored as 1x64 bitmap tiles. Cost per page: the kept values plus 12 bytes per 64 elements.
+/// stored as 1x64 bitmap tiles. Cost per page: the kept values plus 12 bytes per 64 elements,
+/// the same in either K layout.
 struct bitmap_tiles {
   using policy_category = format_tag;
   float s_k = 0.5f;  ///< fraction of each K vector pruned
   float s_v = 0.5f;  ///< fraction of each V vector pruned
+  bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
 };
 
 }  // namespace format
@@ -179,7 +195,8 @@ struct format_traits<format::bitmap_tiles> {
 
   static std::string describe(const format::bitmap_tiles& f) {
     std::ostringstream os;
-    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << ")";
+    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "")
+       << ")";
     return os.str();
   }
 
@@ -192,7 +209,10 @@ struct format_traits<format::bitmap_tiles> {
     detail::require(shape.head_dim % detail::tile_length == 0, where, "head_dim", shape.head_dim, "a multiple of 64");
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
                     to_string(shape.storage), "f16 or bf16");
+    detail::require(f.k_layout == format::bitmap_k_layout::along_tokens || f.k_layout == format::bitmap_k_layout::along_channels,
+                    where, "k_layout", static_cast<int>(f.k_layout), "bitmap_k_layout::along_tokens or along_channels");
   }
+  static bool k_along_tokens(const format::bitmap_tiles& f) { return f.k_layout == format::bitmap_k_layout::along_tokens; }
 
   static std::size_t k_page_bytes(const format::bitmap_tiles& f, const page_shape& shape) {
     return detail::bitmap_layout(f.s_k, shape).bytes();
@@ -202,19 +222,19 @@ struct format_traits<format::bitmap_tiles> {
   }
 
   static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
-    detail::encode_bitmap_page(f.s_k, shape, rows, /*along_tokens=*/true, page);
+    detail::encode_bitmap_page(f.s_k, shape, rows, k_along_tokens(f), page);
   }
   /// As encode_k, each element scored |k_c| * weights[c] (weights: [head_dim], or null).
   static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, const float* weights,
                        std::byte* page) {
-    detail::encode_bitmap_page(f.s_k, shape, rows, /*along_tokens=*/true, page, weights);
+    detail::encode_bitmap_page(f.s_k, shape, rows, k_along_tokens(f), page, weights);
   }
   static void encode_v(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
     detail::encode_bitmap_page(f.s_v, shape, rows, /*along_tokens=*/false, page);
   }
   static void decode_k(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* page, int n,
                        float* rows) {
-    detail::decode_bitmap_page(f.s_k, shape, page, n, /*along_tokens=*/true, rows);
+    detail::decode_bitmap_page(f.s_k, shape, page, n, k_along_tokens(f), rows);
   }
   static void decode_v(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* page, int n,
                        float* rows) {

@@ -35,6 +35,7 @@ struct bitmap_encode_params {
   int page_size;
   int keep_k;  ///< values each K vector keeps
   int keep_v;  ///< values each V vector keeps
+  int k_along_tokens;  ///< K tiles: 1 = one channel, 64 tokens (the paper's); 0 = as V
   /// Output-aware K scores (MUSTAFAR section 2.1): page i uses weights row weight_rows[i] of
   /// key_weights ([rows][head][head_dim]), the score of K element c being |k_c| * weight_c; a row
   /// of -1 (or null arrays) scores |k_c|.
@@ -130,9 +131,10 @@ __global__ void __launch_bounds__(encode_threads) encode_bitmap_pages_kernel(con
   const int tiles = page_size * HeadDim / 64, tiles_per_channel = page_size / 64;
   const int per_thread = (tiles + encode_threads - 1) / encode_threads;
   const int begin = min(tiles, static_cast<int>(threadIdx.x) * per_thread), end = min(tiles, begin + per_thread);
+  const bool along_channels = is_v || p.k_along_tokens == 0;
   const auto tile_bitmap = [&](int tile) {
     std::uint64_t bits = 0;
-    if (is_v) {  // token t, channels 64 j ..: mask words 2 j and 2 j + 1
+    if (along_channels) {  // token t, channels 64 j ..: mask words 2 j and 2 j + 1
       const int t = tile / (HeadDim / 64), j = tile % (HeadDim / 64);
       bits = masks[t * words + 2 * j] | static_cast<std::uint64_t>(masks[t * words + 2 * j + 1]) << 32;
     } else {     // channel c, tokens 64 j ..
@@ -157,8 +159,8 @@ __global__ void __launch_bounds__(encode_threads) encode_bitmap_pages_kernel(con
     offsets[tile] = static_cast<std::uint32_t>(offset);
     for (int b = 0; b < 64; ++b) {
       if (!((bits >> b) & 1u)) continue;
-      const int t = is_v ? tile / (HeadDim / 64) : 64 * (tile % tiles_per_channel) + b;
-      const int c = is_v ? 64 * (tile % (HeadDim / 64)) + b : tile / tiles_per_channel;
+      const int t = along_channels ? tile / (HeadDim / 64) : 64 * (tile % tiles_per_channel) + b;
+      const int c = along_channels ? 64 * (tile % (HeadDim / 64)) + b : tile / tiles_per_channel;
       values[offset++] = rows[t * HeadDim + c];
     }
   }
