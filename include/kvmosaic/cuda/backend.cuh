@@ -659,11 +659,7 @@ class engine {
     p.stages = compressed_stages_;
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
-    if constexpr (is_bitmap) {
-      p.keep_k = kvmosaic::detail::kept_per_vector(format_.s_k, shape_.head_dim);
-      p.keep_v = kvmosaic::detail::kept_per_vector(format_.s_v, shape_.head_dim);
-      p.k_along_tokens = traits::k_along_tokens(format_) ? 1 : 0;
-    }
+    if constexpr (is_bitmap) p.k_along_tokens = traits::k_along_tokens(format_) ? 1 : 0;
     return p;
   }
 

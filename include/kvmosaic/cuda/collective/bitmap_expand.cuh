@@ -8,8 +8,8 @@
 /// consume (tensor cores on sm_90, SIMT elsewhere). The compressed page may sit in shared memory
 /// (staged by bulk copies) or in global memory (the portable kernel reads it in place).
 ///
-/// Cost per segment: one work item per token row (V, and K when tiled along channels) or per K
-/// channel tile (the paper's K layout) and, per kept value, a bit scan, a 16-bit load and a
+/// Cost per segment: one work item per 1x64 tile touching the segment (a token's 64 channels of
+/// V, and of K when K is tiled along channels; a channel's tokens of K in the paper's layout) and, per kept value, a bit scan, a 16-bit load and a
 /// 16-bit shared store with a few integer operations of addressing. The tiles must be zero where
 /// nothing is kept: the kernels clear them between segments with 16-byte stores.
 
@@ -191,60 +191,29 @@ struct bitmap_segment_expand {
     }
   }
 
-  /// Writes the kept values of one token's row (K or V tiled along channels: `tiles_per_row`
-  /// consecutive tiles whose `keep` values run contiguously from the first tile's offset) into
-  /// row `row` of a zeroed tile at `tile_base`. Every token keeps exactly `keep` values, so every
-  /// lane of a warp expanding rows of one tensor runs exactly `keep` iterations: no lane waits on
-  /// a fuller one (the paper's channel tiles keep 0 to 64 values each, and a warp expanding them
-  /// runs as long as its fullest). Per value: a bit scan, a 16-bit load and a 16-bit store with
-  /// 2-3 integer operations of addressing.
-  template <class Page>
-  __device__ __forceinline__ static void expand_row(const Page& page, int first_tile, int keep, int row,
-                                                    std::uint32_t tile_base) {
-    constexpr int words = 2 * v_tiles_per_token;  // the row's bitmap in 32-bit words, lowest first
-    std::uint32_t bits[words];
-#pragma unroll
-    for (int j = 0; j < v_tiles_per_token; ++j) {
-      const std::uint64_t tile_bits = page.bitmap(first_tile + j);
-      bits[2 * j] = static_cast<std::uint32_t>(tile_bits);
-      bits[2 * j + 1] = static_cast<std::uint32_t>(tile_bits >> 32);
-    }
-    auto value = page.values_from(page.offset(first_tile));
-    int word = 0;  // bits[0] holds channels 32 word ..; the words shift down (registers, not an indexed array)
-    auto address = Tile::row(row, 0);
-    std::uint32_t half = 0;  // 32 for the upper half of a tile
-    for (int i = 0; i < keep; ++i) {
-      while (bits[0] == 0) {
-#pragma unroll
-        for (int k = 0; k + 1 < words; ++k) bits[k] = bits[k + 1];
-        bits[words - 1] = 0;
-        if (++word == words) return;  // fewer bits than `keep`: only a corrupt page
-        address = Tile::row(row, word / 2);
-        half = static_cast<std::uint32_t>(word % 2) * 32;
-      }
-      const auto bit = static_cast<std::uint32_t>(__ffs(static_cast<int>(bits[0])) - 1);
-      bits[0] &= bits[0] - 1;
-      detail::store_shared_u16(tile_base + address.at(bit + half), value.next());
-    }
-  }
-
-  /// Writes the kept values of the segment into the zeroed tiles `k_tile`, `v_tile`: V rows (and
-  /// K rows when K is tiled along channels, `k_along_tokens` false) with `expand_row`, K tiles
-  /// along tokens (the paper's: tile c * tiles_per_channel + first / 64 holds channel c) with a
-  /// scan per channel. `keep_k`, `keep_v`: values every K and V row keeps. Every thread calls it.
+  /// Writes the kept values of the segment into the zeroed tiles `k_tile`, `v_tile`. Work items:
+  /// per token and 64 channels, a tile of V (and of K when K is tiled along channels,
+  /// `k_along_tokens` false), written into that token's row; per channel, a K tile along tokens
+  /// (the paper's layout: tile c * tiles_per_channel + first / 64 holds channel c), written down
+  /// that channel's column. Every thread calls it. (Tried, session 6: one item per token row,
+  /// looping exactly `keep` times over the row's words so no lane waits on a fuller tile: 25-40%
+  /// slower on H100 at s = 0.7, more at s = 0.5.)
   template <class Page>
   __device__ __forceinline__ static void scatter(const Page& k_page, const Page& v_page, int page_size, int first,
-                                                 int keep_k, int keep_v, bool k_along_tokens, std::byte* k_tile,
-                                                 std::byte* v_tile) {
+                                                 bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {
     const std::uint32_t k_base = detail::shared_address(k_tile), v_base = detail::shared_address(v_tile);
-    const int k_items = k_along_tokens ? HeadDim : SegmentTokens;
-    for (int item = static_cast<int>(threadIdx.x); item < k_items + SegmentTokens; item += Threads) {
-      if (item >= k_items) {
-        const int token = item - k_items;
-        expand_row(v_page, (first + token) * v_tiles_per_token, keep_v, token, v_base);
-      } else if (!k_along_tokens) {
-        expand_row(k_page, (first + item) * v_tiles_per_token, keep_k, item, k_base);
-      } else {
+    constexpr int row_items = SegmentTokens * v_tiles_per_token;
+    const int k_items = k_along_tokens ? HeadDim : row_items;
+    for (int item = static_cast<int>(threadIdx.x); item < k_items + row_items; item += Threads) {
+      if (item >= k_items || !k_along_tokens) {  // a row tile: token t, channels 64 j ..
+        const bool is_v = item >= k_items;
+        const int index = is_v ? item - k_items : item;
+        const int token = index / v_tiles_per_token, block = index % v_tiles_per_token;
+        const Page page = is_v ? v_page : k_page;
+        const int tile = (first + token) * v_tiles_per_token + block;
+        auto value = page.values_from(page.offset(tile));
+        scatter_set_bits(page.bitmap(tile), value, Tile::row(token, block), is_v ? v_base : k_base);
+      } else {  // a column tile: channel c, tokens 64 j ..
         const int k_part = first / 64, shift = first % 64;
         const int channel = item, tile = channel * (page_size / 64) + k_part;
         const std::uint64_t all = k_page.bitmap(tile);

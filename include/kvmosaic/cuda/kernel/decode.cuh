@@ -37,8 +37,6 @@ struct decode_params {
   int group_size;                     ///< query heads per KV head (for kernels where it is a run-time value)
   int sink_rows;                      ///< dense sink rows after the tail rows of a slot (quant2), masked in
                                       ///< a sequence's first page
-  int keep_k;                         ///< bitmap_tiles: values every K row keeps
-  int keep_v;                         ///< bitmap_tiles: values every V row keeps
   int k_along_tokens;                 ///< bitmap_tiles: K tiles are one channel x 64 tokens (1) or as V (0)
 
   /// device: [0] splits this step, [1] row stride of `block_tables`, [2] its KV-head stride (0:

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
     const shared_bitmap_page v_page(compressed + slot * stage_bytes + k_bytes, tiles);
     const std::uint32_t* rows_read = RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i) : nullptr;
     for (int first = 0; first < p.page_size; first += segment) {
-      expand::scatter(k_page, v_page, p.page_size, first, p.keep_k, p.keep_v, p.k_along_tokens != 0, k_tile, v_tile);
+      expand::scatter(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
       if constexpr (RowMasks) {
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
     for (int first = 0; first < p.page_size; first += segment) {
       expand::zero_tiles(shared);
       __syncthreads();
-      expand::scatter(k_page, v_page, p.page_size, first, p.keep_k, p.keep_v, p.k_along_tokens != 0, k_tile, v_tile);
+      expand::scatter(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();
       collective::template fold<from_shared>(k_tile, v_tile, segment, s,
                                              rows_read == nullptr ? nullptr : rows_read + first / 32);
