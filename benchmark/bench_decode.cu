@@ -170,9 +170,11 @@ void decode(benchmark::State& state) {
   Format format{};
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
-    // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=tokens: the paper's K tiles (one channel, 64 tokens).
-    if (const char* layout = std::getenv("KVMOSAIC_BENCH_BITMAP_K_LAYOUT"); layout != nullptr && std::string(layout) == "tokens")
-      format.k_layout = format::bitmap_k_layout::along_tokens;
+    // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=channels: K tiled as V (bitmap_k_layout::along_channels);
+    // =tokens: the paper's (the default).
+    if (const char* layout = std::getenv("KVMOSAIC_BENCH_BITMAP_K_LAYOUT"); layout != nullptr)
+      format.k_layout = std::string(layout) == "channels" ? format::bitmap_k_layout::along_channels
+                                                          : format::bitmap_k_layout::along_tokens;
     state.counters["k_along_tokens"] = format.k_layout == format::bitmap_k_layout::along_tokens ? 1 : 0;
   }
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));

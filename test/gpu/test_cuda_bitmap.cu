@@ -32,7 +32,7 @@ TEST_CASE("GPU bitmap_tiles: device encode writes the host's bytes and decode eq
   t.check_attention();
 }
 
-TEST_CASE("GPU bitmap_tiles with the paper's K layout (tiles along tokens): host bytes, fp64 on the pruned cache",
+TEST_CASE("GPU bitmap_tiles with K tiled along channels: host bytes, fp64 on the pruned cache",
           "[gpu][bitmap_tiles]") {
   if (!gpu_available()) return;
   const int head_dim = GENERATE(64, 128, 256);
@@ -42,7 +42,7 @@ TEST_CASE("GPU bitmap_tiles with the paper's K layout (tiles along tokens): host
   const bool portable = GENERATE(false, true);
   CAPTURE(head_dim, group_size, page_size, sparsity.first, sparsity.second, portable);
   twin t(small_config(head_dim, group_size, dtype::bf16, page_size), 29,
-         format::bitmap_tiles{sparsity.first, sparsity.second, format::bitmap_k_layout::along_tokens});
+         format::bitmap_tiles{sparsity.first, sparsity.second, format::bitmap_k_layout::along_channels});
   if (portable) t.device.engine().use_portable_kernel();
   for (int length : {1, page_size, page_size + 1, 3 * page_size + 3, 700}) t.add(length, t.seqs.size());
   t.check_storage();
