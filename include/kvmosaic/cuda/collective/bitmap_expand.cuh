@@ -196,8 +196,8 @@ struct bitmap_segment_expand {
   /// `k_along_tokens` false), written into that token's row; per channel, a K tile along tokens
   /// (the paper's layout: tile c * tiles_per_channel + first / 64 holds channel c), written down
   /// that channel's column. Every thread calls it. (Tried, session 6: one item per token row,
-  /// looping exactly `keep` times over the row's words so no lane waits on a fuller tile: 25-40%
-  /// slower on H100 at s = 0.7, more at s = 0.5.)
+  /// looping exactly `keep` times over the row's words so no lane waits on a fuller tile: 25-48%
+  /// slower on H100 at s = 0.7, 67-135% at s = 0.5; benchmark/README.md, 2026-11-22h.)
   template <class Page>
   __device__ __forceinline__ static void scatter(const Page& k_page, const Page& v_page, int page_size, int first,
                                                  bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {
