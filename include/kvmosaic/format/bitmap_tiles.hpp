@@ -24,9 +24,9 @@
 /// paper's): K tiled as V, along channels per token. Same bytes. A K tile then holds part of one
 /// token's row rather than one channel's 64 tokens, whose count runs from 0 to 64 (channels with
 /// outliers are kept for nearly every token) and whose fullest tile sets how long a warp's
-/// expansion runs. Measured on H100 against the paper's layout in the same build
-/// (benchmark/README.md, 2026-11-22h): decode 6-8% faster at s = 0.7, 12-14% slower at s = 0.5,
-/// so the paper's layout stays the default.
+/// expansion runs. Measured on H100 against the paper's layout in the same build, on uniform
+/// random K without outlier channels (benchmark/README.md, 2026-11-22h): decode 6-8% faster at
+/// s = 0.7, 12-14% slower at s = 0.5, so the paper's layout stays the default.
 ///
 /// Deliberate difference: the paper pads each tile's values to a multiple of 8 so a thread can
 /// load a tile with aligned vector loads from global memory. Here the values of a page form one
