@@ -197,8 +197,28 @@ void decode(benchmark::State& state) {
   const int chunk = std::min(context, 16384);
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
   kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
-  fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
-  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  // KVMOSAIC_BENCH_KV=synthetic: K and V from the synthetic generator (outlier channels in K, as
+  // models have), which is what decides how full bitmap_tiles' K tiles are; the default is
+  // uniform random values, cheaper to make.
+  const char* kv_source = std::getenv("KVMOSAIC_BENCH_KV");
+  const bool synthetic_kv = kv_source != nullptr && std::string(kv_source) == "synthetic";
+  state.counters["synthetic_kv"] = synthetic_kv ? 1 : 0;
+  if (synthetic_kv) {
+    synthetic::kv_config source_config;
+    source_config.num_kv_heads = c.num_kv_heads;
+    source_config.group_size = c.group_size;
+    source_config.head_dim = c.head_dim;
+    const synthetic::kv_data generated = synthetic::generate_kv(source_config, 7, chunk);
+    std::vector<bfloat16> rows(2 * chunk * row);
+    for (std::size_t i = 0; i < chunk * row; ++i) {
+      rows[i] = bfloat16(generated.k[i]);
+      rows[chunk * row + i] = bfloat16(generated.v[i]);
+    }
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(source.data(), rows.data(), rows.size() * sizeof(bfloat16), cudaMemcpyHostToDevice));
+  } else {
+    fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  }
   std::vector<sequence_id> seqs;
   event_timer prefill_timer;
   double prefill_seconds = 0;
