@@ -11,7 +11,8 @@
 // fraction_of_hbm = GBps / hbm_read GBps, plan_us (host time of the step's plan, not included in
 // time_us), prefill_us_per_page (the first sequence's prefill: row kernels plus, for compressed
 // formats, the device encoder; per page of all KV heads), stages (bitmap_tiles: compressed pages
-// in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES overrides the stages, for tuning.
+// in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES overrides the stages, for tuning;
+// KVMOSAIC_BENCH_PDL=0 turns programmatic dependent launch off (counter dependent_launch).
 // select::quest rows (`*_quest_decode`) time the whole selected step (scoring, top-k, attention
 // over the chosen pages, merge) as time_us, and the scoring and top-k alone (with the metadata
 // copy) as select_us, in a second graph timed the same way; bytes count the pages read, the tail,
@@ -170,8 +171,8 @@ void decode(benchmark::State& state) {
   Format format{};
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
-    // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=channels: K tiled as V (bitmap_k_layout::along_channels);
-    // =tokens: the paper's (the default).
+    // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=channels: K tiled as V (bitmap_k_layout::along_channels, the
+    // default); =tokens: the paper's.
     if (const char* layout = std::getenv("KVMOSAIC_BENCH_BITMAP_K_LAYOUT"); layout != nullptr)
       format.k_layout = std::string(layout) == "channels" ? format::bitmap_k_layout::along_channels
                                                           : format::bitmap_k_layout::along_tokens;
@@ -253,6 +254,11 @@ void decode(benchmark::State& state) {
   KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
 
   auto& engine = kv.engine();
+  // KVMOSAIC_BENCH_PDL=0: split and merge kernels without programmatic dependent launch, for
+  // same-binary comparisons (counter dependent_launch).
+  if (const char* pdl = std::getenv("KVMOSAIC_BENCH_PDL"); pdl != nullptr && std::string(pdl) == "0")
+    engine.use_dependent_launch(false);
+  state.counters["dependent_launch"] = engine.uses_dependent_launch() ? 1 : 0;
   std::vector<detail::sequence_ref> refs;
   for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), s});
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));

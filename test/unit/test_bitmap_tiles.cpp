@@ -100,9 +100,10 @@ TEST_CASE("bitmap_tiles: K tiles along tokens (the paper's) or along channels, h
     traits::decode_k(f, shape, page.data(), 64, decoded.data());
     for (std::size_t i = 0; i < rows.size(); ++i) REQUIRE(decoded[i] == (i % 64 < 32 ? 2.0f : 0.0f));
   }
-  CHECK(traits::describe(format::bitmap_tiles{0.5f, 0.7f, format::bitmap_k_layout::along_channels}) ==
-        "bitmap_tiles(k0.5,v0.7,k/channels)");
+  CHECK(traits::describe(format::bitmap_tiles{0.5f, 0.7f, format::bitmap_k_layout::along_tokens}) ==
+        "bitmap_tiles(k0.5,v0.7,k/tokens)");
   CHECK(traits::describe(format::bitmap_tiles{0.5f, 0.7f}) == "bitmap_tiles(k0.5,v0.7)");
+  CHECK(format::bitmap_tiles{}.k_layout == format::bitmap_k_layout::along_channels);
 }
 
 TEST_CASE("bitmap_tiles: ties in magnitude keep the lower channel", "[bitmap_tiles]") {

@@ -29,6 +29,7 @@
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/core/split_plan.hpp"
 #include "kvmosaic/core/view.hpp"
+#include "kvmosaic/cuda/detail/dependent_launch.cuh"
 #include "kvmosaic/cuda/detail/pull_from_host.cuh"
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
@@ -187,6 +188,7 @@ class engine {
     int major = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     use_bulk_copy_ = major >= 9;
+    supports_dependent_launch_ = dependent_launch_ = major >= 9;
     int opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     max_dynamic_shared_ = opt_in - 4 * 1024;  // the selection kernels' static shared memory
@@ -589,21 +591,22 @@ class engine {
   }
 
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
-  /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel.
+  /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel. On
+  /// sm_90 the split and merge kernels are programmatic dependents of the kernel before each
+  /// (cuda/detail/dependent_launch.cuh): each is scheduled while its predecessor finishes.
   void launch_step(const float* q, float* out, float softmax_scale) {
     const kernel::decode_params p = stage_step(q, out, softmax_scale);
     if (selecting_) launch_selection(p, q);
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      kernel<<<grid, threads, detail::opted_in_shared(kernel, shared_bytes), stream_>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      detail::launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), detail::opted_in_shared(kernel, shared_bytes),
+                            stream_, dependent_launch_, p);
     });
     detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
       constexpr int head_dim = decltype(dim)::value;
-      kernel::merge_splits_kernel<head_dim>
-          <<<static_cast<unsigned>(batch_ * num_q_heads), merge_threads(head_dim), 0, stream_>>>(p, num_q_heads);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      detail::launch_kernel(kernel::merge_splits_kernel<head_dim>, dim3(static_cast<unsigned>(batch_ * num_q_heads)),
+                            dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, p, num_q_heads);
     });
   }
 
@@ -822,6 +825,12 @@ class engine {
     use_tma_ = false;
     prepare_decode_kernel();
   }
+
+  /// Programmatic dependent launch of the split and merge kernels (on by default where the device
+  /// supports it, sm_90 and later; elsewhere this does nothing). For comparisons: off, each kernel
+  /// of a step starts after the one before it has drained. Takes effect from the next launch.
+  void use_dependent_launch(bool enable) noexcept { dependent_launch_ = enable && supports_dependent_launch_; }
+  bool uses_dependent_launch() const noexcept { return dependent_launch_; }
 
   /// True when decode runs an sm_90 pipeline (bulk copies or TMA), whose q is rounded to two
   /// 16-bit halves on tensor cores.
@@ -1169,6 +1178,8 @@ class engine {
   int ctas_per_sm_ = 1;
   bool use_bulk_copy_ = false;
   bool use_tma_ = false;
+  bool supports_dependent_launch_ = false;  ///< sm_90 and later
+  bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end
   CUtensorMap page_rows_{};
   CUtensorMap tail_rows_map_{};
   cudaStream_t stream_ = nullptr;

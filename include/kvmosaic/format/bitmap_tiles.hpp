@@ -20,13 +20,16 @@
 /// bitmap marks element b as kept; its values follow in bit order at its tile offset (values
 /// before it in the page). Pages append without touching earlier pages.
 ///
-/// Option (`k_layout = bitmap_k_layout::along_channels`; the default, `along_tokens`, is the
-/// paper's): K tiled as V, along channels per token. Same bytes. A K tile then holds part of one
-/// token's row rather than one channel's 64 tokens, whose count runs from 0 to 64 (channels with
-/// outliers are kept for nearly every token) and whose fullest tile sets how long a warp's
-/// expansion runs. Measured on H100 against the paper's layout in the same build, on uniform
-/// random K without outlier channels (benchmark/README.md, 2026-11-22h): decode 6-8% faster at
-/// s = 0.7, 12-14% slower at s = 0.5, so the paper's layout stays the default.
+/// Deliberate difference, the default (`k_layout = bitmap_k_layout::along_channels`): K is tiled as
+/// V, along channels per token; the paper's orientation is `bitmap_k_layout::along_tokens`. Same
+/// bytes. Why: our decode kernel expands tiles into a dense shared-memory tile, one tile per lane,
+/// so a warp runs as long as its fullest tile. A K tile along tokens holds one channel's 64
+/// tokens, and channels with outliers are kept for nearly every token: on K with outlier channels
+/// (`synthetic::generate_kv`), a warp's fullest K tile holds 51 values along tokens against 24
+/// along channels at s = 0.7 (mean 19). Measured on H100, same build and run, batch 8, 128K
+/// (benchmark/README.md, 2026-11-24): along channels 1.41x faster at s = 0.7 (1564 against
+/// 2197 us) and 4% slower at s = 0.5 (2839 against 2718 us); on uniform random K (no outlier
+/// channels) 1.08x faster at s = 0.7 and 15% slower at s = 0.5.
 ///
 /// Deliberate difference: the paper pads each tile's values to a multiple of 8 so a thread can
 /// load a tile with aligned vector loads from global memory. Here the values of a page form one
@@ -57,8 +60,8 @@ namespace format {
 
 /// How bitmap_tiles tiles K (V is always tiled along channels, per token).
 enum class bitmap_k_layout {
-  along_tokens,    ///< tile = one channel, 64 tokens: the paper's orientation (appendix C), default
-  along_channels,  ///< tile = one token, 64 channels, as V: faster decode at s = 0.7, slower at 0.5
+  along_tokens,    ///< tile = one channel, 64 tokens: the paper's orientation (appendix C)
+  along_channels,  ///< tile = one token, 64 channels, as V: the default (faster decode, see the file comment)
 };
 
 /// Unstructured per-token magnitude pruning of K and V to sparsities `s_k`, `s_v` in [0, 0.95],
@@ -68,7 +71,7 @@ struct bitmap_tiles {
   using policy_category = format_tag;
   float s_k = 0.5f;  ///< fraction of each K vector pruned
   float s_v = 0.5f;  ///< fraction of each V vector pruned
-  bitmap_k_layout k_layout = bitmap_k_layout::along_tokens;  ///< orientation of K's tiles (see the file comment)
+  bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
 };
 
 }  // namespace format
@@ -195,7 +198,7 @@ struct format_traits<format::bitmap_tiles> {
 
   static std::string describe(const format::bitmap_tiles& f) {
     std::ostringstream os;
-    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_channels ? ",k/channels" : "")
+    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "")
        << ")";
     return os.str();
   }

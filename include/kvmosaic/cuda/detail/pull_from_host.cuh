@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvmosaic/cuda/detail/dependent_launch.cuh"
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 
@@ -24,10 +25,12 @@ namespace kvmosaic::cuda::detail {
 inline constexpr int pull_threads = 256;
 
 /// to[i] = from[i] for i < words; `from` is mapped host memory, read uncached (`__ldcv`) so that
-/// a replayed graph sees what the host staged for this step.
+/// a replayed graph sees what the host staged for this step. Launched as an ordinary kernel (it
+/// overwrites metadata the previous step's kernels read); the kernel after it may overlap it.
 template <int Threads>
 __global__ void __launch_bounds__(Threads) pull_from_host_kernel(const uint4* __restrict__ from, uint4* __restrict__ to,
                                                                  std::size_t words) {
+  allow_dependent_grids();  // the split kernel may start its set-up; it waits for this grid's copy
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * Threads;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * Threads + threadIdx.x; i < words; i += stride)
     to[i] = __ldcv(from + i);

@@ -42,6 +42,16 @@ __device__ __forceinline__ void tma_load_2d(void* destination, const CUtensorMap
 #endif
 }
 
+/// Starts fetching the tensor map `map` (a `__grid_constant__` kernel parameter) into the TMA
+/// unit's descriptor cache, so the first copy through it does not wait for that fetch.
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
+#else
+  (void)map;
+#endif
+}
+
 /// Four 8x8 16-bit matrices; lane i gives the address of row (i % 8) of matrix (i / 8).
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row_address) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750

@@ -19,6 +19,7 @@
 #include "kvmosaic/cuda/collective/page_attend.cuh"
 #include "kvmosaic/cuda/collective/score_mma.cuh"
 #include "kvmosaic/cuda/collective/warp_attend_mma.cuh"
+#include "kvmosaic/cuda/detail/dependent_launch.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
@@ -48,7 +49,7 @@ struct decode_params {
   const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has (all, selected or not)
   const std::int32_t* tail_slots;     ///< [batch]
   const std::int32_t* tail_rows;      ///< [batch]
-  const split_work* work;             ///< [splits this step]; the grid may be larger (graph replay)
+  const split_work* work;             ///< [grid's CTAs in x]; this step's splits first (graph replay)
   /// Token-granular selections (sub-page `select::quest` blocks, `select::sentence_chunks`): per
   /// entry of `block_tables`, `mask_words` 32-bit words whose bit r of word w says page row
   /// 32 w + r is read. Null: every row of every listed page.
@@ -81,6 +82,20 @@ struct decode_temp_storage {
 };
 
 namespace detail_decode {
+
+/// Every split kernel's first step. Waits for the kernel before it in the stream (the metadata
+/// pull, or the selection), which it may overlap (programmatic dependent launch on sm_90); lets
+/// the merge kernel be scheduled (it waits for this grid to complete); loads this CTA's work
+/// entry `w`; and says whether the CTA has a split: the grid is sized for the largest plan (graph
+/// replay), a step may use fewer. The split count and the entry are loaded together (one round
+/// trip, not two: the work array is sized for the grid, so the load is in bounds either way).
+__device__ __forceinline__ bool start_split(const decode_params& p, int work_index, split_work& w) {
+  detail::wait_for_prior_grid();
+  detail::allow_dependent_grids();
+  const int planned = p.step_header[0];
+  w = p.work[work_index];
+  return work_index < planned;
+}
 
 /// The page table a split of sequence `batch` reads for KV head `head`: the sequence's block
 /// table, or the pages a selection chose for that head.
@@ -239,8 +254,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const decode_pa
   __shared__ decode_temp_storage<Group, HeadDim, collective::rows> temp;
 
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;  // the grid is sized for the largest plan (graph replay)
-  const split_work w = p.work[work_index];
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   thread_state<Group> s;
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);
@@ -303,8 +318,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const deco
   std::byte* v_stages = k_stages + Stages * layout::stage_bytes;
 
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;
-  const split_work w = p.work[work_index];
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
@@ -418,10 +433,14 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
 
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;
-  const split_work w = p.work[work_index];
-  const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) {  // before the wait: the maps do not depend on the kernel before this one
+    detail::tma_prefetch_map(&p.page_rows);
+    detail::tma_prefetch_map(&p.tail_rows_map);
+  }
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
+  const int head = static_cast<int>(blockIdx.y);
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
   const int num_pages = range.end - range.begin;
   detail_decode::stage_split_pages(p, w, range, head, threads, Stages, ids, full);
@@ -512,6 +531,7 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
   constexpr int warps = HeadDim / 32;
   __shared__ float weights[HeadDim];
   __shared__ float warp_max[warps];
+  detail::wait_for_prior_grid();  // the split kernel's partials (it may still run: dependent launch)
   const int b = static_cast<int>(blockIdx.x) / num_q_heads;
   const int j = static_cast<int>(blockIdx.x) % num_q_heads;
   const int c = static_cast<int>(threadIdx.x);

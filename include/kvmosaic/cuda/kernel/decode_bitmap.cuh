@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   std::byte* compressed = shared + layout::compressed_offset;
 
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;
-  const split_work w = p.work[work_index];
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const detail_decode::split_pages range =
@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
   std::byte* v_tile = shared + layout::tile_bytes;
 
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;
-  const split_work w = p.work[work_index];
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   thread_state<Group> s;
   detail_decode::start_state<HeadDim, Group, lanes_per_row>(p, w, head, s);

@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   constexpr int warps = layout::warps, threads = warps * 32;
   extern __shared__ __align__(128) std::byte quant2_shared[];
   const int work_index = static_cast<int>(blockIdx.x);
-  if (work_index >= p.step_header[0]) return;
-  const split_work w = p.work[work_index];
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int stages = BulkCopy ? p.stages : 1;
