@@ -154,7 +154,9 @@ __device__ __forceinline__ void for_each_set_bit(std::uint64_t bits, F&& f) {
 
 /// Stores the values at `cursor` to tile_base + address.at(bit) for each set bit of `bits`, in
 /// order. (Tried: two bits per iteration with 64-bit scans, to keep two loads in flight: 26%
-/// slower on H100.)
+/// slower on H100. Loading each value one iteration before its store, against the short-scoreboard
+/// stalls Nsight Compute shows (3x the barrier stalls): 9% slower at s = 0.7, 1% at s = 0.5, H100,
+/// 2026-11-24, benchmark/results/h100-2026-11-24d.)
 template <class Cursor, class Address>
 __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cursor, const Address& address,
                                                  std::uint32_t tile_base) {
