@@ -46,7 +46,10 @@ struct bitmap_decode_layout {
 /// mbarrier). Per 64-token segment, all 128 threads write the kept values into the zeroed dense
 /// tile pair (`bitmap_segment_expand::scatter`, 128-byte swizzled), then each of the 4 warps runs
 /// q.k and p.v on tensor cores over its 16 tokens (`warp_attend_mma`, as the dense TMA kernel) and
-/// zeroes those 16 rows again, which only it reads: two CTA barriers per segment. `RowMasks`:
+/// zeroes those 16 rows again, which only it reads: two CTA barriers per segment. (Tried, with K
+/// tiled along channels: each warp expanding only the 16 rows it folds, no CTA barrier per
+/// segment, the last warp done with a slot refilling it: within 1% on H100, 2026-11-24e; the
+/// barriers are not what bounds it, the expansion's shared-memory work is.) `RowMasks`:
 /// whether a token-granular selection's row masks are read (without, the code is what it was
 /// before selections: the kernel is issue-bound, and run-time checks cost it 4-5% at batch 8).
 /// Grid: (splits capacity, num_kv_heads).
