@@ -8,10 +8,12 @@
 /// consume (tensor cores on sm_90, SIMT elsewhere). The compressed page may sit in shared memory
 /// (staged by bulk copies) or in global memory (the portable kernel reads it in place).
 ///
-/// Cost per segment: one work item per 1x64 tile touching the segment (a token's 64 channels of
-/// V, and of K when K is tiled along channels; a channel's tokens of K in the paper's layout) and, per kept value, a bit scan, a 16-bit load and a
-/// 16-bit shared store with a few integer operations of addressing. The tiles must be zero where
-/// nothing is kept: the kernels clear them between segments with 16-byte stores.
+/// Cost per segment: row tiles (a token's 64 channels of V, and of K when K is tiled along
+/// channels) are gathered one 16-byte dense chunk per thread: per dense element a predicated
+/// 16-bit load, whatever the sparsity, and one 16-byte store per 8 elements; the dense rows are
+/// written whole. K in the paper's layout (a channel's tokens per tile) is scattered down columns:
+/// per kept value a bit scan, a 16-bit load and a 16-bit store, into a K tile the kernels clear
+/// between segments.
 
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +31,11 @@ __device__ __forceinline__ std::uint16_t load_shared_u16(std::uint32_t address) 
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(value) : "r"(address));
   return value;
 }
+__device__ __forceinline__ void store_shared_v4(std::uint32_t address, uint4 value) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(value.x), "r"(value.y), "r"(value.z),
+               "r"(value.w)
+               : "memory");
+}
 __device__ __forceinline__ void store_shared_zero16(std::uint32_t address) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(address), "r"(0) : "memory");
 }
@@ -36,8 +43,8 @@ __device__ __forceinline__ void store_shared_zero16(std::uint32_t address) {
 
 /// Dense tile addressing: the 128-byte-swizzled layout of the tensor-core collective (64-channel
 /// blocks of `Tokens` rows of 128 bytes; 16-byte chunk k of row r at chunk k ^ (r mod 8)).
-/// `column(c).at(t)` and `row(t, j).at(b)` hoist what is constant along a K tile (a channel) and
-/// a V tile (64 channels of a token), leaving 2-4 integer operations per element.
+/// `column(c).at(t)` hoists what is constant along a K tile in the paper's layout (a channel),
+/// leaving 2-4 integer operations per element.
 template <int Tokens>
 struct swizzled_tile {
   struct column_address {
@@ -47,17 +54,9 @@ struct swizzled_tile {
       return base + (token << 7) + (((token << 4) & 0x70u) ^ chunk_key);
     }
   };
-  struct row_address {
-    std::uint32_t base, row_key;
-    /// Byte offset of (this token, channel 64 j + bit): bit * 2 with its chunk bits xor (t mod 8).
-    __device__ __forceinline__ std::uint32_t at(std::uint32_t bit) const { return base + ((bit << 1) ^ row_key); }
-  };
   __device__ __forceinline__ static column_address column(int channel) {
     return {static_cast<std::uint32_t>((channel / 64) * Tokens * 128 + (channel % 8) * 2),
             static_cast<std::uint32_t>(((channel % 64) / 8) << 4)};
-  }
-  __device__ __forceinline__ static row_address row(int token, int block) {
-    return {static_cast<std::uint32_t>(block * Tokens * 128 + token * 128), static_cast<std::uint32_t>((token & 7) << 4)};
   }
   /// Byte offset of the 16-byte chunk holding channels 8 k .. 8 k + 7 of a token.
   __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
@@ -72,15 +71,8 @@ struct row_major_tile {
     std::uint32_t base;
     __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const { return base + token * (HeadDim * 2); }
   };
-  struct row_address {
-    std::uint32_t base;
-    __device__ __forceinline__ std::uint32_t at(std::uint32_t bit) const { return base + bit * 2; }
-  };
   __device__ __forceinline__ static column_address column(int channel) {
     return {static_cast<std::uint32_t>(channel * 2)};
-  }
-  __device__ __forceinline__ static row_address row(int token, int block) {
-    return {static_cast<std::uint32_t>((token * HeadDim + block * 64) * 2)};
   }
   __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
     return static_cast<std::uint32_t>((token * HeadDim + k * 8) * 2);
@@ -163,61 +155,88 @@ __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cur
   for_each_set_bit(bits, [&](std::uint32_t bit) { detail::store_shared_u16(tile_base + address.at(bit), cursor.next()); });
 }
 
+/// Gathers the 8 dense values of channels [8 c, 8 c + 8) of a 1x64 row tile (one 16-byte chunk of
+/// a dense row): value j is the tile's next kept value where bit 8 c + j of its bitmap is set, else
+/// 0. A thread is bound to one chunk position c, so the masks of the bits before its chunk are
+/// computed once. Cost per chunk: two broadcast loads (bitmap, offset), two popcounts, and per
+/// channel a predicated 16-bit load and cursor step, whatever the sparsity; every lane of a warp
+/// runs the same instructions (no lane waits on a fuller tile) and the 8 loads are independent.
+class row_chunk_gather {
+ public:
+  __device__ __forceinline__ explicit row_chunk_gather(int chunk)
+      : below_low_(chunk >= 4 ? ~0u : (1u << (8 * chunk)) - 1u),
+        below_high_(chunk >= 4 ? (1u << (8 * (chunk - 4))) - 1u : 0u),
+        shift_(static_cast<std::uint32_t>(8 * (chunk % 4))),
+        upper_(chunk >= 4) {}
+
+  template <class Page>
+  __device__ __forceinline__ uint4 operator()(const Page& page, int tile) const {
+    const std::uint64_t bits = page.bitmap(tile);
+    const auto low = static_cast<std::uint32_t>(bits), high = static_cast<std::uint32_t>(bits >> 32);
+    const auto before = static_cast<std::uint32_t>(__popc(low & below_low_) + __popc(high & below_high_));
+    const std::uint32_t mask = ((upper_ ? high : low) >> shift_) & 0xffu;
+    auto cursor = page.values_from(page.offset(tile) + before);
+    std::uint32_t word[4];
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+      const std::uint32_t even = (mask >> (2 * pair)) & 1u ? cursor.next() : 0u;
+      const std::uint32_t odd = (mask >> (2 * pair + 1)) & 1u ? cursor.next() : 0u;
+      word[pair] = __byte_perm(even, odd, 0x5410);
+    }
+    return make_uint4(word[0], word[1], word[2], word[3]);
+  }
+
+ private:
+  std::uint32_t below_low_, below_high_, shift_;
+  bool upper_;
+};
+
 /// Expands tokens [first, first + SegmentTokens) of one head's compressed K page and V page into
 /// dense tiles (layout `Tile`, SegmentTokens rows). `first` is a multiple of SegmentTokens, which
 /// is 64 or 32, so a segment never straddles a K tile.
 template <int HeadDim, int SegmentTokens, int Threads, class Tile>
 struct bitmap_segment_expand {
   static_assert(SegmentTokens == 64 || SegmentTokens == 32, "segments are whole or half 1x64 tiles");
+  static_assert(Threads % 8 == 0, "a thread gathers the same 16-byte chunk position of every row tile");
   static constexpr int tile_bytes = SegmentTokens * HeadDim * 2;  ///< one dense tile (K or V)
   static constexpr int v_tiles_per_token = HeadDim / 64;
 
-  /// Zeroes a dense tile pair (K then V, contiguous). Every thread of the CTA calls it.
-  __device__ __forceinline__ static void zero_tiles(std::byte* tiles) {
-    const std::uint32_t base = detail::shared_address(tiles);
-    for (int i = static_cast<int>(threadIdx.x); i < 2 * tile_bytes / 16; i += Threads)
+  /// Zeroes one dense tile. Every thread of the CTA calls it.
+  __device__ __forceinline__ static void zero_tile(std::byte* tile) {
+    const std::uint32_t base = detail::shared_address(tile);
+    for (int i = static_cast<int>(threadIdx.x); i < tile_bytes / 16; i += Threads)
       detail::store_shared_zero16(base + i * 16);
   }
 
-  /// Zeroes rows [first, first + rows) of both tiles (swizzled tiles: whole 128-byte rows per
-  /// 64-channel block). A warp calls it for the rows only it reads.
-  __device__ __forceinline__ static void zero_rows_of_warp(std::byte* k_tile, std::byte* v_tile, int first, int rows) {
+  /// Zeroes rows [first, first + rows) of a swizzled tile (whole 128-byte rows per 64-channel
+  /// block). A warp calls it for the rows only it reads.
+  __device__ __forceinline__ static void zero_rows_of_warp(std::byte* tile, int first, int rows) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
     constexpr int blocks = HeadDim / 64;
     const int chunks = rows * 8;  // 16-byte chunks per block
-    for (int i = lane; i < 2 * blocks * chunks; i += 32) {
-      const int tile = i / (blocks * chunks), rest = i % (blocks * chunks);
-      const int block = rest / chunks, chunk = rest % chunks;
-      detail::store_shared_zero16(detail::shared_address(tile ? v_tile : k_tile) + block * SegmentTokens * 128 +
-                                  first * 128 + chunk * 16);
+    for (int i = lane; i < blocks * chunks; i += 32) {
+      const int block = i / chunks, chunk = i % chunks;
+      detail::store_shared_zero16(detail::shared_address(tile) + block * SegmentTokens * 128 + first * 128 + chunk * 16);
     }
   }
 
-  /// Writes the kept values of the segment into the zeroed tiles `k_tile`, `v_tile`. Work items:
-  /// per token and 64 channels, a tile of V (and of K when K is tiled along channels,
-  /// `k_along_tokens` false), written into that token's row; per channel, a K tile along tokens
-  /// (the paper's layout: tile c * tiles_per_channel + first / 64 holds channel c), written down
-  /// that channel's column. Every thread calls it. (Tried, session 6: one item per token row,
-  /// looping exactly `keep` times over the row's words so no lane waits on a fuller tile: 25-48%
-  /// slower on H100 at s = 0.7, 67-135% at s = 0.5; benchmark/README.md, 2026-11-22h.)
+  /// Writes the segment's K and V into the tiles `k_tile`, `v_tile`. Row tiles (a token's 64
+  /// channels: V always, K when tiled along channels, `k_along_tokens` false) are gathered chunk by
+  /// chunk (`row_chunk_gather`): every element of their dense rows is written, zeros included, so
+  /// they need no clearing. K in the paper's layout (`k_along_tokens`: tile c * tiles_per_channel +
+  /// first / 64 holds channel c's tokens) is scattered down each channel's column, one work item
+  /// per channel, into a K tile the caller keeps zero where nothing is kept. Every thread calls it.
+  /// (Tried before the gather: one item per row tile scattering its set bits, lowest or highest
+  /// first, into zeroed tiles: 11 or 10 instructions per kept value and a warp as slow as its
+  /// fullest tile; one item per token row looping exactly `keep` times: 25-48% slower, session 6.)
   template <class Page>
-  __device__ __forceinline__ static void scatter(const Page& k_page, const Page& v_page, int page_size, int first,
-                                                 bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {
+  __device__ __forceinline__ static void expand(const Page& k_page, const Page& v_page, int page_size, int first,
+                                                bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {
     const std::uint32_t k_base = detail::shared_address(k_tile), v_base = detail::shared_address(v_tile);
-    constexpr int row_items = SegmentTokens * v_tiles_per_token;
-    const int k_items = k_along_tokens ? HeadDim : row_items;
-    for (int item = static_cast<int>(threadIdx.x); item < k_items + row_items; item += Threads) {
-      if (item >= k_items || !k_along_tokens) {  // a row tile: token t, channels 64 j ..
-        const bool is_v = item >= k_items;
-        const int index = is_v ? item - k_items : item;
-        const int token = index / v_tiles_per_token, block = index % v_tiles_per_token;
-        const Page page = is_v ? v_page : k_page;
-        const int tile = (first + token) * v_tiles_per_token + block;
-        auto value = page.values_from(page.offset(tile));
-        scatter_set_bits(page.bitmap(tile), value, Tile::row(token, block), is_v ? v_base : k_base);
-      } else {  // a column tile: channel c, tokens 64 j ..
+    if (k_along_tokens)
+      for (int channel = static_cast<int>(threadIdx.x); channel < HeadDim; channel += Threads) {
         const int k_part = first / 64, shift = first % 64;
-        const int channel = item, tile = channel * (page_size / 64) + k_part;
+        const int tile = channel * (page_size / 64) + k_part;
         const std::uint64_t all = k_page.bitmap(tile);
         std::uint64_t bits = all >> shift;
         if constexpr (SegmentTokens < 64) bits &= (std::uint64_t{1} << (SegmentTokens % 64)) - 1;
@@ -226,9 +245,35 @@ struct bitmap_segment_expand {
         auto value = k_page.values_from(k_page.offset(tile) + skipped);
         scatter_set_bits(bits, value, Tile::column(channel), k_base);
       }
+    if (!k_along_tokens) gather_rows(k_page, first, k_base);
+    gather_rows(v_page, first, v_base);
+  }
+
+ private:
+  /// Row tiles of the segment into the dense tile at `tile_base`, one 16-byte chunk per thread
+  /// per pass: thread x gathers chunk x mod 8 of row tile pass * (Threads / 8) + x / 8, so the 8
+  /// lanes of a row tile share its bitmap and offset loads, a warp reads 4 consecutive value
+  /// runs, and a thread's 64-channel block and swizzle key are the same in every pass.
+  template <class Page>
+  __device__ __forceinline__ static void gather_rows(const Page& page, int first, std::uint32_t tile_base) {
+    constexpr int rows_per_pass = Threads / 8;
+    constexpr int tokens_per_pass = rows_per_pass / v_tiles_per_token;
+    static_assert(rows_per_pass % v_tiles_per_token == 0 && SegmentTokens % tokens_per_pass == 0,
+                  "whole tokens per pass, whole passes per segment");
+    const int thread = static_cast<int>(threadIdx.x);
+    const int chunk = thread % 8, block = (thread / 8) % v_tiles_per_token;
+    const int token_in_pass = (thread / 8) / v_tiles_per_token;
+    const row_chunk_gather gather(chunk);
+    const int first_tile = first * v_tiles_per_token + thread / 8;
+#pragma unroll
+    for (int pass = 0; pass < SegmentTokens / tokens_per_pass; ++pass) {
+      const int token = pass * tokens_per_pass + token_in_pass;
+      detail::store_shared_v4(tile_base + Tile::chunk(token, block * 8 + chunk),
+                              gather(page, first_tile + pass * rows_per_pass));
     }
   }
 
+ public:
   /// Copies rows [0, n) of dense K and V rows (global memory, head_dim 16-bit values each) into
   /// the tiles and zeroes rows [n, SegmentTokens): the dense tail's segments. Every thread calls it.
   __device__ __forceinline__ static void load_dense(const std::byte* k_rows, const std::byte* v_rows, int n,

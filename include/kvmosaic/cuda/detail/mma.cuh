@@ -30,6 +30,20 @@ __device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
   return static_cast<std::uint32_t>(T(low).bits) | (static_cast<std::uint32_t>(T(high).bits) << 16);
 }
 
+/// The 8x8 16-bit matrix held in fragment layout (lane 4 g + q: row g, columns 2 q, 2 q + 1),
+/// transposed, in the same layout: one `movmatrix` (sm_75+). Turns a C fragment packed to 16 bits
+/// into a B fragment of the next product.
+__device__ __forceinline__ std::uint32_t transpose_8x8(std::uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  std::uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+#else
+  unsupported_architecture(x);
+  return x;
+#endif
+}
+
 /// c += a * b for one m16n8k16 tile with T (half or bfloat16) operands.
 template <class T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1);

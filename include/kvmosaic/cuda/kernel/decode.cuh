@@ -216,27 +216,14 @@ __device__ __forceinline__ void stage_split_pages(const decode_params& p, const 
     for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
 }
 
-/// The tensor-core kernels' epilogue: each warp's `warp_attend_mma` state to `temp` (lane 4 g + q
-/// holds head g, channels 8 c + 2 q + {0, 1}), then the CTA merge. `temp` may alias the stage
-/// buffers: the caller has passed a barrier after its last read of them.
+/// The tensor-core kernels' epilogue: each warp's `warp_attend_mma` state to `temp`
+/// (`Attend::store`), then the CTA merge. `temp` may alias the stage buffers: the caller has
+/// passed a barrier after its last read of them.
 template <class Attend, int HeadDim, int Group, int Warps>
 __device__ __forceinline__ void write_warp_partial(const decode_params& p, int work_index, int head,
                                                    const Attend& state,
                                                    decode_temp_storage<Group, HeadDim, Warps>& temp) {
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int g = lane / 4, quad = lane % 4;
-  const float l = state.total_l();
-  if (g < Group) {
-#pragma unroll
-    for (int c = 0; c < HeadDim / 8; ++c) {
-      temp.o[warp][g][8 * c + 2 * quad] = state.o[c][0];
-      temp.o[warp][g][8 * c + 2 * quad + 1] = state.o[c][1];
-    }
-    if (quad == 0) {
-      temp.m[warp][g] = state.m;
-      temp.l[warp][g] = l;
-    }
-  }
+  state.store(temp, static_cast<int>(threadIdx.x) / 32);
   merge_and_write_partial<HeadDim, Group, Warps * 32, Warps>(p, work_index, head, temp);
 }
 

@@ -43,12 +43,14 @@ struct bitmap_decode_layout {
 
 /// The sm_90 bitmap_tiles split kernel. Thread 0 streams the split's compressed K and V pages into
 /// `p.stages` shared-memory slots with bulk copies (one per page and cache, completing on an
-/// mbarrier). Per 64-token segment, all 128 threads write the kept values into the zeroed dense
-/// tile pair (`bitmap_segment_expand::scatter`, 128-byte swizzled), then each of the 4 warps runs
-/// q.k and p.v on tensor cores over its 16 tokens (`warp_attend_mma`, as the dense TMA kernel) and
-/// zeroes those 16 rows again, which only it reads: two CTA barriers per segment. (Tried, with K
-/// tiled along channels: each warp expanding only the 16 rows it folds, no CTA barrier per
-/// segment, the last warp done with a slot refilling it: within 1% on H100, 2026-11-24e; the
+/// mbarrier). Per 64-token segment, all 128 threads expand the compressed tiles into the dense
+/// tile pair (`bitmap_segment_expand::expand`, 128-byte swizzled: row tiles gathered whole, K in
+/// the paper's layout scattered into a zeroed tile), then each of the 4 warps runs q.k and p.v on
+/// tensor cores over its 16 tokens (`warp_attend_mma`, as the dense TMA kernel) and, for a
+/// scattered K tile, zeroes the 16 rows only it reads: two CTA barriers per segment. (Tried, with K
+/// tiled along channels and scattered: each warp expanding only the 16 rows it folds, no CTA
+/// barrier per segment, the last warp done with a slot refilling it: within 1% on H100,
+/// 2026-11-24e; the
 /// barriers are not what bounds it, the expansion's shared-memory work is.) `RowMasks`:
 /// whether a token-granular selection's row masks are read (without, the code is what it was
 /// before selections: the kernel is issue-bound, and run-time checks cost it 4-5% at batch 8).
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   __syncthreads();  // the barriers are initialized
   if (tid == 0)
     for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
-  expand::zero_tiles(k_tile);
+  if (p.k_along_tokens) expand::zero_tile(k_tile);  // scattered into; the row tiles are written whole
   attend::stage_queries(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim,
                         p.softmax_scale, query_tiles, threads);
   __syncthreads();
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
     const shared_bitmap_page v_page(compressed + slot * stage_bytes + k_bytes, tiles);
     const std::uint32_t* rows_read = RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i) : nullptr;
     for (int first = 0; first < p.page_size; first += segment) {
-      expand::scatter(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
+      expand::expand(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
       if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
       if constexpr (RowMasks) {
@@ -125,9 +127,11 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
       } else {
         state.fold(k_tile, v_tile, query_tiles, warp * 16, 0xffffu);
       }
-      __syncwarp();  // every lane's ldmatrix reads of these rows are done before any lane clears them
-      expand::zero_rows_of_warp(k_tile, v_tile, warp * 16, 16);
-      __syncthreads();  // the tiles are zero again
+      if (p.k_along_tokens) {  // the paper's K layout is scattered: clear what this warp read
+        __syncwarp();          // every lane's ldmatrix reads of these rows are done first
+        expand::zero_rows_of_warp(k_tile, warp * 16, 16);
+      }
+      __syncthreads();  // the tiles are read (and the scattered K tile zero again)
     }
   }
   if (w.with_tail) {
@@ -161,9 +165,9 @@ struct bitmap_portable_layout {
                                    : static_cast<int>(sizeof(decode_temp_storage<Group, HeadDim, Rows>));
 };
 
-/// The portable bitmap_tiles split kernel (sm_75+): per 64-token segment the CTA writes the kept
-/// values, read in place from global memory, into a zeroed row-major tile pair in shared memory and
-/// folds it with the dense SIMT collective. No copy pipeline: the reference path
+/// The portable bitmap_tiles split kernel (sm_75+): per 64-token segment the CTA expands the
+/// compressed tiles, read in place from global memory, into a row-major tile pair in shared memory
+/// (`bitmap_segment_expand::expand`) and folds it with the dense SIMT collective. No copy pipeline: the reference path
 /// for GPUs without bulk copies, not a tuned one.
 template <class T, int HeadDim, int Group, int Threads, int Unroll>
 __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel(const decode_params p) {
@@ -192,9 +196,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
     const global_bitmap_page k_page{slot + head * p.k_page_bytes, tiles};
     const global_bitmap_page v_page{slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes, tiles};
     for (int first = 0; first < p.page_size; first += segment) {
-      expand::zero_tiles(shared);
+      if (p.k_along_tokens) expand::zero_tile(k_tile);  // scattered into; row tiles are written whole
       __syncthreads();
-      expand::scatter(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
+      expand::expand(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();
       collective::template fold<from_shared>(k_tile, v_tile, segment, s,
                                              rows_read == nullptr ? nullptr : rows_read + first / 32);
