@@ -24,15 +24,18 @@ namespace kvmosaic::cuda {
 
 /// One warp's share of a split: its running (m, l, o) for the group's heads. Both products are
 /// computed transposed, so the tokens and channels are the M rows of the tiles and the heads the N
-/// columns (8, the group padded): S^T = K Q^T (16 tokens x 8 heads per warp, 2 MMAs per 16
-/// channels with q split hi + lo) and O^T += V^T P^T (16 channels x 8 heads, 2 MMAs per 16
-/// channels). No row of an MMA is padding, and the C fragment of one product becomes the B
-/// fragment of the next by one `movmatrix` transpose per 8x8 block. Lane 4 g + q holds heads
-/// 2 q, 2 q + 1: their m, a partial l over its tokens g and g + 8 of each fold, and o for channels
-/// 16 c + g and 16 c + g + 8 of every 16-channel tile c. The group's queries live in shared memory
-/// (`stage_queries`, one copy for the CTA) and are read as B fragments with ldmatrix.
-/// Per 16 tokens and head_dim D: D / 4 MMAs, D / 16 + D / 16 + D / 16 ldmatrix (q, K, V), one
-/// online-softmax step (6 shuffles), and o rescaled only when some head's running max moved.
+/// columns (8): S^T = K Q^T (16 tokens x 8 columns per warp) and O^T += V^T P^T (16 channels x 8
+/// columns). No row of an MMA is padding, and the C fragment of one product becomes the B
+/// fragment of the next by one `movmatrix` transpose per 8x8 block. q and p are each split into
+/// hi + lo halves in T: for groups of 4 heads or fewer the halves share the 8 columns (one MMA
+/// per 16 channels), for 5-8 heads each half has its own MMA. Lane 4 g + q holds two heads (2 q,
+/// 2 q + 1; packed, 2 (q mod 2) and 2 (q mod 2) + 1 of its hi or lo half): their m, a partial l
+/// over its tokens g and g + 8 of each fold, and o for channels 16 c + g and 16 c + g + 8 of every
+/// 16-channel tile c. The group's queries live in shared memory (`stage_queries`, one copy for the
+/// CTA) and are read as B fragments with ldmatrix.
+/// Per 16 tokens and head_dim D: D / 8 MMAs (packed; D / 4 otherwise), D / 32 (D / 16) ldmatrix of
+/// q, D / 16 of K and of V, one online-softmax step (6 shuffles; packed, 4 more), and o rescaled
+/// only when some head's running max moved.
 template <class T, int HeadDim, int Group, int StageTokens>
 struct warp_attend_mma {
   static_assert(Group >= 1 && Group <= 8, "the group's query heads fill the 8 columns of the tile");
@@ -46,6 +49,11 @@ struct warp_attend_mma {
   static constexpr int query_pitch = HeadDim * 2 + 16;
   /// Shared memory of the query tiles: q_hi and q_lo, 8 rows each.
   static constexpr int query_bytes = 2 * 8 * query_pitch;
+  /// Groups of 4 heads or fewer put q_hi and q_lo (and p_hi and p_lo) side by side in the 8 N
+  /// columns, so each product is one MMA per 16 channels instead of two; the hi and lo halves of
+  /// a head (columns h and 4 + h, lanes q and q ^ 2) are summed by a shuffle after q.k (the
+  /// logits) and at the end of the split (o).
+  static constexpr bool packed = Group <= 4;
 
   float o[channel_tiles][4];  ///< (channel 16 c + g, heads 2 q, 2 q + 1), (channel 16 c + g + 8, same)
   float m[2];                 ///< heads 2 q, 2 q + 1
@@ -55,15 +63,22 @@ struct warp_attend_mma {
 
   /// Every thread of the CTA: writes the group's queries (`q`: [Group][HeadDim] floats), scaled
   /// by `scale` and split into hi + lo halves in T, to the query tiles at `tiles`
-  /// (`query_bytes`); rows past the group are zero. A barrier must follow before `fold`.
+  /// (`query_bytes`): packed (Group <= 4), row h holds q_hi and row 4 + h q_lo of head h; else
+  /// rows 0-7 hold q_hi and rows 8-15 q_lo. Rows of heads past the group are zero. A barrier
+  /// must follow before `fold`.
   __device__ __forceinline__ static void stage_queries(const float* q, float scale, std::byte* tiles, int threads) {
     for (int index = static_cast<int>(threadIdx.x); index < 8 * HeadDim; index += threads) {
       const int row = index / HeadDim, channel = index % HeadDim;
-      const float x = row < Group ? q[row * HeadDim + channel] * scale : 0.0f;
+      const int head = packed ? row % 4 : row;
+      const float x = head < Group ? q[head * HeadDim + channel] * scale : 0.0f;
       const T hi(x);
       const T lo(x - to_float(hi));
-      *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = hi;
-      *reinterpret_cast<T*>(tiles + (8 + row) * query_pitch + channel * 2) = lo;
+      if constexpr (packed) {
+        *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = row < 4 ? hi : lo;
+      } else {
+        *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = hi;
+        *reinterpret_cast<T*>(tiles + (8 + row) * query_pitch + channel * 2) = lo;
+      }
     }
   }
 
@@ -94,19 +109,22 @@ struct warp_attend_mma {
     const int k_token = first + (i % 8) + 8 * ((i / 8) % 2);
 #pragma unroll
     for (int k = 0; k < k_steps; k += 2) {
-      std::uint32_t q_hi[4], q_lo[4];  // b0, b1 of steps k and k + 1
       const int q_chunk = 2 * k + i / 8;
+      std::uint32_t q_hi[4], q_lo[4];  // b0, b1 of steps k and k + 1 (packed: hi and lo columns)
       detail::ldmatrix_x4(q_hi, query_tiles + (i % 8) * query_pitch + q_chunk * 16);
-      detail::ldmatrix_x4(q_lo, query_tiles + (8 + i % 8) * query_pitch + q_chunk * 16);
+      if constexpr (!packed) detail::ldmatrix_x4(q_lo, query_tiles + (8 + i % 8) * query_pitch + q_chunk * 16);
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
         const int chunk = 2 * (k + step) + i / 16;
         std::uint32_t a[4];
         detail::ldmatrix_x4(a, k_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(k_token, chunk % 8));
         detail::mma_16816<T>(s, a, q_hi[2 * step], q_hi[2 * step + 1]);
-        detail::mma_16816<T>(s, a, q_lo[2 * step], q_lo[2 * step + 1]);
+        if constexpr (!packed) detail::mma_16816<T>(s, a, q_lo[2 * step], q_lo[2 * step + 1]);
       }
     }
+    if constexpr (packed)  // q_hi.k + q_lo.k: columns h and 4 + h sit in lanes q and q ^ 2
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] += __shfl_xor_sync(0xffffffffu, s[e], 2);
     // Online softmax per head over the 16 tokens: this lane has tokens g (s[0..1]) and g + 8
     // (s[2..3]) of heads 2 q, 2 q + 1; the 8 lanes of a quad position share the heads.
     if (((rows >> g) & 1u) == 0) s[0] = s[1] = -HUGE_VALF;
@@ -137,23 +155,37 @@ struct warp_attend_mma {
       }
     }
     // P^T as B fragments: the C fragment (token rows, head columns) packed to T, each 8x8 block
-    // transposed in registers (b0: tokens 0-7, b1: tokens 8-15, column = head g). p = hi + lo.
-    const float hi0 = to_float(T(p[0])), hi1 = to_float(T(p[1]));
-    const float hi2 = to_float(T(p[2])), hi3 = to_float(T(p[3]));
-    const std::uint32_t p_hi0 = detail::transpose_8x8(detail::pack_pair<T>(hi0, hi1));
-    const std::uint32_t p_hi1 = detail::transpose_8x8(detail::pack_pair<T>(hi2, hi3));
-    const std::uint32_t p_lo0 = detail::transpose_8x8(detail::pack_pair<T>(p[0] - hi0, p[1] - hi1));
-    const std::uint32_t p_lo1 = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi2, p[3] - hi3));
-    // O^T += V^T P^T: A = V^T (ldmatrix.trans of the V rows: matrices (channels 0-7 | 8-15) x
-    // (tokens 0-7 | 8-15)).
-    const int v_token = first + (i % 8) + 8 * (i / 16);
+    // transposed in registers (b0: tokens 0-7, b1: tokens 8-15, column = head g). p = hi + lo:
+    // packed, lanes q < 2 give the hi columns and lanes q >= 2 the lo ones.
+    float hi[4];
 #pragma unroll
-    for (int c = 0; c < channel_tiles; ++c) {
-      const int chunk = 2 * c + (i / 8) % 2;
-      std::uint32_t a[4];
-      detail::ldmatrix_x4_trans(a, v_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(v_token, chunk % 8));
-      detail::mma_16816<T>(o[c], a, p_hi0, p_hi1);
-      detail::mma_16816<T>(o[c], a, p_lo0, p_lo1);
+    for (int e = 0; e < 4; ++e) hi[e] = to_float(T(p[e]));
+    const int v_token = first + (i % 8) + 8 * (i / 16);
+    if constexpr (packed) {
+      const bool lo_lane = (i % 4) >= 2;
+      float half[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) half[e] = lo_lane ? p[e] - hi[e] : hi[e];
+      const std::uint32_t p0 = detail::transpose_8x8(detail::pack_pair<T>(half[0], half[1]));
+      const std::uint32_t p1 = detail::transpose_8x8(detail::pack_pair<T>(half[2], half[3]));
+#pragma unroll
+      for (int c = 0; c < channel_tiles; ++c) {
+        std::uint32_t a[4];
+        load_v(a, v_tile, v_token, c);
+        detail::mma_16816<T>(o[c], a, p0, p1);
+      }
+    } else {
+      const std::uint32_t p_hi0 = detail::transpose_8x8(detail::pack_pair<T>(hi[0], hi[1]));
+      const std::uint32_t p_hi1 = detail::transpose_8x8(detail::pack_pair<T>(hi[2], hi[3]));
+      const std::uint32_t p_lo0 = detail::transpose_8x8(detail::pack_pair<T>(p[0] - hi[0], p[1] - hi[1]));
+      const std::uint32_t p_lo1 = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
+#pragma unroll
+      for (int c = 0; c < channel_tiles; ++c) {
+        std::uint32_t a[4];
+        load_v(a, v_tile, v_token, c);
+        detail::mma_16816<T>(o[c], a, p_hi0, p_hi1);
+        detail::mma_16816<T>(o[c], a, p_lo0, p_lo1);
+      }
     }
   }
 
@@ -167,19 +199,33 @@ struct warp_attend_mma {
       float total = l[h];
 #pragma unroll
       for (int offset = 4; offset < 32; offset *= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-      const int head = 2 * q + h;
-      if (head < Group) {
+      const int head = packed ? 2 * (q % 2) + h : 2 * q + h;
+      const bool writes = head < Group && (!packed || q < 2);
 #pragma unroll
-        for (int c = 0; c < channel_tiles; ++c) {
-          temp.o[warp][head][16 * c + g] = o[c][h];
-          temp.o[warp][head][16 * c + g + 8] = o[c][2 + h];
+      for (int c = 0; c < channel_tiles; ++c) {
+        float low = o[c][h], high = o[c][2 + h];
+        if constexpr (packed) {  // o_hi + o_lo of the head
+          low += __shfl_xor_sync(0xffffffffu, low, 2);
+          high += __shfl_xor_sync(0xffffffffu, high, 2);
         }
-        if (g == 0) {
-          temp.m[warp][head] = m[h];
-          temp.l[warp][head] = total;
+        if (writes) {
+          temp.o[warp][head][16 * c + g] = low;
+          temp.o[warp][head][16 * c + g + 8] = high;
         }
       }
+      if (writes && g == 0) {
+        temp.m[warp][head] = m[h];
+        temp.l[warp][head] = total;
+      }
     }
+  }
+
+ private:
+  /// A fragment of V^T for channels [16 c, 16 c + 16) and the warp's 16 tokens: ldmatrix.trans of
+  /// the V rows (matrices (channels 0-7 | 8-15) x (tokens 0-7 | 8-15)).
+  __device__ __forceinline__ static void load_v(std::uint32_t (&a)[4], const std::byte* v_tile, int v_token, int c) {
+    const int chunk = 2 * c + (lane() / 8) % 2;
+    detail::ldmatrix_x4_trans(a, v_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(v_token, chunk % 8));
   }
 };
 
