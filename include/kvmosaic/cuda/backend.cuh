@@ -858,14 +858,16 @@ class engine {
   static constexpr std::int32_t encode_chunk_pages = 64;
 
   /// bitmap_tiles and quant2 on sm_90: the compressed stages (per CTA for bitmap_tiles, per warp
-  /// for quant2). Both kernels are bound by instruction issue, not memory, so occupancy comes
-  /// first: as many CTAs per SM as the kernel's registers allow (at most 4) with at least one
-  /// stage each, then as many stages as fit next to them (at most 4). quant2 at Pi = 64, head_dim
-  /// 128 gets 4 CTAs of 4 warps with 2 pages in flight per warp.
-  /// Measured on H100 at batch 8, 128K, head_dim 128: s = 0.5 ran 2.40 ms with three CTAs of one
-  /// stage and 2.99 ms with two CTAs of three; s = 0.7, three CTAs of two stages 1.65 ms, of one
-  /// 1.68 ms. Capping registers at 128 for four CTAs spilled and lost 8-11%. Pages too large for
-  /// one stage run the portable kernel.
+  /// for quant2). Neither kernel is bound by DRAM (quant2 by instruction issue, bitmap_tiles by
+  /// shared-memory bandwidth), so occupancy comes first: as many CTAs per SM as the kernel's
+  /// registers allow (at most 4) with at least one stage each, then as many stages as fit next to
+  /// them (at most 4). quant2 at Pi = 64, head_dim 128 gets 4 CTAs of 4 warps with 2 pages in
+  /// flight per warp; bitmap_tiles at head_dim 128 (124 registers) 4 CTAs of one stage.
+  /// Measured on H100 at batch 8, 128K, head_dim 128, bitmap_tiles: four CTAs of one stage 1037
+  /// us, three of two 1191 us at s = 0.7 (2026-11-25; 13-28% slower with two stages at every
+  /// shape); with an earlier build at 168 registers, s = 0.5 ran 2.40 ms with three CTAs of one
+  /// stage and 2.99 ms with two CTAs of three. Pages too large for one stage run the portable
+  /// kernel.
   void choose_compressed_stages(int device) {
     int per_sm = 0, per_block = 0, reserved = 0, registers = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));

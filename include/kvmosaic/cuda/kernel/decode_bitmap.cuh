@@ -24,7 +24,7 @@ constexpr int bitmap_decode_fixed_bytes(int head_dim) {
 
 /// Dynamic shared memory of the sm_90 bitmap kernel: barriers, the query tiles, one dense tile
 /// pair (K and V, 64 tokens, swizzled), then `stages` compressed page pairs. Small on purpose:
-/// expanding tiles is latency-bound integer work, which wants several CTAs per SM.
+/// expanding tiles waits on shared memory, and several CTAs per SM hide that (four at head_dim 128).
 template <int HeadDim>
 struct bitmap_decode_layout {
   static constexpr int segment_tokens = 64;
@@ -53,7 +53,7 @@ struct bitmap_decode_layout {
 /// 2026-11-24e; the
 /// barriers are not what bounds it, the expansion's shared-memory work is.) `RowMasks`:
 /// whether a token-granular selection's row masks are read (without, the code is what it was
-/// before selections: the kernel is issue-bound, and run-time checks cost it 4-5% at batch 8).
+/// before selections: run-time checks cost the scatter-based kernel 4-5% at batch 8).
 /// Grid: (splits capacity, num_kv_heads).
 template <class T, int HeadDim, int Group, bool RowMasks = false>
 __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid_constant__ decode_params p) {
