@@ -768,14 +768,13 @@ class engine {
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
       if constexpr (is_bitmap) {
         if (use_bulk_copy_) {
-          using layout = kernel::bitmap_decode_layout<head_dim>;
-          const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
+          const int shared_bytes = kernel::bitmap_decode_shared_bytes(
+              head_dim, group_size, static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes), compressed_stages_,
+              traits::k_along_tokens(format_));
           if (selecting_ && token_granular())  // row masks: their own instantiation
-            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128,
-              layout::bytes(stage_bytes, compressed_stages_));
+            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128, shared_bytes);
           else
-            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128,
-              layout::bytes(stage_bytes, compressed_stages_));
+            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128, shared_bytes);
         } else {
           using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
           f(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
@@ -858,16 +857,15 @@ class engine {
   static constexpr std::int32_t encode_chunk_pages = 64;
 
   /// bitmap_tiles and quant2 on sm_90: the compressed stages (per CTA for bitmap_tiles, per warp
-  /// for quant2). Neither kernel is bound by DRAM (quant2 by instruction issue, bitmap_tiles by
-  /// shared-memory bandwidth), so occupancy comes first: as many CTAs per SM as the kernel's
-  /// registers allow (at most 4) with at least one stage each, then as many stages as fit next to
-  /// them (at most 4). quant2 at Pi = 64, head_dim 128 gets 4 CTAs of 4 warps with 2 pages in
-  /// flight per warp; bitmap_tiles at head_dim 128 (124 registers) 4 CTAs of one stage.
-  /// Measured on H100 at batch 8, 128K, head_dim 128, bitmap_tiles: four CTAs of one stage 1037
-  /// us, three of two 1191 us at s = 0.7 (2026-11-25; 13-28% slower with two stages at every
-  /// shape); with an earlier build at 168 registers, s = 0.5 ran 2.40 ms with three CTAs of one
-  /// stage and 2.99 ms with two CTAs of three. Pages too large for one stage run the portable
-  /// kernel.
+  /// for quant2). Occupancy comes first: as many CTAs per SM as the kernel's registers allow
+  /// (quant2: at most 4) with at least one stage each, then as many stages as fit next to them
+  /// (bitmap_tiles at most 2, quant2 at most 4). quant2 at Pi = 64, head_dim 128 gets 4 CTAs of 4
+  /// warps with 2 pages in flight per warp; bitmap_tiles at head_dim 128, groups <= 4 (its kernel
+  /// bounded to 96 registers) 5 CTAs of 2 stages. Measured on H100, bitmap_tiles, s = 0.7, 128K
+  /// (results/h100-2026-11-25d and e): five CTAs against four 1.06x faster at batch 8 (779 against
+  /// 826 us) and 1.07x at batch 32; two stages against three equal at batch 8 and 1.03x at batch
+  /// 32; batch 1 is the exception (fewer, longer splits win there: 4K 25.0 us with four CTAs of
+  /// four stages against 27.0). Pages too large for one stage run the portable kernel.
   void choose_compressed_stages(int device) {
     int per_sm = 0, per_block = 0, reserved = 0, registers = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
@@ -884,18 +882,31 @@ class engine {
     const int per_cta_registers = 4 * ((kernel_registers * 32 + 255) / 256 * 256);
     // A stage: one page pair for the CTA (bitmap_tiles), or for each of its 4 warps (quant2).
     const int pair = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes) * (is_quant2 ? 4 : 1);
-    int fixed = 0;
-    if constexpr (is_quant2)
-      detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
-        fixed = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset + 1024;
-      });
-    else
-      fixed = kernel::bitmap_decode_fixed_bytes(shape_.head_dim);
-    for (int ctas = std::min(4, registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
+    const auto shared_bytes = [&](int stages) {
+      int bytes = 0;
+      if constexpr (is_quant2)
+        detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
+          bytes = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset + 1024 +
+                  stages * pair;
+        });
+      else
+        bytes = kernel::bitmap_decode_shared_bytes(shape_.head_dim, shape_.group_size, pair, stages,
+                                                   traits::k_along_tokens(format_));
+      return bytes;
+    };
+    // bitmap_tiles takes at most 2: at five CTAs per SM a third or fourth stage was slower or equal
+    // at batch 8-32 (H100, 2026-11-25, results/h100-2026-11-25e/stages: batch 32, 128K, s = 0.7
+    // 2940 us with 2 stages, 3036 with 3). quant2 up to 4, as tuned.
+    const int max_stages = is_quant2 ? kernel::bitmap_decode_layout<64, 1>::max_stages : 2;
+    // bitmap_tiles: as many CTAs as registers allow (5 at head_dim 128, groups <= 4: the kernel is
+    // bounded for it); quant2 stays at 4, as tuned.
+    const int most_ctas = is_quant2 ? 4 : 16;
+    for (int ctas = std::min(most_ctas, registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
       const int budget = std::min(per_sm / ctas - reserved, per_block);
-      const int stages = (budget - fixed) / pair;
+      int stages = 0;
+      while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
       if (stages >= 1) {
-        compressed_stages_ = std::min(stages, kernel::bitmap_decode_layout<64>::max_stages);
+        compressed_stages_ = stages;
         return;
       }
     }

@@ -155,12 +155,26 @@ __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cur
   for_each_set_bit(bits, [&](std::uint32_t bit) { detail::store_shared_u16(tile_base + address.at(bit), cursor.next()); });
 }
 
+/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
+/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
+/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
+template <class Cursor>
+__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
+}
+
+/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
+__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
+  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
+                    __byte_perm(v[6], v[7], 0x5410));
+}
+
 /// Gathers the 8 dense values of channels [8 c, 8 c + 8) of a 1x64 row tile (one 16-byte chunk of
 /// a dense row): value j is the tile's next kept value where bit 8 c + j of its bitmap is set, else
 /// 0. A thread is bound to one chunk position c, so the masks of the bits before its chunk are
-/// computed once. Cost per chunk: two broadcast loads (bitmap, offset), two popcounts, and per
-/// channel a predicated 16-bit load and cursor step, whatever the sparsity; every lane of a warp
-/// runs the same instructions (no lane waits on a fuller tile) and the 8 loads are independent.
+/// computed once. Cost per chunk: two broadcast loads (bitmap, offset), two popcounts and
+/// `load_chunk_values`.
 class row_chunk_gather {
  public:
   __device__ __forceinline__ explicit row_chunk_gather(int chunk)
@@ -175,20 +189,47 @@ class row_chunk_gather {
     const auto low = static_cast<std::uint32_t>(bits), high = static_cast<std::uint32_t>(bits >> 32);
     const auto before = static_cast<std::uint32_t>(__popc(low & below_low_) + __popc(high & below_high_));
     const std::uint32_t mask = ((upper_ ? high : low) >> shift_) & 0xffu;
-    auto cursor = page.values_from(page.offset(tile) + before);
-    std::uint32_t word[4];
-#pragma unroll
-    for (int pair = 0; pair < 4; ++pair) {
-      const std::uint32_t even = (mask >> (2 * pair)) & 1u ? cursor.next() : 0u;
-      const std::uint32_t odd = (mask >> (2 * pair + 1)) & 1u ? cursor.next() : 0u;
-      word[pair] = __byte_perm(even, odd, 0x5410);
-    }
-    return make_uint4(word[0], word[1], word[2], word[3]);
+    std::uint32_t v[8];
+    load_chunk_values(mask, page.values_from(page.offset(tile) + before), v);
+    return pack_pairs(v);
   }
 
  private:
   std::uint32_t below_low_, below_high_, shift_;
   bool upper_;
+};
+
+/// One head's compressed rows (V, or K tiled along channels) of a page, from token `first` on, as
+/// a row source of `warp_attend_mma::fold_chunks`: chunk c of row t is gathered from tile
+/// (first + t) * D / 64 + c / 8. Cost per chunk: a bitmap and an offset load (per two chunks for
+/// `pairs`), two popcounts and `load_chunk_values`.
+template <class Page, int HeadDim>
+struct bitmap_page_rows {
+  Page page;
+  int first;
+
+  __device__ __forceinline__ void values(int token, int chunk, std::uint32_t (&v)[8]) const {
+    const int tile = (first + token) * (HeadDim / 64) + chunk / 8;
+    const std::uint64_t bits = page.bitmap(tile);
+    const int shift = 8 * (chunk % 8);
+    const auto before = static_cast<std::uint32_t>(__popcll(bits & ((std::uint64_t{1} << shift) - 1u)));
+    const auto mask = static_cast<std::uint32_t>(bits >> shift) & 0xffu;
+    load_chunk_values(mask, page.values_from(page.offset(tile) + before), v);
+  }
+  /// Chunks `chunk` and `chunk + 1` (chunk even) of a row: one bitmap and offset load for both.
+  __device__ __forceinline__ void pairs(int token, int chunk, uint4 (&x)[2]) const {
+    const int tile = (first + token) * (HeadDim / 64) + chunk / 8;
+    const std::uint64_t bits = page.bitmap(tile);
+    const int shift = 8 * (chunk % 8);
+    const auto before = static_cast<std::uint32_t>(__popcll(bits & ((std::uint64_t{1} << shift) - 1u)));
+    const auto mask = static_cast<std::uint32_t>(bits >> shift) & 0xffffu;
+    const std::uint32_t start = page.offset(tile) + before;
+    std::uint32_t v[8];
+    load_chunk_values(mask & 0xffu, page.values_from(start), v);
+    x[0] = pack_pairs(v);
+    load_chunk_values(mask >> 8, page.values_from(start + static_cast<std::uint32_t>(__popc(mask & 0xffu))), v);
+    x[1] = pack_pairs(v);
+  }
 };
 
 /// Expands tokens [first, first + SegmentTokens) of one head's compressed K page and V page into
@@ -234,19 +275,30 @@ struct bitmap_segment_expand {
                                                 bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {
     const std::uint32_t k_base = detail::shared_address(k_tile), v_base = detail::shared_address(v_tile);
     if (k_along_tokens)
-      for (int channel = static_cast<int>(threadIdx.x); channel < HeadDim; channel += Threads) {
-        const int k_part = first / 64, shift = first % 64;
-        const int tile = channel * (page_size / 64) + k_part;
-        const std::uint64_t all = k_page.bitmap(tile);
-        std::uint64_t bits = all >> shift;
-        if constexpr (SegmentTokens < 64) bits &= (std::uint64_t{1} << (SegmentTokens % 64)) - 1;
-        // Values of the tile's tokens before the segment precede it in the run.
-        const std::uint32_t skipped = shift == 0 ? 0u : __popcll(all & ((std::uint64_t{1} << shift) - 1));
-        auto value = k_page.values_from(k_page.offset(tile) + skipped);
-        scatter_set_bits(bits, value, Tile::column(channel), k_base);
-      }
-    if (!k_along_tokens) gather_rows(k_page, first, k_base);
+      scatter_columns(k_page, page_size, first, k_tile);
+    else
+      gather_rows(k_page, first, k_base);
     gather_rows(v_page, first, v_base);
+  }
+
+  /// K in the paper's layout (tile c * page_size / 64 + first / 64 holds channel c's tokens): the
+  /// segment's kept values scattered down each channel's column of `k_tile`, one work item per
+  /// channel; the caller keeps the tile zero where nothing is kept. Every thread calls it.
+  template <class Page>
+  __device__ __forceinline__ static void scatter_columns(const Page& k_page, int page_size, int first,
+                                                         std::byte* k_tile) {
+    const std::uint32_t k_base = detail::shared_address(k_tile);
+    for (int channel = static_cast<int>(threadIdx.x); channel < HeadDim; channel += Threads) {
+      const int k_part = first / 64, shift = first % 64;
+      const int tile = channel * (page_size / 64) + k_part;
+      const std::uint64_t all = k_page.bitmap(tile);
+      std::uint64_t bits = all >> shift;
+      if constexpr (SegmentTokens < 64) bits &= (std::uint64_t{1} << (SegmentTokens % 64)) - 1;
+      // Values of the tile's tokens before the segment precede it in the run.
+      const std::uint32_t skipped = shift == 0 ? 0u : __popcll(all & ((std::uint64_t{1} << shift) - 1));
+      auto value = k_page.values_from(k_page.offset(tile) + skipped);
+      scatter_set_bits(bits, value, Tile::column(channel), k_base);
+    }
   }
 
  private:

@@ -8,6 +8,12 @@
 /// expanded from a compressed page), q.k and p.v are both MMAs, and the logits never leave
 /// registers (the C fragment of q.k, transposed with movmatrix, is the B fragment of p.v).
 ///
+/// Two operand paths (`operand_path`): `fold` reads K and V with ldmatrix from swizzled shared
+/// tiles; `fold_chunks` takes them from a row source, each lane loading whole 16-byte chunks of
+/// K and V rows straight into its fragments. The channel order inside the MMAs is the reduction's
+/// (q.k) or the output's (p.v) to choose, so it is permuted until a lane's fragment registers are
+/// whole chunks; the queries are staged, and the output stored, in the matching order.
+///
 /// Precision: q (scaled) and p are each split into hi + lo halves in the storage type and both
 /// halves are multiplied, so they keep about 16 (bf16) or 22 (f16) bits; K and V are exact in
 /// their storage type; accumulation is fp32. Each warp keeps its own online-softmax state for 16
@@ -22,6 +28,18 @@
 
 namespace kvmosaic::cuda {
 
+/// How K and V reach a `warp_attend_mma`'s fragments; it fixes the channel order of its MMAs.
+enum class operand_path {
+  /// ldmatrix from 128-byte-swizzled shared tiles (`fold`): channels in natural order.
+  shared_tiles,
+  /// Lanes load 16-byte row chunks themselves (`fold_chunks`). q.k: lane 4 g + q takes channels
+  /// 64 b + 16 q .. 64 b + 16 q + 15 of 64-channel block b for rows g and g + 8, so chunk 8 b +
+  /// 2 q + h (h = 0, 1) holds k-steps 4 b + 2 h and 4 b + 2 h + 1. p.v: lane group g takes the
+  /// output channels [g D / 8, (g + 1) D / 8), chunk g D / 64 + h (tiles 4 h .. 4 h + 3), of
+  /// tokens 2 q, 2 q + 1, 2 q + 8, 2 q + 9.
+  row_chunks,
+};
+
 /// One warp's share of a split: its running (m, l, o) for the group's heads. Both products are
 /// computed transposed, so the tokens and channels are the M rows of the tiles and the heads the N
 /// columns (8): S^T = K Q^T (16 tokens x 8 columns per warp) and O^T += V^T P^T (16 channels x 8
@@ -30,13 +48,15 @@ namespace kvmosaic::cuda {
 /// hi + lo halves in T: for groups of 4 heads or fewer the halves share the 8 columns (one MMA
 /// per 16 channels), for 5-8 heads each half has its own MMA. Lane 4 g + q holds two heads (2 q,
 /// 2 q + 1; packed, 2 (q mod 2) and 2 (q mod 2) + 1 of its hi or lo half): their m, a partial l
-/// over its tokens g and g + 8 of each fold, and o for channels 16 c + g and 16 c + g + 8 of every
-/// 16-channel tile c. The group's queries live in shared memory (`stage_queries`, one copy for the
-/// CTA) and are read as B fragments with ldmatrix.
+/// over its tokens g and g + 8 of each fold, and o for rows g and g + 8 of every 16-channel output
+/// tile c (channels 16 c + g and 16 c + g + 8 on `shared_tiles`; `output_channel`). The group's
+/// queries live in shared memory (`stage_queries`, one copy for the CTA) and are read as B
+/// fragments with ldmatrix.
 /// Per 16 tokens and head_dim D: D / 8 MMAs (packed; D / 4 otherwise), D / 32 (D / 16) ldmatrix of
-/// q, D / 16 of K and of V, one online-softmax step (6 shuffles; packed, 4 more), and o rescaled
-/// only when some head's running max moved.
-template <class T, int HeadDim, int Group, int StageTokens>
+/// q, one online-softmax step (6 shuffles; packed, 4 more), o rescaled only when some head's
+/// running max moved, and the K and V operands: D / 16 ldmatrix of each (`fold`), or per lane D / 8
+/// K chunks and D / 16 V chunks from the row sources (`fold_chunks`).
+template <class T, int HeadDim, int Group, int StageTokens, operand_path Path = operand_path::shared_tiles>
 struct warp_attend_mma {
   static_assert(Group >= 1 && Group <= 8, "the group's query heads fill the 8 columns of the tile");
   static_assert(HeadDim % 64 == 0, "K and V tiles are 64-channel (128-byte) swizzled blocks");
@@ -64,8 +84,8 @@ struct warp_attend_mma {
   /// Every thread of the CTA: writes the group's queries (`q`: [Group][HeadDim] floats), scaled
   /// by `scale` and split into hi + lo halves in T, to the query tiles at `tiles`
   /// (`query_bytes`): packed (Group <= 4), row h holds q_hi and row 4 + h q_lo of head h; else
-  /// rows 0-7 hold q_hi and rows 8-15 q_lo. Rows of heads past the group are zero. A barrier
-  /// must follow before `fold`.
+  /// rows 0-7 hold q_hi and rows 8-15 q_lo. Rows of heads past the group are zero. Channels are
+  /// in the path's reduction order (`reduction_position`). A barrier must follow before a fold.
   __device__ __forceinline__ static void stage_queries(const float* q, float scale, std::byte* tiles, int threads) {
     for (int index = static_cast<int>(threadIdx.x); index < 8 * HeadDim; index += threads) {
       const int row = index / HeadDim, channel = index % HeadDim;
@@ -73,11 +93,12 @@ struct warp_attend_mma {
       const float x = head < Group ? q[head * HeadDim + channel] * scale : 0.0f;
       const T hi(x);
       const T lo(x - to_float(hi));
+      const int at = reduction_position(channel) * 2;
       if constexpr (packed) {
-        *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = row < 4 ? hi : lo;
+        *reinterpret_cast<T*>(tiles + row * query_pitch + at) = row < 4 ? hi : lo;
       } else {
-        *reinterpret_cast<T*>(tiles + row * query_pitch + channel * 2) = hi;
-        *reinterpret_cast<T*>(tiles + (8 + row) * query_pitch + channel * 2) = lo;
+        *reinterpret_cast<T*>(tiles + row * query_pitch + at) = hi;
+        *reinterpret_cast<T*>(tiles + (8 + row) * query_pitch + at) = lo;
       }
     }
   }
@@ -102,31 +123,163 @@ struct warp_attend_mma {
   /// calls it.
   __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
                                        int first, std::uint32_t rows) {
-    const int i = lane(), g = i / 4;
+    static_assert(Path == operand_path::shared_tiles, "fold reads swizzled tiles: use fold_chunks for row_chunks");
+    const int i = lane();
     // S^T = K Q^T: A = K rows (ldmatrix: matrices (tokens 0-7 | 8-15) x (channels 0-7 | 8-15)),
     // B = q rows as columns (ldmatrix: rows = heads, two 8-channel matrices per k16 step).
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const int k_token = first + (i % 8) + 8 * ((i / 8) % 2);
 #pragma unroll
     for (int k = 0; k < k_steps; k += 2) {
-      const int q_chunk = 2 * k + i / 8;
-      std::uint32_t q_hi[4], q_lo[4];  // b0, b1 of steps k and k + 1 (packed: hi and lo columns)
-      detail::ldmatrix_x4(q_hi, query_tiles + (i % 8) * query_pitch + q_chunk * 16);
-      if constexpr (!packed) detail::ldmatrix_x4(q_lo, query_tiles + (8 + i % 8) * query_pitch + q_chunk * 16);
+      std::uint32_t a[2][4];
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
         const int chunk = 2 * (k + step) + i / 16;
-        std::uint32_t a[4];
-        detail::ldmatrix_x4(a, k_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(k_token, chunk % 8));
-        detail::mma_16816<T>(s, a, q_hi[2 * step], q_hi[2 * step + 1]);
-        if constexpr (!packed) detail::mma_16816<T>(s, a, q_lo[2 * step], q_lo[2 * step + 1]);
+        detail::ldmatrix_x4(a[step], k_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(k_token, chunk % 8));
+      }
+      multiply_queries(s, a[0], a[1], query_tiles, k / 2);
+    }
+    const p_fragments p = online_softmax(s, rows);
+    const int v_token = first + (i % 8) + 8 * (i / 16);
+#pragma unroll
+    for (int c = 0; c < channel_tiles; ++c) {
+      std::uint32_t a[4];
+      const int chunk = 2 * c + (i / 8) % 2;  // ldmatrix.trans: (channels 0-7 | 8-15) x (tokens 0-7 | 8-15)
+      detail::ldmatrix_x4_trans(a, v_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(v_token, chunk % 8));
+      accumulate(o[c], a, p);
+    }
+  }
+
+  /// `fold` with K and V taken from row sources instead of tiles (row_sources.cuh):
+  /// `k_rows.pairs(token, chunk, x)` gives channels 8 chunk .. 8 chunk + 15 of K row `token` as
+  /// 16-bit pairs, and `v_rows.values(token, chunk, v)` channels 8 chunk .. 8 chunk + 7 of V as 8
+  /// registers (one value each, zero-extended). Rows past the data must read as zeros.
+  /// Per lane and 16 tokens: D / 8 K chunks (tokens g and g + 8) and D / 16 V chunks (tokens
+  /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
+  template <class KRows, class VRows>
+  __device__ __forceinline__ void fold_chunks(const KRows& k_rows, const VRows& v_rows, const std::byte* query_tiles,
+                                              int first, std::uint32_t rows) {
+    static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
+    const int i = lane(), g = i / 4, q = i % 4;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int block = 0; block < HeadDim / 64; ++block) {  // k-steps 4 block .. 4 block + 3: two chunks per row
+      uint4 upper[2], lower[2];
+      k_rows.pairs(first + g, 8 * block + 2 * q, upper);
+      k_rows.pairs(first + g + 8, 8 * block + 2 * q, lower);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const std::uint32_t a0[4] = {upper[half].x, lower[half].x, upper[half].y, lower[half].y};
+        const std::uint32_t a1[4] = {upper[half].z, lower[half].z, upper[half].w, lower[half].w};
+        multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
       }
     }
+    const p_fragments p = online_softmax(s, rows);
+    constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
+#pragma unroll
+    for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
+      const int chunk = g * chunks_per_group + part;
+      std::uint32_t a[4][4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
+        std::uint32_t even[8], odd[8];
+        v_rows.values(first + 2 * q + 8 * half, chunk, even);
+        v_rows.values(first + 2 * q + 8 * half + 1, chunk, odd);
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
+          a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
+          a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+        }
+      }
+#pragma unroll
+      for (int tile = 0; tile < 4; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+    }
+  }
+  /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads
+  /// below Group): whole-warp, once at the end of a split.
+  template <class Temp>
+  __device__ __forceinline__ void store(Temp& temp, int warp) const {
+    const int i = lane(), g = i / 4, q = i % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = l[h];
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+      const int head = packed ? 2 * (q % 2) + h : 2 * q + h;
+      const bool writes = head < Group && (!packed || q < 2);
+#pragma unroll
+      for (int c = 0; c < channel_tiles; ++c) {
+        float low = o[c][h], high = o[c][2 + h];
+        if constexpr (packed) {  // o_hi + o_lo of the head
+          low += __shfl_xor_sync(0xffffffffu, low, 2);
+          high += __shfl_xor_sync(0xffffffffu, high, 2);
+        }
+        if (writes) {
+          temp.o[warp][head][output_channel(c, g)] = low;
+          temp.o[warp][head][output_channel(c, g + 8)] = high;
+        }
+      }
+      if (writes && g == 0) {
+        temp.m[warp][head] = m[h];
+        temp.l[warp][head] = total;
+      }
+    }
+  }
+
+ private:
+  /// Where channel `channel` of q sits in the reduction order of q.k: position 16 s + kk is
+  /// k-step s, row kk of the B fragment. Natural for `shared_tiles`; for `row_chunks`, channel
+  /// 64 b + 16 q + 8 h + j (j < 8) is step 4 b + 2 h + j / 4, row 2 q + j % 2 (+ 8 for j % 4 >= 2).
+  __device__ __forceinline__ static int reduction_position(int channel) {
+    if constexpr (Path == operand_path::shared_tiles) {
+      return channel;
+    } else {
+      const int block = channel / 64, q = (channel % 64) / 16, h = (channel % 16) / 8, j = channel % 8;
+      return 16 * (4 * block + 2 * h + j / 4) + 2 * q + j % 2 + 8 * ((j / 2) % 2);
+    }
+  }
+
+  /// The channel of row `row` (0-15) of output tile c (O^T's M rows).
+  __device__ __forceinline__ static int output_channel(int c, int row) {
+    if constexpr (Path == operand_path::shared_tiles)
+      return 16 * c + row;
+    else
+      return (row % 8) * (HeadDim / 8) + 2 * c + row / 8;
+  }
+
+  /// P^T as the B fragments of p.v: packed, `hi` holds both halves (lanes q < 2 the hi columns,
+  /// q >= 2 the lo ones) and `lo` is unused; else each half has its own pair.
+  struct p_fragments {
+    std::uint32_t hi[2], lo[2];
+  };
+
+  /// s += the k-steps 2 pair and 2 pair + 1 of K Q^T, given their A fragments: q's B fragments
+  /// (hi, and lo unless packed) come from the query tiles with one ldmatrix.x4 each.
+  __device__ __forceinline__ static void multiply_queries(float (&s)[4], const std::uint32_t (&a0)[4],
+                                                          const std::uint32_t (&a1)[4], const std::byte* query_tiles,
+                                                          int pair) {
+    const int i = lane(), q_chunk = 4 * pair + i / 8;
+    std::uint32_t q_hi[4], q_lo[4];  // b0, b1 of both steps (packed: hi and lo columns)
+    detail::ldmatrix_x4(q_hi, query_tiles + (i % 8) * query_pitch + q_chunk * 16);
+    detail::mma_16816<T>(s, a0, q_hi[0], q_hi[1]);
+    detail::mma_16816<T>(s, a1, q_hi[2], q_hi[3]);
+    if constexpr (!packed) {
+      detail::ldmatrix_x4(q_lo, query_tiles + (8 + i % 8) * query_pitch + q_chunk * 16);
+      detail::mma_16816<T>(s, a0, q_lo[0], q_lo[1]);
+      detail::mma_16816<T>(s, a1, q_lo[2], q_lo[3]);
+    }
+  }
+
+  /// The online-softmax step of a fold: completes the logits `s` (S^T's C fragment; packed, adds
+  /// the hi and lo columns), masks the rows not in `rows`, moves m and l, rescales o where a
+  /// running max moved, and returns P^T as B fragments (movmatrix of the packed C fragment).
+  __device__ __forceinline__ p_fragments online_softmax(float (&s)[4], std::uint32_t rows) {
+    const int i = lane(), g = i / 4;
     if constexpr (packed)  // q_hi.k + q_lo.k: columns h and 4 + h sit in lanes q and q ^ 2
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[e] += __shfl_xor_sync(0xffffffffu, s[e], 2);
-    // Online softmax per head over the 16 tokens: this lane has tokens g (s[0..1]) and g + 8
-    // (s[2..3]) of heads 2 q, 2 q + 1; the 8 lanes of a quad position share the heads.
+    // Per head over the 16 tokens: this lane has tokens g (s[0..1]) and g + 8 (s[2..3]) of heads
+    // 2 q, 2 q + 1; the 8 lanes of a quad position share the heads.
     if (((rows >> g) & 1u) == 0) s[0] = s[1] = -HUGE_VALF;
     if (((rows >> (g + 8)) & 1u) == 0) s[2] = s[3] = -HUGE_VALF;
     float rescale[2], p[4];
@@ -154,78 +307,34 @@ struct warp_attend_mma {
         o[c][3] *= rescale[1];
       }
     }
-    // P^T as B fragments: the C fragment (token rows, head columns) packed to T, each 8x8 block
-    // transposed in registers (b0: tokens 0-7, b1: tokens 8-15, column = head g). p = hi + lo:
-    // packed, lanes q < 2 give the hi columns and lanes q >= 2 the lo ones.
+    // The C fragment (token rows, head columns) packed to T, each 8x8 block transposed in
+    // registers (b0: tokens 0-7, b1: tokens 8-15, column = head g). p = hi + lo.
     float hi[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) hi[e] = to_float(T(p[e]));
-    const int v_token = first + (i % 8) + 8 * (i / 16);
+    p_fragments f;
     if constexpr (packed) {
       const bool lo_lane = (i % 4) >= 2;
       float half[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) half[e] = lo_lane ? p[e] - hi[e] : hi[e];
-      const std::uint32_t p0 = detail::transpose_8x8(detail::pack_pair<T>(half[0], half[1]));
-      const std::uint32_t p1 = detail::transpose_8x8(detail::pack_pair<T>(half[2], half[3]));
-#pragma unroll
-      for (int c = 0; c < channel_tiles; ++c) {
-        std::uint32_t a[4];
-        load_v(a, v_tile, v_token, c);
-        detail::mma_16816<T>(o[c], a, p0, p1);
-      }
+      f.hi[0] = detail::transpose_8x8(detail::pack_pair<T>(half[0], half[1]));
+      f.hi[1] = detail::transpose_8x8(detail::pack_pair<T>(half[2], half[3]));
+      f.lo[0] = f.lo[1] = 0u;
     } else {
-      const std::uint32_t p_hi0 = detail::transpose_8x8(detail::pack_pair<T>(hi[0], hi[1]));
-      const std::uint32_t p_hi1 = detail::transpose_8x8(detail::pack_pair<T>(hi[2], hi[3]));
-      const std::uint32_t p_lo0 = detail::transpose_8x8(detail::pack_pair<T>(p[0] - hi[0], p[1] - hi[1]));
-      const std::uint32_t p_lo1 = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
-#pragma unroll
-      for (int c = 0; c < channel_tiles; ++c) {
-        std::uint32_t a[4];
-        load_v(a, v_tile, v_token, c);
-        detail::mma_16816<T>(o[c], a, p_hi0, p_hi1);
-        detail::mma_16816<T>(o[c], a, p_lo0, p_lo1);
-      }
+      f.hi[0] = detail::transpose_8x8(detail::pack_pair<T>(hi[0], hi[1]));
+      f.hi[1] = detail::transpose_8x8(detail::pack_pair<T>(hi[2], hi[3]));
+      f.lo[0] = detail::transpose_8x8(detail::pack_pair<T>(p[0] - hi[0], p[1] - hi[1]));
+      f.lo[1] = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
     }
+    return f;
   }
 
-  /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads
-  /// below Group): whole-warp, once at the end of a split.
-  template <class Temp>
-  __device__ __forceinline__ void store(Temp& temp, int warp) const {
-    const int i = lane(), g = i / 4, q = i % 4;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float total = l[h];
-#pragma unroll
-      for (int offset = 4; offset < 32; offset *= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-      const int head = packed ? 2 * (q % 2) + h : 2 * q + h;
-      const bool writes = head < Group && (!packed || q < 2);
-#pragma unroll
-      for (int c = 0; c < channel_tiles; ++c) {
-        float low = o[c][h], high = o[c][2 + h];
-        if constexpr (packed) {  // o_hi + o_lo of the head
-          low += __shfl_xor_sync(0xffffffffu, low, 2);
-          high += __shfl_xor_sync(0xffffffffu, high, 2);
-        }
-        if (writes) {
-          temp.o[warp][head][16 * c + g] = low;
-          temp.o[warp][head][16 * c + g + 8] = high;
-        }
-      }
-      if (writes && g == 0) {
-        temp.m[warp][head] = m[h];
-        temp.l[warp][head] = total;
-      }
-    }
-  }
-
- private:
-  /// A fragment of V^T for channels [16 c, 16 c + 16) and the warp's 16 tokens: ldmatrix.trans of
-  /// the V rows (matrices (channels 0-7 | 8-15) x (tokens 0-7 | 8-15)).
-  __device__ __forceinline__ static void load_v(std::uint32_t (&a)[4], const std::byte* v_tile, int v_token, int c) {
-    const int chunk = 2 * c + (lane() / 8) % 2;
-    detail::ldmatrix_x4_trans(a, v_tile + (chunk / 8) * block_bytes + detail::swizzled_offset(v_token, chunk % 8));
+  /// o_tile += (one 16-channel tile of V^T, as an A fragment) P^T.
+  __device__ __forceinline__ static void accumulate(float (&o_tile)[4], const std::uint32_t (&a)[4],
+                                                    const p_fragments& p) {
+    detail::mma_16816<T>(o_tile, a, p.hi[0], p.hi[1]);
+    if constexpr (!packed) detail::mma_16816<T>(o_tile, a, p.lo[0], p.lo[1]);
   }
 };
 

@@ -55,6 +55,16 @@ __device__ __forceinline__ void barrier_arrive_expect(std::uint64_t* barrier, st
 #endif
 }
 
+/// Arrives on the barrier (release: this thread's prior accesses happen before the phase completes).
+__device__ __forceinline__ void barrier_arrive(std::uint64_t* barrier) {
+#if KVMOSAIC_HAS_BULK_COPY
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier)) : "memory");
+#else
+  (void)barrier;
+  __trap();
+#endif
+}
+
 /// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory;
 /// completion is counted on `barrier`.
 __device__ __forceinline__ void bulk_copy_to_shared(void* destination, const void* source, std::uint32_t bytes,

@@ -4,75 +4,91 @@
 /// \file
 /// Decode split kernels for `format::bitmap_tiles` pages: MUSTAFAR's load-as-compressed,
 /// compute-as-dense pipeline (appendix C). The compressed K and V pages of a split travel to the
-/// SM as they are stored; a CTA expands each 64-token segment into a dense tile in shared memory
-/// (`bitmap_segment_expand`) and runs the dense attention collective on it. No decompressed copy
-/// is ever written to global memory. The dense tail goes through the same collective. The
-/// partial states merge with the dense path's `merge_splits_kernel`.
+/// SM as they are stored. On sm_90 each warp gathers its tokens' rows from the compressed page
+/// straight into tensor-core fragments (`bitmap_page_rows`, `warp_attend_mma::fold_chunks`); the
+/// portable kernel expands each 64-token segment into a dense shared tile
+/// (`bitmap_segment_expand`) for the SIMT collective. No decompressed copy is ever written to
+/// global memory. The partial states merge with the dense path's `merge_splits_kernel`.
 
 #include <cstddef>
 #include <cstdint>
 
 #include "kvmosaic/cuda/collective/bitmap_expand.cuh"
+#include "kvmosaic/cuda/collective/row_sources.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
-/// Shared memory of the sm_90 bitmap kernel besides its compressed stages, for any head_dim.
-constexpr int bitmap_decode_fixed_bytes(int head_dim) {
-  return (128 + 2 * 8 * (head_dim * 2 + 16) + 1023) / 1024 * 1024 + 2 * 64 * head_dim * 2 + 1024;
+/// Dynamic shared memory of the sm_90 bitmap kernel: barriers, the query tiles, a dense K tile
+/// (only with K in the paper's layout, which is scattered), then `stages` compressed page pairs,
+/// which the CTA's final reduction reuses (the region is at least its size). One formula for the
+/// kernel (`bitmap_decode_layout`) and for the host's choice of stages.
+constexpr int bitmap_decode_shared_bytes(int head_dim, int group, int stage_bytes, int stages, bool k_along_tokens) {
+  const int query_end = 128 + 2 * 8 * (head_dim * 2 + 16);
+  const int k_tile = (query_end + 1023) / 1024 * 1024;
+  const int compressed = k_tile + (k_along_tokens ? 64 * head_dim * 2 : 0);
+  const int reduction = 4 * group * head_dim * 4 + 2 * 4 * group * 4;  // decode_temp_storage<group, head_dim, 4>
+  return compressed + (stages * stage_bytes > reduction ? stages * stage_bytes : reduction) + 1024;
 }
 
-/// Dynamic shared memory of the sm_90 bitmap kernel: barriers, the query tiles, one dense tile
-/// pair (K and V, 64 tokens, swizzled), then `stages` compressed page pairs. Small on purpose:
-/// expanding tiles waits on shared memory, and several CTAs per SM hide that (four at head_dim 128).
-template <int HeadDim>
+/// CTAs per SM the sm_90 bitmap kernel's registers are bounded for (`__launch_bounds__`).
+constexpr int bitmap_decode_min_ctas(int head_dim, int group) {
+  return head_dim == 128 && group <= 4 ? 5 : 0;
+}
+
+/// Where the sm_90 bitmap kernel's shared memory goes (`bitmap_decode_shared_bytes`).
+template <int HeadDim, int Group>
 struct bitmap_decode_layout {
   static constexpr int segment_tokens = 64;
   static constexpr int max_stages = 4;
-  static constexpr int barrier_offset = 0;
+  static constexpr int barrier_offset = 0;  ///< `max_stages` mbarriers: a slot's pages have landed
+  static constexpr int empty_offset = 64;   ///< `max_stages` mbarriers: the 4 warps are done with a slot
   static constexpr int query_offset = 128;
   static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
-  static constexpr int dense_offset = (query_offset + query_bytes + 1023) / 1024 * 1024;
-  static constexpr int tile_bytes = segment_tokens * HeadDim * 2;  ///< one dense K (or V) tile
-  static constexpr int dense_bytes = 2 * tile_bytes;
-  static constexpr int compressed_offset = dense_offset + dense_bytes;
-  /// Total bytes for `stages` compressed stages of `stage_bytes` (a K page plus a V page).
-  static constexpr int bytes(int stage_bytes, int stages) { return compressed_offset + stages * stage_bytes + 1024; }
-  static_assert(compressed_offset + 1024 == bitmap_decode_fixed_bytes(HeadDim), "one formula for the fixed part");
+  static constexpr int k_tile_offset = (query_offset + query_bytes + 1023) / 1024 * 1024;
+  static constexpr int tile_bytes = segment_tokens * HeadDim * 2;  ///< the dense K tile
+  __host__ __device__ static constexpr int compressed_offset(bool k_along_tokens) {
+    return k_tile_offset + (k_along_tokens ? tile_bytes : 0);
+  }
+  static_assert(sizeof(decode_temp_storage<Group, HeadDim, 4>) ==
+                    static_cast<std::size_t>(bitmap_decode_shared_bytes(HeadDim, Group, 0, 0, false) -
+                                             compressed_offset(false) - 1024),
+                "one formula for the reduction's storage");
 };
 
 /// The sm_90 bitmap_tiles split kernel. Thread 0 streams the split's compressed K and V pages into
 /// `p.stages` shared-memory slots with bulk copies (one per page and cache, completing on an
-/// mbarrier). Per 64-token segment, all 128 threads expand the compressed tiles into the dense
-/// tile pair (`bitmap_segment_expand::expand`, 128-byte swizzled: row tiles gathered whole, K in
-/// the paper's layout scattered into a zeroed tile), then each of the 4 warps runs q.k and p.v on
-/// tensor cores over its 16 tokens (`warp_attend_mma`, as the dense TMA kernel) and, for a
-/// scattered K tile, zeroes the 16 rows only it reads: two CTA barriers per segment. (Tried, with K
-/// tiled along channels and scattered: each warp expanding only the 16 rows it folds, no CTA
-/// barrier per segment, the last warp done with a slot refilling it: within 1% on H100,
-/// 2026-11-24e; the
-/// barriers are not what bounds it, the expansion's shared-memory work is.) `RowMasks`:
-/// whether a token-granular selection's row masks are read (without, the code is what it was
-/// before selections: run-time checks cost the scatter-based kernel 4-5% at batch 8).
-/// Grid: (splits capacity, num_kv_heads).
+/// mbarrier). Each of the 4 warps folds its 16 tokens of every 64-token segment straight from the
+/// compressed slot: its lanes gather the 16-byte row chunks their MMA fragments hold
+/// (`bitmap_page_rows`, `warp_attend_mma::fold_chunks`), so no dense tile is written or read and
+/// no barrier separates the warps within a page; one CTA barrier per page frees its slot for the
+/// page `stages` ahead. K in the paper's layout (columns) is first scattered by the CTA into a
+/// zeroed dense K tile (two barriers per segment), which the warps read as rows. The dense tail is
+/// read as rows from global memory. `RowMasks`: whether a token-granular selection's row masks are
+/// read. Grid: (splits capacity, num_kv_heads).
+/// (Before, session 8: the CTA gathered each segment into dense K and V tiles, then the warps
+/// folded them with ldmatrix: 32 KB of shared stores and loads per segment, 976 us at s = 0.7,
+/// batch 8, 128K on H100, bound by shared-memory bandwidth.)
 template <class T, int HeadDim, int Group, bool RowMasks = false>
-__global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid_constant__ decode_params p) {
+__global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
+    decode_partial_bitmap_kernel(const __grid_constant__ decode_params p) {
   constexpr int threads = 128, warps = 4;
-  using layout = bitmap_decode_layout<HeadDim>;
+  using layout = bitmap_decode_layout<HeadDim, Group>;
   constexpr int segment = layout::segment_tokens;
   using expand = bitmap_segment_expand<HeadDim, segment, threads, swizzled_tile<segment>>;
-  using attend = warp_attend_mma<T, HeadDim, Group, segment>;
+  using attend = warp_attend_mma<T, HeadDim, Group, segment, operand_path::row_chunks>;
   using temp_storage = decode_temp_storage<Group, HeadDim, warps>;
-  static_assert(sizeof(temp_storage) <= layout::dense_bytes, "the reduction reuses the dense tiles");
+  using page_rows = bitmap_page_rows<shared_bitmap_page, HeadDim>;
   static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
   extern __shared__ __align__(1024) std::byte bitmap_raw_shared[];
   std::byte* shared = reinterpret_cast<std::byte*>(
       (reinterpret_cast<std::uintptr_t>(bitmap_raw_shared) + 1023) & ~static_cast<std::uintptr_t>(1023));
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
+  auto* empty = reinterpret_cast<std::uint64_t*>(shared + layout::empty_offset);
   std::byte* query_tiles = shared + layout::query_offset;
-  std::byte* k_tile = shared + layout::dense_offset;
-  std::byte* v_tile = k_tile + layout::tile_bytes;
-  std::byte* compressed = shared + layout::compressed_offset;
+  std::byte* k_tile = shared + layout::k_tile_offset;  // only with p.k_along_tokens
+  const bool k_along_tokens = p.k_along_tokens != 0;
+  std::byte* compressed = shared + layout::compressed_offset(k_along_tokens);
 
   const int work_index = static_cast<int>(blockIdx.x);
   split_work w;
@@ -88,7 +104,10 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   const int tiles = p.page_size * HeadDim / 64;
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   if (tid == 0)
-    for (int b = 0; b < stages; ++b) detail::barrier_init(&full[b], 1);
+    for (int b = 0; b < stages; ++b) {
+      detail::barrier_init(&full[b], 1);
+      detail::barrier_init(&empty[b], warps);
+    }
   // Thread 0: the compressed K and V pages of split page i into slot i % stages (page ids are
   // read from the block table in global memory: one L2 hit per page, `stages` pages ahead).
   const auto issue = [&](int i) {
@@ -103,12 +122,13 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
   __syncthreads();  // the barriers are initialized
   if (tid == 0)
     for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
-  if (p.k_along_tokens) expand::zero_tile(k_tile);  // scattered into; the row tiles are written whole
+  if (k_along_tokens) expand::zero_tile(k_tile);  // scattered into
   attend::stage_queries(p.q + (static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * Group * HeadDim,
                         p.softmax_scale, query_tiles, threads);
   __syncthreads();
 
-  const int warp = tid / 32;
+  const int warp = tid / 32, lane = tid % 32;
+  const int rows_first = warp * 16;  // the warp's rows of every segment
   attend state;
   state.start();
   for (int i = 0; i < num_pages; ++i) {
@@ -117,41 +137,53 @@ __global__ void __launch_bounds__(128) decode_partial_bitmap_kernel(const __grid
     const shared_bitmap_page k_page(compressed + slot * stage_bytes, tiles);
     const shared_bitmap_page v_page(compressed + slot * stage_bytes + k_bytes, tiles);
     const std::uint32_t* rows_read = RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i) : nullptr;
-    for (int first = 0; first < p.page_size; first += segment) {
-      expand::expand(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
-      __syncthreads();  // the tiles are complete (and, after a page's last segment, its slot is read)
-      if (tid == 0 && first + segment == p.page_size && i + stages < num_pages) issue(i + stages);
-      if constexpr (RowMasks) {
-        const std::uint32_t warp_rows = detail_decode::sixteen_rows_read(rows_read, first + warp * 16);
-        if (warp_rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, warp_rows);
-      } else {
-        state.fold(k_tile, v_tile, query_tiles, warp * 16, 0xffffu);
+    if (!k_along_tokens) {
+      for (int first = 0; first < p.page_size; first += segment) {
+        const std::uint32_t rows =
+            RowMasks ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) : 0xffffu;
+        if (rows != 0)
+          state.fold_chunks(page_rows{k_page, first}, page_rows{v_page, first}, query_tiles, rows_first, rows);
       }
-      if (p.k_along_tokens) {  // the paper's K layout is scattered: clear what this warp read
-        __syncwarp();          // every lane's ldmatrix reads of these rows are done first
-        expand::zero_rows_of_warp(k_tile, warp * 16, 16);
+      // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
+      __syncwarp();
+      if (lane == 0) detail::barrier_arrive(&empty[slot]);
+      if (tid == 0 && i + stages < num_pages) {
+        detail::barrier_wait(&empty[slot], static_cast<std::uint32_t>((i / stages) & 1));
+        issue(i + stages);
       }
-      __syncthreads();  // the tiles are read (and the scattered K tile zero again)
+    } else {
+      for (int first = 0; first < p.page_size; first += segment) {
+        const std::uint32_t rows =
+            RowMasks ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) : 0xffffu;
+        expand::scatter_columns(k_page, p.page_size, first, k_tile);
+        __syncthreads();  // the K tile is complete
+        if (rows != 0)
+          state.fold_chunks(swizzled_tile_rows<segment>{detail::shared_address(k_tile)}, page_rows{v_page, first},
+                            query_tiles, rows_first, rows);
+        __syncwarp();  // every lane's reads of these rows are done
+        expand::zero_rows_of_warp(k_tile, rows_first, 16);
+        __syncthreads();  // the K tile is zero again (and, after the last segment, the slot is read)
+      }
+      if (tid == 0 && i + stages < num_pages) issue(i + stages);
     }
   }
+  __syncthreads();  // every warp is done with the slots, which the reduction reuses
   if (w.with_tail) {
     const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
     const std::byte* k_rows = slot + head * p.tail_head_bytes;
     const std::byte* v_rows = slot + (p.num_kv_heads + head) * p.tail_head_bytes;
     const int rows = p.tail_rows[w.batch_index];
     for (int first = 0; first < rows; first += segment) {
-      const int n = min(segment, rows - first);
-      const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
-      expand::load_dense(k_rows + skip, v_rows + skip, n, k_tile, v_tile);  // every row written
-      __syncthreads();
       // A warp whose rows all lie past the tail skips: p would be 0 for them anyway.
-      const std::uint32_t rows = attend::rows_before(warp * 16, n);
-      if (rows != 0) state.fold(k_tile, v_tile, query_tiles, warp * 16, rows);
-      __syncthreads();
+      const std::uint32_t warp_rows = attend::rows_before(first + rows_first, rows);
+      const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
+      if (warp_rows != 0)
+        state.fold_chunks(global_dense_rows<HeadDim>{k_rows + skip, rows - first},
+                          global_dense_rows<HeadDim>{v_rows + skip, rows - first}, query_tiles, rows_first, warp_rows);
     }
   }
   detail_decode::write_warp_partial<attend, HeadDim, Group, warps>(p, work_index, head, state,
-                                                                   *reinterpret_cast<temp_storage*>(k_tile));
+                                                                   *reinterpret_cast<temp_storage*>(compressed));
 }
 
 /// Dynamic shared memory of the portable bitmap kernel: one dense K and V tile pair (plain rows)

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Dense row sources of `warp_attend_mma::fold_chunks`: K or V rows that a lane reads one 16-byte
+/// chunk (8 channels) at a time straight into its MMA fragments. A row source has
+///   void pairs(int row, int chunk, uint4 (&x)[2])           channels 8 chunk .. 8 chunk + 15 of
+///                                                           a row (chunk even), 16-bit pairs,
+///                                                           lower channel in the low half
+///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
+///                                                           one value per register
+/// and reads rows past its data as zeros. The compressed source is `bitmap_page_rows`
+/// (bitmap_expand.cuh).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/cuda/collective/bitmap_expand.cuh"
+
+namespace kvmosaic::cuda {
+
+/// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
+__device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
+  const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = words[i] & 0xffffu;
+    v[2 * i + 1] = words[i] >> 16;
+  }
+}
+
+/// `rows` dense rows of `HeadDim` 16-bit values at `base` in global memory (the dense tail):
+/// one 16-byte load per chunk, zeros past the last row.
+template <int HeadDim>
+struct global_dense_rows {
+  const std::byte* base;
+  int rows;
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    return row < rows ? *reinterpret_cast<const uint4*>(base + (static_cast<std::size_t>(row) * HeadDim + chunk * 8) * 2)
+                      : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+/// A dense tile in shared memory in the 128-byte-swizzled layout `swizzled_tile<Tokens>` (K
+/// scattered from the paper's layout): one conflict-free 16-byte shared load per chunk.
+template <int Tokens>
+struct swizzled_tile_rows {
+  std::uint32_t base;  ///< shared address of the tile
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(base + swizzled_tile<Tokens>::chunk(row, chunk)));
+    return x;
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+}  // namespace kvmosaic::cuda
