@@ -3,6 +3,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,7 +49,7 @@ TEST_CASE("float to half rounds to nearest even, with hand-checked cases", "[cor
   CHECK(half(-2.0f).bits == 0xc000);
   CHECK(half(65504.0f).bits == 0x7bff);                  // max finite
   CHECK(half(65519.0f).bits == 0x7bff);                  // below the rounding boundary
-  CHECK(half(65520.0f).bits == 0x7c00);                  // rounds to infinity
+  CHECK(half(65520.0f).bits == 0x7bff);                  // would round to infinity: saturates
   CHECK(half(std::ldexp(1.0f, -24)).bits == 0x0001);     // smallest subnormal
   CHECK(half(std::ldexp(1.0f, -25)).bits == 0x0000);     // tie to even: zero
   CHECK(half(std::ldexp(3.0f, -26)).bits == 0x0001);     // 0.75 ulp rounds up
@@ -57,6 +58,62 @@ TEST_CASE("float to half rounds to nearest even, with hand-checked cases", "[cor
   CHECK(half(1.0f + std::ldexp(3.0f, -11)).bits == 0x3c02);  // tie between 1+2^-10 and 1+2^-9: even
   CHECK(std::isnan(to_float(half(NAN))));
   CHECK(std::isinf(to_float(half(INFINITY))));
+}
+
+TEST_CASE("finite values beyond the 16-bit range saturate; infinities and NaN stay", "[core][dtype]") {
+  // The documented contract (core/dtype.hpp): the largest finite value of each type, with the sign.
+  const float beyond_half[] = {65520.0f, 1e5f, 1e30f, 3.4028234663852886e38f};
+  for (const float x : beyond_half) {
+    CHECK(half(x).bits == 0x7bff);
+    CHECK(half(-x).bits == 0xfbff);
+    CHECK(to_float(half(x)) == 65504.0f);
+  }
+  // Just below the boundary still rounds to nearest (65519.996 -> 65504).
+  CHECK(half(std::nextafter(65520.0f, 0.0f)).bits == 0x7bff);
+  CHECK(half(INFINITY).bits == 0x7c00);
+  CHECK(half(-INFINITY).bits == 0xfc00);
+  CHECK(std::isnan(to_float(half(NAN))));
+  // bfloat16: above 0x7f7f (3.3895e38) a float rounds to infinity unless saturated.
+  const float bf_max = bits_to_float(0x7f7f0000u);
+  CHECK(bfloat16(bits_to_float(0x7f7f8000u)).bits == 0x7f7f);  // tie, would go to even 0x7f80
+  CHECK(bfloat16(3.4028234663852886e38f).bits == 0x7f7f);
+  CHECK(bfloat16(-3.4028234663852886e38f).bits == 0xff7f);
+  CHECK(bfloat16(bf_max).bits == 0x7f7f);
+  CHECK(bfloat16(INFINITY).bits == 0x7f80);
+  CHECK(bfloat16(-INFINITY).bits == 0xff80);
+  CHECK(std::isnan(to_float(bfloat16(NAN))));
+  CHECK(to_float(bfloat16(bits_to_float(0x7f7fffffu))) == bf_max);
+}
+
+TEST_CASE("storage rounding toward -infinity and +infinity picks the neighbours of x", "[core][dtype]") {
+  // Reference: every finite value of the type, sorted; floor and ceiling by binary search.
+  for (const dtype t : {dtype::f16, dtype::bf16}) {
+    std::vector<double> values;
+    for (std::uint32_t b = 0; b < 0x10000u; ++b) {
+      const double v = t == dtype::f16 ? to_float(half::from_bits(static_cast<std::uint16_t>(b)))
+                                       : to_float(bfloat16::from_bits(static_cast<std::uint16_t>(b)));
+      if (std::isfinite(v)) values.push_back(v);
+    }
+    std::sort(values.begin(), values.end());
+    const double top = values.back();
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<std::uint32_t> any(0, 0xffffffffu);
+    int checked = 0;
+    for (int i = 0; i < 100000; ++i) {
+      const float x = bits_to_float(any(rng));
+      if (!std::isfinite(x) || std::abs(static_cast<double>(x)) > top) continue;
+      const double down = *(std::upper_bound(values.begin(), values.end(), static_cast<double>(x)) - 1);
+      const double up = *std::lower_bound(values.begin(), values.end(), static_cast<double>(x));
+      CAPTURE(to_string(t), x);
+      REQUIRE(detail::storage_value(detail::storage_bits_down(x, t), t) == down);
+      REQUIRE(detail::storage_value(detail::storage_bits_up(x, t), t) == up);
+      ++checked;
+    }
+    CHECK(checked > 10000);
+    CHECK(detail::storage_value(detail::storage_bits_up(1e-30f, t), t) > 0.0f);  // +0 steps to the smallest subnormal
+    CHECK(detail::storage_value(detail::storage_bits_down(-1e-30f, t), t) < 0.0f);
+    CHECK(detail::storage_max(t) == top);
+  }
 }
 
 TEST_CASE("float to bfloat16 rounds to nearest even, with hand-checked cases", "[core][dtype]") {
@@ -182,4 +239,39 @@ TEST_CASE("errors name the parameter and the allowed values", "[core][error]") {
     CHECK(e.parameter() == "head_dim");
     CHECK(std::string(e.what()) == "kvmosaic: where: head_dim = 96; allowed: 64, 128 or 256");
   }
+}
+
+TEST_CASE("an f16 cache stores values beyond its range as +-65504 and attends to them finitely", "[core][dtype]") {
+  cache_config c;
+  c.num_kv_heads = 1;
+  c.group_size = 1;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 4;
+  c.max_sequences = 1;
+  c.storage = dtype::f16;
+  cache<format::dense> dense(c);
+  const int n = 20;  // one sealed page and a tail of 4
+  std::vector<float> k(static_cast<std::size_t>(n) * 64, 0.25f), v(k.size(), 1.0f);
+  for (int t = 0; t < n; ++t) {
+    v[static_cast<std::size_t>(t) * 64 + 0] = 1e5f;
+    v[static_cast<std::size_t>(t) * 64 + 1] = -1e6f;
+    k[static_cast<std::size_t>(t) * 64 + 2] = 7e4f * static_cast<float>(t % 2 ? 1 : -1);
+  }
+  const sequence_id id = dense.add_sequence();
+  dense.prefill(id, tensor_view<const float, 3>(k.data(), n, 1, 64), tensor_view<const float, 3>(v.data(), n, 1, 64));
+  std::uint16_t stored[3];
+  std::memcpy(stored, dense.engine().v_page(dense.pages(id)[0], 0), 4);
+  std::memcpy(stored + 2, dense.engine().k_page(dense.pages(id)[0], 0) + 64 * 2 + 2 * 2, 2);  // token 1, channel 2
+  CHECK(stored[0] == 0x7bff);  // 65504
+  CHECK(stored[1] == 0xfbff);  // -65504
+  CHECK(stored[2] == 0x7bff);
+  // q = 0 but channel 2: every weight is finite, the output is the weighted mean of the stored V.
+  std::vector<float> q(64, 0.0f), out(64);
+  q[2] = 1e-4f;
+  dense.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 1, 64),
+               tensor_view<float, 3>(out.data(), 1, 1, 64));
+  CHECK(out[0] == Approx(65504.0).epsilon(1e-5));
+  CHECK(out[1] == Approx(-65504.0).epsilon(1e-5));
+  CHECK(out[5] == Approx(1.0).epsilon(1e-5));
 }

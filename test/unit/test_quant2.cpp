@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -412,4 +413,273 @@ TEST_CASE("quant2 codes are stored as int8 m16n8k32 A fragments", "[quant2][layo
         }
       }
     }
+}
+
+TEST_CASE("quant2 keeps each partition's min and scale in the storage dtype, rounded outward", "[quant2][range]") {
+  // For every partition: min is a storage value <= every value, scale the smallest storage value
+  // with min + 3 scale >= every value (fp64, against all storage values as the reference), and
+  // nearest rounding within half a step. bf16 data spans up to +-3e38 (beyond f16's 65504).
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
+  const dtype storage = GENERATE(dtype::f16, dtype::bf16);
+  const double spread = GENERATE(1.0, 1e6, 1e30, 1e38);
+  if (storage == dtype::f16 && spread > 1e4) return;  // f16 values saturate at 65504: one case below
+  CAPTURE(axis == format::key_axis::tokens, to_string(storage), spread);
+  const auto round = [&](double x) {
+    return storage == dtype::f16 ? to_float(half(static_cast<float>(x))) : to_float(bfloat16(static_cast<float>(x)));
+  };
+  std::vector<double> values;  // every finite storage value, sorted
+  for (std::uint32_t b = 0; b < 0x10000u; ++b) {
+    const double v = storage == dtype::f16 ? to_float(half::from_bits(static_cast<std::uint16_t>(b)))
+                                           : to_float(bfloat16::from_bits(static_cast<std::uint16_t>(b)));
+    if (std::isfinite(v)) values.push_back(v);
+  }
+  std::sort(values.begin(), values.end());
+  const page_shape shape{64, 64, storage};
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  std::vector<float> rows(64 * 64);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = round(spread * uniform(rng) - (i % 3 == 0 ? spread * 0.5 : 0.0));
+  rows[7] = round(-spread);
+  const format::quant2 f{32, format::rounding::nearest, 0, axis};
+  std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+  traits::encode_k(f, shape, rows.data(), page.data());
+  std::vector<float> decoded(rows.size());
+  traits::decode_k(f, shape, page.data(), 64, decoded.data());
+  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
+  for (int part = 0; part < view.layout.partitions; ++part) {
+    double lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < 32; ++i) {
+      int t = 0, c = 0;
+      view.layout.element(part, i, t, c);
+      lo = std::min<double>(lo, rows[static_cast<std::size_t>(t) * 64 + c]);
+      hi = std::max<double>(hi, rows[static_cast<std::size_t>(t) * 64 + c]);
+    }
+    const double m = view.min(part), s = view.scale(part);
+    CAPTURE(part, lo, hi, m, s);
+    REQUIRE(m == lo);  // lo is a storage value: rounding toward -infinity keeps it
+    // The smallest storage value v with 3 v >= hi - m (3 v is exact in fp64).
+    const double smallest = *std::partition_point(values.begin(), values.end(), [&](double x) { return 3 * x < hi - m; });
+    REQUIRE(s == smallest);
+    REQUIRE(m + 3 * s >= hi);
+    for (int i = 0; i < 32; ++i) {
+      int t = 0, c = 0;
+      view.layout.element(part, i, t, c);
+      const std::size_t at = static_cast<std::size_t>(t) * 64 + c;
+      REQUIRE(std::isfinite(decoded[at]));
+      REQUIRE(std::abs(static_cast<double>(decoded[at]) - rows[at]) <= s / 2 + std::ldexp(std::abs(m) + 3 * s, -22));
+    }
+  }
+}
+
+TEST_CASE("quant2 with bf16 storage attends over values beyond f16's range within its bound", "[quant2][range]") {
+  // Values below -65504 and partition ranges above 1.9e5: f16 mins and scales would be infinite
+  // (and the output NaN). Against exact fp64 attention on what the pages decode to.
+  const int pi = GENERATE(32, 64);
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
+  CAPTURE(pi, axis == format::key_axis::tokens);
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  c.storage = dtype::bf16;
+  cache<format::quant2> q2(c, format::quant2{pi, format::rounding::stochastic, 5, axis});
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  const int length = 150;
+  synthetic::kv_data kv = synthetic::generate_kv(cfg, 7, length);
+  for (float& x : kv.k) x = x * 1e5f - 2e5f;  // logits stay moderate: q is scaled down below
+  for (float& x : kv.v) x = x * 1e6f - 1e6f;
+  std::vector<float> q = synthetic::generate_query(cfg, 7, length);
+  for (float& x : q) x *= 1e-5f;
+  const sequence_id id = q2.add_sequence();
+  q2.prefill(id, test::k_view(kv), test::v_view(kv));
+  std::vector<float> out(q.size());
+  q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
+            tensor_view<float, 3>(out.data(), 1, 4, 64));
+  const synthetic::kv_data decoded = test::quant2_decoded(q2, id, test::rounded(kv, dtype::bf16));
+  for (const float x : decoded.k) REQUIRE(std::isfinite(x));
+  for (const float x : decoded.v) REQUIRE(std::isfinite(x));
+  const float scale = 1.0f / 8.0f;
+  const auto exact = test::exact(q, decoded, scale);
+  const test::quant2_bounds bounds = test::quant2_attention_bounds(q2, id, q, decoded, scale);
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(std::isfinite(out[i]));
+    REQUIRE(std::abs(out[i] - exact[i]) <= bounds.vs_exact[i]);
+  }
+}
+
+TEST_CASE("quant2 with f16 storage saturates values beyond 65504 and stays finite", "[quant2][range]") {
+  cache_config c;
+  c.num_kv_heads = 1;
+  c.group_size = 1;
+  c.head_dim = 64;
+  c.max_pages = 4;
+  c.storage = dtype::f16;
+  cache<format::quant2> q2(c, format::quant2{32, format::rounding::nearest, 0, format::key_axis::tokens});
+  const int n = 64;
+  std::vector<float> k(static_cast<std::size_t>(n) * 64), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i % 7) * 0.1f;
+    v[i] = (i / 64 % 2 ? 1e5f : -1e5f) * static_cast<float>(i % 5);  // sign alternating along tokens
+  }
+  const sequence_id id = q2.add_sequence();
+  q2.prefill(id, tensor_view<const float, 3>(k.data(), n, 1, 64), tensor_view<const float, 3>(v.data(), n, 1, 64));
+  std::vector<float> decoded(v.size());
+  traits::decode_v(q2.format(), page_shape{64, 64, dtype::f16}, q2.engine().v_page(q2.pages(id)[0], 0), n, decoded.data());
+  // Stored values are within [-65504, 65504] (saturated); V channels alternate signs along tokens,
+  // so every partition spans the whole range: min -65504, 3 scale >= 131008.
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const double stored = std::max(-65504.0, std::min(65504.0, static_cast<double>(v[i])));
+    REQUIRE(std::abs(decoded[i] - stored) <= 131008.0 / 6 * 1.001);
+  }
+  std::vector<float> q(64, 0.01f), out(64);
+  q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 1, 64),
+            tensor_view<float, 3>(out.data(), 1, 1, 64));
+  for (const float x : out) REQUIRE(std::isfinite(x));
+}
+
+TEST_CASE("quant2 NaN inputs give NaN outputs and defined codes; subnormal weights stay defined", "[quant2][nan]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.max_pages = 16;
+  synthetic::kv_config cfg;
+  cfg.num_kv_heads = 2;
+  cfg.group_size = 2;
+  cfg.head_dim = 64;
+  const int length = 150;
+  const auto kv = synthetic::generate_kv(cfg, 9, length);
+  const auto q = synthetic::generate_query(cfg, 9, length);
+  const auto attend = [&](const format::quant2& f, const synthetic::kv_data& data, const std::vector<float>& query) {
+    cache<format::quant2> q2(c, f);
+    const sequence_id id = q2.add_sequence();
+    q2.prefill(id, test::k_view(data), test::v_view(data));
+    std::vector<float> out(query.size());
+    q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(query.data(), 1, 4, 64),
+              tensor_view<float, 3>(out.data(), 1, 4, 64));
+    return out;
+  };
+  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
+  const auto mode = GENERATE(format::rounding::nearest, format::rounding::stochastic);
+  const format::quant2 f{32, mode, 1, axis};
+  CAPTURE(axis == format::key_axis::tokens, mode == format::rounding::nearest);
+  const auto head_of = [](std::size_t i) { return static_cast<int>(i / 64) / 2; };  // the KV head of output i
+  {  // a NaN K value (token 70, KV head 1, channel 5: a sealed page, not the first of its partition)
+    synthetic::kv_data bad = kv;
+    bad.k[(70 * 2 + 1) * 64 + 5] = NAN;
+    const auto out = attend(f, bad, q);
+    for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::isnan(out[i]) == (head_of(i) == 1));
+  }
+  {  // a NaN V value (token 3, KV head 0, channel 9): that channel of KV head 0's query heads
+    synthetic::kv_data bad = kv;
+    bad.v[(3 * 2 + 0) * 64 + 9] = NAN;
+    const auto out = attend(f, bad, q);
+    for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::isnan(out[i]) == (head_of(i) == 0 && i % 64 == 9));
+  }
+  {  // an infinite K value: the partition's range is NaN, the KV head's outputs NaN
+    synthetic::kv_data bad = kv;
+    bad.k[(10 * 2 + 0) * 64 + 40] = INFINITY;
+    const auto out = attend(f, bad, q);
+    for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::isnan(out[i]) == (head_of(i) == 0));
+  }
+  {  // a NaN in query head 3 (not its first channel): that head's output
+    std::vector<float> bad = q;
+    bad[3 * 64 + 17] = NAN;
+    const auto out = attend(f, kv, bad);
+    for (std::size_t i = 0; i < out.size(); ++i) CHECK(std::isnan(out[i]) == (i / 64 == 3));
+  }
+  {  // the page codes of a NaN partition: NaN min and scale, every code 0
+    const page_shape shape{64, 64, dtype::bf16};
+    std::vector<float> rows = random_rows(64, 64, 4);
+    rows[3 * 64 + 1] = NAN;
+    std::vector<std::byte> page(traits::v_page_bytes(f, shape));
+    traits::encode_v(f, shape, rows.data(), page.data());
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), page.data()};
+    const int part = 1 * 2 + 0;  // channel 1, tokens 0..31
+    CHECK(std::isnan(view.min(part)));
+    CHECK(std::isnan(view.scale(part)));
+    CHECK(view.code_sum(part) == 0u);
+    for (int i = 0; i < 32; ++i) CHECK(view.code(part, i) == 0);
+    CHECK(std::isfinite(view.min(part + 1)));
+  }
+}
+
+TEST_CASE("quant2's 8-bit quantization of subnormal or NaN operands is defined", "[quant2][nan]") {
+  std::vector<int> a(32);
+  float m = 0, s = 0;
+  // Subnormal softmax weights: the step's reciprocal would overflow; every code is 0, and the
+  // dequantized values m + s a are within the (subnormal) range of the true ones.
+  std::vector<float> p(32);
+  for (int i = 0; i < 32; ++i) p[static_cast<std::size_t>(i)] = std::ldexp(1.0f, -149) * static_cast<float>(1 + i * 800);
+  const unsigned sum = detail::quantize8(p.data(), 32, 1, m, s, a.data());
+  CHECK(m == p[0]);
+  for (int i = 0; i < 32; ++i) {
+    REQUIRE(a[static_cast<std::size_t>(i)] >= 0);
+    REQUIRE(a[static_cast<std::size_t>(i)] <= 255);
+    REQUIRE(std::abs(static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)] - p[static_cast<std::size_t>(i)]) <=
+            static_cast<double>(p[31]) - p[0]);
+  }
+  CHECK(sum <= 255u * 32);
+  // Normal but tiny: the reciprocal is finite, codes as usual (the largest is 255).
+  for (int i = 0; i < 32; ++i) p[static_cast<std::size_t>(i)] = 1e-30f * static_cast<float>(1 + i);
+  detail::quantize8(p.data(), 32, 1, m, s, a.data());
+  CHECK(a[0] == 0);
+  CHECK(a[31] == 255);
+  // NaN anywhere: m and s NaN, codes 0.
+  for (const int at : {0, 13}) {
+    for (int i = 0; i < 32; ++i) p[static_cast<std::size_t>(i)] = static_cast<float>(i);
+    p[static_cast<std::size_t>(at)] = NAN;
+    CHECK(detail::quantize8(p.data(), 32, 1, m, s, a.data()) == 0u);
+    CHECK(std::isnan(m));
+    CHECK(std::isnan(s));
+    for (const int x : a) CHECK(x == 0);
+  }
+  // The accumulate path with a partition of subnormal weights: finite, within the weights' range.
+  const page_shape shape{64, 64, dtype::bf16};
+  const format::quant2 f{32, format::rounding::nearest};
+  const std::vector<float> v = random_rows(64, 64, 12, 0.5f);
+  std::vector<std::byte> page(traits::v_page_bytes(f, shape));
+  traits::encode_v(f, shape, v.data(), page.data());
+  std::vector<float> v_hat(v.size());
+  traits::decode_v(f, shape, page.data(), 64, v_hat.data());
+  std::vector<float> weights(64);
+  for (int t = 0; t < 64; ++t) weights[static_cast<std::size_t>(t)] = t < 32 ? 1.0f - 0.01f * t : std::ldexp(1.0f, -140) * static_cast<float>(t - 31);
+  std::vector<float> o(64, 0.0f);
+  traits::accumulate(f, shape, page.data(), 64, weights.data(), 1, o.data());
+  for (int ch = 0; ch < 64; ++ch) {
+    double exact = 0, magnitude = 0;
+    for (int t = 0; t < 64; ++t) {
+      exact += static_cast<double>(weights[static_cast<std::size_t>(t)]) * v_hat[static_cast<std::size_t>(t) * 64 + ch];
+      magnitude += std::abs(v_hat[static_cast<std::size_t>(t) * 64 + ch]);
+    }
+    REQUIRE(std::isfinite(o[static_cast<std::size_t>(ch)]));
+    // 8-bit p over the first partition: half a step of 0.31 / 255 per weight, plus fp32 slack.
+    REQUIRE(std::abs(o[static_cast<std::size_t>(ch)] - exact) <= 0.31 / 510 * magnitude + 1e-5 * magnitude);
+  }
+}
+
+TEST_CASE("quant2 rejects out-of-range enumerations, naming the field", "[quant2][errors]") {
+  const auto message = [](const format::quant2& f) {
+    try {
+      cache<format::quant2> bad(cache_config{}, f);
+    } catch (const invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  format::quant2 f;
+  f.k_axis = static_cast<format::key_axis>(5);
+  CHECK(message(f) == "kvmosaic: format::quant2: k_axis = 5; allowed: key_axis::head_dim (0) or key_axis::tokens (1)");
+  f = format::quant2{};
+  f.mode = static_cast<format::rounding>(9);
+  CHECK(message(f) == "kvmosaic: format::quant2: mode = 9; allowed: rounding::stochastic (0) or rounding::nearest (1)");
+  f = format::quant2{};
+  f.mode = format::rounding::nearest;
+  f.k_axis = format::key_axis::head_dim;
+  CHECK(message(f) == "accepted");
 }

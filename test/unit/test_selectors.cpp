@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -496,4 +497,74 @@ TEST_CASE("selectors reject bad parameters naming them", "[selectors]") {
   const tensor_view<const float, 3> k(rows.data(), 3, c.num_kv_heads, c.head_dim);
   CHECK_THROWS_WITH(cc.prefill(seq, k, k, span<const std::int32_t>(ids.data(), 2)), Catch::Contains("token_ids.size()"));
   CHECK(cc.length(seq) == 0);
+}
+
+TEST_CASE("token budgets describe and resolve every value safely", "[selectors]") {
+  const cache_config c = small_config();
+  select::quest s;
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/16, max)");
+  s.budget.ratio = 0.0;  // valid: reads only the tail (and sinks)
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0, max)");
+  CHECK_NOTHROW(cache<format::dense, select::quest>(c, {}, s));
+  s.budget.ratio = 0.3;  // not 1/3
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0.3, max)");
+  s.budget.ratio = 1.0 / 3.0;
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/3, max)");
+  s.budget.ratio = 1e-300;  // 1 / ratio beyond int
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 1e-300, max)");
+  s.budget.ratio = 4.9406564584124654e-324;  // 1 / ratio overflows
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 4.94066e-324, max)");
+  s.budget.tokens = 0;
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(0 tokens, max)");
+  select::sentence_chunks chunks;
+  chunks.budget.ratio = 0.0;
+  CHECK(selector_traits<select::sentence_chunks>::describe(chunks) == "sentence_chunks(ratio 0, L 14, delta 8, max)");
+  // resolve: floor(ratio x length) in [0, length], also where ratio x length rounds to 2^63.
+  select::token_budget b;
+  b.ratio = 1.0;
+  CHECK(b.resolve(INT64_MAX) == INT64_MAX);
+  b.ratio = 0.5;
+  CHECK(b.resolve(INT64_MAX) == (std::int64_t{1} << 62));
+  CHECK(b.resolve(7) == 3);
+  b.ratio = 0.0;
+  CHECK(b.resolve(INT64_MAX) == 0);
+  b.ratio = NAN;
+  CHECK(b.resolve(100) == 0);
+  CHECK_THROWS_WITH((cache<format::dense, select::quest>(c, {}, select::quest{b})),
+                    "kvmosaic: select::quest: budget.ratio = nan; allowed: 0 to 1");
+}
+
+TEST_CASE("sentence_chunks rejects chunk lengths beyond 4096, naming them", "[selectors][sentence_chunks]") {
+  const cache_config c = small_config();
+  const auto message = [&](int target_length, int window) {
+    select::sentence_chunks s;
+    s.target_length = target_length;
+    s.window = window;
+    try {
+      cache<format::dense, select::sentence_chunks> cc(c, {}, s);
+    } catch (const invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  CHECK(message(INT_MAX, 8) ==
+        "kvmosaic: select::sentence_chunks: target_length = 2147483647; allowed: 1 to 4096 (sentence_chunks::max_length)");
+  CHECK(message(14, INT_MAX) ==
+        "kvmosaic: select::sentence_chunks: window = 2147483647; allowed: 1 to 4096 (sentence_chunks::max_length)");
+  CHECK(message(4097, 8) ==
+        "kvmosaic: select::sentence_chunks: target_length = 4097; allowed: 1 to 4096 (sentence_chunks::max_length)");
+  CHECK(message(0, 8) ==
+        "kvmosaic: select::sentence_chunks: target_length = 0; allowed: 1 to 4096 (sentence_chunks::max_length)");
+  CHECK(message(14, -1) == "kvmosaic: select::sentence_chunks: window = -1; allowed: 1 to 4096 (sentence_chunks::max_length)");
+  CHECK(message(4096, 4096) == "accepted");
+  // At the largest lengths the split still follows Algorithm 2: no boundary, chunks of L tokens.
+  select::sentence_chunks s;
+  s.target_length = 4096;
+  s.window = 4096;
+  const std::vector<std::int32_t> ids(10000, 1);
+  const std::vector<select::chunk> got = select::sentence_split(ids.data(), 10000, s);
+  REQUIRE(got.size() == 3);
+  CHECK(got[0].end == 4096);
+  CHECK(got[1].end == 8192);
+  CHECK(got[2].end == 10000);
 }

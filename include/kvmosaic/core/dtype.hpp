@@ -9,6 +9,15 @@
 /// reinterpret a page of them as `__half2`/`__nv_bfloat162` for vector math, while a host-only
 /// build (no CUDA toolkit) uses the same types and bytes. Conversions from float round to nearest,
 /// ties to even, in both the host and the device path, so host and device encode identical bytes.
+///
+/// Values outside the storage range saturate: a finite float whose magnitude rounds beyond the
+/// largest finite value of the type (f16: 65504, about 65520 and up; bf16: 3.3895e38, about
+/// 3.3961e38 and up) is stored as that value with its sign, never as infinity. Infinities and NaN
+/// stay infinities and NaN. So a finite input always stores as a finite value (a dense f16 cache
+/// fed 1e5 stores 65504), on the host and on the device alike: the CUDA kernels convert through
+/// these same types. (Why saturate rather than reject: the cache would have to scan every value of
+/// every call, on the host, before storing; and an activation that large is an outlier whose
+/// clipped value keeps attention finite where infinity would turn it into NaN.)
 
 #include <cstddef>
 #include <cstdint>
@@ -58,7 +67,8 @@ KVMOSAIC_HOST_DEVICE inline float bits_float(std::uint32_t u) noexcept {
 #endif
 }
 
-/// float -> binary16, round to nearest even, with overflow to infinity and gradual underflow.
+/// float -> binary16, round to nearest even, with gradual underflow; a finite value beyond the
+/// range saturates to +-65504 (0x7bff), infinities and NaN stay so.
 KVMOSAIC_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) noexcept {
   const std::uint32_t x = float_bits(f);
   const std::uint32_t sign = (x >> 16) & 0x8000u;
@@ -66,7 +76,7 @@ KVMOSAIC_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) noexcept {
   if (abs >= 0x7f800000u) {  // inf or nan: keep nan quiet and non-zero
     return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x0200u : 0u));
   }
-  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65520
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7bffu);  // would round to >= 65520: saturate
   if (abs < 0x38800000u) {                                                      // below 2^-14: subnormal
     if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);             // below 2^-25: zero
     const std::uint32_t exponent = abs >> 23;
@@ -98,12 +108,25 @@ KVMOSAIC_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) noexcept {
   return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-/// float -> bfloat16, round to nearest even; nan stays nan.
+/// float -> bfloat16, round to nearest even; a finite value beyond the range saturates to
+/// +-3.3895e38 (0x7f7f), infinities stay infinities, nan stays nan.
 KVMOSAIC_HOST_DEVICE inline std::uint16_t float_to_bfloat16_bits(float f) noexcept {
   const std::uint32_t x = float_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
+  if ((x & 0x7fffffffu) == 0x7f800000u) return static_cast<std::uint16_t>(x >> 16);
   const std::uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<std::uint16_t>(rounded >> 16);
+  const auto bits = static_cast<std::uint16_t>(rounded >> 16);
+  return (bits & 0x7fffu) == 0x7f80u ? static_cast<std::uint16_t>((bits & 0x8000u) | 0x7f7fu) : bits;
+}
+
+/// 16-bit storage bits `rounded` (the device's round-to-nearest conversion of `f`), with the
+/// saturation above: infinity from a finite `f` becomes the largest finite value `max_bits`.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t saturate_bits(std::uint16_t rounded, float f, std::uint16_t infinity_bits,
+                                                        std::uint16_t max_bits) noexcept {
+  const bool finite = (float_bits(f) & 0x7fffffffu) < 0x7f800000u;
+  return finite && (rounded & 0x7fffu) == infinity_bits
+             ? static_cast<std::uint16_t>((rounded & 0x8000u) | max_bits)
+             : rounded;
 }
 
 KVMOSAIC_HOST_DEVICE inline float bfloat16_bits_to_float(std::uint16_t b) noexcept {
@@ -135,7 +158,7 @@ struct alignas(2) half {
  private:
   KVMOSAIC_HOST_DEVICE static std::uint16_t from_float(float f) noexcept {
 #if KVMOSAIC_IS_DEVICE_CODE
-    return __half_as_ushort(__float2half_rn(f));
+    return detail::saturate_bits(__half_as_ushort(__float2half_rn(f)), f, 0x7c00u, 0x7bffu);
 #else
     return detail::float_to_half_bits(f);
 #endif
@@ -160,7 +183,7 @@ struct alignas(2) bfloat16 {
  private:
   KVMOSAIC_HOST_DEVICE static std::uint16_t from_float(float f) noexcept {
 #if KVMOSAIC_IS_DEVICE_CODE
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    return detail::saturate_bits(__bfloat16_as_ushort(__float2bfloat16_rn(f)), f, 0x7f80u, 0x7f7fu);
 #else
     return detail::float_to_bfloat16_bits(f);
 #endif
@@ -204,6 +227,49 @@ struct dtype_traits<float> {
   static constexpr double subnormal_half_spacing = 7.006492321624085e-46;  // 2^-150
   static constexpr double max_finite = 3.4028234663852886e38;
 };
+
+namespace detail {
+
+/// Bits of `x` in the 16-bit storage dtype `t` (f16 or bf16), round to nearest even, saturating.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits(float x, dtype t) noexcept {
+  return t == dtype::f16 ? half(x).bits : bfloat16(x).bits;
+}
+
+/// The value of 16-bit storage bits `b` of dtype `t` (f16 or bf16).
+KVMOSAIC_HOST_DEVICE inline float storage_value(std::uint16_t b, dtype t) noexcept {
+  return t == dtype::f16 ? to_float(half::from_bits(b)) : to_float(bfloat16::from_bits(b));
+}
+
+/// The largest finite value of the 16-bit storage dtype `t` (f16: 65504, bf16: 3.3895e38).
+KVMOSAIC_HOST_DEVICE inline float storage_max(dtype t) noexcept {
+  return storage_value(t == dtype::f16 ? std::uint16_t{0x7bffu} : std::uint16_t{0x7f7fu}, t);
+}
+
+/// The neighbours of a finite 16-bit storage value (both formats are sign and magnitude, so a
+/// step of the magnitude bits is one ulp): the next value toward +infinity and toward
+/// -infinity (from +-0: the smallest subnormal of that sign). The caller keeps off the largest
+/// finite magnitude, whose next step out is infinity.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_next_up(std::uint16_t b) noexcept {
+  if ((b & 0x7fffu) == 0) return 0x0001u;
+  return static_cast<std::uint16_t>((b & 0x8000u) ? b - 1u : b + 1u);
+}
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_next_down(std::uint16_t b) noexcept {
+  if ((b & 0x7fffu) == 0) return 0x8001u;
+  return static_cast<std::uint16_t>((b & 0x8000u) ? b + 1u : b - 1u);
+}
+
+/// `x` (finite, within +-storage_max(t)) rounded toward -infinity / +infinity to dtype `t`: the
+/// largest storage value <= x / the smallest >= x.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits_down(float x, dtype t) noexcept {
+  const std::uint16_t b = storage_bits(x, t);
+  return storage_value(b, t) > x ? storage_next_down(b) : b;
+}
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits_up(float x, dtype t) noexcept {
+  const std::uint16_t b = storage_bits(x, t);
+  return storage_value(b, t) < x ? storage_next_up(b) : b;
+}
+
+}  // namespace detail
 
 /// Size in bytes of one element of a run-time dtype.
 constexpr std::size_t size_of(dtype t) noexcept { return t == dtype::f32 ? 4 : 2; }

@@ -8,9 +8,13 @@
 /// attend on codes (the reference the CUDA kernels will be tested against).
 ///
 /// Quantization: each partition of `partition` (Pi) elements keeps a min m and a scale
-/// s = (max - m) / 3 (both 16-bit floats, as the paper stores them) and codes c in {0..3} with
-/// x ~ m + s c. K is partitioned along head_dim for each token, V along tokens for each channel
-/// (each product's inner dimension, Fig. 7). Rounding is stochastic (to floor(t) + 1 with
+/// s >= (max - m) / 3 (both 16-bit floats, as the paper stores them, in the cache's storage dtype:
+/// f16 or bf16, so any value the cache stores has a representable range) and codes c in {0..3}
+/// with x ~ m + s c. m is the partition's min rounded toward -infinity and s the smallest
+/// storage value with m + 3 s >= max (evaluated in fp64): every value lies in [m, m + 3 s], and
+/// the codes are computed against the stored m and s (`quant2_range`). K is partitioned along
+/// head_dim for each token, V along tokens for each channel (each product's inner dimension,
+/// Fig. 7). Rounding is stochastic (to floor(t) + 1 with
 /// probability frac(t), t = (x - m) / s, unbiased) or to nearest. The stochastic noise is a
 /// counter-based hash of (seed, the element's index in its page, its value, its partition's m and
 /// s): a pure function of the data, so the host and the device draw the same codes with no
@@ -29,7 +33,16 @@
 /// q is transient), the softmax numerators p to 8 bits per partition of Pi tokens, and only the
 /// integer products sum(a b) touch the codes; sum(b) comes from the page.
 ///
-/// Page layout (one head, K or V): [mins: partitions x f16][scales: partitions x f16]
+/// Non-finite values and NaN: a partition holding a NaN or an infinity (only a NaN or infinite
+/// input stores one: finite inputs saturate, core/dtype.hpp) stores NaN as its min and scale and
+/// code 0 for every element. The outputs that read it (a K partition: every query head of its KV
+/// head; a V partition: its channel of those heads), and those of a query head with a NaN in q,
+/// are unspecified: NaN on the host backend (as dense attention's), NaN or another value on
+/// CUDA (its split merge does not propagate NaN). Other heads and sequences are unaffected, and
+/// every float-to-integer conversion is clamped first (NaN to code 0): no input is undefined
+/// behaviour, host or device.
+///
+/// Page layout (one head, K or V): [mins: partitions x 16-bit][scales: partitions x 16-bit]
 /// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each] padded to 16 bytes. V
 /// partition c * (page_size / Pi) + j holds tokens j Pi .. of channel c; K partition the same
 /// (K per channel) or t * (head_dim / Pi) + j, channels j Pi .. of token t (K per token). The
@@ -43,6 +56,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -102,17 +116,62 @@ KVMOSAIC_HOST_DEVICE inline float rounding_noise(std::uint64_t seed, std::uint64
   return static_cast<float>(mix64(mix64(seed) ^ key) >> 40) * (1.0f / 16777216.0f);
 }
 
-/// The stored min and scale of a partition whose values span [lo, hi]: both rounded to f16, the
-/// scale computed from the rounded min, so the codes are computed against what is stored.
-KVMOSAIC_HOST_DEVICE inline void quant2_range(float lo, float hi, float& min_out, float& scale_out) {
-  min_out = static_cast<float>(half(lo));
-  scale_out = static_cast<float>(half((hi - min_out) / 3.0f));
+/// The extent of a partition's values, added in element order: lo and hi as std::min and
+/// std::max keep them (the first of equals, so the same signed zero on host and device), and
+/// whether every value is finite.
+struct quant2_extent {
+  float lo, hi;
+  bool finite;
+
+  KVMOSAIC_HOST_DEVICE explicit quant2_extent(float first) : lo(first), hi(first), finite(is_finite(first)) {}
+  KVMOSAIC_HOST_DEVICE void add(float v) {
+    lo = v < lo ? v : lo;
+    hi = hi < v ? v : hi;
+    finite = finite && is_finite(v);
+  }
+  KVMOSAIC_HOST_DEVICE static bool is_finite(float v) { return (float_bits(v) & 0x7fffffffu) < 0x7f800000u; }
+};
+
+/// A partition's stored min and scale: their bits in the storage dtype and their values.
+struct quant2_range_bits {
+  std::uint16_t min_bits, scale_bits;
+  float min, scale;
+};
+
+/// The stored min and scale of a partition with extent `e`, in the 16-bit storage dtype
+/// `storage`: m = lo rounded toward -infinity, s = the smallest storage value with 3 s >= hi - m
+/// (compared in fp64: exact unless hi and m differ in magnitude by more than 2^40, where the
+/// rounding is below 2^-52 of the range), so every value lies in [m, m + 3 s] and a range up to
+/// twice the dtype's largest value is representable. lo and hi are first clamped to the dtype's
+/// finite range (the cache stores values already saturated to it; a raw float beyond it gets code
+/// 0 or 3). A non-finite value gives NaN for both. The codes are computed against these stored
+/// values. Host and device compute it the same way (IEEE fp64 subtraction and division, no
+/// contraction), so the bytes are the same.
+KVMOSAIC_HOST_DEVICE inline quant2_range_bits quant2_range(const quant2_extent& e, dtype storage) {
+  quant2_range_bits r{};
+  if (!e.finite) {
+    r.min_bits = r.scale_bits = storage == dtype::f16 ? std::uint16_t{0x7e00u} : std::uint16_t{0x7fc0u};
+    r.min = r.scale = storage_value(r.min_bits, storage);
+    return r;
+  }
+  const float top = storage_max(storage);
+  const float lo = e.lo < -top ? -top : (e.lo > top ? top : e.lo);
+  const float hi = e.hi < -top ? -top : (e.hi > top ? top : e.hi);
+  r.min_bits = storage_bits_down(lo, storage);
+  r.min = storage_value(r.min_bits, storage);
+  const double range = static_cast<double>(hi) - static_cast<double>(r.min);  // >= 0, at most 2 top
+  r.scale_bits = storage_bits_up(static_cast<float>(range / 3.0), storage);
+  while (3.0 * static_cast<double>(storage_value(r.scale_bits, storage)) < range)
+    r.scale_bits = storage_next_up(r.scale_bits);  // at most one step: the float rounding above
+  r.scale = storage_value(r.scale_bits, storage);
+  return r;
 }
 
 /// The 2-bit code of v in a partition with stored min m and scale s (`quant2_range`). Stochastic:
 /// up with probability frac((v - m) / s), the noise a hash of (seed, the element's index in its
 /// page, v, m, s); nearest: to the nearest code. One function for host and device: no product
-/// feeds a sum here, so no compiler contracts an operation and both round alike.
+/// feeds a sum here, so no compiler contracts an operation and both round alike. The code is
+/// clamped to 0..3 before the conversion to int; a NaN (v, m or s NaN) gives 0.
 KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed, std::uint64_t element_index, float v,
                                             float m, float s) {
   const float t = s > 0.0f ? (v - m) / s : 0.0f;
@@ -126,7 +185,7 @@ KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed,
     const float below = floorf(t);
     c = below + (rounding_noise(seed, key) < t - below ? 1.0f : 0.0f);
   }
-  return c < 0.0f ? 0 : (c > 3.0f ? 3 : static_cast<int>(c));
+  return c >= 3.0f ? 3 : (c > 0.0f ? static_cast<int>(c) : 0);
 }
 
 /// Bit of the code at (row, col) of a page's code matrix with `cols` columns. The matrix is
@@ -154,6 +213,7 @@ struct quant2_layout {
   int head_dim;
   bool along_tokens;  ///< partitions run along tokens, one channel each (V, and K per channel)
   bool is_key;        ///< code matrix rows are tokens (K) rather than channels (V)
+  dtype storage;      ///< the dtype of the mins and scales: the cache's storage dtype (f16 or bf16)
 
   std::size_t scales_at() const { return static_cast<std::size_t>(partitions) * 2; }
   std::size_t sums_at() const { return static_cast<std::size_t>(partitions) * 4; }
@@ -186,23 +246,26 @@ inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape&
                        shape.page_size,
                        shape.head_dim,
                        !is_key || f.k_axis == format::key_axis::tokens,
-                       is_key};
+                       is_key,
+                       shape.storage};
 }
 
-/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) with the stored
-/// (16-bit-rounded) min and scale; returns them. `key` numbers the elements within the page.
-inline void quantize_partition(const format::quant2& f, const float* x, int count, int stride, std::uint64_t key,
-                               float& min_out, float& scale_out, std::uint8_t* codes) {
-  float lo = x[0], hi = x[0];
-  for (int i = 1; i < count; ++i) {
-    lo = std::min(lo, x[static_cast<std::size_t>(i) * stride]);
-    hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
-  }
-  quant2_range(lo, hi, min_out, scale_out);
+/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) against the stored
+/// min and scale (`quant2_range`, in `storage`); returns them. `key` numbers the elements within
+/// the page. A partition with a non-finite value gets code 0 everywhere (and NaN min and scale).
+inline quant2_range_bits quantize_partition(const format::quant2& f, dtype storage, const float* x, int count,
+                                            int stride, std::uint64_t key, std::uint8_t* codes) {
+  quant2_extent extent(x[0]);
+  for (int i = 1; i < count; ++i) extent.add(x[static_cast<std::size_t>(i) * stride]);
+  const quant2_range_bits range = quant2_range(extent, storage);
   const bool stochastic = f.mode == format::rounding::stochastic;
-  for (int i = 0; i < count; ++i)
-    codes[i] = static_cast<std::uint8_t>(quant2_code(stochastic, f.seed, key + static_cast<std::uint64_t>(i),
-                                                     x[static_cast<std::size_t>(i) * stride], min_out, scale_out));
+  for (int i = 0; i < count; ++i) {
+    const float v = x[static_cast<std::size_t>(i) * stride];
+    const std::uint64_t index = key + static_cast<std::uint64_t>(i);
+    codes[i] = extent.finite ? static_cast<std::uint8_t>(quant2_code(stochastic, f.seed, index, v, range.min, range.scale))
+                             : std::uint8_t{0};
+  }
+  return range;
 }
 
 /// Encodes rows [page_size][head_dim] into a K (`is_key`) or V page: each partition quantized
@@ -218,11 +281,10 @@ inline void encode_quant2_page(const format::quant2& f, const page_shape& shape,
     layout.element(part, 0, token, channel);
     const float* first = rows + static_cast<std::size_t>(token) * d + channel;
     const int stride = layout.along_tokens ? d : 1;
-    float m = 0, s = 0;
-    quantize_partition(f, first, pi, stride, static_cast<std::uint64_t>(part) * pi, m, s, codes.data());
-    const half m16(m), s16(s);
-    std::memcpy(page + static_cast<std::size_t>(part) * 2, &m16, 2);
-    std::memcpy(page + layout.scales_at() + static_cast<std::size_t>(part) * 2, &s16, 2);
+    const quant2_range_bits range =
+        quantize_partition(f, shape.storage, first, pi, stride, static_cast<std::uint64_t>(part) * pi, codes.data());
+    std::memcpy(page + static_cast<std::size_t>(part) * 2, &range.min_bits, 2);
+    std::memcpy(page + layout.scales_at() + static_cast<std::size_t>(part) * 2, &range.scale_bits, 2);
     unsigned sum = 0;
     for (int i = 0; i < pi; ++i) {
       sum += codes[static_cast<std::size_t>(i)];
@@ -243,8 +305,8 @@ inline void encode_quant2_page(const format::quant2& f, const page_shape& shape,
 struct quant2_page_view {
   quant2_layout layout;
   const std::byte* page;
-  float min(int part) const { return load_half(page + static_cast<std::size_t>(part) * 2); }
-  float scale(int part) const { return load_half(page + layout.scales_at() + static_cast<std::size_t>(part) * 2); }
+  float min(int part) const { return load(page + static_cast<std::size_t>(part) * 2); }
+  float scale(int part) const { return load(page + layout.scales_at() + static_cast<std::size_t>(part) * 2); }
   unsigned code_sum(int part) const {
     if (layout.sum_bytes == 1) return static_cast<unsigned>(page[layout.sums_at() + static_cast<std::size_t>(part)]);
     std::uint16_t sum16;
@@ -262,31 +324,47 @@ struct quant2_page_view {
     layout.element(part, i, token, channel);
     return code_at(token, channel);
   }
-  static float load_half(const std::byte* at) {
-    half h;
-    std::memcpy(&h, at, 2);
-    return to_float(h);
+  /// A min or scale, in the layout's storage dtype.
+  float load(const std::byte* at) const {
+    std::uint16_t bits;
+    std::memcpy(&bits, at, 2);
+    return storage_value(bits, layout.storage);
   }
 };
 
+/// The reciprocal of an 8-bit grid's step, 0 below the smallest normal float (a step of
+/// subnormal softmax weights, whose reciprocal may overflow; every value then gets code 0 and the
+/// error is below the step times 255, itself subnormal). The device computes the same.
+inline float quantize8_inverse(float step) { return step >= 1.17549435e-38f ? 1.0f / step : 0.0f; }
+
 /// 8-bit asymmetric quantization of a transient operand (q, or the softmax numerators), round to
-/// nearest: x ~ m + s a, a in 0..255. Returns sum(a).
+/// nearest: x ~ m + s a, a in 0..255. Returns sum(a). A NaN among the values makes m and s NaN
+/// (and every code 0), so what is computed from them is NaN; codes are clamped to 0..255 before
+/// the conversion to int.
 inline unsigned quantize8(const float* x, int count, int stride, float& m, float& s, int* a) {
   float lo = x[0], hi = x[0];
+  bool nan = std::isnan(x[0]);
   for (int i = 1; i < count; ++i) {
-    lo = std::min(lo, x[static_cast<std::size_t>(i) * stride]);
-    hi = std::max(hi, x[static_cast<std::size_t>(i) * stride]);
+    const float v = x[static_cast<std::size_t>(i) * stride];
+    nan = nan || std::isnan(v);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  if (nan) {
+    m = s = std::numeric_limits<float>::quiet_NaN();
+    std::fill(a, a + count, 0);
+    return 0;
   }
   m = lo;
   // A product, one reciprocal and one fused multiply-add per value, no division: what the
   // device kernels compute, rounding for rounding (fma is correctly rounded on both sides).
   s = (hi - lo) * (1.0f / 255.0f);
-  const float inverse = s > 0.0f ? 1.0f / s : 0.0f;
+  const float inverse = quantize8_inverse(s);
   const float bias = std::fma(-lo, inverse, 0.5f);  // code = floor((x - lo) / s + 1/2)
   unsigned sum = 0;
   for (int i = 0; i < count; ++i) {
     const float y = std::fma(x[static_cast<std::size_t>(i) * stride], inverse, bias);
-    a[i] = static_cast<int>(std::clamp(std::floor(y), 0.0f, 255.0f));
+    a[i] = static_cast<int>(std::floor(std::fmin(std::fmax(y, 0.0f), 255.0f)));  // NaN (inf x) -> 0
     sum += static_cast<unsigned>(a[i]);
   }
   return sum;
@@ -347,6 +425,13 @@ struct format_traits<format::quant2> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
                     "0 to 16");
+    // Enumerations arrive from configuration as integers: a value outside the enumerators would
+    // otherwise pick a branch silently.
+    const int mode = static_cast<int>(f.mode), axis = static_cast<int>(f.k_axis);
+    detail::require(f.mode == format::rounding::stochastic || f.mode == format::rounding::nearest, where, "mode", mode,
+                    "rounding::stochastic (0) or rounding::nearest (1)");
+    detail::require(f.k_axis == format::key_axis::head_dim || f.k_axis == format::key_axis::tokens, where, "k_axis",
+                    axis, "key_axis::head_dim (0) or key_axis::tokens (1)");
   }
 
   /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.

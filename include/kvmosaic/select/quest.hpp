@@ -55,7 +55,7 @@ struct selector_traits<select::quest> {
   static constexpr bool needs_token_ids = false;
   static std::string describe(const select::quest& s) {
     std::string text = "quest(";
-    text += s.budget.tokens >= 0 ? std::to_string(s.budget.tokens) + " tokens" : "1/" + std::to_string(static_cast<int>(1.0 / s.budget.ratio + 0.5));
+    text += s.budget.describe();
     if (s.block_tokens != 0) text += ", block " + std::to_string(s.block_tokens);
     text += std::string(", ") + to_string(s.combine) + ")";
     return text;

@@ -51,10 +51,17 @@ struct sentence_chunks {
   using policy_category = selector_tag;
 
   token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
-  int target_length = 14;                     ///< L: the ideal chunk length (the paper's setting)
-  int window = 8;                             ///< Delta: how far a split may move from the ideal end
+  int target_length = 14;                     ///< L: the ideal chunk length (the paper's setting), 1 to
+                                              ///< `max_length`
+  int window = 8;                             ///< Delta: how far a split may move from the ideal end, 1 to
+                                              ///< `max_length`
   group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
   std::vector<boundary> boundaries;           ///< the boundary token ids and their weights S(b)
+
+  /// The largest L and Delta: chunks are sentences (the paper's L is 14), and an engine keeps
+  /// each sequence's open chunk, up to L + Delta rows, in memory, so both stay small and L + Delta
+  /// (at most 8192) far from int's range.
+  static constexpr int max_length = 4096;
 
   /// S(b) of `id`: its weight, or -1 for a token that is not a boundary.
   float weight_of(std::int32_t id) const noexcept {
@@ -115,15 +122,17 @@ struct selector_traits<select::sentence_chunks> {
   static constexpr bool needs_token_ids = true;
   static std::string describe(const select::sentence_chunks& s) {
     std::string text = "sentence_chunks(";
-    text += s.budget.tokens >= 0 ? std::to_string(s.budget.tokens) + " tokens" : "1/" + std::to_string(static_cast<int>(1.0 / s.budget.ratio + 0.5));
+    text += s.budget.describe();
     text += ", L " + std::to_string(s.target_length) + ", delta " + std::to_string(s.window) + ", " + to_string(s.combine) + ")";
     return text;
   }
   static void validate(const select::sentence_chunks& s, int /*page_size*/) {
     const char* where = "select::sentence_chunks";
     s.budget.validate(where);
-    detail::require(s.target_length >= 1, where, "target_length", s.target_length, ">= 1");
-    detail::require(s.window >= 1, where, "window", s.window, ">= 1");
+    detail::require(s.target_length >= 1 && s.target_length <= select::sentence_chunks::max_length, where,
+                    "target_length", s.target_length, "1 to 4096 (sentence_chunks::max_length)");
+    detail::require(s.window >= 1 && s.window <= select::sentence_chunks::max_length, where, "window", s.window,
+                    "1 to 4096 (sentence_chunks::max_length)");
     for (const select::boundary& b : s.boundaries)
       detail::require(b.weight >= 0.0f && b.weight <= 1.0f, where, "boundaries[].weight", b.weight, "0 to 1");
   }

@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "kvmosaic/core/config.hpp"
@@ -46,13 +48,33 @@ namespace select {
 /// whole context or more reads every token.
 struct token_budget {
   double ratio = 1.0 / 16.0;  ///< fraction of the context, in [0, 1]
-  std::int64_t tokens = -1;   ///< absolute budget in tokens; >= 0 overrides `ratio`
+  std::int64_t tokens = -1;   ///< absolute budget in tokens; >= 0 overrides `ratio` (any value:
+                              ///< one past the context reads it all)
 
+  /// The budget for a sequence of `length` (>= 0) tokens: in [0, length] for a ratio (the
+  /// product is clamped before its conversion to an integer, so no ratio or length overflows).
   std::int64_t resolve(std::int64_t length) const noexcept {
-    return tokens >= 0 ? tokens : static_cast<std::int64_t>(std::floor(ratio * static_cast<double>(length)));
+    if (tokens >= 0) return tokens;
+    const double share = std::floor(ratio * static_cast<double>(length));
+    if (!(share > 0.0)) return 0;  // also a NaN ratio (rejected by validate)
+    return share >= static_cast<double>(length) ? length : static_cast<std::int64_t>(share);
   }
+  /// Throws `invalid_argument` naming `budget.ratio` unless it is in [0, 1] (NaN is not). Every
+  /// `tokens` is valid.
   void validate(const char* where) const {
     detail::require(ratio >= 0.0 && ratio <= 1.0, where, "budget.ratio", ratio, "0 to 1");
+  }
+  /// For `describe`: "N tokens"; "1/n" for a ratio that is the reciprocal of an integer n up to
+  /// 2^31 - 1 (1/16); else "ratio x" (x to 6 significant digits, so "ratio 0" and "ratio 0.3").
+  std::string describe() const {
+    if (tokens >= 0) return std::to_string(tokens) + " tokens";
+    if (ratio > 0.0 && ratio <= 1.0) {
+      const double n = std::floor(1.0 / ratio + 0.5);  // infinite for a tiny ratio: then no n
+      if (n <= 2147483647.0 && std::abs(ratio * n - 1.0) <= 1e-12) return "1/" + std::to_string(static_cast<long>(n));
+    }
+    std::ostringstream os;
+    os << "ratio " << ratio;
+    return os.str();
   }
 };
 

@@ -20,6 +20,11 @@
 /// the logits and outputs then differ by fp32 rounding only, and where that moves a p value
 /// across a rounding boundary of its 8-bit grid, by one step of that code.
 ///
+/// Mins and scales are read in the cache's storage dtype (`Storage`: half or bfloat16, as the
+/// encoder stores them). NaN: a NaN min or scale (a partition the encoder saw a non-finite value
+/// in) or a NaN q makes the outputs that read it NaN, as on the host; every float-to-integer
+/// conversion is clamped first (NaN to code 0), so no input is undefined behaviour.
+///
 /// Thread mapping: lane 4 g + q owns heads 2q and 2q + 1 (the C fragment's columns) and, of the
 /// output, channels 16 t + g and 16 t + g + 8 of every 16-channel tile t. Groups of fewer than 8
 /// heads leave columns unused: the product costs the same, so the group size is a run-time value
@@ -55,12 +60,16 @@ struct quant2_page_geometry {
   }
 };
 
-template <int HeadDim, int Partition>
+/// `Storage`: the cache's 16-bit storage type (kvmosaic::half or kvmosaic::bfloat16), the type
+/// of the pages' mins and scales.
+template <int HeadDim, int Partition, class Storage>
 class quant2_warp_attend {
   static_assert(Partition == 32 || Partition == 64 || Partition == 128,
                 "quant2_warp_attend: Partition (format::quant2::partition) must be 32, 64 or 128");
   static_assert(HeadDim % Partition == 0 && HeadDim % 32 == 0,
                 "quant2_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
+  static_assert(sizeof(dtype_traits<Storage>) > 0 && sizeof(Storage) == 2,
+                "quant2_warp_attend: Storage must be kvmosaic::half or kvmosaic::bfloat16");
 
  public:
   static constexpr int max_group = 8;  ///< query heads per KV head: the product's N
@@ -252,8 +261,8 @@ class quant2_warp_attend {
 #pragma unroll
       for (int half_row = 0; half_row < 2; ++half_row) {
         const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
-        const float v_min = load_half(v_page, part);
-        const float v_scale = load_half(v_page + geometry.partitions * 2, part);
+        const float v_min = load_stored(v_page, part);
+        const float v_scale = load_stored(v_page + geometry.partitions * 2, part);
         const float v_sum = load_sum(v_page + geometry.sums_at, part);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -378,30 +387,32 @@ class quant2_warp_attend {
     return __int_as_float(0x4b000000 + x) - 8388608.0f;
   }
 
-  /// The step of an 8-bit grid over [lo, hi] and its reciprocal (0 for an empty range): the
-  /// host's quantize8, operation for operation (no division: a multiply and a correctly rounded
-  /// reciprocal).
+  /// The step of an 8-bit grid over [lo, hi] and its reciprocal (0 for an empty range, and for a
+  /// step below the smallest normal float, whose reciprocal may overflow: `quantize8_inverse`):
+  /// the host's quantize8, operation for operation (no division: a multiply and a correctly
+  /// rounded reciprocal).
   __device__ __forceinline__ static float step_of(float lo, float hi) {
     return __fmul_rn(__fsub_rn(hi, lo), 1.0f / 255.0f);
   }
-  __device__ __forceinline__ static float inverse_of(float step) { return step > 0.0f ? __frcp_rn(step) : 0.0f; }
+  __device__ __forceinline__ static float inverse_of(float step) {
+    return step >= 1.17549435e-38f ? __frcp_rn(step) : 0.0f;
+  }
 
   /// The bias of the 8-bit grid (lo, 1 / step): code = floor(x / step + bias).
   __device__ __forceinline__ static float bias_of(float lo, float inverse) { return __fmaf_rn(-lo, inverse, 0.5f); }
 
   /// 8-bit code of x, round half up: the host's quantize8, rounding for rounding (one fused
-  /// multiply-add). floor(y) for |y| < 2^22 is the mantissa of y + 2^23 rounded down, which keeps
-  /// the float-to-int conversion off the quarter-rate pipe.
+  /// multiply-add), y clamped to [0, 255] first (fmaxf maps NaN to 0, as the host's fmax).
+  /// floor(y) for 0 <= y < 2^22 is the mantissa of y + 2^23 rounded down, which keeps the
+  /// float-to-int conversion off the quarter-rate pipe (and, y clamped, the subtraction in range).
   __device__ __forceinline__ static int quantize8(float x, float inverse, float bias) {
-    const float y = __fmaf_rn(x, inverse, bias);
-    const int code = __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
-    return max(min(code, 255), 0);
+    const float y = fminf(fmaxf(__fmaf_rn(x, inverse, bias), 0.0f), 255.0f);
+    return __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
   }
 
-  __device__ __forceinline__ static float load_half(const std::byte* base, int index) {
-    half h;
-    h.bits = reinterpret_cast<const std::uint16_t*>(base)[index];
-    return to_float(h);
+  /// Min or scale `index` of the array at `base`, in the storage dtype.
+  __device__ __forceinline__ static float load_stored(const std::byte* base, int index) {
+    return to_float(Storage::from_bits(reinterpret_cast<const std::uint16_t*>(base)[index]));
   }
   __device__ __forceinline__ static float load_sum(const std::byte* sums, int index) {
     if constexpr (sum_bytes == 1)
@@ -439,8 +450,8 @@ class quant2_warp_attend {
 #pragma unroll
     for (int i = 0; i < channels_per_lane; ++i) {
       const int part = (first_channel + i) * geometry.per_channel + j;
-      k_min[i] = load_half(k_page, part);
-      k_scale[i] = load_half(k_page + geometry.partitions * 2, part);
+      k_min[i] = load_stored(k_page, part);
+      k_scale[i] = load_stored(k_page + geometry.partitions * 2, part);
     }
     // Two heads per pass: their shuffle chains interleave (a pass for one head is one long chain).
     for (int first_head = 0; first_head < group; first_head += 2) {

@@ -18,12 +18,14 @@ namespace kvmosaic::cuda::kernel {
 
 /// Dynamic shared memory of the quant2 kernel: per-warp barriers, the group's scaled queries, one
 /// `temp_storage` per warp, then `stages` compressed page pairs (K and V) per warp. The CTA's
-/// final reduction reuses the stage area.
+/// final reduction reuses the stage area. The same for either storage type (the collective's
+/// scratch holds no stored value; `attend` is the f16 instantiation, the bf16 one is checked
+/// equal in the kernel).
 template <int HeadDim, int Partition>
 struct quant2_decode_layout {
   static constexpr int warps = 4;
   static constexpr int max_stages = 4;
-  using attend = quant2_warp_attend<HeadDim, Partition>;
+  using attend = quant2_warp_attend<HeadDim, Partition, half>;
   static constexpr int max_group = attend::max_group;
   static constexpr int barrier_offset = 0;
   static constexpr int query_offset = 128;
@@ -51,7 +53,10 @@ struct quant2_decode_layout {
 template <class T, int HeadDim, int Partition, bool BulkCopy, bool RowMasks = false>
 __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ decode_params p) {
   using layout = quant2_decode_layout<HeadDim, Partition>;
-  using attend = quant2_warp_attend<HeadDim, Partition>;
+  using attend = quant2_warp_attend<HeadDim, Partition, T>;
+  static_assert(sizeof(typename attend::temp_storage) == sizeof(typename layout::attend::temp_storage) &&
+                    attend::max_group == layout::max_group,
+                "decode_partial_quant2_kernel: the shared-memory layout must not depend on the storage type");
   constexpr int warps = layout::warps, threads = warps * 32;
   extern __shared__ __align__(128) std::byte quant2_shared[];
   const int work_index = static_cast<int>(blockIdx.x);

@@ -4,9 +4,11 @@
 /// \file
 /// Device encode of `format::quant2` pages (HACK sections 5.2-5.3): 2-bit quantization of full
 /// pages of dense 16-bit rows, byte for byte what the host encoder writes (tests compare the
-/// pages): the same `quant2_range` and `quant2_code`, so the same stochastic draws for the same
-/// seed. One CTA encodes one page of K or of V of one KV head; K is partitioned along tokens per
-/// channel (the layout the CUDA decode kernel reads).
+/// pages): the same `quant2_extent`, `quant2_range` (min and scale in the storage dtype T, rounded
+/// outward; NaN for a partition with a non-finite value, whose codes are then 0) and
+/// `quant2_code`, so the same stochastic draws for the same seed. One CTA encodes one page of K
+/// or of V of one KV head; K is partitioned along tokens per channel (the layout the CUDA decode
+/// kernel reads).
 
 #include <cstddef>
 #include <cstdint>
@@ -69,23 +71,22 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   // Partition = (channel, token block): K per channel and V alike run along tokens.
   for (int part = tid; part < partitions; part += quant2_encode_threads) {
     const int channel = part / per_channel, first_token = part % per_channel * pi;
-    float lo = to_float(row_of(first_token)[channel]), hi = lo;
-    for (int i = 1; i < pi; ++i) {
-      const float v = to_float(row_of(first_token + i)[channel]);
-      lo = v < lo ? v : lo;  // std::min and std::max, as the host: the same signed zero is kept
-      hi = hi < v ? v : hi;
-    }
-    float m = 0.0f, s = 0.0f;
-    kvmosaic::detail::quant2_range(lo, hi, m, s);
+    // The extent in element order, as the host's: the same signed zero is kept.
+    kvmosaic::detail::quant2_extent extent(to_float(row_of(first_token)[channel]));
+    for (int i = 1; i < pi; ++i) extent.add(to_float(row_of(first_token + i)[channel]));
+    const kvmosaic::detail::quant2_range_bits range = kvmosaic::detail::quant2_range(extent, dtype_traits<T>::id);
     unsigned sum = 0;
     for (int i = 0; i < pi; ++i) {
-      const int code = kvmosaic::detail::quant2_code(e.stochastic, e.seed, static_cast<std::uint64_t>(part) * pi + i,
-                                                     to_float(row_of(first_token + i)[channel]), m, s);
+      const float v = to_float(row_of(first_token + i)[channel]);
+      const int code = extent.finite ? kvmosaic::detail::quant2_code(
+                                           e.stochastic, e.seed, static_cast<std::uint64_t>(part) * pi + i, v, range.min,
+                                           range.scale)
+                                     : 0;
       sum += static_cast<unsigned>(code);
       quant2_codes[(first_token + i) * HeadDim + channel] = static_cast<std::uint8_t>(code);
     }
-    reinterpret_cast<std::uint16_t*>(page)[part] = half(m).bits;
-    reinterpret_cast<std::uint16_t*>(page + partitions * 2)[part] = half(s).bits;
+    reinterpret_cast<std::uint16_t*>(page)[part] = range.min_bits;
+    reinterpret_cast<std::uint16_t*>(page + partitions * 2)[part] = range.scale_bits;
     if (!is_key) {  // V: the partition's code sum
       if (sum_bytes == 1)
         reinterpret_cast<std::uint8_t*>(page + sums_at)[part] = static_cast<std::uint8_t>(sum);
