@@ -260,7 +260,7 @@ void decode(benchmark::State& state) {
     engine.use_dependent_launch(false);
   state.counters["dependent_launch"] = engine.uses_dependent_launch() ? 1 : 0;
   std::vector<detail::sequence_ref> refs;
-  for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), s});
+  for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), kv.slot(s)});
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   detail::selection_request request;
   if constexpr (selects) {

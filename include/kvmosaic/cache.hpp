@@ -13,16 +13,20 @@
 /// The cache is the host object of the layering: it owns memory, validates every argument, and
 /// keeps the bookkeeping (pool, block tables, lengths, reference counts) on the host for every
 /// backend. The backend's engine owns the bytes and the data path (CPU code, or CUDA kernels).
-/// Every operation checks its arguments before it changes anything: a call that throws leaves the
-/// cache as it was.
+/// Every operation is all or nothing: it checks its arguments and makes its allocations before it
+/// changes anything, the engine undoes a write that fails (`rollback`), and the bookkeeping is
+/// committed with operations that cannot throw; a call that throws, for bad input, an exhausted
+/// pool, an allocation failure or a CUDA error short of a lost context, leaves the cache as it
+/// was (docs/architecture.md, "Every call is all or nothing").
 ///
 /// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
 /// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdint>
+#include <limits>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -70,8 +74,12 @@ struct cache_config {
                     limits::supported_page_sizes);
     detail::require(storage == dtype::f16 || storage == dtype::bf16, where, "storage", to_string(storage),
                     "f16 or bf16");
-    detail::require(max_pages >= 1, where, "max_pages", max_pages, ">= 1");
-    detail::require(max_sequences >= 1, where, "max_sequences", max_sequences, ">= 1");
+    detail::require(num_kv_heads <= limits::max_kv_heads, where, "num_kv_heads", num_kv_heads,
+                    "at most limits::max_kv_heads (1024)");
+    detail::require(max_pages >= 1 && max_pages <= limits::max_pool_pages, where, "max_pages", max_pages,
+                    "1 to limits::max_pool_pages (2^24)");
+    detail::require(max_sequences >= 1 && max_sequences <= limits::max_sequences, where, "max_sequences",
+                    max_sequences, "1 to limits::max_sequences (2^20)");
   }
 };
 
@@ -99,7 +107,11 @@ struct static_shape {
   }
 };
 
-/// Handle of a sequence in a cache (returned by `add_sequence`).
+/// Handle of a sequence in a cache (returned by `add_sequence`). Opaque: it names a sequence slot
+/// and the generation of that slot, so a handle kept after `remove_sequence` is rejected with
+/// `invalid_argument` instead of addressing the sequence that reuses the slot. A slot's generation
+/// wraps after 2^31 / max_sequences removals (2^25 at the default 64 slots); `cache::slot` maps a
+/// live handle to its slot, 0 to max_sequences - 1, the index the backends use.
 using sequence_id = std::int32_t;
 
 /// Options of one decode step.
@@ -177,7 +189,7 @@ class cache {
         pool_(config.max_pages),
         engine_(engine_shape(config), format, selector_traits<Selector>::bounds_block_tokens(selector, config.page_size),
                 chunk_limits_of(selector)),
-        sequences_(static_cast<std::size_t>(config.max_sequences)) {}
+        sequences_(sequence_slots(config)) {}
 
   const cache_config& config() const noexcept { return config_; }
   const Format& format() const noexcept { return format_; }
@@ -196,41 +208,49 @@ class cache {
 
   /// Starts an empty sequence. Throws `capacity_error` when max_sequences are live.
   sequence_id add_sequence() {
-    for (std::size_t i = 0; i < sequences_.size(); ++i) {
-      if (!sequences_[i].live) {
-        sequences_[i] = sequence_state{};
-        sequences_[i].live = true;
-        return static_cast<sequence_id>(i);
-      }
-    }
-    throw capacity_error("max_sequences", "kvmosaic: cache::add_sequence: all " +
-                                              std::to_string(config_.max_sequences) +
-                                              " sequence slots are in use; allowed: at most "
-                                              "cache_config::max_sequences live sequences");
+    const std::int32_t slot = free_slot("cache::add_sequence");
+    sequence_state fresh;  // may throw (allocation): nothing changed yet
+    if constexpr (has_key_weights_v<Format>) engine_.set_key_weights(slot, nullptr);  // magnitudes
+    return activate(slot, std::move(fresh));
   }
 
-  /// Ends a sequence and releases its pages (shared pages stay until their last holder ends).
+  /// Ends a sequence and releases its pages (shared pages stay until their last holder ends). Its
+  /// handle, and every copy of it, is invalid from now on.
   void remove_sequence(sequence_id seq) {
     sequence_state& s = live(seq, "cache::remove_sequence");
+    const std::int32_t slot = slot_of(seq);
     for (const page_id page : s.pages) pool_.release(page);
-    if constexpr (device_chunks) engine_.release_chunks(seq);
+    if constexpr (device_chunks) engine_.release_chunks(slot);
+    if constexpr (has_key_weights_v<Format>) engine_.set_key_weights(slot, nullptr);
+    const std::uint32_t generation = s.generation + 1 < generations_ ? s.generation + 1 : 0;
     s = sequence_state{};
+    s.generation = generation;
   }
 
   /// A new sequence that shares every full page of `seq` (reference counted, no copy) and holds a
-  /// copy of its tail: a common prefix stored once.
+  /// copy of its tail: a common prefix stored once. All or nothing: on failure no slot is taken.
   sequence_id fork_sequence(sequence_id seq) {
-    live(seq, "cache::fork_sequence");
-    const sequence_id child = add_sequence();
-    sequence_state& parent = sequences_[static_cast<std::size_t>(seq)];
-    sequence_state& c = sequences_[static_cast<std::size_t>(child)];
-    c.pages = parent.pages;
-    c.length = parent.length;
-    c.chunks = parent.chunks;
-    for (const page_id page : c.pages) pool_.retain(page);
-    engine_.copy_tail(seq, child, tail_rows(parent));
-    if constexpr (device_chunks) engine_.copy_chunks(seq, child);
-    return child;
+    const sequence_state& parent = live(seq, "cache::fork_sequence");
+    const std::int32_t from = slot_of(seq);
+    const std::int32_t slot = free_slot("cache::fork_sequence");
+    sequence_state child;  // copies (may throw): nothing changed yet
+    child.pages = parent.pages;
+    child.length = parent.length;
+    child.chunks = parent.chunks;
+    // The child's slot is not live until the end: a failed copy leaves nothing visible.
+    write_then_commit({}, [&] {
+      engine_.copy_tail(from, slot, tail_rows(parent));
+      if constexpr (device_chunks) engine_.copy_chunks(from, slot);
+    });
+    for (const page_id page : child.pages) pool_.retain(page);
+    return activate(slot, std::move(child));
+  }
+
+  /// The slot (0 to max_sequences - 1) of a live sequence: the index a backend's per-sequence
+  /// storage (tail, chunk state, `detail::sequence_ref::slot`) uses.
+  std::int32_t slot(sequence_id seq) const {
+    live(seq, "cache::slot");
+    return slot_of(seq);
   }
 
   /// Output-aware K pruning (MUSTAFAR section 2.1), for formats with `has_key_weights_v`: K pages
@@ -244,12 +264,13 @@ class cache {
                   "(format::bitmap_tiles does)");
     live(seq, "cache::set_key_weights");
     if (weights.extent(0) == 0) {
-      engine_.set_key_weights(seq, nullptr);
+      engine_.set_key_weights(slot_of(seq), nullptr);
       return;
     }
     detail::require(weights.extent(0) == config_.num_kv_heads && weights.extent(1) == config_.head_dim,
                     "cache::set_key_weights", "weights shape", std::to_string(weights.extent(0)) + "x" +
                     std::to_string(weights.extent(1)), "num_kv_heads x head_dim");
+    check_view("cache::set_key_weights", "weights", weights);
     std::vector<float> dense(static_cast<std::size_t>(weights.extent(0) * weights.extent(1)));
     for (std::int64_t h = 0; h < weights.extent(0); ++h)
       for (std::int64_t c = 0; c < weights.extent(1); ++c) {
@@ -258,13 +279,16 @@ class cache {
                         "finite and >= 0 (sums of |q|)");
         dense[static_cast<std::size_t>(h * weights.extent(1) + c)] = w;
       }
-    engine_.set_key_weights(seq, dense.data());
+    engine_.set_key_weights(slot_of(seq), dense.data());
   }
 
   /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
-  /// values are rounded to the storage dtype) to one sequence: a prefill, or a chunk of one. Full
-  /// pages are encoded by the format; the rest stays in the dense tail. All or nothing: when the
-  /// pool lacks the pages, it throws `capacity_error` and nothing is stored.
+  /// values are rounded to the storage dtype, finite values beyond its range saturated to its
+  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a chunk of one
+  /// of any size (chunks store exactly what one prefill of the same tokens stores). Full pages are
+  /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
+  /// the pages, it throws `capacity_error` and nothing is stored. NaN input gives unspecified
+  /// outputs for the heads that read it, never undefined behaviour.
   template <class T>
   void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
     static_assert(!selector_traits<Selector>::needs_token_ids,
@@ -278,23 +302,38 @@ class cache {
   void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
     detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
                     "k.extent(0) (one id per token)");
+    check_view("cache::prefill", "token_ids", token_ids);
     prefill_rows(seq, k, v, token_ids);
   }
 
  private:
+  // All or nothing: everything that can fail (checks, allocations, staging of the selector's
+  // chunks) happens before the backend writes; the backend's write is undone if it fails (the
+  // tail rows it may have overwritten are restored, its fresh pages go back to the pool); the
+  // bookkeeping is then committed with operations that cannot throw.
   template <class T>
   void prefill_rows(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
     sequence_state& s = live(seq, "cache::prefill");
+    const std::int32_t slot = slot_of(seq);
     check_rows("cache::prefill", k, v);
     detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
     const int tail = tail_rows(s);
-    const std::vector<page_id> fresh = pool_.allocate((tail + k.extent(0)) / config_.page_size);
+    const std::int64_t rows = k.extent(0), page = config_.page_size;
+    // Pages the rows complete, without overflow for any row count (a count the pool cannot hold
+    // is a capacity_error below).
+    const std::int64_t completed = rows / page + (tail + rows % page) / page;
+    const std::vector<page_id> fresh = pool_.allocate(completed);
+    chunk_update chunks;
     write_then_commit(fresh, [&] {
-      engine_.extend(seq, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
+      if constexpr (selector_traits<Selector>::needs_token_ids) chunks = stage_chunks(s.chunks, k, token_ids, 0, rows);
+      reserve_chunks(s.chunks, chunks);
+      s.pages.reserve(s.pages.size() + fresh.size());
+      engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
+      if constexpr (device_chunks) engine_.add_chunks(slot, k, 0, rows, chunks.lengths);
     });
-    s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
-    s.length += k.extent(0);
-    if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(seq, k, token_ids, 0, k.extent(0));
+    s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
+    s.length += rows;
+    commit_chunks(s.chunks, chunks);
   }
 
  public:
@@ -314,6 +353,7 @@ class cache {
               span<const std::int32_t> token_ids) {
     detail::require(token_ids.size() == seqs.size(), "cache::append", "token_ids.size()", token_ids.size(),
                     "seqs.size() (one id per sequence)");
+    check_view("cache::append", "token_ids", token_ids);
     append_rows(seqs, k, v, token_ids);
   }
 
@@ -321,6 +361,7 @@ class cache {
   template <class T>
   void append_rows(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                    span<const std::int32_t> token_ids) {
+    check_view("cache::append", "seqs", seqs);
     check_rows("cache::append", k, v);
     detail::require(k.extent(0) == seqs.size(), "cache::append", "k.extent(0) (batch)", k.extent(0),
                     "seqs.size()");
@@ -328,27 +369,43 @@ class cache {
     std::vector<bool> seen(sequences_.size(), false);
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       const sequence_state& s = live(seqs(b), "cache::append");
-      detail::require(!seen[static_cast<std::size_t>(seqs(b))], "cache::append", "seqs", seqs(b),
+      const auto slot = static_cast<std::size_t>(slot_of(seqs(b)));
+      detail::require(!seen[slot], "cache::append", "seqs", seqs(b),
                       "distinct sequence ids (one token per sequence per call)");
-      seen[static_cast<std::size_t>(seqs(b))] = true;
+      seen[slot] = true;
       pages_needed += tail_rows(s) + 1 == config_.page_size;
     }
-    const std::vector<page_id> fresh = pool_.allocate(pages_needed);
+    // Staging (may throw; nothing changed yet): chunk updates, room for the new pages.
+    std::vector<chunk_update> chunks(selector_traits<Selector>::needs_token_ids ? static_cast<std::size_t>(seqs.size()) : 0);
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      sequence_state& s = state_of(seqs(b));
+      if constexpr (selector_traits<Selector>::needs_token_ids) {
+        chunks[static_cast<std::size_t>(b)] = stage_chunks(s.chunks, k, token_ids, b, 1);
+        reserve_chunks(s.chunks, chunks[static_cast<std::size_t>(b)]);
+      }
+      if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
+    }
     std::vector<detail::append_item> items;
     items.reserve(static_cast<std::size_t>(seqs.size()));
+    const std::vector<page_id> fresh = pool_.allocate(pages_needed);
     auto next = fresh.begin();
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      const sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+      const sequence_state& s = state_of(seqs(b));
       const int tail = tail_rows(s);
-      items.push_back(detail::append_item{seqs(b), tail, tail + 1 == config_.page_size ? *next++ : -1,
+      items.push_back(detail::append_item{slot_of(seqs(b)), tail, tail + 1 == config_.page_size ? *next++ : -1,
                                           static_cast<std::int64_t>(s.pages.size())});
     }
-    write_then_commit(fresh, [&] { engine_.append(items, k, v); });
-    for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+    write_then_commit(fresh, [&] {
+      engine_.append(items, k, v);
+      if constexpr (device_chunks)
+        for (std::int64_t b = 0; b < seqs.size(); ++b)
+          engine_.add_chunks(slot_of(seqs(b)), k, b, 1, chunks[static_cast<std::size_t>(b)].lengths);
+    });
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
+      sequence_state& s = state_of(seqs(b));
       if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
       ++s.length;
-      if constexpr (selector_traits<Selector>::needs_token_ids) observe_tokens(seqs(b), k, token_ids, b, 1);
+      if constexpr (selector_traits<Selector>::needs_token_ids) commit_chunks(s.chunks, chunks[static_cast<std::size_t>(b)]);
     }
   }
 
@@ -370,13 +427,19 @@ class cache {
                     where, "out.extents", "mismatch", "the extents of q");
     detail::require(params.softmax_scale >= 0.0f && std::isfinite(params.softmax_scale), where,
                     "params.softmax_scale", params.softmax_scale, "a finite value >= 0 (0: 1/sqrt(head_dim))");
+    check_view(where, "seqs", seqs);
+    check_view(where, "q", q);
+    check_view(where, "out", out);
+    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
+                    "an array that shares no element with q (attention reads every query of a group "
+                    "before it writes an output)");
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       const sequence_state& s = live(seqs(b), where);
       detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
-      batch.push_back(detail::sequence_ref{&s.pages, s.length, seqs(b)});
+      batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
     }
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
@@ -387,7 +450,7 @@ class cache {
       request.combine = selector_.combine;
       request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector_, config_.page_size);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
-        const sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+        const sequence_state& s = state_of(seqs(b));
         // A step attends to at least one token the selection chose: a sequence whose tail is
         // empty reads at least one block (sentence chunks always have an open chunk to read).
         const std::int64_t budget = selector_.budget.resolve(s.length);
@@ -480,6 +543,7 @@ class cache {
 
   struct sequence_state {
     bool live = false;
+    std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
     std::int64_t length = 0;
     block_table pages;
     chunk_state chunks;
@@ -507,55 +571,74 @@ class cache {
       return detail::chunk_limits{};
   }
 
-  /// Feeds rows [first, first + n) of `k` with their ids to the sequence's chunk state and cuts the
-  /// chunks whose window is complete (select::sentence_chunks).
+  /// What rows [first, first + n) of a prefill or append add to a sequence's chunk state
+  /// (select::sentence_chunks), computed without changing it: the chunks Algorithm 2 closes (their
+  /// lengths, and on the host their key bounds) and the open tokens left. `commit_chunks` applies
+  /// it without throwing once `reserve_chunks` has made room.
+  struct chunk_update {
+    std::vector<std::int32_t> lengths;      ///< closed chunks, in order
+    std::vector<std::uint16_t> bounds;      ///< host backend: their bounds, as chunk_state::bounds
+    std::vector<std::int32_t> pending_ids;  ///< the open chunk's ids afterwards
+    std::vector<float> pending_keys;        ///< host backend: their keys afterwards
+  };
+
   template <class T>
-  void observe_tokens(sequence_id seq, const tensor_view<const T, 3>& k, span<const std::int32_t> ids, std::int64_t first,
-                      std::int64_t n) {
-    chunk_state& c = sequences_[static_cast<std::size_t>(seq)].chunks;
+  chunk_update stage_chunks(const chunk_state& c, const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
+                            std::int64_t first, std::int64_t n) const {
+    chunk_update u;
     const int heads = config_.num_kv_heads, d = config_.head_dim;
     const std::size_t row = static_cast<std::size_t>(heads) * d;
-    for (std::int64_t t = first; t < first + n; ++t) {
-      c.pending_ids.push_back(ids(t));
-      if constexpr (!device_chunks)
+    u.pending_ids = c.pending_ids;
+    for (std::int64_t t = first; t < first + n; ++t) u.pending_ids.push_back(ids(t));
+    if constexpr (!device_chunks) {
+      u.pending_keys = c.pending_keys;
+      for (std::int64_t t = first; t < first + n; ++t)
         for (int h = 0; h < heads; ++h)
-          for (int ch = 0; ch < d; ++ch) c.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
+          for (int ch = 0; ch < d; ++ch) u.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
     }
     // Algorithm 2 over the open tokens, while the next chunk's window is complete (ids only).
-    const std::int64_t horizon = selector_.target_length + selector_.window;
-    std::vector<std::int32_t> lengths;
+    const std::int64_t horizon = static_cast<std::int64_t>(selector_.target_length) + selector_.window;
     std::size_t done = 0;  // tokens of pending already cut into chunks
-    while (static_cast<std::int64_t>(c.pending_ids.size() - done) > horizon) {
-      const std::int64_t end = select::detail::split_end(c.pending_ids.data() + done,
-                                                         static_cast<std::int64_t>(c.pending_ids.size() - done), 0, selector_);
-      lengths.push_back(static_cast<std::int32_t>(end));
-      c.starts.push_back(c.starts.back() + end);
+    while (static_cast<std::int64_t>(u.pending_ids.size() - done) > horizon) {
+      const std::int64_t end = select::detail::split_end(u.pending_ids.data() + done,
+                                                         static_cast<std::int64_t>(u.pending_ids.size() - done), 0, selector_);
+      u.lengths.push_back(static_cast<std::int32_t>(end));
       done += static_cast<std::size_t>(end);
     }
-    c.pending_ids.erase(c.pending_ids.begin(), c.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
-    if constexpr (device_chunks) {
-      engine_.add_chunks(seq, k, first, n, lengths);  // the keys are on the device
-    } else {
+    u.pending_ids.erase(u.pending_ids.begin(), u.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
+    if constexpr (!device_chunks) {
       std::vector<float> bounds(2 * static_cast<std::size_t>(d));
       std::size_t at = 0;
-      for (const std::int32_t length : lengths) {
+      for (const std::int32_t length : u.lengths) {
         for (int h = 0; h < heads; ++h) {
           for (int ch = 0; ch < d; ++ch) {
-            float lo = c.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
+            float lo = u.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
             for (std::int64_t t = 1; t < length; ++t) {
-              const float x = c.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
+              const float x = u.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
               lo = x < lo ? x : lo;
               hi = x > hi ? x : hi;
             }
             bounds[static_cast<std::size_t>(ch)] = lo;
             bounds[static_cast<std::size_t>(d + ch)] = hi;
           }
-          for (const float x : bounds) c.bounds.push_back(storage_bits(x));
+          for (const float x : bounds) u.bounds.push_back(storage_bits(x));  // lo row, then hi row
         }
         at += static_cast<std::size_t>(length);
       }
-      c.pending_keys.erase(c.pending_keys.begin(), c.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+      u.pending_keys.erase(u.pending_keys.begin(), u.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
     }
+    return u;
+  }
+  /// Room for `u` in `c`, so that `commit_chunks` cannot throw.
+  static void reserve_chunks(chunk_state& c, const chunk_update& u) {
+    c.starts.reserve(c.starts.size() + u.lengths.size());
+    c.bounds.reserve(c.bounds.size() + u.bounds.size());
+  }
+  static void commit_chunks(chunk_state& c, chunk_update& u) noexcept {
+    for (const std::int32_t length : u.lengths) c.starts.push_back(c.starts.back() + length);
+    c.bounds.insert(c.bounds.end(), u.bounds.begin(), u.bounds.end());
+    c.pending_ids.swap(u.pending_ids);
+    c.pending_keys.swap(u.pending_keys);
   }
   float round_to_storage(float x) const noexcept {
     return config_.storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))
@@ -588,7 +671,7 @@ class cache {
     const auto& heads = engine_.last_selection();
     const int num_heads = config_.num_kv_heads;
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      sequence_state& s = sequences_[static_cast<std::size_t>(seqs(b))];
+      sequence_state& s = state_of(seqs(b));
       selection_stats stats;
       double reused = 0, previous = 0;
       // Always read: the sink rows, and everything from the open chunk (or the tail) on.
@@ -624,19 +707,66 @@ class cache {
     selector_traits<Selector>::validate(selector, config.page_size);
     return config;
   }
+  static std::vector<sequence_state> sequence_slots(const cache_config& c) {
+    try {
+      return std::vector<sequence_state>(static_cast<std::size_t>(c.max_sequences));
+    } catch (const std::bad_alloc&) {
+      throw capacity_error("max_sequences", "kvmosaic: cache: cannot allocate the state of " +
+                                                std::to_string(c.max_sequences) +
+                                                " sequences; allowed: a max_sequences that fits in host memory");
+    }
+  }
   static detail::engine_shape engine_shape(const cache_config& c) {
     return detail::engine_shape{c.num_kv_heads, c.group_size, c.head_dim, c.page_size,
                                 c.storage,      c.max_pages,  c.max_sequences};
   }
 
+  // A handle is slot + max_sequences * generation (sequence_id's comment).
+  std::int32_t slot_of(sequence_id seq) const noexcept { return seq % config_.max_sequences; }
+  sequence_state& state_of(sequence_id seq) noexcept { return sequences_[static_cast<std::size_t>(slot_of(seq))]; }
+  const sequence_state& state_of(sequence_id seq) const noexcept {
+    return sequences_[static_cast<std::size_t>(slot_of(seq))];
+  }
+
   const sequence_state& live(sequence_id seq, const char* where) const {
-    detail::require(seq >= 0 && seq < static_cast<sequence_id>(sequences_.size()) &&
-                        sequences_[static_cast<std::size_t>(seq)].live,
-                    where, "seq", seq, "an id returned by add_sequence and not removed");
-    return sequences_[static_cast<std::size_t>(seq)];
+    detail::require(seq >= 0, where, "seq", seq, "an id returned by add_sequence or fork_sequence and not removed");
+    const sequence_state& s = state_of(seq);
+    detail::require(s.live && static_cast<std::uint32_t>(seq / config_.max_sequences) == s.generation, where, "seq", seq,
+                    "an id returned by add_sequence or fork_sequence and not removed (this one was removed, "
+                    "or never handed out)");
+    return s;
   }
   sequence_state& live(sequence_id seq, const char* where) {
     return const_cast<sequence_state&>(static_cast<const cache&>(*this).live(seq, where));
+  }
+
+  /// A slot with no live sequence, or `capacity_error`.
+  std::int32_t free_slot(const char* where) const {
+    for (std::size_t i = 0; i < sequences_.size(); ++i)
+      if (!sequences_[i].live) return static_cast<std::int32_t>(i);
+    throw capacity_error("max_sequences", std::string("kvmosaic: ") + where + ": all " +
+                                              std::to_string(config_.max_sequences) +
+                                              " sequence slots are in use; allowed: at most "
+                                              "cache_config::max_sequences live sequences");
+  }
+  /// Makes `state` the live sequence of `slot` (cannot throw) and returns its handle.
+  sequence_id activate(std::int32_t slot, sequence_state&& state) noexcept {
+    sequence_state& s = sequences_[static_cast<std::size_t>(slot)];
+    state.generation = s.generation;
+    state.live = true;
+    s = std::move(state);
+    return static_cast<sequence_id>(static_cast<std::int64_t>(s.generation) * config_.max_sequences + slot);
+  }
+
+  /// Rejects a view whose extents are negative, or that has elements but no data.
+  template <class T, int Rank>
+  static void check_view(const char* where, const char* name, const tensor_view<T, Rank>& view) {
+    bool empty = false;
+    for (int d = 0; d < Rank; ++d) {
+      detail::require(view.extent(d) >= 0, where, name, "an extent < 0", "extents >= 0");
+      empty = empty || view.extent(d) == 0;
+    }
+    detail::require(empty || view.data() != nullptr, where, name, "null", "a non-null pointer to its elements");
   }
 
   int tail_rows(const sequence_state& s) const {
@@ -659,20 +789,24 @@ class cache {
                     "cache_config::head_dim");
     detail::require(v.extent(0) == k.extent(0) && v.extent(1) == k.extent(1) && v.extent(2) == k.extent(2), where,
                     "v.extents", "mismatch", "the extents of k");
-    detail::require(k.data() != nullptr && v.data() != nullptr, where, "k.data() / v.data()", "null",
-                    "non-null pointers");
+    check_view(where, "k", k);
+    check_view(where, "v", v);
   }
 
-  /// Runs a backend write into freshly allocated pages; if the backend fails (a CUDA error), the
-  /// pages go back to the pool and the bookkeeping is left untouched.
+  /// Runs a backend write into freshly allocated pages. If it fails (an allocation or a CUDA
+  /// error), the engine undoes what it wrote (`rollback`: the tail rows it overwrote, its pending
+  /// chunk updates), the pages go back to the pool and the bookkeeping is left untouched;
+  /// otherwise the engine commits (`commit`, which cannot throw).
   template <class Write>
   void write_then_commit(const std::vector<page_id>& fresh, Write&& write) {
     try {
       write();
     } catch (...) {
+      engine_.rollback();
       for (const page_id page : fresh) pool_.release(page);
       throw;
     }
+    engine_.commit();
   }
 
   memory_stats pool_gauge() const {
@@ -683,6 +817,8 @@ class cache {
   }
 
   cache_config config_;
+  /// Generations a slot's handles run through before they wrap (sequence_id's comment).
+  std::uint32_t generations_ = static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max() / config_.max_sequences);
   Format format_;
   Selector selector_;
   Compactor compactor_;

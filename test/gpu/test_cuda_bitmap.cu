@@ -4,6 +4,7 @@
 // appends complete), and the fused sparse decode (sm_90 pipeline and the portable kernel) equals
 // exact attention on the pruned cache on ragged batches, every shape, long contexts and graphs.
 
+#include "reliability.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -116,4 +117,15 @@ TEST_CASE("GPU bitmap_tiles with output-aware K weights: the device prunes as th
   for (int step = 0; step < 2; ++step) t.append_step();
   t.check_storage();
   t.check_attention();
+}
+
+// --- Reliability (test/gpu/reliability.hpp) -----------------------------------------------------
+
+TEST_CASE("GPU bitmap_tiles: chunked prefills equal one prefill; all or nothing under CUDA errors; "
+          "key weights end with their sequence",
+          "[gpu][bitmap_tiles][reliability][faults]") {
+  if (!gpu_available()) return;
+  test::reliability::check_chunked_prefill<format::bitmap_tiles>({0, 1, 31, 63});
+  test::reliability::check_every_operation_all_or_nothing<format::bitmap_tiles, select::all>();
+  test::reliability::check_key_weights_end_with_sequence();
 }

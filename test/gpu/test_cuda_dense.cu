@@ -4,6 +4,7 @@
 // contexts, split-KV, and a decode step captured in a CUDA graph. Without a GPU every test says
 // so and passes without checking anything.
 
+#include "reliability.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -88,7 +89,7 @@ TEST_CASE("a decode step captured in a CUDA graph replays correctly as the cache
   device_array<float> dq(static_cast<std::size_t>(batch) * hq * d), dout(static_cast<std::size_t>(batch) * hq * d);
   const auto refs = [&] {
     std::vector<detail::sequence_ref> r;
-    for (const sequence_id s : t.seqs) r.push_back(detail::sequence_ref{&t.device.pages(s), t.device.length(s), s});
+    for (const sequence_id s : t.seqs) r.push_back(detail::sequence_ref{&t.device.pages(s), t.device.length(s), t.device.slot(s)});
     return r;
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -143,4 +144,28 @@ TEST_CASE("device conversions to 16 bits round like the host", "[gpu][dtype]") {
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(slot.data(), g.engine().pages_data(), slot.size(), cudaMemcpyDeviceToHost));
     CHECK(std::memcmp(slot.data(), h.engine().k_page(h.pages(hs)[0], 0), slot.size()) == 0);
   }
+}
+
+// --- Reliability (test/gpu/reliability.hpp) -----------------------------------------------------
+
+TEST_CASE("GPU dense: a prefill in chunks of any size into any tail fill equals one prefill",
+          "[gpu][dense][reliability][prefill]") {
+  if (!gpu_available()) return;
+  std::vector<int> fills;
+  for (int f = 0; f < 16; ++f) fills.push_back(f);
+  test::reliability::check_chunked_prefill<format::dense>(fills);
+}
+
+TEST_CASE("GPU dense: every operation is all or nothing when any CUDA call inside it fails",
+          "[gpu][dense][reliability][faults][sanitize]") {
+  if (!gpu_available()) return;
+  test::reliability::check_chunked_prefill<format::dense>({0, 5, 15});
+  test::reliability::check_every_operation_all_or_nothing<format::dense, select::all>();
+}
+
+TEST_CASE("GPU dense: heads of a GQA group are independent; unreadable or strided arrays are rejected",
+          "[gpu][dense][reliability][arguments]") {
+  if (!gpu_available()) return;
+  test::reliability::check_heads_independent();
+  test::reliability::check_unreadable_arrays_rejected();
 }

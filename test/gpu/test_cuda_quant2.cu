@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "../support/quant2_bound.hpp"
+#include "reliability.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -148,4 +149,110 @@ TEST_CASE("GPU quant2 rejects K partitioned per token, naming the parameter", "[
   } catch (const invalid_argument& e) {
     CHECK(std::string(e.what()).find("format::quant2::k_axis") != std::string::npos);
   }
+}
+
+namespace {
+
+/// Prefills `kv` (values of the test's choosing) as a new sequence on both backends of `t`.
+sequence_id add_values(twin& t, const synthetic::kv_data& kv) {
+  const sequence_id h = t.host.add_sequence(), d = t.device.add_sequence();
+  REQUIRE(h == d);
+  test::device_array<float> k(kv.k), v(kv.v);
+  t.host.prefill(h, test::k_view(kv), test::v_view(kv));
+  t.device.prefill(d, tensor_view<const float, 3>(k.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim),
+                   tensor_view<const float, 3>(v.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  t.seqs.push_back(h);
+  t.streams.push_back(0);
+  return h;
+}
+
+/// One sequence's attention on both backends for query q [num_q_heads][head_dim].
+std::pair<std::vector<float>, std::vector<float>> attend_values(twin& t, sequence_id id, const std::vector<float>& q) {
+  const int hq = t.config.num_q_heads(), d = t.config.head_dim;
+  std::vector<float> host_out(q.size());
+  t.host.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, hq, d),
+                tensor_view<float, 3>(host_out.data(), 1, hq, d));
+  test::device_array<float> dq(q), dout(q.size());
+  t.device.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(dq.data(), 1, hq, d),
+                  tensor_view<float, 3>(dout.data(), 1, hq, d));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  return {host_out, dout.to_host(q.size())};
+}
+
+}  // namespace
+
+TEST_CASE("GPU quant2 beyond f16's range: mins and scales in the storage dtype, f16 saturated, host bytes",
+          "[gpu][quant2][range]") {
+  if (!gpu_available()) return;
+  // bf16: values below -65504 and partition ranges above 1.9e5 (f16 mins and scales would be
+  // infinite); f16: the same inputs saturate to +-65504 on entry, on both backends alike.
+  const dtype storage = GENERATE(dtype::bf16, dtype::f16);
+  const auto mode = GENERATE(format::rounding::stochastic, format::rounding::nearest);
+  const bool portable = GENERATE(false, true);
+  CAPTURE(to_string(storage), mode == format::rounding::stochastic, portable);
+  twin t(small_config(128, 4, storage, 64), 31, format::quant2{64, mode, 3});
+  if (portable) t.device.engine().use_portable_kernel();
+  const int length = 300;
+  synthetic::kv_data kv = synthetic::generate_kv(t.generator, 1, length);
+  for (float& x : kv.k) x = x * 1e5f - 2e5f;
+  for (float& x : kv.v) x = x * 1e6f - 1e6f;
+  const sequence_id id = add_values(t, kv);
+  t.check_storage();
+  std::vector<float> q = synthetic::generate_query(t.generator, 1, length);
+  for (float& x : q) x *= 1e-5f;
+  const auto [host_out, gpu_out] = attend_values(t, id, q);
+  const auto decoded = test::quant2_decoded(t.host, id, test::rounded(kv, storage));
+  const double scale = 1.0 / std::sqrt(128.0);
+  const auto exact = test::exact(q, decoded, scale);
+  const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, id, q, decoded, scale);
+  for (std::size_t i = 0; i < q.size(); ++i) {
+    const float g = gpu_out[i], h = host_out[i];
+    INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);
+    REQUIRE(std::isfinite(g));
+    REQUIRE(std::abs(g - h) <= bounds.vs_twin[i]);
+    REQUIRE(std::abs(g - exact[i]) <= bounds.vs_exact[i]);
+  }
+}
+
+TEST_CASE("GPU quant2 with NaN and infinite K and V: the host's bytes; other heads unaffected",
+          "[gpu][quant2][nan]") {
+  if (!gpu_available()) return;
+  // The encoder stores NaN min and scale and codes 0 for a partition with a non-finite value;
+  // outputs that read it are not specified on the device (NaN, or what the split merge makes of
+  // it), the other KV head's are.
+  const bool portable = GENERATE(false, true);
+  CAPTURE(portable);
+  twin t(small_config(128, 4, dtype::bf16, 64), 33, format::quant2{64, format::rounding::stochastic, 3});
+  if (portable) t.device.engine().use_portable_kernel();
+  const int length = 300, d = 128;
+  synthetic::kv_data kv = synthetic::generate_kv(t.generator, 2, length);
+  kv.k[(static_cast<std::size_t>(70) * 2 + 1) * d + 5] = NAN;        // KV head 1
+  kv.k[(static_cast<std::size_t>(130) * 2 + 1) * d + 9] = INFINITY;  // KV head 1
+  kv.v[(static_cast<std::size_t>(3) * 2 + 1) * d + 17] = -INFINITY;  // KV head 1
+  const sequence_id id = add_values(t, kv);
+  t.check_storage();
+  const std::vector<float> q = synthetic::generate_query(t.generator, 2, length);
+  const auto [host_out, gpu_out] = attend_values(t, id, q);
+  const auto decoded = test::quant2_decoded(t.host, id, test::rounded(kv, dtype::bf16));
+  const double scale = 1.0 / std::sqrt(128.0);
+  const auto exact = test::exact(q, decoded, scale);
+  const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, id, q, decoded, scale);
+  for (std::size_t i = 0; i < 4 * static_cast<std::size_t>(d); ++i) {  // query heads 0-3: KV head 0
+    const float g = gpu_out[i], h = host_out[i];
+    INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);
+    REQUIRE(std::isfinite(g));
+    REQUIRE(std::abs(g - h) <= bounds.vs_twin[i]);
+    REQUIRE(std::abs(g - exact[i]) <= bounds.vs_exact[i]);
+  }
+  for (std::size_t i = 4 * static_cast<std::size_t>(d); i < q.size(); ++i) CHECK(std::isnan(host_out[i]));
+}
+
+// --- Reliability (test/gpu/reliability.hpp) -----------------------------------------------------
+
+TEST_CASE("GPU quant2: chunked prefills equal one prefill; all or nothing under CUDA errors",
+          "[gpu][quant2][reliability][faults][sanitize]") {
+  if (!gpu_available()) return;
+  test::reliability::check_chunked_prefill<format::quant2>({0, 1, 2, 15, 16, 30, 31});
+  test::reliability::check_every_operation_all_or_nothing<format::quant2, select::all>();
 }

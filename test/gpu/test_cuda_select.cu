@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "reliability.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -353,7 +354,7 @@ select::sentence_chunks chunks_of(double ratio) {
 template <class Format>
 void check_chunk_counts(test::twin<Format, select::sentence_chunks>& t) {
   for (const sequence_id seq : t.seqs)
-    REQUIRE(t.device.engine().chunk_count(seq) == static_cast<std::int32_t>(t.host.chunks(seq).size()));
+    REQUIRE(t.device.engine().chunk_count(t.device.slot(seq)) == static_cast<std::int32_t>(t.host.chunks(seq).size()));
 }
 
 }  // namespace
@@ -426,4 +427,13 @@ TEST_CASE("GPU sentence_chunks: the host's chunks and rows, and exact attention 
     check_chunk_counts(t);
     check_selected_step(t);
   }
+}
+
+// --- Reliability (test/gpu/reliability.hpp) -----------------------------------------------------
+
+TEST_CASE("GPU selectors: every operation is all or nothing when any CUDA call inside it fails",
+          "[gpu][select][reliability][faults][sanitize]") {
+  if (!gpu_available()) return;
+  test::reliability::check_every_operation_all_or_nothing<format::dense, select::quest>();
+  test::reliability::check_every_operation_all_or_nothing<format::dense, select::sentence_chunks>();
 }

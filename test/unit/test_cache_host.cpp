@@ -378,7 +378,7 @@ TEST_CASE("bad calls are rejected before anything changes", "[cache][host][error
     const std::vector<sequence_id> bogus{7};
     CHECK_THROWS_WITH(cache.attend(span<const sequence_id>(bogus.data(), 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
                                    tensor_view<float, 3>(out.data(), 1, 4, 64)),
-                      Catch::Contains("seq = 7; allowed: an id returned by add_sequence and not removed"));
+                      Catch::Contains("seq = 7; allowed: an id returned by add_sequence or fork_sequence and not removed"));
     const std::vector<sequence_id> twice{empty, empty};
     std::vector<float> rows(2 * 2 * 64, 0.5f);
     CHECK_THROWS_WITH(cache.append(span<const sequence_id>(twice.data(), 2), tensor_view<const float, 3>(rows.data(), 2, 2, 64),

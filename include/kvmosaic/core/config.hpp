@@ -62,5 +62,13 @@ constexpr bool is_supported_page_size(int page_size) noexcept {
 }
 constexpr const char* supported_page_sizes = "a multiple of 16 from 16 to 1024";
 
+/// Capacity limits of one cache: every byte count derived from them (pool and tail arenas,
+/// per-step metadata) fits in 64 bits and every index the kernels compute fits in their integer
+/// types, so a configuration inside them fails, if at all, with a `kvmosaic::error` from an
+/// allocation that cannot be served, never with an overflow.
+constexpr int max_kv_heads = 1024;            ///< KV heads of one layer
+constexpr int max_pool_pages = 1 << 24;       ///< pages in one pool (16M pages of up to 1024 tokens)
+constexpr int max_sequences = 1 << 20;        ///< live sequences (tail slots) of one cache
+
 }  // namespace limits
 }  // namespace kvmosaic

@@ -5,8 +5,9 @@
 /// Errors. Every check on user input throws a `kvmosaic::error` whose message names the operation,
 /// the parameter, the value it got and the values it allows, e.g.
 /// `kvmosaic: cache_config: head_dim = 96; allowed: 64, 128 or 256`. Checks happen before any state
-/// changes, so a throwing call leaves the cache exactly as it was (no token half-stored, no page
-/// leaked). Device code never throws; everything a kernel relies on is checked on the host first.
+/// changes, and a failure after the writes began is rolled back, so a throwing call leaves the
+/// cache exactly as it was (no token half-stored, no page leaked). Device code never throws;
+/// everything a kernel relies on is checked on the host first.
 
 #include <sstream>
 #include <stdexcept>

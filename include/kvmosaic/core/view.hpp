@@ -97,4 +97,31 @@ class tensor_view {
 template <class T>
 using span = tensor_view<T, 1>;
 
+namespace detail {
+
+/// Whether two views can reach a common byte: their address ranges (from the lowest to the
+/// highest element their extents and strides reach) intersect. Conservative for interleaved
+/// strided views; exact for contiguous ones. Cost: O(Rank).
+template <class A, int RankA, class B, int RankB>
+bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& b) noexcept {
+  const auto range = [](const auto& v, std::uintptr_t& lo, std::uintptr_t& hi) {
+    using E = std::remove_pointer_t<decltype(v.data())>;
+    std::int64_t first = 0, last = 0;  // element offsets
+    for (int d = 0; d < std::decay_t<decltype(v)>::rank; ++d) {
+      if (v.extent(d) == 0) return false;
+      const std::int64_t reach = (v.extent(d) - 1) * v.stride(d);
+      (reach < 0 ? first : last) += reach;
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(v.data());
+    lo = base + static_cast<std::uintptr_t>(first * static_cast<std::int64_t>(sizeof(E)));
+    hi = base + static_cast<std::uintptr_t>((last + 1) * static_cast<std::int64_t>(sizeof(E)));
+    return true;
+  };
+  std::uintptr_t a_lo = 0, a_hi = 0, b_lo = 0, b_hi = 0;
+  if (!range(a, a_lo, a_hi) || !range(b, b_lo, b_hi)) return false;
+  return a_lo < b_hi && b_lo < a_hi;
+}
+
+}  // namespace detail
+
 }  // namespace kvmosaic

@@ -245,11 +245,14 @@ class engine {
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
               const page_id* new_pages, std::int64_t sealed_pages) {
     check_device_rows("cache::prefill", k, v);
-    // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena).
+    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot);
+    // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena);
+    // format::dense writes every row in one pass. A chunk always holds at least one row: the tail
+    // holds fewer than page_size rows, and a chunk of an encoded format is whole pages.
     const std::int64_t rows = k.extent(0);
-    const std::int64_t chunk_rows = encodes_pages ? std::int64_t{encode_chunk_pages} * shape_.page_size : rows;
     for (std::int64_t first = 0; first < rows;) {
-      const auto count = static_cast<std::int32_t>(std::min(chunk_rows - tail_rows, rows - first));
+      const std::int64_t room = encodes_pages ? std::int64_t{encode_chunk_pages} * shape_.page_size - tail_rows : rows - first;
+      const auto count = static_cast<std::int32_t>(std::min(room, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
       std::vector<std::int32_t> sink_slots(static_cast<std::size_t>(pages), -1);  // the sequence's first page
@@ -279,6 +282,33 @@ class engine {
       }
     }
     run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), 1, sink_slots);
+  }
+
+  /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
+  /// overwrote (copied back on the stream), and the chunk updates not yet committed. Rows past a
+  /// tail's committed length, fresh pages and chunk slots not yet committed are never read. After
+  /// a sticky CUDA error (a fault in a kernel) the device state is lost with the context.
+  void rollback() noexcept {
+    if (saved_slot_ >= 0) {
+      const std::size_t bytes = geometry_.tail_slot_bytes();
+      try {
+        KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + saved_slot_ * bytes, saved_tail_.data(), bytes,
+                                            cudaMemcpyDeviceToDevice, stream_));
+      } catch (...) {  // the context is gone; the caller's exception says why
+      }
+    }
+    saved_slot_ = -1;
+    chunks_.pending.clear();
+    chunks_.pending_blocks = 0;
+  }
+  /// Makes the writes since the last `commit` final (host bookkeeping only; cannot throw).
+  void commit() noexcept {
+    saved_slot_ = -1;
+    for (pending_chunks& update : chunks_.pending)
+      chunks_.slots[static_cast<std::size_t>(update.slot)] = std::move(update.next);
+    chunks_.free_blocks.resize(chunks_.free_blocks.size() - chunks_.pending_blocks);
+    chunks_.pending.clear();
+    chunks_.pending_blocks = 0;
   }
 
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
@@ -312,6 +342,10 @@ class engine {
   /// device from the key bounds (kernel/select_pages.cuh) inside `launch_step`.
   void attend(const std::vector<kvmosaic::detail::sequence_ref>& batch, tensor_view<const float, 3> q,
               tensor_view<float, 3> out, float softmax_scale, const kvmosaic::detail::selection_request* request = nullptr) {
+    kvmosaic::detail::require(q.is_contiguous() && out.is_contiguous(), "cache::attend", "q, out layout", "strided",
+                              "contiguous device arrays [batch][num_q_heads][head_dim] on the CUDA backend");
+    require_device_memory("cache::attend", "q", q.data());
+    require_device_memory("cache::attend", "out", out.data());
     plan_step(batch, request);
     launch_step(q.data(), out.data(), softmax_scale);
   }
@@ -361,17 +395,16 @@ class engine {
   template <class T>
   void add_chunks(std::int32_t slot, tensor_view<const T, 3> k, std::int64_t first, std::int64_t n,
                   const std::vector<std::int32_t>& lengths) {
-    open_chunks& c = chunks_.slots[static_cast<std::size_t>(slot)];
+    // The update is built on a copy and takes effect at `commit`; until then the kernels write
+    // only where the committed state does not look (new arena slots, rows past the open ones, or
+    // the other open-row buffer).
+    pending_chunks update{slot, chunks_.slots[static_cast<std::size_t>(slot)], 0};
+    open_chunks& c = update.next;
     const auto stream = static_cast<std::int32_t>(c.open_rows + n);
     std::vector<int4> work;
     std::int32_t at = 0;
     for (const std::int32_t length : lengths) {
-      if (c.count % chunks_per_block == 0) {
-        kvmosaic::detail::require(!chunks_.free_blocks.empty(), "cuda::engine::add_chunks", "chunk storage", "full",
-                                  "at most the chunks of the cache's pages and tails (forks copy their chunks)");
-        c.blocks.push_back(chunks_.free_blocks.back());
-        chunks_.free_blocks.pop_back();
-      }
+      if (c.count % chunks_per_block == 0) c.blocks.push_back(take_chunk_block(update, "cuda::engine::add_chunks"));
       const std::int32_t arena_slot = c.blocks.back() * chunks_per_block + c.count % chunks_per_block;
       work.push_back(make_int4(at, at + length, arena_slot, static_cast<int>(c.open_start + at)));
       at += length;
@@ -379,6 +412,7 @@ class engine {
     }
     kvmosaic::detail::require(stream - at <= chunks_.limits.longest, "cuda::engine::add_chunks", "open rows", stream - at,
                               "at most chunk_limits::longest (a chunk is closed once its window exists)");
+    chunks_.pending.reserve(chunks_.pending.size() + 1);
     kernel::chunk_params p{};
     p.open = open_row_buffer(slot, c.buffer);
     p.rows = k.data() + static_cast<std::size_t>(first) * shape_.num_kv_heads * shape_.head_dim;
@@ -418,6 +452,8 @@ class engine {
     c.open_rows = stream - at;
     c.open_start += at;
     c.buffer = next_buffer;
+    chunks_.pending_blocks += update.blocks_taken;
+    chunks_.pending.push_back(std::move(update));  // within the reserved capacity
   }
 
   /// Frees the chunks of `slot` (its sequence ended).
@@ -427,17 +463,17 @@ class engine {
     c = open_chunks{};
   }
 
-  /// Gives `to` a copy of the chunks and open rows of `from` (a fork).
+  /// Gives `to` (a slot with no chunks) a copy of the chunks and open rows of `from` (a fork);
+  /// takes effect at `commit`, as `add_chunks`.
   void copy_chunks(std::int32_t from, std::int32_t to) {
-    release_chunks(to);
     const open_chunks& source = chunks_.slots[static_cast<std::size_t>(from)];
-    open_chunks& c = chunks_.slots[static_cast<std::size_t>(to)];
+    pending_chunks update{to, open_chunks{}, 0};
+    open_chunks& c = update.next;
+    c.blocks.reserve(source.blocks.size());
+    chunks_.pending.reserve(chunks_.pending.size() + 1);
     const std::size_t block_bytes = chunk_block_bytes();
     for (const std::int32_t block : source.blocks) {
-      kvmosaic::detail::require(!chunks_.free_blocks.empty(), "cuda::engine::copy_chunks", "chunk storage", "full",
-                                "at most the chunks of the cache's pages and tails (forks copy their chunks)");
-      const std::int32_t copy = chunks_.free_blocks.back();
-      chunks_.free_blocks.pop_back();
+      const std::int32_t copy = take_chunk_block(update, "cuda::engine::copy_chunks");
       KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chunks_.bounds.template as<std::byte>() + copy * block_bytes,
                                           chunks_.bounds.template as<const std::byte>() + block * block_bytes, block_bytes,
                                           cudaMemcpyDeviceToDevice, stream_));
@@ -452,6 +488,8 @@ class engine {
     c.buffer = source.buffer;
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(open_row_buffer(to, c.buffer), open_row_buffer(from, source.buffer),
                                         open_row_bytes(), cudaMemcpyDeviceToDevice, stream_));
+    chunks_.pending_blocks += update.blocks_taken;
+    chunks_.pending.push_back(std::move(update));
   }
 
   /// Chunks of the sequence in `slot` so far (closed ones).
@@ -951,6 +989,21 @@ class engine {
   void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
     kvmosaic::detail::require(k.is_contiguous() && v.is_contiguous(), where, "k, v layout", "strided",
                               "contiguous device arrays [rows][num_kv_heads][head_dim] on the CUDA backend");
+    require_device_memory(where, "k", k.data());
+    require_device_memory(where, "v", v.data());
+  }
+  /// Rejects a pointer the device cannot read: host memory that is not mapped (page-locked
+  /// host memory and managed memory are accepted). One driver query, no synchronization.
+  static void require_device_memory(const char* where, const char* name, const void* pointer) {
+    cudaPointerAttributes attributes{};
+    const cudaError_t result = cudaPointerGetAttributes(&attributes, pointer);
+    if (result != cudaSuccess) cudaGetLastError();  // not a pointer CUDA knows: clear, then reject
+    const bool readable = result == cudaSuccess && (attributes.type == cudaMemoryTypeDevice ||
+                                                    attributes.type == cudaMemoryTypeManaged ||
+                                                    (attributes.type == cudaMemoryTypeHost && attributes.devicePointer != nullptr));
+    kvmosaic::detail::require(readable, where, name, "host memory",
+                              "device memory (cudaMalloc, cudaMallocManaged or mapped page-locked host memory) on "
+                              "the CUDA backend");
   }
 
   /// Writes rows and completes pages; `sink_slots[i]`: the tail slot that keeps the sink rows of
@@ -1124,15 +1177,42 @@ class engine {
     std::int64_t open_start = 0;  ///< the token of the first open row
     int buffer = 0;
   };
+  /// A slot's chunk state after an `add_chunks` or `copy_chunks` not yet committed, and how many
+  /// free blocks it took (from the back of the free list, after the pending updates before it).
+  struct pending_chunks {
+    std::int32_t slot;
+    open_chunks next;
+    std::size_t blocks_taken;
+  };
   struct chunk_store {
     kvmosaic::detail::chunk_limits limits;
     std::vector<open_chunks> slots;        ///< [max_sequences]
     std::vector<std::int32_t> free_blocks;
+    std::vector<pending_chunks> pending;   ///< updates of the current write (commit / rollback)
+    std::size_t pending_blocks = 0;        ///< free blocks (at the back) the pending updates hold
     device_buffer bounds;                  ///< [blocks][num_kv_heads][chunks_per_block][lo row, hi row]
     device_buffer ranges;                  ///< [blocks * chunks_per_block] {first token, end token}
     device_buffer open;                    ///< [max_sequences][2][limits.longest][num_kv_heads][head_dim]
     device_buffer work;                    ///< one call's closed chunks
   };
+  /// The next free chunk block for a pending update, or `capacity_error` (nothing taken).
+  std::int32_t take_chunk_block(pending_chunks& update, const char* where) {
+    const std::size_t taken = chunks_.pending_blocks + update.blocks_taken;
+    if (taken >= chunks_.free_blocks.size())
+      throw capacity_error("chunk storage", std::string("kvmosaic: ") + where +
+                                                ": chunk storage is full; allowed: at most the chunks of the cache's "
+                                                "pages and tails (forks copy their chunks)");
+    ++update.blocks_taken;
+    return chunks_.free_blocks[chunks_.free_blocks.size() - 1 - taken];
+  }
+  /// Keeps the tail slot `slot` on the device for `rollback` (a stream-ordered copy).
+  void save_tail(std::int32_t slot) {
+    const std::size_t bytes = geometry_.tail_slot_bytes();
+    if (saved_tail_.size() < bytes) saved_tail_ = device_buffer(bytes);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(saved_tail_.data(), tails_.as<const std::byte>() + slot * bytes, bytes,
+                                        cudaMemcpyDeviceToDevice, stream_));
+    saved_slot_ = slot;
+  }
   std::size_t chunk_block_bytes() const noexcept {
     return static_cast<std::size_t>(shape_.num_kv_heads) * chunks_per_block * 2 * shape_.head_dim * size_of(shape_.storage);
   }
@@ -1207,6 +1287,8 @@ class engine {
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
   std::int32_t scratch_pages_ = 0;
+  device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
+  std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
   int compressed_stages_ = 2;    ///< bitmap_tiles / quant2 sm_90 kernels: compressed page pairs in flight
 };
 

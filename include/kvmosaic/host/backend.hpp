@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <new>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -190,7 +192,13 @@ class host_buffer {
     void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
   };
   static std::byte* allocate(std::size_t bytes) {
-    return static_cast<std::byte*>(::operator new[](bytes == 0 ? 64 : bytes, std::align_val_t{64}));
+    try {
+      return static_cast<std::byte*>(::operator new[](bytes == 0 ? 64 : bytes, std::align_val_t{64}));
+    } catch (const std::bad_alloc&) {
+      throw capacity_error("cache_config", "kvmosaic: host backend: cannot allocate " + std::to_string(bytes) +
+                                               " bytes of page or tail storage; allowed: a cache_config whose "
+                                               "max_pages and max_sequences fit in host memory");
+    }
   }
   std::size_t bytes_;
   std::unique_ptr<std::byte[], free_aligned> data_;
@@ -236,12 +244,14 @@ class engine {
 
   /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
   /// rows after `sealed_pages` pages. Each time the tail fills, it is encoded into the next page
-  /// of `new_pages`.
+  /// of `new_pages`. Until the next `commit`, `rollback` restores the tail rows this overwrote
+  /// (the rows after a sealed page land where the old tail rows were).
   template <class T>
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
               const page_id* new_pages, std::int64_t sealed_pages) {
     const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
     std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot, tail_rows);
     const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
       for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float(src(t, h, c));
       detail::store_dense_rows(shape_.storage, row.data(), row.size(), tail_head(slot, is_v, h) + tail_rows * row_bytes);
@@ -267,6 +277,23 @@ class engine {
              items[b].sealed_pages);
     }
   }
+
+  /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
+  /// overwrote. (Rows written past a tail's committed length, and fresh pages, are never read.)
+  void rollback() noexcept {
+    if (saved_slot_ >= 0) {
+      const std::size_t bytes = static_cast<std::size_t>(saved_rows_) * geometry_.row_bytes;
+      std::size_t at = 0;
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true}) {
+          std::memcpy(tail_head(saved_slot_, is_v, h), saved_tail_.data() + at, bytes);
+          at += bytes;
+        }
+    }
+    saved_slot_ = -1;
+  }
+  /// Makes the writes since the last `commit` final.
+  void commit() noexcept { saved_slot_ = -1; }
 
   /// Copies the first `rows` tail rows of one slot to another (fork); the K weights go along.
   void copy_tail(std::int32_t from, std::int32_t to, int rows) {
@@ -365,12 +392,15 @@ class engine {
   /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
   /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
   /// first `masked` tokens (sinks, attended as dense rows instead) get p = 0, and so do the tokens
-  /// whose bit in `keep` (a token mask, null: all) is clear. A block with no token left is skipped.
+  /// whose bit in `keep` (a token mask, null: all) is clear. Heads are independent: a head with no
+  /// token left (every logit -inf) folds nothing, and a block with no token left for any head is
+  /// skipped.
   template <class Traits, class F>
   static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
                          attend_scratch& s, int masked = 0, const std::uint64_t* keep = nullptr) {
     const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
     constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
+    bool any = false;
     Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
@@ -380,12 +410,18 @@ class engine {
           if (((keep[t / 64] >> (t % 64)) & 1) == 0) row[t] = minus_infinity;
       float m = row[0];
       for (int t = 1; t < n; ++t) m = std::max(m, row[t]);
-      if (m == minus_infinity) return;  // every token masked: nothing to fold (same for all heads)
+      s.block[g].m = m;
+      if (m == minus_infinity) {  // nothing of this head to fold (masked, or logits below fp32)
+        std::fill(row, row + n, 0.0f);
+        s.block[g].l = 0.0f;
+        continue;
+      }
       float l = 0;
       for (int t = 0; t < n; ++t) l += (row[t] = std::exp(row[t] - m));
-      s.block[g].m = m;
       s.block[g].l = l;
+      any = true;
     }
+    if (!any) return;  // no head has a token left: nothing to fold
     std::fill(s.o_block.begin(), s.o_block.end(), 0.0f);
     Traits::accumulate(format, shape, v, n, s.logits.data(), groups, s.o_block.data());
     for (int g = 0; g < groups; ++g) {
@@ -461,6 +497,19 @@ class engine {
   std::byte* tail_slot(std::int32_t slot) const {
     return tails_.data() + static_cast<std::size_t>(slot) * geometry_.tail_slot_bytes();
   }
+  /// Keeps the first `rows` tail rows of `slot` (every head, K and V) for `rollback`.
+  void save_tail(std::int32_t slot, int rows) {
+    const std::size_t bytes = static_cast<std::size_t>(rows) * geometry_.row_bytes;
+    saved_tail_.resize(2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
+    std::size_t at = 0;
+    for (int h = 0; h < shape_.num_kv_heads; ++h)
+      for (const bool is_v : {false, true}) {
+        std::memcpy(saved_tail_.data() + at, tail_head(slot, is_v, h), bytes);
+        at += bytes;
+      }
+    saved_slot_ = slot;
+    saved_rows_ = rows;
+  }
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head);
   }
@@ -511,6 +560,9 @@ class engine {
   detail::host_buffer tails_;
   detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
   std::vector<detail::head_selection> last_selection_;
+  std::vector<std::byte> saved_tail_;  ///< tail rows kept for `rollback`
+  std::int32_t saved_slot_ = -1;       ///< their slot, -1: nothing to restore
+  int saved_rows_ = 0;
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };

@@ -56,7 +56,7 @@ struct mma_scorer {
       float hi[8], lo[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        hi[i] = to_float(T(x[i]));
+        hi[i] = detail::round_operand<T>(x[i]);
         lo[i] = x[i] - hi[i];
       }
 #pragma unroll

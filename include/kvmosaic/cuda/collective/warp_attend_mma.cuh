@@ -311,7 +311,7 @@ struct warp_attend_mma {
     // registers (b0: tokens 0-7, b1: tokens 8-15, column = head g). p = hi + lo.
     float hi[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) hi[e] = to_float(T(p[e]));
+    for (int e = 0; e < 4; ++e) hi[e] = detail::round_operand<T>(p[e]);
     p_fragments f;
     if constexpr (packed) {
       const bool lo_lane = (i % 4) >= 2;

@@ -12,6 +12,7 @@
 ///   C (16x8):       c[0..1] = (row g, cols 2q, 2q+1)   c[2..3] = (row g+8, cols 2q, 2q+1)
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
 
@@ -24,10 +25,35 @@ __device__ __forceinline__ void unsupported_architecture(const Operands&...) {
   __trap();
 }
 
-/// Two floats rounded to T (round to nearest even) in one 32-bit operand register, `low` first.
+/// Two floats rounded to T (round to nearest even) in one 32-bit operand register, `low` first:
+/// one paired conversion. Unlike storing a value (`half`, `bfloat16`: saturating), an operand
+/// beyond T's range becomes infinity, as the hardware conversion makes it; this is the inner loop
+/// of every tensor-core fold, and its operands (scaled queries, softmax weights) are in range.
 template <class T>
 __device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
-  return static_cast<std::uint32_t>(T(low).bits) | (static_cast<std::uint32_t>(T(high).bits) << 16);
+  static_assert(std::is_same<T, half>::value || std::is_same<T, bfloat16>::value,
+                "kvmosaic: pack_pair packs half or bfloat16 operands");
+  std::uint32_t bits;
+  if constexpr (std::is_same<T, half>::value) {
+    const __half2 pair = __floats2half2_rn(low, high);
+    static_assert(sizeof(pair) == sizeof(bits), "__half2 is two 16-bit halves");
+    memcpy(&bits, &pair, sizeof(bits));
+  } else {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+    static_assert(sizeof(pair) == sizeof(bits), "__nv_bfloat162 is two 16-bit halves");
+    memcpy(&bits, &pair, sizeof(bits));
+  }
+  return bits;
+}
+
+/// `x` rounded to T (nearest even) and back, without the saturation of a stored value: the hi
+/// part of an operand split into hi + lo 16-bit halves (`pack_pair`'s reasoning applies).
+template <class T>
+__device__ __forceinline__ float round_operand(float x) {
+  if constexpr (std::is_same<T, half>::value)
+    return __half2float(__float2half_rn(x));
+  else
+    return __bfloat162float(__float2bfloat16_rn(x));
 }
 
 /// The 8x8 16-bit matrix held in fragment layout (lane 4 g + q: row g, columns 2 q, 2 q + 1),

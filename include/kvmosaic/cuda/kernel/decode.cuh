@@ -550,7 +550,8 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
     }
     __syncthreads();  // the weights are read before the next chunk overwrites them
   }
-  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = weight_sum > 0.0f ? o / weight_sum : 0.0f;
+  // A NaN partial (NaN input) makes the output NaN, as on the host; no token at all gives 0.
+  p.out[(static_cast<std::size_t>(b) * num_q_heads + j) * HeadDim + c] = weight_sum != 0.0f ? o / weight_sum : 0.0f;
 }
 
 }  // namespace kvmosaic::cuda::kernel
