@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Builds and runs all kvmosaic tests: installs missing dependencies, configures build-test/
-# (Release, tests ON, examples ON), builds everything and runs ctest.
-# Environment: KVMOSAIC_ENABLE_CUDA=ON|OFF overrides the CUDA auto-detection (default: ON when
-# nvcc is found); JOBS overrides the parallelism (default: nproc).
+# Builds and runs all kvmosaic tests: installs missing dependencies, then
+#   1. build-test/ (Release, tests ON, examples ON): builds everything and runs ctest;
+#   2. build-test-sanitize/ (host only, clang, -O1, AddressSanitizer + UndefinedBehaviorSanitizer
+#      with float-cast-overflow, every finding fatal): builds the unit tests and the libFuzzer
+#      targets only, runs the unit tests (the [random] test at a tenth of its iterations) and each
+#      fuzzer for KVMOSAIC_FUZZ_SECONDS from its seed corpus.
+# Environment: KVMOSAIC_ENABLE_CUDA=ON|OFF overrides the CUDA auto-detection of step 1 (default: ON
+# when nvcc is found); JOBS overrides the parallelism (default: nproc); KVMOSAIC_SANITIZE_TESTS=OFF
+# skips step 2; KVMOSAIC_FUZZ_SECONDS (default 60) sets each fuzzer's time in step 2.
+# docs/testing.md lists what runs and how long it takes.
 # SPDX-License-Identifier: Apache-2.0
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${repo_root}/build-test"
+sanitize_dir="${repo_root}/build-test-sanitize"
 jobs="${JOBS:-$(nproc)}"
 
 bash "${repo_root}/scripts/install-deps.sh"
@@ -25,3 +32,22 @@ fi
 cmake -S "${repo_root}" -B "${build_dir}" "${cmake_args[@]}"
 cmake --build "${build_dir}" -j "${jobs}"
 ctest --test-dir "${build_dir}" --output-on-failure -j "${jobs}"
+
+if [[ "${KVMOSAIC_SANITIZE_TESTS:-ON}" == "OFF" ]]; then
+  echo "test.sh: KVMOSAIC_SANITIZE_TESTS=OFF: sanitizer and fuzzer tests skipped" >&2
+  exit 0
+fi
+
+# Step 2. clang for libFuzzer; CC is set too so that the configure step of a C-less project
+# never mixes compilers.
+CC=clang CXX=clang++ cmake -S "${repo_root}" -B "${sanitize_dir}" \
+  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" \
+  -DKVMOSAIC_ENABLE_CUDA=OFF -DKVMOSAIC_BUILD_TESTS=ON -DKVMOSAIC_BUILD_EXAMPLES=OFF \
+  -DKVMOSAIC_BUILD_BENCHMARKS=OFF -DKVMOSAIC_INSTALL=OFF \
+  "-DKVMOSAIC_SANITIZE=address;undefined" -DKVMOSAIC_BUILD_FUZZERS=ON \
+  "-DKVMOSAIC_FUZZ_SECONDS=${KVMOSAIC_FUZZ_SECONDS:-60}"
+cmake --build "${sanitize_dir}" -j "${jobs}" --target kvmosaic_tests kvmosaic_fuzz_cache_ops
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+KVMOSAIC_RANDOM_OPS_SCALE="${KVMOSAIC_RANDOM_OPS_SCALE:-0.1}" \
+  ctest --test-dir "${sanitize_dir}" --output-on-failure -j "${jobs}" -L '^(unit|fuzz)$'
