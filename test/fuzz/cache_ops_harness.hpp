@@ -160,14 +160,8 @@ struct check_options {
   bool one_shot_reference = true;  ///< bitwise against a one-shot-prefilled cache
   bool oracle = true;              ///< fp64 exact attention within the derived bound
   /// A removed sequence's id must be rejected by every call and never be handed out again while
-  /// the test runs (issue 18, item 6: ids carry a generation). Defining
-  /// KVMOSAIC_OPS_SKIP_STALE_ID_CHECKS turns it off, to run the rest against a library whose ids
-  /// are bare slot indexes.
-#ifdef KVMOSAIC_OPS_SKIP_STALE_ID_CHECKS
-  bool stale_ids = false;
-#else
+  /// the test runs (ids carry their slot's generation).
   bool stale_ids = true;
-#endif
 };
 
 template <class Cache>

@@ -34,7 +34,7 @@ class tensor_view {
     for (int d = Rank - 1; d >= 0; --d) {
       extents_[d] = list[d];
       strides_[d] = stride;
-      stride *= list[d];
+      if (d > 0) stride *= list[d];  // the outermost extent is never multiplied: any int64 count fits
     }
   }
 
