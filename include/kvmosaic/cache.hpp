@@ -178,7 +178,7 @@ class cache {
   using selector_type = Selector;
   using compactor_type = Compactor;
   using backend_type = Backend;
-  using engine_type = typename detail::engine_for<Backend, Format>::type;
+  using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -411,28 +411,26 @@ class cache {
 
  public:
 
-  /// One decode step (not const: a step uses the engine's per-step buffers, and selectors keep
-  /// per-step state): out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
-  /// of `seqs[b]` that the selector picks (all of them for `select::all`). q, out:
-  /// [batch][num_q_heads][head_dim] float; query head j reads KV head j / group_size.
-  void attend(span<const sequence_id> seqs, tensor_view<const float, 3> q, tensor_view<float, 3> out,
-              const attend_params& params = {}) {
-    const char* where = "cache::attend";
-    detail::require(q.extent(0) == seqs.size(), where, "q.extent(0) (batch)", q.extent(0), "seqs.size()");
-    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
-                    "num_kv_heads * group_size");
-    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
-                    "cache_config::head_dim");
-    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
-                    where, "out.extents", "mismatch", "the extents of q");
+  /// One decode step: `plan(seqs, params)`, then `run(q, out)`. out[b] = attention of query q[b]
+  /// ([num_q_heads][head_dim]) over the tokens of `seqs[b]` that the selector picks (all of them
+  /// for `select::all`); query head j reads KV head j / group_size. q and out: float, half or
+  /// bfloat16, any strides (host memory on backend::host, device memory on backend::cuda).
+  template <class Q, class O>
+  void attend(span<const sequence_id> seqs, tensor_view<Q, 3> q, tensor_view<O, 3> out, const attend_params& params = {}) {
+    plan(seqs, params);
+    run(q, out);
+  }
+
+  /// The host half of a decode step (FlashInfer's plan, CUTLASS's initialize): checks `seqs`,
+  /// makes the split plan and the selector's request, and stages them; `run` executes the latest
+  /// plan. Cost: O(batch + pages of the batch) on the host; on backend::cuda it writes page-locked
+  /// staging and waits only for the previous step's copy out of it, never for kernels. A plan
+  /// stays valid until the next call that changes the cache (append, prefill, fork, remove).
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) {
+    const char* where = "cache::plan";
     detail::require(params.softmax_scale >= 0.0f && std::isfinite(params.softmax_scale), where,
                     "params.softmax_scale", params.softmax_scale, "a finite value >= 0 (0: 1/sqrt(head_dim))");
     check_view(where, "seqs", seqs);
-    check_view(where, "q", q);
-    check_view(where, "out", out);
-    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
-                    "an array that shares no element with q (attention reads every query of a group "
-                    "before it writes an output)");
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
@@ -441,10 +439,11 @@ class cache {
                       "sequences holding at least one token");
       batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
     }
+    planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
     if constexpr (selector_traits<Selector>::reads_all_pages) {
-      engine_.attend(batch, q, out, scale);
+      engine_.plan(batch, scale);
     } else {
       detail::selection_request request;
       request.combine = selector_.combine;
@@ -463,10 +462,60 @@ class cache {
           request.always_from.push_back(s.length);
         }
       }
-      engine_.attend(batch, q, out, scale, &request);
+      engine_.plan(batch, scale, &request);
+    }
+  }
+
+  /// The device half of the planned step (backend::cuda: enqueued on `engine().stream()`, no
+  /// allocation and no synchronization, so a CUDA graph can capture it and replay it after each
+  /// new `plan` of a batch no larger). q, out: [batch][num_q_heads][head_dim] in float, half or
+  /// bfloat16 with any strides (contiguous float q is read in place; other queries are gathered
+  /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
+  /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
+  /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
+  template <class Q, class O>
+  void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
+    static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
+                  "kvmosaic::cache::run: q and out hold float, kvmosaic::half or kvmosaic::bfloat16");
+    const char* where = "cache::run";
+    const auto batch = static_cast<std::int64_t>(planned_.size());
+    detail::require(q.extent(0) == batch, where, "q.extent(0) (batch)", q.extent(0), "the batch of the last plan");
+    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
+                    "num_kv_heads * group_size");
+    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
+                    "cache_config::head_dim");
+    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
+                    where, "out.extents", "mismatch", "the extents of q");
+    detail::require(lse.extent(0) == 0 || (lse.extent(0) == batch && lse.extent(1) == q.extent(1)), where,
+                    "lse.extents", "mismatch", "empty, or [batch][num_q_heads]");
+    check_view(where, "q", q);
+    check_view(where, "out", out);
+    check_view(where, "lse", lse);
+    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
+                    "an array that shares no element with q (attention reads every query of a group "
+                    "before it writes an output)");
+    detail::require(lse.extent(0) == 0 || (!detail::views_overlap(lse, q) && !detail::views_overlap(lse, out)), where,
+                    "lse", "overlapping q or out", "an array that shares no element with q or out");
+    using query_type = std::remove_const_t<Q>;
+    engine_.run(tensor_view<const query_type, 3>(q), out, lse);
+    if constexpr (!selector_traits<Selector>::reads_all_pages) {
       // The host engine reports what it read; the CUDA engine keeps its selection on the device
       // (engine().selected_pages), so a step never waits for it.
-      record_selection(seqs);
+      record_selection(span<const sequence_id>(planned_.data(), batch));
+    }
+  }
+
+  /// Sizes the buffers of decode steps for batches of up to `batch` sequences of up to
+  /// `max_tokens` tokens each, so that `plan` and `run` within those bounds never reallocate:
+  /// what a CUDA graph captured from `run` needs (a larger step reallocates, and the graph must be
+  /// captured again). backend::host has nothing to size.
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    detail::require(batch >= 1 && batch <= config_.max_sequences, "cache::reserve_step", "batch", batch,
+                    "1 to cache_config::max_sequences");
+    detail::require(max_tokens >= 1, "cache::reserve_step", "max_tokens", max_tokens, ">= 1");
+    if constexpr (!std::is_same<Backend, backend::host>::value) {
+      const std::int64_t pages = std::min<std::int64_t>(max_tokens / config_.page_size + 1, config_.max_pages);
+      engine_.reserve_step(batch, static_cast<std::int32_t>(pages));
     }
   }
 
@@ -817,6 +866,7 @@ class cache {
   }
 
   cache_config config_;
+  std::vector<sequence_id> planned_;  ///< the sequences of the last plan
   /// Generations a slot's handles run through before they wrap (sequence_id's comment).
   std::uint32_t generations_ = static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max() / config_.max_sequences);
   Format format_;
