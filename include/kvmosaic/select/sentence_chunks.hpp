@@ -128,7 +128,7 @@ struct chunk_stream {
   std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
   std::vector<float> pending_keys;         ///< host backend: their keys, rounded to the storage dtype [token][heads][head_dim]
 
-  /// The final chunks, in order ([begin, end)). Cost: one allocation, O(chunks).
+  /// The final chunks, in order ([begin, end)). Cost: O(chunks), a new vector.
   std::vector<chunk> chunks() const {
     std::vector<chunk> out;
     for (std::size_t i = 0; i + 1 < starts.size(); ++i) out.push_back(chunk{starts[i], starts[i + 1]});
