@@ -31,6 +31,7 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic {
@@ -145,25 +146,6 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
   store_dense_rows(storage, bounds.data(), bounds.size(), out);
 }
 
-/// Sentence chunks of one sequence, cut by the cache: chunk i is tokens [starts[i], starts[i+1]),
-/// its key bounds at bounds + (i * num_kv_heads + head) * 2 * head_dim (storage dtype bits).
-struct chunk_list {
-  const std::int64_t* starts = nullptr;
-  std::int32_t count = 0;
-  const std::uint16_t* bounds = nullptr;
-};
-
-/// What a read-less selector asks of one step (select/selector_traits.hpp): per batch entry, the
-/// token budget and the first token of the region read whatever the selection (the open chunk);
-/// the spans are the engine's page blocks (`block_tokens` > 0) or the given chunks.
-struct selection_request {
-  group_combine combine = group_combine::max;
-  int block_tokens = 0;
-  std::vector<std::int64_t> budget;        ///< [batch] tokens
-  std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
-  std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
-};
-
 /// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
 /// ascending), the tokens attended (selected, open chunk, tail, sinks) and the pages read.
 struct head_selection {
@@ -217,8 +199,9 @@ class engine {
 
  public:
   /// `bounds_block_tokens` > 0 keeps the key bounds of every block of that many tokens of each
-  /// sealed page (for `select::quest`). Sentence chunks' bounds are the cache's on this backend
-  /// (`chunk_list`), so the chunk limits are unused.
+  /// sealed page (for `select::quest`). On this backend `select::sentence_chunks` keeps its
+  /// chunks' bounds in its per-sequence state (select/sentence_chunks.hpp) and passes them with
+  /// each step (`chunk_list`), so the chunk limits are unused.
   engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
          detail::chunk_limits = {})
       : shape_(shape),
