@@ -345,7 +345,7 @@ void decode(benchmark::State& state) {
   }
   if constexpr (selects) {
     state.counters["pages_read"] = pages_stored > 0 ? pages_read / pages_stored : 0.0;
-    state.counters["block"] = request.block_tokens;
+    state.counters["block"] = selector_traits<Selector>::bounds_block_tokens(selector, c.page_size);
   }
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);

@@ -2,15 +2,17 @@
 #pragma once
 
 /// \file
-/// The CUDA backend: page and tail arenas in device memory, and the kernels of every cache
-/// operation. `kvmosaic::cache<Format, Selector, Compactor, kvmosaic::backend::cuda>` uses it.
+/// The CUDA backend: page and tail arenas in device memory, and the driver of every cache
+/// operation. `kvmosaic::cache<Format, Selector, Compactor, kvmosaic::backend::cuda_for<...>>`
+/// uses it; the format's kernels come from its device part (cuda/format/device_format.cuh).
 ///
-/// Pointers the cache passes to this backend (prefill/append rows, q, out) are device pointers
-/// to contiguous arrays; operations are asynchronous on the engine's stream (`set_stream`), and the
-/// caller synchronizes before reading results. A decode step is two pieces: `plan_step` (host:
-/// the split plan and block tables, written to page-locked staging) and `launch_step` (one copy to
-/// the device and two kernels, with a launch shape that depends only on the batch size), so
-/// `launch_step` can be captured in a CUDA graph and replayed after each new `plan_step`.
+/// Pointers the cache passes to this backend (prefill/append rows, q, out, lse) are device
+/// pointers; operations are asynchronous on the engine's stream (`set_stream`), and the caller
+/// synchronizes before reading results. A decode step is two pieces: `plan` (host: the split plan
+/// and block tables, written to page-locked staging) and `run` (one copy to the device, the
+/// optional query gather, the split kernel and the merge, with a launch shape that depends only
+/// on the batch size), so `run` can be captured in a CUDA graph and replayed after each new
+/// `plan`.
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -753,8 +755,8 @@ class engine {
   /// True when decode runs an sm_90 pipeline (bulk copies or TMA), whose q is rounded to two
   /// 16-bit halves on tensor cores.
   bool uses_bulk_copy() const noexcept { return use_bulk_copy_; }
-  /// True when decode multiplies p.v on tensor cores, p split into two 16-bit halves (the dense
-  /// TMA kernel and the sm_90 bitmap_tiles kernel).
+  /// True when the format's split kernel multiplies p.v on tensor cores, p split into two 16-bit
+  /// halves (its device part says).
   bool splits_p_on_tensor_cores() const { return device::splits_p_on_tensor_cores(format_state_, context()); }
   /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
   /// (at most target + batch: each sequence rounds its split count up by less than one), so a

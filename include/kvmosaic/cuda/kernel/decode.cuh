@@ -241,7 +241,8 @@ __device__ __forceinline__ void write_warp_partial(const decode_params& p, int w
 /// max comes from one load per thread (splits beyond HeadDim: more), then, per chunk of HeadDim
 /// splits, the weights go to shared memory and every thread's loads of those splits' partials are
 /// independent, so they stay in flight together: about 2 + splits / 16 round trips to L2, where a
-/// loop of dependent loads per split cost one each (8.7 us at batch 1, 34 splits, on H100).
+/// loop of dependent loads per split costs one each (benchmark/README.md, "Decisions the code
+/// cites": "merge").
 /// `Out`: float, half or bfloat16 (rounded to nearest). With `p.lse`, thread 0 also writes the
 /// head's log-sum-exp, max lse + log(sum of weights): what a cascade merge with attention
 /// computed elsewhere needs.

@@ -72,9 +72,9 @@ struct bitmap_decode_layout {
 /// zeroed dense K tile (two barriers per segment), which the warps read as rows. The dense tail is
 /// read as rows from global memory. `RowMasks`: whether a token-granular selection's row masks are
 /// read. Grid: (splits capacity, num_kv_heads).
-/// (Before, session 8: the CTA gathered each segment into dense K and V tiles, then the warps
-/// folded them with ldmatrix: 32 KB of shared stores and loads per segment, 976 us at s = 0.7,
-/// batch 8, 128K on H100, bound by shared-memory bandwidth.)
+/// Why no dense tile: gathering each segment into dense K and V tiles first costs 32 KB of shared
+/// stores and loads per segment, and shared-memory bandwidth bounded that kernel
+/// (benchmark/README.md, "Decisions the code cites").
 template <class T, int HeadDim, int Group, bool RowMasks = false>
 __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
     decode_partial_bitmap_kernel(const __grid_constant__ split_params<bitmap_decode_params> p) {

@@ -53,7 +53,7 @@ struct quant2_decode_layout {
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
 /// type, head_dim, Pi, copy path, `RowMasks`: whether a token-granular selection's row masks are
-/// read; without, the code is what it was before selections, measured 2-3% faster at batch 8).
+/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
 /// Grid: (splits capacity, num_kv_heads).
 template <class T, int HeadDim, int Partition, bool BulkCopy, bool RowMasks = false>
 __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ split_params<quant2_decode_params> p) {
