@@ -259,21 +259,9 @@ void decode(benchmark::State& state) {
   if (const char* pdl = std::getenv("KVMOSAIC_BENCH_PDL"); pdl != nullptr && std::string(pdl) == "0")
     engine.use_dependent_launch(false);
   state.counters["dependent_launch"] = engine.uses_dependent_launch() ? 1 : 0;
-  std::vector<detail::sequence_ref> refs;
-  for (const sequence_id s : seqs) refs.push_back(detail::sequence_ref{&kv.pages(s), kv.length(s), kv.slot(s)});
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  detail::selection_request request;
-  if constexpr (selects) {
-    request.combine = selector.combine;
-    request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector, c.page_size);
-    for (const sequence_id s : seqs) {
-      request.budget.push_back(selector.budget.resolve(kv.length(s)));
-      std::int64_t always_from = kv.length(s);  // sentence_chunks: the open chunk on
-      if constexpr (chunked) always_from = kv.chunks(s).empty() ? 0 : kv.chunks(s).back().end;
-      request.always_from.push_back(always_from);
-    }
-  }
-  const detail::selection_request* step_request = selects ? &request : nullptr;
+  const span<const sequence_id> step_seqs(seqs.data(), static_cast<std::int64_t>(seqs.size()));
+  const tensor_view<const float, 3> step_q(q.as<const float>(), batch, c.num_q_heads(), c.head_dim);
+  const tensor_view<float, 3> step_out(out.as<float>(), batch, c.num_q_heads(), c.head_dim);
   l2_flusher flusher;
   event_timer timer;
   std::vector<double> times, plan_times;
@@ -282,11 +270,11 @@ void decode(benchmark::State& state) {
   cudaStream_t stream;
   KVMOSAIC_CUDA_CHECK(cudaStreamCreate(&stream));
   engine.set_stream(stream);
-  engine.plan_step(refs, step_request);
+  kv.plan(step_seqs);
   cudaGraph_t graph;
   cudaGraphExec_t step;
   KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  engine.launch_step(q.as<const float>(), out.as<float>(), scale);
+  kv.run(step_q, step_out);
   KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&step, graph, 0));
   // Warm-up by time, at least 0.2 s of steps: the first configuration run after a large one
@@ -300,7 +288,7 @@ void decode(benchmark::State& state) {
   } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - warm_start).count() < 0.2);
   for (auto _ : state) {
     const auto plan_start = std::chrono::steady_clock::now();
-    engine.plan_step(refs, step_request);
+    kv.plan(step_seqs);
     plan_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - plan_start).count());
     flusher.flush(stream);
     busy_wait_kernel<<<1, 1, 0, stream>>>(50000);  // ~50 us: the host is ahead when the step starts
@@ -357,7 +345,7 @@ void decode(benchmark::State& state) {
   }
   if constexpr (selects) {
     state.counters["pages_read"] = pages_stored > 0 ? pages_read / pages_stored : 0.0;
-    state.counters["block"] = request.block_tokens;
+    state.counters["block"] = selector_traits<Selector>::bounds_block_tokens(selector, c.page_size);
   }
   const double qo_bytes = 2.0 * static_cast<double>(q_count) * sizeof(float);
   report(state, times, kv_bytes + qo_bytes);

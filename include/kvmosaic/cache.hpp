@@ -28,6 +28,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -44,9 +45,8 @@
 #include "kvmosaic/memory/block_table.hpp"
 #include "kvmosaic/memory/page_pool.hpp"
 #include "kvmosaic/select/all.hpp"
-#include "kvmosaic/select/quest.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
-#include "kvmosaic/select/sentence_chunks.hpp"
 
 namespace kvmosaic {
 
@@ -142,7 +142,8 @@ struct memory_stats {
 /// averaged over its KV heads (each KV head selects on its own); reuse over all of them.
 struct selection_stats {
   double tokens_selected = 0;  ///< tokens of the selected spans (within the budget)
-  double tokens_read = 0;      ///< tokens attended: selected, open chunk, sink rows and tail
+  double tokens_read = 0;      ///< tokens attended: selected, those the selector always reads,
+                               ///< sink rows and tail
   double pages_read = 0;       ///< pages holding at least one attended token (the tail not counted)
   /// Of the previous step's selected tokens (every KV head's), the fraction this step read again
   /// (SentKVCompress's reuse); NaN before a sequence's second selected step.
@@ -155,8 +156,13 @@ struct selection_stats {
 /// \tparam Selector  which tokens a query reads (`select::all`, ...)
 /// \tparam Compactor how evicted tokens free pages (`compact::none`, ...)
 /// \tparam Backend   where pages live and attention runs (`backend::host`, `backend::cuda`)
+///
+/// The selector takes part through its traits' hooks only (select/selector_traits.hpp): a state
+/// per sequence that the cache stages, reserves and commits with each call, the engine's share of
+/// its work, its bytes, its part of a step's selection request, and public members it adds
+/// (`selector_traits<Selector>::cache_members`, a base of this class).
 template <class Format, class Selector = select::all, class Compactor = compact::none, class Backend = backend::host>
-class cache {
+class cache : public detail::selector_cache_members<Selector, cache<Format, Selector, Compactor, Backend>>::type {
   static_assert(is_format_v<Format>,
                 "kvmosaic::cache: the first template argument (Format) must be a storage format, "
                 "e.g. kvmosaic::format::dense");
@@ -178,7 +184,7 @@ class cache {
   using selector_type = Selector;
   using compactor_type = Compactor;
   using backend_type = Backend;
-  using engine_type = typename detail::engine_for<Backend, Format>::type;
+  using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -187,8 +193,9 @@ class cache {
         selector_(selector),
         compactor_(compactor),
         pool_(config.max_pages),
-        engine_(engine_shape(config), format, selector_traits<Selector>::bounds_block_tokens(selector, config.page_size),
-                chunk_limits_of(selector)),
+        engine_(std::make_from_tuple<engine_type>(
+            std::tuple_cat(std::tuple<detail::engine_shape, const Format&>(engine_shape(config), format),
+                           selector_traits<Selector>::engine_arguments(selector, config.page_size)))),
         sequences_(sequence_slots(config)) {}
 
   const cache_config& config() const noexcept { return config_; }
@@ -220,7 +227,7 @@ class cache {
     sequence_state& s = live(seq, "cache::remove_sequence");
     const std::int32_t slot = slot_of(seq);
     for (const page_id page : s.pages) pool_.release(page);
-    if constexpr (device_chunks) engine_.release_chunks(slot);
+    selector_traits<Selector>::template release<rows_on_device>(engine_, slot);
     if constexpr (has_key_weights_v<Format>) engine_.set_key_weights(slot, nullptr);
     const std::uint32_t generation = s.generation + 1 < generations_ ? s.generation + 1 : 0;
     s = sequence_state{};
@@ -236,18 +243,18 @@ class cache {
     sequence_state child;  // copies (may throw): nothing changed yet
     child.pages = parent.pages;
     child.length = parent.length;
-    child.chunks = parent.chunks;
+    child.selector_state = parent.selector_state;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
       engine_.copy_tail(from, slot, tail_rows(parent));
-      if constexpr (device_chunks) engine_.copy_chunks(from, slot);
+      selector_traits<Selector>::template fork<rows_on_device>(engine_, from, slot);
     });
     for (const page_id page : child.pages) pool_.retain(page);
     return activate(slot, std::move(child));
   }
 
   /// The slot (0 to max_sequences - 1) of a live sequence: the index a backend's per-sequence
-  /// storage (tail, chunk state, `detail::sequence_ref::slot`) uses.
+  /// storage (tail, a selector's engine state, `detail::sequence_ref::slot`) uses.
   std::int32_t slot(sequence_id seq) const {
     live(seq, "cache::slot");
     return slot_of(seq);
@@ -284,8 +291,8 @@ class cache {
 
   /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
   /// values are rounded to the storage dtype, finite values beyond its range saturated to its
-  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a chunk of one
-  /// of any size (chunks store exactly what one prefill of the same tokens stores). Full pages are
+  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
+  /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
   /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
   /// the pages, it throws `capacity_error` and nothing is stored. NaN input gives unspecified
   /// outputs for the heads that read it, never undefined behaviour.
@@ -296,8 +303,8 @@ class cache {
                   "ids, prefill(seq, k, v, token_ids)");
     prefill_rows(seq, k, v, span<const std::int32_t>{});
   }
-  /// `prefill` with the tokens' ids (`token_ids.size() == k.extent(0)`), which selectors that cut
-  /// the stream at boundary tokens (`select::sentence_chunks`) need; other selectors ignore them.
+  /// `prefill` with the tokens' ids (`token_ids.size() == k.extent(0)`, host memory), which
+  /// selectors with `selector_traits::needs_token_ids` read; other selectors ignore them.
   template <class T>
   void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
     detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
@@ -307,8 +314,8 @@ class cache {
   }
 
  private:
-  // All or nothing: everything that can fail (checks, allocations, staging of the selector's
-  // chunks) happens before the backend writes; the backend's write is undone if it fails (the
+  // All or nothing: everything that can fail (checks, allocations, the selector's staged update)
+  // happens before the backend writes; the backend's write is undone if it fails (the
   // tail rows it may have overwritten are restored, its fresh pages go back to the pool); the
   // bookkeeping is then committed with operations that cannot throw.
   template <class T>
@@ -323,17 +330,18 @@ class cache {
     // is a capacity_error below).
     const std::int64_t completed = rows / page + (tail + rows % page) / page;
     const std::vector<page_id> fresh = pool_.allocate(completed);
-    chunk_update chunks;
+    using traits = selector_traits<Selector>;
+    typename traits::update staged;
     write_then_commit(fresh, [&] {
-      if constexpr (selector_traits<Selector>::needs_token_ids) chunks = stage_chunks(s.chunks, k, token_ids, 0, rows);
-      reserve_chunks(s.chunks, chunks);
+      staged = traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, 0, rows);
+      traits::reserve(s.selector_state, staged);
       s.pages.reserve(s.pages.size() + fresh.size());
       engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
-      if constexpr (device_chunks) engine_.add_chunks(slot, k, 0, rows, chunks.lengths);
+      traits::template write<rows_on_device>(engine_, slot, staged, k, 0, rows);
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
     s.length += rows;
-    commit_chunks(s.chunks, chunks);
+    traits::commit(s.selector_state, staged);
   }
 
  public:
@@ -375,14 +383,14 @@ class cache {
       seen[slot] = true;
       pages_needed += tail_rows(s) + 1 == config_.page_size;
     }
-    // Staging (may throw; nothing changed yet): chunk updates, room for the new pages.
-    std::vector<chunk_update> chunks(selector_traits<Selector>::needs_token_ids ? static_cast<std::size_t>(seqs.size()) : 0);
+    // Staging (may throw; nothing changed yet): the selector's updates, room for the new pages.
+    using traits = selector_traits<Selector>;
+    std::vector<typename traits::update> staged(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       sequence_state& s = state_of(seqs(b));
-      if constexpr (selector_traits<Selector>::needs_token_ids) {
-        chunks[static_cast<std::size_t>(b)] = stage_chunks(s.chunks, k, token_ids, b, 1);
-        reserve_chunks(s.chunks, chunks[static_cast<std::size_t>(b)]);
-      }
+      staged[static_cast<std::size_t>(b)] =
+          traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, b, 1);
+      traits::reserve(s.selector_state, staged[static_cast<std::size_t>(b)]);
       if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
     }
     std::vector<detail::append_item> items;
@@ -397,42 +405,39 @@ class cache {
     }
     write_then_commit(fresh, [&] {
       engine_.append(items, k, v);
-      if constexpr (device_chunks)
-        for (std::int64_t b = 0; b < seqs.size(); ++b)
-          engine_.add_chunks(slot_of(seqs(b)), k, b, 1, chunks[static_cast<std::size_t>(b)].lengths);
+      for (std::int64_t b = 0; b < seqs.size(); ++b)
+        traits::template write<rows_on_device>(engine_, slot_of(seqs(b)), staged[static_cast<std::size_t>(b)], k, b, 1);
     });
     for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
       sequence_state& s = state_of(seqs(b));
       if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
       ++s.length;
-      if constexpr (selector_traits<Selector>::needs_token_ids) commit_chunks(s.chunks, chunks[static_cast<std::size_t>(b)]);
+      traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
   }
 
  public:
 
-  /// One decode step (not const: a step uses the engine's per-step buffers, and selectors keep
-  /// per-step state): out[b] = attention of query q[b] ([num_q_heads][head_dim]) over the tokens
-  /// of `seqs[b]` that the selector picks (all of them for `select::all`). q, out:
-  /// [batch][num_q_heads][head_dim] float; query head j reads KV head j / group_size.
-  void attend(span<const sequence_id> seqs, tensor_view<const float, 3> q, tensor_view<float, 3> out,
-              const attend_params& params = {}) {
-    const char* where = "cache::attend";
-    detail::require(q.extent(0) == seqs.size(), where, "q.extent(0) (batch)", q.extent(0), "seqs.size()");
-    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
-                    "num_kv_heads * group_size");
-    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
-                    "cache_config::head_dim");
-    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
-                    where, "out.extents", "mismatch", "the extents of q");
+  /// One decode step: `plan(seqs, params)`, then `run(q, out)`. out[b] = attention of query q[b]
+  /// ([num_q_heads][head_dim]) over the tokens of `seqs[b]` that the selector picks (all of them
+  /// for `select::all`); query head j reads KV head j / group_size. q and out: float, half or
+  /// bfloat16, any strides (host memory on backend::host, device memory on backend::cuda).
+  template <class Q, class O>
+  void attend(span<const sequence_id> seqs, tensor_view<Q, 3> q, tensor_view<O, 3> out, const attend_params& params = {}) {
+    plan(seqs, params);
+    run(q, out);
+  }
+
+  /// The host half of a decode step (FlashInfer's plan, CUTLASS's initialize): checks `seqs`,
+  /// makes the split plan and the selector's request, and stages them; `run` executes the latest
+  /// plan. Cost: O(batch + pages of the batch) on the host; on backend::cuda it writes page-locked
+  /// staging and waits only for the previous step's copy out of it, never for kernels. A plan
+  /// stays valid until the next call that changes the cache (append, prefill, fork, remove).
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) {
+    const char* where = "cache::plan";
     detail::require(params.softmax_scale >= 0.0f && std::isfinite(params.softmax_scale), where,
                     "params.softmax_scale", params.softmax_scale, "a finite value >= 0 (0: 1/sqrt(head_dim))");
     check_view(where, "seqs", seqs);
-    check_view(where, "q", q);
-    check_view(where, "out", out);
-    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
-                    "an array that shares no element with q (attention reads every query of a group "
-                    "before it writes an output)");
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
@@ -441,32 +446,72 @@ class cache {
                       "sequences holding at least one token");
       batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
     }
+    planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
     if constexpr (selector_traits<Selector>::reads_all_pages) {
-      engine_.attend(batch, q, out, scale);
+      engine_.plan(batch, scale);
     } else {
-      detail::selection_request request;
-      request.combine = selector_.combine;
-      request.block_tokens = selector_traits<Selector>::bounds_block_tokens(selector_, config_.page_size);
+      const selector_shape shape = selector_shape_of();
+      detail::selection_request request = selector_traits<Selector>::start_request(selector_, shape);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
-        // A step attends to at least one token the selection chose: a sequence whose tail is
-        // empty reads at least one block (sentence chunks always have an open chunk to read).
-        const std::int64_t budget = selector_.budget.resolve(s.length);
-        request.budget.push_back(tail_rows(s) == 0 ? std::max<std::int64_t>(budget, request.block_tokens) : budget);
-        if constexpr (selector_traits<Selector>::needs_token_ids) {
-          request.always_from.push_back(s.chunks.starts.back());
-          request.chunks.push_back(detail::chunk_list{s.chunks.starts.data(), static_cast<std::int32_t>(s.chunks.starts.size() - 1),
-                                                      s.chunks.bounds.data()});
-        } else {
-          request.always_from.push_back(s.length);
-        }
+        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.length, tail_rows(s), request);
       }
-      engine_.attend(batch, q, out, scale, &request);
+      engine_.plan(batch, scale, &request);
+    }
+  }
+
+  /// The device half of the planned step (backend::cuda: enqueued on `engine().stream()`, no
+  /// allocation and no synchronization, so a CUDA graph can capture it and replay it after each
+  /// new `plan` of a batch no larger). q, out: [batch][num_q_heads][head_dim] in float, half or
+  /// bfloat16 with any strides (contiguous float q is read in place; other queries are gathered
+  /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
+  /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
+  /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
+  template <class Q, class O>
+  void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
+    static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
+                  "kvmosaic::cache::run: q and out hold float, kvmosaic::half or kvmosaic::bfloat16");
+    const char* where = "cache::run";
+    const auto batch = static_cast<std::int64_t>(planned_.size());
+    detail::require(q.extent(0) == batch, where, "q.extent(0) (batch)", q.extent(0), "the batch of the last plan");
+    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
+                    "num_kv_heads * group_size");
+    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
+                    "cache_config::head_dim");
+    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
+                    where, "out.extents", "mismatch", "the extents of q");
+    detail::require(lse.extent(0) == 0 || (lse.extent(0) == batch && lse.extent(1) == q.extent(1)), where,
+                    "lse.extents", "mismatch", "empty, or [batch][num_q_heads]");
+    check_view(where, "q", q);
+    check_view(where, "out", out);
+    check_view(where, "lse", lse);
+    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
+                    "an array that shares no element with q (attention reads every query of a group "
+                    "before it writes an output)");
+    detail::require(lse.extent(0) == 0 || (!detail::views_overlap(lse, q) && !detail::views_overlap(lse, out)), where,
+                    "lse", "overlapping q or out", "an array that shares no element with q or out");
+    using query_type = std::remove_const_t<Q>;
+    engine_.run(tensor_view<const query_type, 3>(q), out, lse);
+    if constexpr (!selector_traits<Selector>::reads_all_pages) {
       // The host engine reports what it read; the CUDA engine keeps its selection on the device
       // (engine().selected_pages), so a step never waits for it.
-      record_selection(seqs);
+      record_selection(span<const sequence_id>(planned_.data(), batch));
+    }
+  }
+
+  /// Sizes the buffers of decode steps for batches of up to `batch` sequences of up to
+  /// `max_tokens` tokens each, so that `plan` and `run` within those bounds never reallocate:
+  /// what a CUDA graph captured from `run` needs (a larger step reallocates, and the graph must be
+  /// captured again). backend::host has nothing to size.
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    detail::require(batch >= 1 && batch <= config_.max_sequences, "cache::reserve_step", "batch", batch,
+                    "1 to cache_config::max_sequences");
+    detail::require(max_tokens >= 1, "cache::reserve_step", "max_tokens", max_tokens, ">= 1");
+    if constexpr (!std::is_same<Backend, backend::host>::value) {
+      const std::int64_t pages = std::min<std::int64_t>(max_tokens / config_.page_size + 1, config_.max_pages);
+      engine_.reserve_step(batch, static_cast<std::int32_t>(pages));
     }
   }
 
@@ -494,13 +539,10 @@ class cache {
     detail::require(!s.selected.empty(), "cache::selected_ranges", "seq", seq, "a sequence of a selected decode step");
     return s.selected[static_cast<std::size_t>(head)];
   }
-  /// The chunks `select::sentence_chunks` has cut for `seq` so far ([begin, end), final ones only).
-  std::vector<select::chunk> chunks(sequence_id seq) const {
-    static_assert(selector_traits<Selector>::needs_token_ids, "kvmosaic::cache::chunks: only select::sentence_chunks cuts chunks");
-    const sequence_state& s = live(seq, "cache::chunks");
-    std::vector<select::chunk> out;
-    for (std::size_t i = 0; i + 1 < s.chunks.starts.size(); ++i) out.push_back(select::chunk{s.chunks.starts[i], s.chunks.starts[i + 1]});
-    return out;
+  /// The selector's state of a live sequence (`selector_traits<Selector>::sequence_state`; empty
+  /// for selectors that keep none). The selector's `cache_members` read it.
+  const typename selector_traits<Selector>::sequence_state& selector_state(sequence_id seq) const {
+    return live(seq, "cache::selector_state").selector_state;
   }
 
   /// Tokens stored for a sequence.
@@ -514,7 +556,7 @@ class cache {
     memory_stats m = pool_gauge();
     m.tokens = s.length;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + chunk_bytes(s);
+                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
     m.dense_bytes = s.length * tail_row_bytes();
     return m;
   }
@@ -526,27 +568,19 @@ class cache {
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.length;
-      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + chunk_bytes(s);
+      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
       m.dense_bytes += s.length * tail_row_bytes();
     }
     return m;
   }
 
  private:
-  /// `select::sentence_chunks`: the final chunks of a sequence and the tokens after them.
-  struct chunk_state {
-    std::vector<std::int64_t> starts{0};     ///< chunk i is [starts[i], starts[i+1]); back(): the open chunk
-    std::vector<std::uint16_t> bounds;       ///< host backend: [chunk][num_kv_heads][lo row, hi row], storage dtype bits
-    std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
-    std::vector<float> pending_keys;         ///< host backend: their keys, rounded to the storage dtype [token][heads][head_dim]
-  };
-
   struct sequence_state {
     bool live = false;
     std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
     std::int64_t length = 0;
     block_table pages;
-    chunk_state chunks;
+    typename selector_traits<Selector>::sequence_state selector_state;  ///< the selector's, per sequence
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
     std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
@@ -556,97 +590,17 @@ class cache {
   std::int64_t page_bytes() const {
     return static_cast<std::int64_t>(engine_.page_slot_bytes() + engine_.page_bounds_bytes());
   }
-  /// Bytes of a sequence's chunk bounds (2 rows of head_dim per chunk and KV head, 16-bit).
-  std::int64_t chunk_bytes(const sequence_state& s) const {
-    return static_cast<std::int64_t>(s.chunks.starts.size() - 1) * config_.num_kv_heads * 2 * config_.head_dim *
-           static_cast<std::int64_t>(sizeof(std::uint16_t));
+  /// Bytes the selector keeps for a sequence (e.g. key bounds of its spans).
+  std::int64_t selector_bytes(const sequence_state& s) const {
+    return selector_traits<Selector>::extra_bytes(selector_shape_of(), s.selector_state);
   }
-  /// select::sentence_chunks on a device backend (backend::cuda) keeps its chunk bounds there.
-  static constexpr bool device_chunks =
-      selector_traits<Selector>::needs_token_ids && !std::is_same<Backend, backend::host>::value;
-  static detail::chunk_limits chunk_limits_of(const Selector& selector) {
-    if constexpr (selector_traits<Selector>::needs_token_ids)
-      return detail::chunk_limits{std::max(1, selector.target_length - selector.window), selector.target_length + selector.window};
-    else
-      return detail::chunk_limits{};
+  /// What the selector's hooks know of this cache.
+  selector_shape selector_shape_of() const noexcept {
+    return selector_shape{config_.num_kv_heads, config_.head_dim, config_.page_size, config_.storage};
   }
-
-  /// What rows [first, first + n) of a prefill or append add to a sequence's chunk state
-  /// (select::sentence_chunks), computed without changing it: the chunks Algorithm 2 closes (their
-  /// lengths, and on the host their key bounds) and the open tokens left. `commit_chunks` applies
-  /// it without throwing once `reserve_chunks` has made room.
-  struct chunk_update {
-    std::vector<std::int32_t> lengths;      ///< closed chunks, in order
-    std::vector<std::uint16_t> bounds;      ///< host backend: their bounds, as chunk_state::bounds
-    std::vector<std::int32_t> pending_ids;  ///< the open chunk's ids afterwards
-    std::vector<float> pending_keys;        ///< host backend: their keys afterwards
-  };
-
-  template <class T>
-  chunk_update stage_chunks(const chunk_state& c, const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
-                            std::int64_t first, std::int64_t n) const {
-    chunk_update u;
-    const int heads = config_.num_kv_heads, d = config_.head_dim;
-    const std::size_t row = static_cast<std::size_t>(heads) * d;
-    u.pending_ids = c.pending_ids;
-    for (std::int64_t t = first; t < first + n; ++t) u.pending_ids.push_back(ids(t));
-    if constexpr (!device_chunks) {
-      u.pending_keys = c.pending_keys;
-      for (std::int64_t t = first; t < first + n; ++t)
-        for (int h = 0; h < heads; ++h)
-          for (int ch = 0; ch < d; ++ch) u.pending_keys.push_back(round_to_storage(to_float(k(t, h, ch))));
-    }
-    // Algorithm 2 over the open tokens, while the next chunk's window is complete (ids only).
-    const std::int64_t horizon = static_cast<std::int64_t>(selector_.target_length) + selector_.window;
-    std::size_t done = 0;  // tokens of pending already cut into chunks
-    while (static_cast<std::int64_t>(u.pending_ids.size() - done) > horizon) {
-      const std::int64_t end = select::detail::split_end(u.pending_ids.data() + done,
-                                                         static_cast<std::int64_t>(u.pending_ids.size() - done), 0, selector_);
-      u.lengths.push_back(static_cast<std::int32_t>(end));
-      done += static_cast<std::size_t>(end);
-    }
-    u.pending_ids.erase(u.pending_ids.begin(), u.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
-    if constexpr (!device_chunks) {
-      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
-      std::size_t at = 0;
-      for (const std::int32_t length : u.lengths) {
-        for (int h = 0; h < heads; ++h) {
-          for (int ch = 0; ch < d; ++ch) {
-            float lo = u.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
-            for (std::int64_t t = 1; t < length; ++t) {
-              const float x = u.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
-              lo = x < lo ? x : lo;
-              hi = x > hi ? x : hi;
-            }
-            bounds[static_cast<std::size_t>(ch)] = lo;
-            bounds[static_cast<std::size_t>(d + ch)] = hi;
-          }
-          for (const float x : bounds) u.bounds.push_back(storage_bits(x));  // lo row, then hi row
-        }
-        at += static_cast<std::size_t>(length);
-      }
-      u.pending_keys.erase(u.pending_keys.begin(), u.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
-    }
-    return u;
-  }
-  /// Room for `u` in `c`, so that `commit_chunks` cannot throw.
-  static void reserve_chunks(chunk_state& c, const chunk_update& u) {
-    c.starts.reserve(c.starts.size() + u.lengths.size());
-    c.bounds.reserve(c.bounds.size() + u.bounds.size());
-  }
-  static void commit_chunks(chunk_state& c, chunk_update& u) noexcept {
-    for (const std::int32_t length : u.lengths) c.starts.push_back(c.starts.back() + length);
-    c.bounds.insert(c.bounds.end(), u.bounds.begin(), u.bounds.end());
-    c.pending_ids.swap(u.pending_ids);
-    c.pending_keys.swap(u.pending_keys);
-  }
-  float round_to_storage(float x) const noexcept {
-    return config_.storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))
-                                         : detail::bfloat16_bits_to_float(detail::float_to_bfloat16_bits(x));
-  }
-  std::uint16_t storage_bits(float x) const noexcept {
-    return config_.storage == dtype::f16 ? detail::float_to_half_bits(x) : detail::float_to_bfloat16_bits(x);
-  }
+  /// The backend keeps K and V rows in device memory (backend::cuda): the selector's hooks then
+  /// leave work on the keys to the engine.
+  static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -674,10 +628,10 @@ class cache {
       sequence_state& s = state_of(seqs(b));
       selection_stats stats;
       double reused = 0, previous = 0;
-      // Always read: the sink rows, and everything from the open chunk (or the tail) on.
+      // Always read: the sink rows, and everything from the selector's always-read region (or the
+      // tail) on.
       const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
-      std::int64_t always_from = sealed;
-      if constexpr (selector_traits<Selector>::needs_token_ids) always_from = std::min(always_from, s.chunks.starts.back());
+      const std::int64_t always_from = selector_traits<Selector>::always_from(s.selector_state, sealed);
       const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
       std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
       for (int h = 0; h < num_heads; ++h) {
@@ -795,7 +749,7 @@ class cache {
 
   /// Runs a backend write into freshly allocated pages. If it fails (an allocation or a CUDA
   /// error), the engine undoes what it wrote (`rollback`: the tail rows it overwrote, its pending
-  /// chunk updates), the pages go back to the pool and the bookkeeping is left untouched;
+  /// selector updates), the pages go back to the pool and the bookkeeping is left untouched;
   /// otherwise the engine commits (`commit`, which cannot throw).
   template <class Write>
   void write_then_commit(const std::vector<page_id>& fresh, Write&& write) {
@@ -817,6 +771,7 @@ class cache {
   }
 
   cache_config config_;
+  std::vector<sequence_id> planned_;  ///< the sequences of the last plan
   /// Generations a slot's handles run through before they wrap (sequence_id's comment).
   std::uint32_t generations_ = static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max() / config_.max_sequences);
   Format format_;

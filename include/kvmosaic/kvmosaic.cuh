@@ -17,4 +17,9 @@
 #include "kvmosaic/cuda/collective/page_attend.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
+#include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/backend.cuh"
+// The formats' device parts (cuda/format/device_format.cuh): one line per format.
+#include "kvmosaic/cuda/format/dense/device.cuh"
+#include "kvmosaic/cuda/format/bitmap_tiles/device.cuh"
+#include "kvmosaic/cuda/format/quant2/device.cuh"

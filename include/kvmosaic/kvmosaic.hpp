@@ -20,6 +20,8 @@
 
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/quest.hpp"
+#include "kvmosaic/select/sentence_chunks.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
 #include "kvmosaic/compact/none.hpp"

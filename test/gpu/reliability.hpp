@@ -307,8 +307,9 @@ inline void check_heads_independent() {
   }
 }
 
-/// format::dense: q, out, k and v the device cannot read, or strided, are rejected by name.
-inline void check_unreadable_arrays_rejected() {
+/// format::dense: q, out, k and v the device cannot read are rejected by name; strided q and out
+/// are honoured.
+inline void check_device_arrays() {
   const cache_config c = config_for(16);
   using Cache = cache<format::dense, select::all, compact::none, backend::cuda>;
   Cache cache(c);
@@ -316,7 +317,8 @@ inline void check_unreadable_arrays_rejected() {
   const device_rows r(c, 6, 0, 9);
   prefill(cache, seq, r);
   const int hq = c.num_q_heads(), d = c.head_dim;
-  std::vector<float> host_q(static_cast<std::size_t>(hq * d), 0.5f), host_out(host_q.size());
+  std::vector<float> host_q(static_cast<std::size_t>(hq * d)), host_out(host_q.size());
+  for (std::size_t i = 0; i < host_q.size(); ++i) host_q[i] = std::sin(0.3f * static_cast<float>(i));
   device_array<float> q(host_q), out(host_q.size());
   const span<const sequence_id> one(&seq, 1);
   CHECK_THROWS_WITH(cache.attend(one, tensor_view<const float, 3>(host_q.data(), 1, hq, d), tensor_view<float, 3>(out.data(), 1, hq, d)),
@@ -325,13 +327,22 @@ inline void check_unreadable_arrays_rejected() {
                     Catch::Contains("out = host memory"));
   CHECK_THROWS_WITH(cache.prefill(seq, tensor_view<const float, 3>(r.kv.k.data(), 9, c.num_kv_heads, d), r.vd()),
                     Catch::Contains("k = host memory"));
-  // Strided q and out (every other head of a wider array): rejected, not silently read as packed.
-  device_array<float> wide(static_cast<std::size_t>(2 * hq * d));
+  // Strided q and out (every other head of a wider array) are honoured: the same outputs as packed.
+  cache.attend(one, tensor_view<const float, 3>(q.data(), 1, hq, d), tensor_view<float, 3>(out.data(), 1, hq, d));
+  device_array<float> wide(static_cast<std::size_t>(2 * hq * d)), wide_out(static_cast<std::size_t>(2 * hq * d));
+  std::vector<float> spread(static_cast<std::size_t>(2 * hq * d), 0.0f);
+  for (int j = 0; j < hq; ++j)
+    for (int ch = 0; ch < d; ++ch) spread[static_cast<std::size_t>(2 * j * d + ch)] = host_q[static_cast<std::size_t>(j * d + ch)];
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(wide.data(), spread.data(), spread.size() * sizeof(float), cudaMemcpyHostToDevice));
   const auto strided_q = tensor_view<const float, 3>::strided(wide.data(), {1, hq, d}, {2 * hq * d, 2 * d, 1});
-  const auto strided_out = tensor_view<float, 3>::strided(wide.data(), {1, hq, d}, {2 * hq * d, 2 * d, 1});
-  CHECK_THROWS_WITH(cache.attend(one, strided_q, tensor_view<float, 3>(out.data(), 1, hq, d)), Catch::Contains("q, out layout = strided"));
-  CHECK_THROWS_WITH(cache.attend(one, tensor_view<const float, 3>(q.data(), 1, hq, d), strided_out),
-                    Catch::Contains("q, out layout = strided"));
+  const auto strided_out = tensor_view<float, 3>::strided(wide_out.data(), {1, hq, d}, {2 * hq * d, 2 * d, 1});
+  cache.attend(one, strided_q, strided_out);
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> packed = out.to_host(static_cast<std::size_t>(hq * d));
+  const std::vector<float> strided = wide_out.to_host(static_cast<std::size_t>(2 * hq * d));
+  for (int j = 0; j < hq; ++j)
+    for (int ch = 0; ch < d; ++ch)
+      REQUIRE(strided[static_cast<std::size_t>(2 * j * d + ch)] == packed[static_cast<std::size_t>(j * d + ch)]);
   CHECK(cache.length(seq) == 9);
 }
 

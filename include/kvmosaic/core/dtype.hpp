@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvmosaic/core/config.hpp"
 
@@ -269,6 +270,13 @@ KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits_up(float x, dtype t) noex
   return storage_value(b, t) < x ? storage_next_up(b) : b;
 }
 
+}  // namespace detail
+
+namespace detail {
+/// The element types attention reads and writes (q, out): float, half and bfloat16.
+template <class T>
+struct is_io_type : std::integral_constant<bool, std::is_same<T, float>::value || std::is_same<T, half>::value ||
+                                                     std::is_same<T, bfloat16>::value> {};
 }  // namespace detail
 
 /// Size in bytes of one element of a run-time dtype.

@@ -17,8 +17,8 @@ struct compactor_tag {};  ///< how evicted tokens turn into freed pages
 struct backend_tag {};    ///< where the data lives and the kernels run (host or cuda)
 
 namespace detail {
-/// Maps (Backend, Format) to the backend's engine type; each backend specializes it.
-template <class Backend, class Format>
+/// Maps (Backend, Format, Selector) to the backend's engine type; each backend specializes it.
+template <class Backend, class Format, class Selector>
 struct engine_for {
   static_assert(sizeof(Backend) == 0,
                 "kvmosaic: no engine for this backend: include kvmosaic/kvmosaic.cuh for backend::cuda");

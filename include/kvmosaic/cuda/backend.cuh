@@ -2,15 +2,17 @@
 #pragma once
 
 /// \file
-/// The CUDA backend: page and tail arenas in device memory, and the kernels of every cache
-/// operation. `kvmosaic::cache<Format, Selector, Compactor, kvmosaic::backend::cuda>` uses it.
+/// The CUDA backend: page and tail arenas in device memory, and the driver of every cache
+/// operation. `kvmosaic::cache<Format, Selector, Compactor, kvmosaic::backend::cuda_for<...>>`
+/// uses it; the format's kernels come from its device part (cuda/format/device_format.cuh).
 ///
-/// Pointers the cache passes to this backend (prefill/append rows, q, out) are device pointers
-/// to contiguous arrays; operations are asynchronous on the engine's stream (`set_stream`), and the
-/// caller synchronizes before reading results. A decode step is two pieces: `plan_step` (host:
-/// the split plan and block tables, written to page-locked staging) and `launch_step` (one copy to
-/// the device and two kernels, with a launch shape that depends only on the batch size), so
-/// `launch_step` can be captured in a CUDA graph and replayed after each new `plan_step`.
+/// Pointers the cache passes to this backend (prefill/append rows, q, out, lse) are device
+/// pointers; operations are asynchronous on the engine's stream (`set_stream`), and the caller
+/// synchronizes before reading results. A decode step is two pieces: `plan` (host: the split plan
+/// and block tables, written to page-locked staging) and `run` (one copy to the device, the
+/// optional query gather, the split kernel and the merge, with a launch shape that depends only
+/// on the batch size), so `run` can be captured in a CUDA graph and replayed after each new
+/// `plan`.
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -33,98 +35,23 @@
 #include "kvmosaic/cuda/detail/pull_from_host.cuh"
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
+#include "kvmosaic/cuda/format/device_format.cuh"
 #include "kvmosaic/cuda/kernel/chunk_bounds.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
-#include "kvmosaic/cuda/kernel/decode_bitmap.cuh"
-#include "kvmosaic/cuda/kernel/decode_quant2.cuh"
-#include "kvmosaic/cuda/kernel/encode_bitmap.cuh"
-#include "kvmosaic/cuda/kernel/encode_quant2.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
+#include "kvmosaic/cuda/kernel/queries.cuh"
 #include "kvmosaic/cuda/kernel/select_pages.cuh"
+#include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
-#include "kvmosaic/format/bitmap_tiles.hpp"
-#include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
-#include "kvmosaic/format/quant2.hpp"
 #include "kvmosaic/host/backend.hpp"
+#include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
 
 namespace kvmosaic {
-namespace backend {
-/// Pages in device memory; prefill, append and attention run as CUDA kernels.
-struct cuda {
-  using policy_category = backend_tag;
-  static constexpr const char* name = "cuda";
-};
-}  // namespace backend
-
 namespace cuda {
 
 namespace detail {
-
-/// Calls f(T{}, head_dim constant, group constant): the one place where run-time shapes become
-/// kernel template arguments (every supported combination is instantiated).
-template <class F>
-void dispatch_shape(dtype storage, int head_dim, int group_size, F&& f) {
-  const auto by_group = [&](auto element, auto dim) {
-    switch (group_size) {
-      case 1: return f(element, dim, std::integral_constant<int, 1>{});
-      case 2: return f(element, dim, std::integral_constant<int, 2>{});
-      case 3: return f(element, dim, std::integral_constant<int, 3>{});
-      case 4: return f(element, dim, std::integral_constant<int, 4>{});
-      case 5: return f(element, dim, std::integral_constant<int, 5>{});
-      case 6: return f(element, dim, std::integral_constant<int, 6>{});
-      case 7: return f(element, dim, std::integral_constant<int, 7>{});
-      case 8: return f(element, dim, std::integral_constant<int, 8>{});
-    }
-    kvmosaic::detail::require(false, "cuda::dispatch_shape", "group_size", group_size, limits::supported_group_sizes);
-  };
-  const auto by_dim = [&](auto element) {
-    switch (head_dim) {
-      case 64: return by_group(element, std::integral_constant<int, 64>{});
-      case 128: return by_group(element, std::integral_constant<int, 128>{});
-      case 256: return by_group(element, std::integral_constant<int, 256>{});
-    }
-    kvmosaic::detail::require(false, "cuda::dispatch_shape", "head_dim", head_dim, limits::supported_head_dims);
-  };
-  if (storage == dtype::f16) return by_dim(half{});
-  return by_dim(bfloat16{});
-}
-
-/// Calls f(head_dim constant, partition constant) for a quant2 shape (Pi at most head_dim).
-template <class F>
-void dispatch_quant2(int head_dim, int partition, F&& f) {
-  const auto by_partition = [&](auto dim) {
-    switch (partition) {
-      case 32: return f(dim, std::integral_constant<int, 32>{});
-      case 64: return f(dim, std::integral_constant<int, 64>{});
-      case 128:
-        if constexpr (decltype(dim)::value >= 128) return f(dim, std::integral_constant<int, 128>{});
-        break;
-    }
-    kvmosaic::detail::require(false, "cuda::dispatch_quant2", "format::quant2::partition", partition,
-                              "32, 64 or 128, at most head_dim");
-  };
-  switch (head_dim) {
-    case 64: return by_partition(std::integral_constant<int, 64>{});
-    case 128: return by_partition(std::integral_constant<int, 128>{});
-    case 256: return by_partition(std::integral_constant<int, 256>{});
-  }
-  kvmosaic::detail::require(false, "cuda::dispatch_quant2", "head_dim", head_dim, limits::supported_head_dims);
-}
-
-/// `bytes` of dynamic shared memory for a launch of `kernel`, opted in (past the default 48 KB)
-/// right here, next to the launch. A kernel template that several translation units instantiate
-/// may have one handle per unit, and which unit's copy of an inline engine function the linker
-/// keeps is not ours to choose: an opt-in made in another function can land on another unit's
-/// copy of the kernel (the GPU test binary, whose units all instantiate the engines, launched
-/// with "invalid argument" that way). `static_bytes`: the kernel's own shared memory, which counts
-/// towards the 48 KB. Cost: one cudaFuncSetAttribute per launch that needs it.
-template <class Kernel>
-int opted_in_shared(Kernel kernel, int bytes, int static_bytes = 0) {
-  if (bytes + static_bytes > 48 * 1024)
-    KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  return bytes;
-}
 
 /// Grid x for a grid-stride loop over `count` items.
 inline unsigned grid_for(std::int64_t count, int threads) {
@@ -133,35 +60,31 @@ inline unsigned grid_for(std::int64_t count, int threads) {
 
 }  // namespace detail
 
-/// Whether the CUDA backend has kernels for a format.
-template <class Format>
-struct has_kernels : std::false_type {};
-template <>
-struct has_kernels<format::dense> : std::true_type {};
-template <>
-struct has_kernels<format::bitmap_tiles> : std::true_type {};
-template <>
-struct has_kernels<format::quant2> : std::true_type {};
-
-/// The CUDA engine of one format (`format::dense`, `format::bitmap_tiles` or `format::quant2`);
-/// other formats fail to compile with a sentence rather than at run time.
+/// The CUDA engine of one cache type: the driver of every format (`device_format<Format>`,
+/// cuda/format/device_format.cuh, provides the format's kernels and decisions) for the kernel
+/// shapes `Shapes` (`detail::shape_list`; empty: every supported shape). It compiles the
+/// selection kernels only for a selector that reads less.
 ///
-/// Dense pages are written in place by the row kernels. Other formats' pages are encoded on the
-/// device: the row kernels write the completed pages' dense rows to a scratch arena (at most
-/// `encode_chunk_pages` pages at a time), and the format's encode kernel compresses them into
-/// their pages.
-template <class Format>
+/// Pages of a format without an encoder are written in place by the row kernels. Other formats'
+/// pages are encoded on the device: the row kernels write the completed pages' dense rows to a
+/// scratch arena (at most `encode_chunk_pages` pages at a time), and the format's encode pass
+/// compresses them into their pages.
+template <class Format, class Selector = select::all, class Shapes = detail::shape_list<>>
 class engine {
-  static_assert(has_kernels<Format>::value,
-                "kvmosaic: the CUDA backend has kernels for format::dense, format::bitmap_tiles and format::quant2 "
-                "only so far");
-  using traits = format_traits<Format>;
-  using dense_traits = format_traits<format::dense>;
-  static constexpr bool encodes_pages = !std::is_same<Format, format::dense>::value;
-  static constexpr bool is_bitmap = std::is_same<Format, format::bitmap_tiles>::value;
-  static constexpr bool is_quant2 = std::is_same<Format, format::quant2>::value;
-  /// Formats whose sm_90 kernel streams compressed page pairs through shared-memory stages.
-  static constexpr bool streams_compressed_pages = is_bitmap || is_quant2;
+  using device = device_format<Format>;
+  static constexpr bool encodes_pages = device::encodes_pages;
+  /// Selection kernels (scoring, top-k, key bounds) are compiled only for read-less selectors.
+  static constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
+
+  /// Where a step's outputs go: `data` in the merge kernel's output type at `strides`, and the
+  /// optional log-sum-exps.
+  struct output_view {
+    void* data = nullptr;
+    std::int64_t strides[3] = {0, 0, 0};
+    float* lse = nullptr;
+    std::int64_t lse_strides[2] = {0, 0};
+  };
+
 
  public:
   /// `bounds_block_tokens` > 0 keeps the key bounds of each block of that many tokens of every
@@ -172,7 +95,7 @@ class engine {
   /// and each sequence's open rows (up to chunks.longest).
   engine(const kvmosaic::detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
          kvmosaic::detail::chunk_limits chunks = {})
-      : shape_(shape),
+      : shape_(validated(shape, format)),
         format_(format),
         geometry_(shape, format),
         bounds_geometry_(shape, bounds_block_tokens),
@@ -182,8 +105,8 @@ class engine {
     kvmosaic::detail::require(bounds_block_tokens == 0 || (bounds_block_tokens % 8 == 0 && shape.page_size % bounds_block_tokens == 0),
                               "cuda::engine", "select::quest::block_tokens", bounds_block_tokens,
                               "0, or a multiple of 8 that divides the page size");
-    int device = 0;
-    KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
+    KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device_));
+    const int device = device_;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
     int major = 0;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -195,27 +118,8 @@ class engine {
     // Rows a TMA box reads past a tail's last token must hold finite values (they meet p = 0).
     KVMOSAIC_CUDA_CHECK(cudaMemset(pages_.data(), 0, pages_.size()));
     KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
-    const std::int64_t arena_rows = static_cast<std::int64_t>(std::max(shape.max_pages, shape.max_sequences)) * 2 *
-                                    shape.num_kv_heads * shape.page_size;
-    use_tma_ = use_bulk_copy_ &&
-               (shape.page_size % 64 == 0 || 64 % shape.page_size == 0) && arena_rows < (std::int64_t{1} << 31);
-    if (use_tma_) {
-      page_rows_ = make_row_map(pages_.data(), static_cast<std::uint64_t>(shape.max_pages) * 2 * shape.num_kv_heads * shape.page_size);
-      tail_rows_map_ =
-          make_row_map(tails_.data(), static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
-    }
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
-    if constexpr (is_quant2) {
-      kvmosaic::detail::require(format.k_axis == format::key_axis::tokens, "cuda::engine", "format::quant2::k_axis",
-                                "key_axis::head_dim",
-                                "key_axis::tokens (the CUDA kernels read K partitioned per channel; the per-token "
-                                "layout runs on the host backend)");
-      detail::dispatch_quant2(shape.head_dim, format.partition, [](auto, auto) {});  // rejects Pi > head_dim
-    }
-    if constexpr (streams_compressed_pages) {
-      use_tma_ = false;
-      if (use_bulk_copy_) choose_compressed_stages(device);
-    }
+    configure_format();
     prepare_decode_kernel();
     if (chunks.shortest > 0) reserve_chunks(chunks);
   }
@@ -340,14 +244,29 @@ class engine {
   /// A decode step: plan, then launch. q and out are device arrays [batch][num_q_heads][head_dim].
   /// With a selection request (`select::quest`), the pages each KV head reads are chosen on the
   /// device from the key bounds (kernel/select_pages.cuh) inside `launch_step`.
-  void attend(const std::vector<kvmosaic::detail::sequence_ref>& batch, tensor_view<const float, 3> q,
-              tensor_view<float, 3> out, float softmax_scale, const kvmosaic::detail::selection_request* request = nullptr) {
-    kvmosaic::detail::require(q.is_contiguous() && out.is_contiguous(), "cache::attend", "q, out layout", "strided",
-                              "contiguous device arrays [batch][num_q_heads][head_dim] on the CUDA backend");
-    require_device_memory("cache::attend", "q", q.data());
-    require_device_memory("cache::attend", "out", out.data());
+  /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
+  /// what the device selects from, written to page-locked staging. Waits only for the previous
+  /// step's copy out of that staging.
+  void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
+            const kvmosaic::detail::selection_request* request = nullptr) {
     plan_step(batch, request);
-    launch_step(q.data(), out.data(), softmax_scale);
+    softmax_scale_ = softmax_scale;
+  }
+
+  /// The device half (`cache::run`), enqueued on the engine's stream and capturable in a CUDA
+  /// graph: q (device, [batch][num_q_heads][head_dim], float, half or bfloat16, any strides) is
+  /// read in place when it is contiguous float, else gathered to float first (one small kernel);
+  /// out gets the outputs in its own type and strides, lse (optional, [batch][num_q_heads] float)
+  /// each head's log-sum-exp.
+  template <class Q, class O>
+  void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
+    require_device_memory("cache::run", "q", q.data());
+    require_device_memory("cache::run", "out", out.data());
+    if (lse.extent(0) > 0) require_device_memory("cache::run", "lse", lse.data());
+    const float* queries = q.data() == nullptr ? nullptr : gathered_queries(q);
+    output_view o{out.data(), {out.stride(0), out.stride(1), out.stride(2)}, lse.extent(0) > 0 ? lse.data() : nullptr,
+                  {lse.stride(0), lse.stride(1)}};
+    launch_step<O>(queries, o, softmax_scale_);
   }
 
   /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
@@ -435,7 +354,7 @@ class engine {
       KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chunks_.work.data(), work.data(), work.size() * sizeof(int4), cudaMemcpyHostToDevice, stream_));
       p.chunks = chunks_.work.template as<const int4>();
     }
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using S = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       const auto heads = static_cast<unsigned>(shape_.num_kv_heads);
@@ -540,6 +459,8 @@ class engine {
     step_metadata_ = device_buffer(layout_.bytes);
     const std::size_t partial_floats = static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * (shape_.head_dim + 1);
     partials_ = device_buffer(partial_floats * sizeof(float));
+    queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * shape_.group_size *
+                             shape_.head_dim * sizeof(float));
     if (bounds_geometry_.block_tokens > 0 || chunks_.limits.shortest > 0) {  // per (sequence, KV head): a score per span, the chosen pages
       const std::size_t rows = static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * capacity_.table_stride;
       scores_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * score_stride() * sizeof(float));
@@ -628,37 +549,58 @@ class engine {
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
   }
 
+  /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
+  /// capturable like `launch_step`: for timing selection apart from attention.
+  void launch_selection_only(const float* q) {
+    static_assert(selects, "cuda::engine::launch_selection_only: this cache's selector reads every page");
+    kvmosaic::detail::require(selecting_, "cuda::engine::launch_selection_only", "the planned step", "not selected",
+                              "a step planned with a selection request");
+    launch_selection(stage_step(q, output_view{}, 1.0f), q);
+  }
+
+ private:
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
   /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel. On
   /// sm_90 the split and merge kernels are programmatic dependents of the kernel before each
   /// (cuda/detail/dependent_launch.cuh): each is scheduled while its predecessor finishes.
-  void launch_step(const float* q, float* out, float softmax_scale) {
-    const kernel::decode_params p = stage_step(q, out, softmax_scale);
-    if (selecting_) launch_selection(p, q);
+  template <class O>
+  void launch_step(const float* q, const output_view& out, float softmax_scale) {
+    kernel::split_params<typename device::params> p{};
+    static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
+    p.format = device::params_for(format_state_, format_, context());
+    if constexpr (selects)
+      if (selecting_) launch_selection(p, q);
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
       detail::launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), detail::opted_in_shared(kernel, shared_bytes),
                             stream_, dependent_launch_, p);
     });
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto dim, auto) {
+    const kernel::decode_params& common = p;
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto, auto dim, auto) {
       constexpr int head_dim = decltype(dim)::value;
-      detail::launch_kernel(kernel::merge_splits_kernel<head_dim>, dim3(static_cast<unsigned>(batch_ * num_q_heads)),
-                            dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, p, num_q_heads);
+      detail::launch_kernel(kernel::merge_splits_kernel<head_dim, O>, dim3(static_cast<unsigned>(batch_ * num_q_heads)),
+                            dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   }
 
-  /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
-  /// capturable like `launch_step`: for timing selection apart from attention.
-  void launch_selection_only(const float* q) {
-    kvmosaic::detail::require(selecting_, "cuda::engine::launch_selection_only", "the planned step", "not selected",
-                              "a step planned with a selection request");
-    launch_selection(stage_step(q, nullptr, 1.0f), q);
+  /// The step's queries as contiguous float: `q` itself, or a copy gathered into `queries_`
+  /// (sized by reserve_step for the largest batch).
+  template <class Q>
+  const float* gathered_queries(const tensor_view<const Q, 3>& q) {
+    if constexpr (std::is_same<Q, float>::value)
+      if (q.is_contiguous()) return q.data();
+    kernel::query_source<Q> source{q.data(), {q.stride(0), q.stride(1), q.stride(2)}, static_cast<int>(q.extent(0)),
+                                   static_cast<int>(q.extent(1)), static_cast<int>(q.extent(2))};
+    constexpr int threads = 256;
+    kernel::gather_queries_kernel<Q><<<detail::grid_for(q.extent(0) * q.extent(1) * q.extent(2), threads), threads, 0, stream_>>>(
+        source, queries_.as<float>());
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    return queries_.as<const float>();
   }
 
- private:
   /// Copies the staged metadata to the device and returns the step's kernel parameters.
-  kernel::decode_params stage_step(const float* q, float* out, float softmax_scale) {
+  kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
     detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes, stream_);
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
@@ -694,13 +636,12 @@ class engine {
     const std::int32_t work = capacity_.work;
     p.partial_o = partials_.as<float>();
     p.partial_lse = partials_.as<float>() + static_cast<std::size_t>(work) * shape_.num_kv_heads * shape_.group_size * shape_.head_dim;
-    p.out = out;
-    p.page_rows = page_rows_;
-    p.tail_rows_map = tail_rows_map_;
-    p.stages = compressed_stages_;
+    p.out = out.data;
+    std::copy(out.strides, out.strides + 3, p.out_strides);
+    p.lse = out.lse;
+    std::copy(out.lse_strides, out.lse_strides + 2, p.lse_strides);
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
-    if constexpr (is_bitmap) p.k_along_tokens = traits::k_along_tokens(format_) ? 1 : 0;
     return p;
   }
 
@@ -740,7 +681,7 @@ class engine {
     const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
                           static_cast<unsigned>(std::max((score_stride() + spans_per_cta - 1) / spans_per_cta, 1)),
                           static_cast<unsigned>(batch_));
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
@@ -774,83 +715,26 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    if constexpr (is_quant2) {
-      // The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
-      const int stage_bytes = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes);
-      const auto by_shape = [&](auto element) {
-        using T = decltype(element);
-        detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
-          constexpr int head_dim = decltype(dim)::value, pi = decltype(partition)::value;
-          using layout = kernel::quant2_decode_layout<head_dim, pi>;
-          const bool masks = selecting_ && token_granular();  // row masks: their own instantiations
-          if (use_bulk_copy_ && masks)
-            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true, true>, 128, layout::bytes(stage_bytes, compressed_stages_));
-          else if (use_bulk_copy_)
-            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true>, 128, layout::bytes(stage_bytes, compressed_stages_));
-          else if (masks)
-            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false, true>, 128, layout::bytes(stage_bytes, 1));
-          else
-            f(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false>, 128, layout::bytes(stage_bytes, 1));
-        });
-      };
-      if (shape_.storage == dtype::f16)
-        by_shape(half{});
-      else
-        by_shape(bfloat16{});
-      return;
-    }
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, shape_.group_size, [&](auto element, auto dim, auto group) {
-      using T = decltype(element);
-      constexpr int head_dim = decltype(dim)::value;
-      constexpr int group_size = decltype(group)::value;
-      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      if constexpr (is_bitmap) {
-        if (use_bulk_copy_) {
-          const int shared_bytes = kernel::bitmap_decode_shared_bytes(
-              head_dim, group_size, static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes), compressed_stages_,
-              traits::k_along_tokens(format_));
-          if (selecting_ && token_granular())  // row masks: their own instantiation
-            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128, shared_bytes);
-          else
-            f(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128, shared_bytes);
-        } else {
-          using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
-          f(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
-            kernel::bitmap_portable_layout<head_dim, group_size, collective::rows>::bytes);
-        }
-      } else if (use_tma_) {
-        constexpr int stage_tokens = 64, stages = t.tma_stages;
-        using layout = kernel::tma_decode_layout<T, head_dim, stage_tokens, stages, t.max_pages_per_split>;
-        f(kernel::decode_partial_tma_kernel<T, head_dim, group_size, stage_tokens, stages, t.max_pages_per_split>, 128,
-          layout::bytes);
-      } else if (use_bulk_copy_) {
-        using layout =
-            kernel::bulk_decode_layout<T, head_dim, group_size, t.stage_tokens, t.stages, t.max_pages_per_split>;
-        f(kernel::decode_partial_bulk_kernel<format::dense, T, head_dim, group_size, t.threads, t.unroll, t.stage_tokens,
-                                             t.stages, t.max_pages_per_split>,
-          t.threads, layout::bytes);
-      } else {
-        f(kernel::decode_partial_kernel<format::dense, T, head_dim, group_size, t.threads, t.unroll>, t.threads, 0);
-      }
-    });
+    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selecting_ && token_granular(), f);
   }
 
-  /// The most pages one split may hold: the page ids the dense sm_90 kernels keep in shared
-  /// memory (the bitmap_tiles and quant2 kernels read them from the block table: no limit).
-  static constexpr int max_pages_per_split(const decode_tuning& t) {
-    return streams_compressed_pages ? 1 << 30 : t.max_pages_per_split;
-  }
+  /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
+  /// memory, or no limit).
+  int max_pages_per_split(const decode_tuning& t) const { return device::max_pages_per_split(format_state_, t); }
 
-  /// bitmap_tiles and quant2 on sm_90: sets the compressed page pairs in flight (1 to 4; per CTA
-  /// for bitmap_tiles, per warp for quant2) and re-reads the occupancy. For tuning experiments;
-  /// the engine picks a value by itself.
+  /// Formats whose sm_90 kernel streams compressed pages through shared-memory stages: sets the
+  /// stages (1 to 4; what a stage holds is the format's) and re-reads the occupancy. For tuning
+  /// experiments; the format picks a value by itself.
   void set_compressed_stages(int stages) {
+    kvmosaic::detail::require(format_state_.stages > 0, "cuda::engine::set_compressed_stages", "this engine's kernel",
+                              "without run-time stages", "a format's sm_90 kernel with compressed stages");
     kvmosaic::detail::require(stages >= 1 && stages <= 4, "cuda::engine::set_compressed_stages", "stages", stages,
                               "1 to 4");
-    compressed_stages_ = stages;
+    format_state_.stages = stages;
     prepare_decode_kernel();
   }
-  int compressed_stages() const noexcept { return compressed_stages_; }
+  /// The stages of the format's kernel (0: none at run time).
+  int compressed_stages() const noexcept { return format_state_.stages; }
 
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
@@ -859,8 +743,7 @@ class engine {
   /// Takes effect from the next step.
   void use_portable_kernel() {
     use_bulk_copy_ = false;
-    use_tma_ = false;
-    prepare_decode_kernel();
+    configure_format();
   }
 
   /// Programmatic dependent launch of the split and merge kernels (on by default where the device
@@ -872,14 +755,9 @@ class engine {
   /// True when decode runs an sm_90 pipeline (bulk copies or TMA), whose q is rounded to two
   /// 16-bit halves on tensor cores.
   bool uses_bulk_copy() const noexcept { return use_bulk_copy_; }
-  /// True when decode runs the sm_90 TMA kernel with q.k and p.v on tensor cores (p also split
-  /// into two 16-bit halves).
-  bool uses_tma() const noexcept { return use_tma_; }
-  /// True when decode multiplies p.v on tensor cores, p split into two 16-bit halves (the dense
-  /// TMA kernel and the sm_90 bitmap_tiles kernel).
-  bool splits_p_on_tensor_cores() const noexcept {
-    return use_tma_ || (is_bitmap && use_bulk_copy_);
-  }
+  /// True when the format's split kernel multiplies p.v on tensor cores, p split into two 16-bit
+  /// halves (its device part says).
+  bool splits_p_on_tensor_cores() const { return device::splits_p_on_tensor_cores(format_state_, context()); }
   /// Grid size of the split kernel for a batch: an upper bound on the splits of any plan for it
   /// (at most target + batch: each sequence rounds its split count up by less than one), so a
   /// captured graph stays valid. Plans capped by max_pages_per_split (longer than a wave) may need
@@ -888,67 +766,30 @@ class engine {
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
-  /// Split sizes in multiples of the workers a split kernel deals its pages to: quant2's warps
-  /// (so none idles at the end of a split: 3% at batch 8, 128K); other kernels share each page.
-  static constexpr std::int32_t split_page_multiple = is_quant2 ? 4 : 1;
+  /// Split sizes in multiples of the workers a format's split kernel deals its pages to.
+  static constexpr std::int32_t split_page_multiple = device::split_page_multiple;
   /// Completed pages per encode pass (encoded formats): bounds the scratch arena for a prefill.
   static constexpr std::int32_t encode_chunk_pages = 64;
 
-  /// bitmap_tiles and quant2 on sm_90: the compressed stages (per CTA for bitmap_tiles, per warp
-  /// for quant2). Occupancy comes first: as many CTAs per SM as the kernel's registers allow
-  /// (quant2: at most 4) with at least one stage each, then as many stages as fit next to them
-  /// (bitmap_tiles at most 2, quant2 at most 4). quant2 at Pi = 64, head_dim 128 gets 4 CTAs of 4
-  /// warps with 2 pages in flight per warp; bitmap_tiles at head_dim 128, groups <= 4 (its kernel
-  /// bounded to 96 registers) 5 CTAs of 2 stages. Measured on H100, bitmap_tiles, s = 0.7, 128K
-  /// (results/h100-2026-11-25d and e): five CTAs against four 1.06x faster at batch 8 (779 against
-  /// 826 us) and 1.07x at batch 32; two stages against three equal at batch 8 and 1.03x at batch
-  /// 32; batch 1 is the exception (fewer, longer splits win there: 4K 25.0 us with four CTAs of
-  /// four stages against 27.0). Pages too large for one stage run the portable kernel.
-  void choose_compressed_stages(int device) {
-    int per_sm = 0, per_block = 0, reserved = 0, registers = 0;
-    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&registers, cudaDevAttrMaxRegistersPerMultiprocessor, device));
-    int kernel_registers = 0;
-    with_decode_kernel([&](auto kernel, int, int) {
-      cudaFuncAttributes attributes{};
-      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      kernel_registers = attributes.numRegs;
-    });
-    // Registers are allocated per warp in units of 256; the kernels run 4 warps.
-    const int per_cta_registers = 4 * ((kernel_registers * 32 + 255) / 256 * 256);
-    // A stage: one page pair for the CTA (bitmap_tiles), or for each of its 4 warps (quant2).
-    const int pair = static_cast<int>(geometry_.k_page_bytes + geometry_.v_page_bytes) * (is_quant2 ? 4 : 1);
-    const auto shared_bytes = [&](int stages) {
-      int bytes = 0;
-      if constexpr (is_quant2)
-        detail::dispatch_quant2(shape_.head_dim, format_.partition, [&](auto dim, auto partition) {
-          bytes = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset + 1024 +
-                  stages * pair;
-        });
-      else
-        bytes = kernel::bitmap_decode_shared_bytes(shape_.head_dim, shape_.group_size, pair, stages,
-                                                   traits::k_along_tokens(format_));
-      return bytes;
-    };
-    // bitmap_tiles takes at most 2: at five CTAs per SM a third or fourth stage was slower or equal
-    // at batch 8-32 (H100, 2026-11-25, results/h100-2026-11-25e/stages: batch 32, 128K, s = 0.7
-    // 2940 us with 2 stages, 3036 with 3). quant2 up to 4, as tuned.
-    const int max_stages = is_quant2 ? kernel::bitmap_decode_layout<64, 1>::max_stages : 2;
-    // bitmap_tiles: as many CTAs as registers allow (5 at head_dim 128, groups <= 4: the kernel is
-    // bounded for it); quant2 stays at 4, as tuned.
-    const int most_ctas = is_quant2 ? 4 : 16;
-    for (int ctas = std::min(most_ctas, registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
-      const int budget = std::min(per_sm / ctas - reserved, per_block);
-      int stages = 0;
-      while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
-      if (stages >= 1) {
-        compressed_stages_ = stages;
-        return;
-      }
-    }
-    use_bulk_copy_ = false;  // not even one page pair fits next to the dense tiles
+  /// The format's device part decides its kernel path for this device (and may turn the sm_90
+  /// pipelines off); then the kernel's occupancy sizes the split plan.
+  void configure_format() {
+    device_context c = context();
+    device::template configure<Shapes>(format_state_, format_, c);
+    use_bulk_copy_ = c.bulk_copy;
+    prepare_decode_kernel();
+  }
+  device_context context() const {
+    return device_context{&shape_, &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_, stream_};
+  }
+  static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
+    kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",
+                              "storage/head_dim/group_size",
+                              std::string(to_string(shape.storage)) + "/" + std::to_string(shape.head_dim) + "/" +
+                                  std::to_string(shape.group_size),
+                              ("a shape of the cache's CUDA backend: " + Shapes::describe()).c_str());
+    device::validate(format, shape);
+    return shape;
   }
 
   /// Raises the chosen split kernel's dynamic shared-memory limit and reads its occupancy, which
@@ -960,29 +801,6 @@ class engine {
       KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
       ctas_per_sm_ = std::max(ctas_per_sm_, 1);
     });
-  }
-
-  /// A 2D tensor map over `rows` rows of head_dim 16-bit values at `base`, boxes of 64 channels x
-  /// min(page_size, 64) rows, 128-byte swizzle (the layout the TMA kernel reads with ldmatrix).
-  CUtensorMap make_row_map(void* base, std::uint64_t rows) const {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    KVMOSAIC_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode),
-                                                         12000, cudaEnableDefault, &status));
-    kvmosaic::detail::require(status == cudaDriverEntryPointSuccess && encode != nullptr, "cuda::engine",
-                              "cuTensorMapEncodeTiled", "missing", "a driver with TMA (CUDA 12+)");
-    CUtensorMap map{};
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(shape_.head_dim), rows};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(shape_.head_dim) * 2};
-    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(std::min(shape_.page_size, 64))};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUresult result =
-        encode(&map, shape_.storage == dtype::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-               base, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    kvmosaic::detail::require(result == CUDA_SUCCESS, "cuda::engine", "cuTensorMapEncodeTiled result",
-                              static_cast<int>(result), "CUDA_SUCCESS");
-    return map;
   }
 
   template <class T>
@@ -1062,10 +880,26 @@ class engine {
       kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     };
-    if (shape_.storage == dtype::f16)
-      scatter(half{});
-    else
-      scatter(bfloat16{});
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
+    if constexpr (selects) write_page_bounds(page_ids, pages_bytes, num_new_pages);
+    if constexpr (encodes_pages) {
+      if (num_new_pages > 0) {
+        const device_context c = context();
+        const encode_context e{&c,
+                               scratch_.as<const std::byte>(),
+                               page_ids,
+                               reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
+                               key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr,
+                               reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes),
+                               num_new_pages};
+        device::template encode_pages<Shapes>(format_state_, format_, e);
+      }
+    }
+  }
+
+  /// A read-less selector's key bounds of the new pages (`page_ids`: device), from their dense
+  /// rows: in their page slots (formats without an encoder), or in scratch slots 0 .. n.
+  void write_page_bounds(const std::int32_t* page_ids, std::size_t pages_bytes, std::int32_t num_new_pages) {
     if (bounds_geometry_.block_tokens > 0 && num_new_pages > 0) {
       // The rows of the new pages: in their page slots (dense), or in scratch slots 0 .. n.
       kernel::bounds_params b{};
@@ -1077,7 +911,7 @@ class engine {
       b.bounds = bounds_.as<std::byte>();
       b.bounds_page_bytes = static_cast<std::int64_t>(bounds_geometry_.page_bytes);
       b.block_tokens = bounds_geometry_.block_tokens;
-      detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
+      detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
         constexpr int head_dim = decltype(dim)::value;
         kernel::page_bounds_kernel<decltype(element), head_dim>
             <<<dim3(static_cast<unsigned>(num_new_pages), static_cast<unsigned>(shape_.num_kv_heads),
@@ -1085,11 +919,6 @@ class engine {
                head_dim, 0, stream_>>>(b);
         KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       });
-    }
-    if constexpr (encodes_pages) {
-      if (num_new_pages > 0)
-        encode_pages(page_ids, reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
-                     reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes), num_new_pages);
     }
   }
 
@@ -1099,70 +928,6 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old arena may still be read
     scratch_pages_ = std::max(pages, encode_chunk_pages);
     scratch_ = device_buffer(static_cast<std::size_t>(scratch_pages_) * geometry_.tail_slot_bytes());
-  }
-
-  /// Compresses scratch slots 0 .. n into pages page_ids[0 .. n), K scored with weight rows
-  /// weight_rows[0 .. n), sinks kept in tail slots sink_slots[0 .. n) (device arrays).
-  void encode_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, const std::int32_t* sink_slots,
-                    std::int32_t n) {
-    if constexpr (is_quant2) {
-      kernel::quant2_encode_params e{};
-      e.rows = scratch_.as<const std::byte>();
-      e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
-      e.rows_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
-      e.pages = pages_.as<std::byte>();
-      e.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
-      e.page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
-      e.tails = tails_.as<std::byte>();
-      e.sink_rows = static_cast<int>(geometry_.sink_rows);
-      e.sink_slots = sink_slots;
-      e.new_pages = page_ids;
-      e.num_kv_heads = shape_.num_kv_heads;
-      e.page_size = shape_.page_size;
-      e.partition = format_.partition;
-      e.stochastic = format_.mode == format::rounding::stochastic;
-      e.seed = format_.seed;
-      const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);
-      const int code_bytes = shape_.page_size * shape_.head_dim;
-      detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
-        using S = decltype(element);
-        constexpr int head_dim = decltype(dim)::value;
-        const auto encode = kernel::encode_quant2_pages_kernel<S, head_dim>;
-        encode<<<grid, kernel::quant2_encode_threads, detail::opted_in_shared(encode, code_bytes), stream_>>>(e);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      });
-      (void)weight_rows;
-      return;
-    } else {
-      (void)sink_slots;  // no sinks in other formats
-      encode_bitmap_pages(page_ids, weight_rows, n);
-    }
-  }
-
-  void encode_bitmap_pages(const std::int32_t* page_ids, const std::int32_t* weight_rows, std::int32_t n) {
-    kernel::bitmap_encode_params e{};
-    e.rows = scratch_.as<const std::byte>();
-    e.rows_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
-    e.pages = pages_.as<std::byte>();
-    e.page_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
-    e.k_page_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
-    e.v_page_bytes = static_cast<std::int64_t>(geometry_.v_page_bytes);
-    e.new_pages = page_ids;
-    e.num_kv_heads = shape_.num_kv_heads;
-    e.page_size = shape_.page_size;
-    e.keep_k = kvmosaic::detail::kept_per_vector(format_.s_k, shape_.head_dim);
-    e.keep_v = kvmosaic::detail::kept_per_vector(format_.s_v, shape_.head_dim);
-    e.k_along_tokens = format_traits<Format>::k_along_tokens(format_) ? 1 : 0;
-    e.key_weights = key_weights_.as<const float>();
-    e.weight_rows = key_weights_.size() > 0 ? weight_rows : nullptr;
-    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape_.num_kv_heads), 2);
-    const int mask_bytes = shape_.page_size * shape_.head_dim / 8;
-    detail::dispatch_shape(shape_.storage, shape_.head_dim, 1, [&](auto element, auto dim, auto) {
-      using S = decltype(element);
-      constexpr int head_dim = decltype(dim)::value;
-      kernel::encode_bitmap_pages_kernel<S, head_dim><<<grid, kernel::encode_threads, mask_bytes, stream_>>>(e);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    });
   }
 
   /// Chunks per block of the chunk arena: a sequence's chunks live in whole blocks, listed in its
@@ -1267,14 +1032,12 @@ class engine {
   device_buffer table_lengths_;   ///< [batch][num_kv_heads] entries of selected_ a token-granular step wrote
   chunk_store chunks_;            ///< select::sentence_chunks' chunks (limits.shortest == 0: none)
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
+  int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
   bool use_bulk_copy_ = false;
-  bool use_tma_ = false;
   bool supports_dependent_launch_ = false;  ///< sm_90 and later
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end
-  CUtensorMap page_rows_{};
-  CUtensorMap tail_rows_map_{};
   cudaStream_t stream_ = nullptr;
   cudaEvent_t staged_ = nullptr;  ///< the last copy out of page-locked staging
   layout_capacity capacity_;
@@ -1283,21 +1046,23 @@ class engine {
   std::int32_t step_splits_ = 0;
   pinned_buffer staging_, extend_staging_;
   device_buffer step_metadata_, extend_metadata_, partials_;
+  device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
+  float softmax_scale_ = 1.0f;    ///< of the planned step
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
   std::int32_t scratch_pages_ = 0;
   device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
   std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
-  int compressed_stages_ = 2;    ///< bitmap_tiles / quant2 sm_90 kernels: compressed page pairs in flight
+  typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
 };
 
 }  // namespace cuda
 
 namespace detail {
-template <class Format>
-struct engine_for<backend::cuda, Format> {
-  using type = cuda::engine<Format>;
+template <class Format, class Selector, class... Shapes>
+struct engine_for<backend::cuda_for<Shapes...>, Format, Selector> {
+  using type = cuda::engine<Format, Selector, cuda::detail::shape_list<Shapes...>>;
 };
 }  // namespace detail
 

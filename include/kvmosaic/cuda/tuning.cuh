@@ -21,18 +21,11 @@ struct decode_tuning {
 constexpr decode_tuning decode_tuning_for(int head_dim, int group_size) {
   // Registers per thread grow with the group (q and o held per query head): fewer tokens per
   // step for large groups. A stage is 16 KB of K plus 16 KB of V whatever head_dim; two stages per
-  // CTA and three CTAs per SM keep about 190 KB of loads in flight per SM (measured on H200: two
-  // 32 KB stages beat four 16 KB ones, 75% vs 70% of HBM at batch 8, 128K).
-  // The tensor-core kernel keeps two 64-token stages (32 KB at head_dim 128) in flight per CTA.
-  // Measured on H200 at head_dim 128: three stages gave the same times as two; with q in
-  // registers (185 registers, two CTAs per SM) capping registers for three CTAs spilled and lost
-  // 25%; q in shared memory (126 registers, three CTAs per SM) gave the same times at batch 8-32:
-  // occupancy is not what separates this kernel from cuDNN.
-  // With q in shared memory (126 registers at head_dim 128) and 2048 page ids, the kernel takes
-  // 78 KB of shared memory at head_dim 128 (two CTAs per SM) and 142 KB at 256 (one). 512 page
-  // ids would fit three CTAs per SM but cap splits at 512 pages: batch 32 at 128K then needs
-  // three waves and lost 2.5%.
-  // The bitmap_tiles kernel sizes its stages at run time: see engine::choose_compressed_stages.
+  // CTA and three CTAs per SM keep about 190 KB of loads in flight per SM. The tensor-core kernel
+  // keeps two 64-token stages in flight per CTA, q in shared memory, and up to 2048 page ids per
+  // split (78 KB of shared memory at head_dim 128: two CTAs per SM; 142 KB at 256: one). The
+  // measurements behind each number: benchmark/README.md, "Decisions the code cites".
+  // Formats that stream compressed pages size their stages at run time (their device parts).
   return decode_tuning{128, group_size > 4 ? 2 : (head_dim >= 256 ? 2 : 4), 8192 / head_dim, 2, 2048, 2};
 }
 

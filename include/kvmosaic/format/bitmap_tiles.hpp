@@ -26,10 +26,8 @@
 /// so a warp runs as long as its fullest tile. A K tile along tokens holds one channel's 64
 /// tokens, and channels with outliers are kept for nearly every token: on K with outlier channels
 /// (`synthetic::generate_kv`), a warp's fullest K tile holds 51 values along tokens against 24
-/// along channels at s = 0.7 (mean 19). Measured on H100, same build and run, batch 8, 128K
-/// (benchmark/README.md, 2026-11-24): along channels 1.41x faster at s = 0.7 (1564 against
-/// 2197 us) and 4% slower at s = 0.5 (2839 against 2718 us); on uniform random K (no outlier
-/// channels) 1.08x faster at s = 0.7 and 15% slower at s = 0.5.
+/// along channels at s = 0.7 (mean 19); along channels was the faster default on K with outlier
+/// channels at s = 0.7 (benchmark/README.md, "Decisions the code cites": "bitmap_tiles K layout").
 ///
 /// Deliberate difference: the paper pads each tile's values to a multiple of 8 so a thread can
 /// load a tile with aligned vector loads from global memory. Here the values of a page form one

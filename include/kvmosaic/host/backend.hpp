@@ -31,6 +31,7 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic {
@@ -145,25 +146,6 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
   store_dense_rows(storage, bounds.data(), bounds.size(), out);
 }
 
-/// Sentence chunks of one sequence, cut by the cache: chunk i is tokens [starts[i], starts[i+1]),
-/// its key bounds at bounds + (i * num_kv_heads + head) * 2 * head_dim (storage dtype bits).
-struct chunk_list {
-  const std::int64_t* starts = nullptr;
-  std::int32_t count = 0;
-  const std::uint16_t* bounds = nullptr;
-};
-
-/// What a read-less selector asks of one step (select/selector_traits.hpp): per batch entry, the
-/// token budget and the first token of the region read whatever the selection (the open chunk);
-/// the spans are the engine's page blocks (`block_tokens` > 0) or the given chunks.
-struct selection_request {
-  group_combine combine = group_combine::max;
-  int block_tokens = 0;
-  std::vector<std::int64_t> budget;        ///< [batch] tokens
-  std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
-  std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
-};
-
 /// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
 /// ascending), the tokens attended (selected, open chunk, tail, sinks) and the pages read.
 struct head_selection {
@@ -217,8 +199,9 @@ class engine {
 
  public:
   /// `bounds_block_tokens` > 0 keeps the key bounds of every block of that many tokens of each
-  /// sealed page (for `select::quest`). Sentence chunks' bounds are the cache's on this backend
-  /// (`chunk_list`), so the chunk limits are unused.
+  /// sealed page (for `select::quest`). On this backend `select::sentence_chunks` keeps its
+  /// chunks' bounds in its per-sequence state (select/sentence_chunks.hpp) and passes them with
+  /// each step (`chunk_list`), so the chunk limits are unused.
   engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
          detail::chunk_limits = {})
       : shape_(shape),
@@ -315,11 +298,24 @@ class engine {
       w.assign(weights, weights + shape_.row_elements());
   }
 
-  /// out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every stored token of sequence b, or,
-  /// with a selection request, over the tokens the selection reads (docs/selectors.md).
-  /// q, out: [batch][num_kv_heads * group_size][head_dim].
-  void attend(const std::vector<detail::sequence_ref>& batch, tensor_view<const float, 3> q,
-              tensor_view<float, 3> out, float softmax_scale, const detail::selection_request* request = nullptr) {
+  /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
+  /// selection request for `run` (the batch's block tables are read when `run` runs).
+  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
+    planned_batch_ = batch;
+    planned_scale_ = softmax_scale;
+    planned_request_ = request != nullptr ? *request : detail::selection_request{};
+    planned_selects_ = request != nullptr;
+  }
+
+  /// The planned step (`cache::run`): out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every
+  /// stored token of sequence b, or, with a selection request, over the tokens the selection
+  /// reads (docs/selectors.md); lse[b][j] (optional, extent 0: not written) its log-sum-exp.
+  /// q, out: [batch][num_kv_heads * group_size][head_dim], float, half or bfloat16, any strides.
+  template <class Q, class O>
+  void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
+    const std::vector<detail::sequence_ref>& batch = planned_batch_;
+    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
+    const float softmax_scale = planned_scale_;
     const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
     attend_scratch s(groups, d, p);
     if (request != nullptr) last_selection_.assign(batch.size() * static_cast<std::size_t>(shape_.num_kv_heads), {});
@@ -341,7 +337,7 @@ class engine {
           }
         }
         for (int g = 0; g < groups; ++g)
-          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = q(b, h * groups + g, c) * softmax_scale;
+          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(b, h * groups + g, c)) * softmax_scale;
         std::fill(s.o.begin(), s.o.end(), 0.0f);
         std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
         const page_shape shape = shape_.page();
@@ -362,8 +358,10 @@ class engine {
           fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
                                    tail_rows, s);
         }
-        for (int g = 0; g < groups; ++g)
-          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = s.o[g * d + c] / s.state[g].l;
+        for (int g = 0; g < groups; ++g) {
+          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
+          if (lse.extent(0) > 0) lse(b, h * groups + g) = s.state[g].log_sum_exp();
+        }
       }
     }
   }
@@ -440,8 +438,9 @@ class engine {
   /// sequence's chunks), picks them within the budget (`detail::budget_prefix`) and marks the page
   /// tokens the step reads in `keep` ([page][mask word]): the selected spans' tokens and every
   /// token from `always_from` on. The tail and sink rows are read besides.
+  template <class Q>
   void select_tokens(const detail::selection_request& r, std::size_t b, const detail::sequence_ref& seq,
-                     const tensor_view<const float, 3>& q, int h, std::vector<std::uint64_t>& keep,
+                     const tensor_view<const Q, 3>& q, int h, std::vector<std::uint64_t>& keep,
                      detail::head_selection& chosen) const {
     const int p = shape_.page_size, d = shape_.head_dim, groups = shape_.group_size;
     const std::size_t mask_words = static_cast<std::size_t>(p + 63) / 64;
@@ -469,7 +468,7 @@ class engine {
     std::vector<float> scores(begin.size()), head_scores(static_cast<std::size_t>(groups)), lo_hi(2 * static_cast<std::size_t>(d));
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
-      for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = q(static_cast<std::int64_t>(b), h * groups + g, c);
+      for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
     for (std::size_t i = 0; i < begin.size(); ++i) {
       dense_traits::decode_k(format::dense{}, page_shape{2, d, shape_.storage}, bounds[i], 2, lo_hi.data());
       for (int g = 0; g < groups; ++g)
@@ -560,6 +559,10 @@ class engine {
   detail::host_buffer tails_;
   detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
   std::vector<detail::head_selection> last_selection_;
+  std::vector<detail::sequence_ref> planned_batch_;  ///< the planned step (`plan`, then `run`)
+  detail::selection_request planned_request_;
+  float planned_scale_ = 1.0f;
+  bool planned_selects_ = false;
   std::vector<std::byte> saved_tail_;  ///< tail rows kept for `rollback`
   std::int32_t saved_slot_ = -1;       ///< their slot, -1: nothing to restore
   int saved_rows_ = 0;
@@ -570,8 +573,8 @@ class engine {
 }  // namespace host
 
 namespace detail {
-template <class Format>
-struct engine_for<backend::host, Format> {
+template <class Format, class Selector>
+struct engine_for<backend::host, Format, Selector> {
   using type = host::engine<Format>;
 };
 }  // namespace detail

@@ -19,7 +19,7 @@ struct all {
 }  // namespace select
 
 template <>
-struct selector_traits<select::all> {
+struct selector_traits<select::all> : stateless_selector_hooks {
   static constexpr const char* name = "all";
   static constexpr bool reads_all_pages = true;
   static constexpr bool evicts = false;

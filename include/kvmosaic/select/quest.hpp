@@ -5,9 +5,13 @@
 /// `select::quest`: query-aware block selection (Quest, Tang et al., ICML 2024; the stage-2 page
 /// selection of MosaicKV, section 4.2; "page selection without eviction" in the eviction notes).
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "kvmosaic/core/error.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
@@ -47,8 +51,9 @@ struct quest {
 
 }  // namespace select
 
+/// Quest keeps nothing per sequence: its bounds live with each page, in the engine.
 template <>
-struct selector_traits<select::quest> {
+struct selector_traits<select::quest> : stateless_selector_hooks {
   static constexpr const char* name = "quest";
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
@@ -69,6 +74,27 @@ struct selector_traits<select::quest> {
   }
   /// Tokens per block whose key bounds the cache keeps with each page (0: none).
   static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
+
+  /// The engine keeps the key bounds of every block of each sealed page.
+  static std::tuple<int> engine_arguments(const select::quest& s, int page_size) noexcept {
+    return std::tuple<int>(s.block_for(page_size));
+  }
+  /// A step scores the page blocks of every sequence.
+  static detail::selection_request start_request(const select::quest& s, const selector_shape& shape) {
+    detail::selection_request r;
+    r.combine = s.combine;
+    r.block_tokens = s.block_for(shape.page_size);
+    return r;
+  }
+  /// One sequence's entry: the budget for its length, and nothing read besides the selection but
+  /// the tail. A sequence whose tail is empty reads at least one block, so that every step attends
+  /// to a token. Cost: O(1).
+  static void request(const select::quest& s, const selector_shape&, const sequence_state&, std::int64_t length,
+                      std::int64_t tail_rows, detail::selection_request& r) {
+    const std::int64_t budget = s.budget.resolve(length);
+    r.budget.push_back(tail_rows == 0 ? std::max<std::int64_t>(budget, r.block_tokens) : budget);
+    r.always_from.push_back(length);
+  }
 };
 
 }  // namespace kvmosaic

@@ -8,11 +8,11 @@
 /// selector_tag;` and carrying its parameters (a budget, a window). It decides which tokens a
 /// decode query sees. There are two kinds, and the difference matters to memory:
 ///   - *read less*: the cache keeps every token; the selector picks the pages (or token ranges)
-///     one step reads. Memory is not freed. (`all`, and later `quest`, `sentence_chunks`.)
+///     one step reads. Memory is not freed. (`all`, `quest`, `sentence_chunks`.)
 ///   - *keep less*: tokens are evicted for good, and a compactor returns their memory.
 ///     (`streaming`, `h2o`, `snapkv`.)
 ///
-/// `kvmosaic::selector_traits<Selector>` provides:
+/// `kvmosaic::selector_traits<Selector>` provides, as a description:
 ///   static constexpr const char* name;
 ///   static std::string describe(const Selector&);   // name plus parameters, for reports
 ///   static constexpr bool reads_all_pages;          // true: kernels read every page, no page list
@@ -22,15 +22,66 @@
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
 ///
+/// and, as behaviour, the host hooks the cache calls for every selector without naming one
+/// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
+/// a selector's traits derive from it and replace what they need). `OnDevice` is true when the
+/// backend keeps K and V rows in device memory (backend::cuda): then `k` must not be read on the
+/// host, and work on the keys is the engine's (the `write`, `fork`, `release` hooks drive it).
+///
+///   using sequence_state = ...;   // per sequence, held by the cache: default-constructed by
+///                                 // add_sequence (may throw), copied by fork_sequence (may throw)
+///   using update = ...;           // what some rows add to a sequence_state, staged
+///   template <class Cache> struct cache_members;  // public members the selector adds to the
+///                                 // cache (a base of cache<...>, CRTP; they read the state with
+///                                 // Cache::selector_state(seq))
+///   static std::tuple<...> engine_arguments(const Selector&, int page_size);
+///                                 // the engine constructor's arguments after (shape, format)
+///   template <bool OnDevice, class T>
+///   static update stage(const Selector&, const selector_shape&, const sequence_state&,
+///                       const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
+///                       std::int64_t first, std::int64_t n);
+///                                 // what rows [first, first + n) of k (and their ids, host
+///                                 // memory; empty unless needs_token_ids) add; may throw, must
+///                                 // not change the state
+///   static void reserve(sequence_state&, const update&);  // room, so that commit cannot throw;
+///                                 // may throw (allocation), changes no observable value
+///   static void commit(sequence_state&, update&) noexcept;  // applies a staged update
+///   template <bool OnDevice, class Engine, class T>
+///   static void write(Engine&, std::int32_t slot, const update&, const tensor_view<const T, 3>& k,
+///                     std::int64_t first, std::int64_t n);
+///                                 // the engine's part of an update, after the rows' write and
+///                                 // before commit; may throw (the engine's rollback undoes it)
+///   template <bool OnDevice, class Engine>
+///   static void fork(Engine&, std::int32_t from, std::int32_t to);  // the engine's part of a
+///                                 // fork (pending until the engine's commit, as write)
+///   template <bool OnDevice, class Engine>
+///   static void release(Engine&, std::int32_t slot);  // the engine's part of remove_sequence
+///   static std::int64_t extra_bytes(const selector_shape&, const sequence_state&);  // bytes the
+///                                 // selector keeps for the sequence (memory_stats)
+///   static std::int64_t always_from(const sequence_state&, std::int64_t sealed);  // the first
+///                                 // sealed token every step reads whatever the selection (the
+///                                 // selection statistics' reuse); `sealed` when none
+///   // read-less selectors (reads_all_pages == false) also provide:
+///   static detail::selection_request start_request(const Selector&, const selector_shape&);
+///                                 // the step's fields (score combination, span kind)
+///   static void request(const Selector&, const selector_shape&, const sequence_state&,
+///                       std::int64_t length, std::int64_t tail_rows, detail::selection_request&);
+///                                 // appends one sequence's entry (budget, always_from, spans)
+///
 /// A read-less selector turns each step's queries into *spans* (runs of tokens with the min and
 /// max of their keys, see select/span_score.hpp), scores them and picks some within a token
 /// budget. What the attend path consumes is the same for every such selector: per (sequence, KV
 /// head), the pages holding a selected token and, per page, which of its tokens are selected
 /// (docs/selectors.md). The dense tail (and a format's sink rows) is always read.
 
+#include <cstdint>
 #include <string>
+#include <tuple>
 
+#include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"
+#include "kvmosaic/core/view.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 
 namespace kvmosaic {
 
@@ -41,5 +92,56 @@ struct selector_traits {
                 "specialize kvmosaic::selector_traits<YourSelector> as described in "
                 "kvmosaic/select/selector_traits.hpp");
 };
+
+/// What a selector's hooks know of the cache they serve (from its validated cache_config).
+struct selector_shape {
+  int num_kv_heads;
+  int head_dim;
+  int page_size;
+  dtype storage;  ///< f16 or bf16: the dtype keys are stored (and bounded) in
+};
+
+/// The host hooks of a selector that keeps nothing per sequence (`select::all`, `select::quest`):
+/// an empty state, nothing staged, nothing kept in the engine, no bytes counted. Cost: none.
+struct stateless_selector_hooks {
+  struct sequence_state {};
+  struct update {};
+  template <class Cache>
+  struct cache_members {};
+
+  template <class Selector>
+  static std::tuple<> engine_arguments(const Selector&, int /*page_size*/) noexcept {
+    return {};
+  }
+  template <bool OnDevice, class Selector, class T>
+  static update stage(const Selector&, const selector_shape&, const sequence_state&, const tensor_view<const T, 3>&,
+                      span<const std::int32_t>, std::int64_t, std::int64_t) noexcept {
+    return {};
+  }
+  static void reserve(sequence_state&, const update&) noexcept {}
+  static void commit(sequence_state&, update&) noexcept {}
+  template <bool OnDevice, class Engine, class T>
+  static void write(Engine&, std::int32_t, const update&, const tensor_view<const T, 3>&, std::int64_t,
+                    std::int64_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void fork(Engine&, std::int32_t, std::int32_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void release(Engine&, std::int32_t) noexcept {}
+  static std::int64_t extra_bytes(const selector_shape&, const sequence_state&) noexcept { return 0; }
+  static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
+};
+
+namespace detail {
+/// The members `Selector` adds to `Cache` (`selector_traits<Selector>::cache_members<Cache>`), or
+/// none when `Selector` is not a selector (the cache then fails with one sentence naming it).
+template <class Selector, class Cache, bool = is_selector_v<Selector>>
+struct selector_cache_members {
+  struct type {};
+};
+template <class Selector, class Cache>
+struct selector_cache_members<Selector, Cache, true> {
+  using type = typename selector_traits<Selector>::template cache_members<Cache>;
+};
+}  // namespace detail
 
 }  // namespace kvmosaic

@@ -7,11 +7,16 @@
 /// and reuse across steps of section 4.2).
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/view.hpp"
+#include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
@@ -112,6 +117,34 @@ inline std::vector<chunk> sentence_split(const std::int32_t* ids, std::int64_t n
   return chunks;
 }
 
+/// The chunk stream of one sequence (`select::sentence_chunks`' per-sequence state): its final
+/// chunks, their key bounds on the host backend, and the open chunk's tokens, which Algorithm 2
+/// has not cut yet. Memory: 8 bytes per chunk, plus on the host backend 2 x head_dim 16-bit values
+/// per chunk and KV head, plus the open chunk's ids (and, on the host, its keys as floats: at most
+/// L + Delta rows).
+struct chunk_stream {
+  std::vector<std::int64_t> starts{0};     ///< chunk i is [starts[i], starts[i+1]); back(): the open chunk
+  std::vector<std::uint16_t> bounds;       ///< host backend: [chunk][num_kv_heads][lo row, hi row], storage dtype bits
+  std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
+  std::vector<float> pending_keys;         ///< host backend: their keys, rounded to the storage dtype [token][heads][head_dim]
+
+  /// The final chunks, in order ([begin, end)). Cost: O(chunks), a new vector.
+  std::vector<chunk> chunks() const {
+    std::vector<chunk> out;
+    for (std::size_t i = 0; i + 1 < starts.size(); ++i) out.push_back(chunk{starts[i], starts[i + 1]});
+    return out;
+  }
+};
+
+/// What some rows add to a `chunk_stream`, computed without changing it (`selector_traits::stage`):
+/// the chunks Algorithm 2 closes, their key bounds (host backend), and the open tokens left.
+struct chunk_stream_update {
+  std::vector<std::int32_t> lengths;      ///< closed chunks, in order
+  std::vector<std::uint16_t> bounds;      ///< host backend: their bounds, as chunk_stream::bounds
+  std::vector<std::int32_t> pending_ids;  ///< the open chunk's ids afterwards
+  std::vector<float> pending_keys;        ///< host backend: their keys afterwards
+};
+
 }  // namespace select
 
 template <>
@@ -137,6 +170,143 @@ struct selector_traits<select::sentence_chunks> {
       detail::require(b.weight >= 0.0f && b.weight <= 1.0f, where, "boundaries[].weight", b.weight, "0 to 1");
   }
   static int bounds_block_tokens(const select::sentence_chunks&, int) noexcept { return 0; }
+
+  // --- Host hooks (select/selector_traits.hpp) ---------------------------------------------------
+
+  using sequence_state = select::chunk_stream;
+  using update = select::chunk_stream_update;
+
+  /// `cache::chunks(seq)`: the chunks cut for `seq` so far ([begin, end), final ones only).
+  template <class Cache>
+  struct cache_members {
+    std::vector<select::chunk> chunks(std::int32_t seq) const {
+      return static_cast<const Cache&>(*this).selector_state(seq).chunks();
+    }
+  };
+
+  /// A device engine keeps the chunks' bounds and open rows: storage sized by the chunk lengths
+  /// Algorithm 2 can produce, max(1, L - Delta) to L + Delta tokens (the host engine ignores them).
+  static std::tuple<int, detail::chunk_limits> engine_arguments(const select::sentence_chunks& s, int /*page_size*/) noexcept {
+    return std::tuple<int, detail::chunk_limits>(
+        0, detail::chunk_limits{std::max(1, s.target_length - s.window), s.target_length + s.window});
+  }
+
+  /// Rows [first, first + n) of a prefill or append extend the stream: Algorithm 2 runs over the
+  /// open ids while the next chunk's window is complete (more than L + Delta open tokens). On the
+  /// host backend the closed chunks' key bounds come from the open keys (rounded to the storage
+  /// dtype, so exact); on a device backend `write` has the engine compute them. Cost: O(open
+  /// tokens) copies, Algorithm 2's window scan per closed chunk, and on the host a min/max pass over
+  /// the closed chunks' keys.
+  template <bool OnDevice, class T>
+  static update stage(const select::sentence_chunks& s, const selector_shape& shape, const sequence_state& c,
+                      const tensor_view<const T, 3>& k, span<const std::int32_t> ids, std::int64_t first, std::int64_t n) {
+    update u;
+    const int heads = shape.num_kv_heads, d = shape.head_dim;
+    const std::size_t row = static_cast<std::size_t>(heads) * d;
+    u.pending_ids = c.pending_ids;
+    for (std::int64_t t = first; t < first + n; ++t) u.pending_ids.push_back(ids(t));
+    if constexpr (!OnDevice) {
+      u.pending_keys = c.pending_keys;
+      for (std::int64_t t = first; t < first + n; ++t)
+        for (int h = 0; h < heads; ++h)
+          for (int ch = 0; ch < d; ++ch) u.pending_keys.push_back(round_to_storage(shape.storage, to_float(k(t, h, ch))));
+    }
+    // Algorithm 2 over the open tokens, while the next chunk's window is complete (ids only).
+    const std::int64_t horizon = static_cast<std::int64_t>(s.target_length) + s.window;
+    std::size_t done = 0;  // tokens of pending already cut into chunks
+    while (static_cast<std::int64_t>(u.pending_ids.size() - done) > horizon) {
+      const std::int64_t end =
+          select::detail::split_end(u.pending_ids.data() + done, static_cast<std::int64_t>(u.pending_ids.size() - done), 0, s);
+      u.lengths.push_back(static_cast<std::int32_t>(end));
+      done += static_cast<std::size_t>(end);
+    }
+    u.pending_ids.erase(u.pending_ids.begin(), u.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
+    if constexpr (!OnDevice) {
+      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
+      std::size_t at = 0;
+      for (const std::int32_t length : u.lengths) {
+        for (int h = 0; h < heads; ++h) {
+          for (int ch = 0; ch < d; ++ch) {
+            float lo = u.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
+            for (std::int64_t t = 1; t < length; ++t) {
+              const float x = u.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
+              lo = x < lo ? x : lo;
+              hi = x > hi ? x : hi;
+            }
+            bounds[static_cast<std::size_t>(ch)] = lo;
+            bounds[static_cast<std::size_t>(d + ch)] = hi;
+          }
+          for (const float x : bounds) u.bounds.push_back(storage_bits(shape.storage, x));  // lo row, then hi row
+        }
+        at += static_cast<std::size_t>(length);
+      }
+      u.pending_keys.erase(u.pending_keys.begin(), u.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+    }
+    return u;
+  }
+  /// Room for `u` in `c`, so that `commit` cannot throw.
+  static void reserve(sequence_state& c, const update& u) {
+    c.starts.reserve(c.starts.size() + u.lengths.size());
+    c.bounds.reserve(c.bounds.size() + u.bounds.size());
+  }
+  static void commit(sequence_state& c, update& u) noexcept {
+    for (const std::int32_t length : u.lengths) c.starts.push_back(c.starts.back() + length);
+    c.bounds.insert(c.bounds.end(), u.bounds.begin(), u.bounds.end());
+    c.pending_ids.swap(u.pending_ids);
+    c.pending_keys.swap(u.pending_keys);
+  }
+  /// On a device backend the engine computes the closed chunks' bounds from the device rows
+  /// [first, first + n) of `k` and keeps the open rows (`add_chunks`, pending until its commit).
+  template <bool OnDevice, class Engine, class T>
+  static void write(Engine& engine, std::int32_t slot, const update& u, const tensor_view<const T, 3>& k, std::int64_t first,
+                    std::int64_t n) {
+    if constexpr (OnDevice) engine.add_chunks(slot, k, first, n, u.lengths);
+  }
+  /// On a device backend the child's slot gets a copy of the parent's chunks and open rows.
+  template <bool OnDevice, class Engine>
+  static void fork(Engine& engine, std::int32_t from, std::int32_t to) {
+    if constexpr (OnDevice) engine.copy_chunks(from, to);
+  }
+  /// On a device backend the slot's chunk storage goes back to the engine.
+  template <bool OnDevice, class Engine>
+  static void release(Engine& engine, std::int32_t slot) {
+    if constexpr (OnDevice) engine.release_chunks(slot);
+  }
+  /// The chunks' key bounds: 2 rows of head_dim 16-bit values per chunk and KV head (counted on
+  /// both backends, wherever they live).
+  static std::int64_t extra_bytes(const selector_shape& shape, const sequence_state& c) noexcept {
+    return static_cast<std::int64_t>(c.starts.size() - 1) * shape.num_kv_heads * 2 * shape.head_dim *
+           static_cast<std::int64_t>(sizeof(std::uint16_t));
+  }
+  /// Every step reads the open chunk (and everything after it).
+  static std::int64_t always_from(const sequence_state& c, std::int64_t sealed) noexcept {
+    return std::min(sealed, c.starts.back());
+  }
+
+  /// A step scores each sequence's final chunks.
+  static detail::selection_request start_request(const select::sentence_chunks& s, const selector_shape&) {
+    detail::selection_request r;
+    r.combine = s.combine;
+    r.block_tokens = 0;
+    return r;
+  }
+  /// One sequence's entry: the budget for its length, the open chunk (never empty, so every step
+  /// attends to a token) read besides the selection, and the final chunks as spans. Cost: O(1).
+  static void request(const select::sentence_chunks& s, const selector_shape&, const sequence_state& c, std::int64_t length,
+                      std::int64_t /*tail_rows*/, detail::selection_request& r) {
+    r.budget.push_back(s.budget.resolve(length));
+    r.always_from.push_back(c.starts.back());
+    r.chunks.push_back(detail::chunk_list{c.starts.data(), static_cast<std::int32_t>(c.starts.size() - 1), c.bounds.data()});
+  }
+
+ private:
+  static float round_to_storage(dtype storage, float x) noexcept {
+    return storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))
+                                 : detail::bfloat16_bits_to_float(detail::float_to_bfloat16_bits(x));
+  }
+  static std::uint16_t storage_bits(dtype storage, float x) noexcept {
+    return storage == dtype::f16 ? detail::float_to_half_bits(x) : detail::float_to_bfloat16_bits(x);
+  }
 };
 
 }  // namespace kvmosaic

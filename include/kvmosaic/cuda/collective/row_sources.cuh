@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvmosaic/cuda/collective/bitmap_expand.cuh"
+#include "kvmosaic/cuda/format/bitmap_tiles/expand.cuh"
 
 namespace kvmosaic::cuda {
 

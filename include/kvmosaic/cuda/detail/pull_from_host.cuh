@@ -3,11 +3,10 @@
 
 /// \file
 /// `pull_from_host`: the per-step host-to-device copy of staged metadata, done by a kernel that
-/// reads the page-locked staging over the bus instead of by a memcpy. Why: in a CUDA graph on an
-/// H100, a host-to-device memcpy node of 4 KB or more put ~15 us ahead of the kernel after it
-/// (the copy engine's round trip; 2.4 us at 256 bytes), while a kernel costs ~1 us plus one bus
-/// round trip (benchmark/README.md has the measurement). A decode step's device time at batch 1
-/// is 25-80 us, so this is most of its fixed cost.
+/// reads the page-locked staging over the bus instead of by a memcpy. Why: in a CUDA graph, a
+/// host-to-device memcpy node of a few KB costs the copy engine's round trip, several times a
+/// small kernel's launch plus one bus round trip, and at batch 1 that is most of a step's fixed
+/// cost (benchmark/README.md, "Decisions the code cites": "metadata pull").
 
 #include <cuda_runtime.h>
 

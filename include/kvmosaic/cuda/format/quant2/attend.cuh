@@ -402,12 +402,16 @@ class quant2_warp_attend {
   __device__ __forceinline__ static float bias_of(float lo, float inverse) { return __fmaf_rn(-lo, inverse, 0.5f); }
 
   /// 8-bit code of x, round half up: the host's quantize8, rounding for rounding (one fused
-  /// multiply-add), y clamped to [0, 255] first (fmaxf maps NaN to 0, as the host's fmax).
-  /// floor(y) for 0 <= y < 2^22 is the mantissa of y + 2^23 rounded down, which keeps the
-  /// float-to-int conversion off the quarter-rate pipe (and, y clamped, the subtraction in range).
+  /// multiply-add). floor(y) for |y| < 2^22 is the mantissa of y + 2^23 rounded down, which keeps
+  /// the float-to-int conversion off the quarter-rate pipe. For any other y (huge, infinite or
+  /// NaN) the bit pattern is still an integer in [0xcb000000, 0x7fffffff] as int32, so the
+  /// subtraction cannot overflow and the clamp puts it in [0, 255]: no conversion, no undefined
+  /// behaviour. Finite inputs get the host's codes; a NaN gets some code in range where the host's
+  /// is 0 (what reads it is NaN either way). Clamping y in float instead cost 2-3% (benchmark/README.md).
   __device__ __forceinline__ static int quantize8(float x, float inverse, float bias) {
-    const float y = fminf(fmaxf(__fmaf_rn(x, inverse, bias), 0.0f), 255.0f);
-    return __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
+    const float y = __fmaf_rn(x, inverse, bias);
+    const int code = __float_as_int(__fadd_rd(y, 8388608.0f)) - 0x4b000000;
+    return max(min(code, 255), 0);
   }
 
   /// Min or scale `index` of the array at `base`, in the storage dtype.

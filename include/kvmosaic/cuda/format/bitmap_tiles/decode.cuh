@@ -13,11 +13,17 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvmosaic/cuda/collective/bitmap_expand.cuh"
+#include "kvmosaic/cuda/format/bitmap_tiles/expand.cuh"
 #include "kvmosaic/cuda/collective/row_sources.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
+
+/// bitmap_tiles' fields of its split kernels' params.
+struct bitmap_decode_params {
+  int stages;          ///< sm_90 kernel: compressed page pairs in flight per CTA
+  int k_along_tokens;  ///< K tiles are one channel x 64 tokens (1) or per token as V (0)
+};
 
 /// Dynamic shared memory of the sm_90 bitmap kernel: barriers, the query tiles, a dense K tile
 /// (only with K in the paper's layout, which is scattered), then `stages` compressed page pairs,
@@ -57,7 +63,7 @@ struct bitmap_decode_layout {
 };
 
 /// The sm_90 bitmap_tiles split kernel. Thread 0 streams the split's compressed K and V pages into
-/// `p.stages` shared-memory slots with bulk copies (one per page and cache, completing on an
+/// `p.format.stages` shared-memory slots with bulk copies (one per page and cache, completing on an
 /// mbarrier). Each of the 4 warps folds its 16 tokens of every 64-token segment straight from the
 /// compressed slot: its lanes gather the 16-byte row chunks their MMA fragments hold
 /// (`bitmap_page_rows`, `warp_attend_mma::fold_chunks`), so no dense tile is written or read and
@@ -66,12 +72,12 @@ struct bitmap_decode_layout {
 /// zeroed dense K tile (two barriers per segment), which the warps read as rows. The dense tail is
 /// read as rows from global memory. `RowMasks`: whether a token-granular selection's row masks are
 /// read. Grid: (splits capacity, num_kv_heads).
-/// (Before, session 8: the CTA gathered each segment into dense K and V tiles, then the warps
-/// folded them with ldmatrix: 32 KB of shared stores and loads per segment, 976 us at s = 0.7,
-/// batch 8, 128K on H100, bound by shared-memory bandwidth.)
+/// Why no dense tile: gathering each segment into dense K and V tiles first costs 32 KB of shared
+/// stores and loads per segment, and shared-memory bandwidth bounded that kernel
+/// (benchmark/README.md, "Decisions the code cites").
 template <class T, int HeadDim, int Group, bool RowMasks = false>
 __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
-    decode_partial_bitmap_kernel(const __grid_constant__ decode_params p) {
+    decode_partial_bitmap_kernel(const __grid_constant__ split_params<bitmap_decode_params> p) {
   constexpr int threads = 128, warps = 4;
   using layout = bitmap_decode_layout<HeadDim, Group>;
   constexpr int segment = layout::segment_tokens;
@@ -86,8 +92,8 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::barrier_offset);
   auto* empty = reinterpret_cast<std::uint64_t*>(shared + layout::empty_offset);
   std::byte* query_tiles = shared + layout::query_offset;
-  std::byte* k_tile = shared + layout::k_tile_offset;  // only with p.k_along_tokens
-  const bool k_along_tokens = p.k_along_tokens != 0;
+  std::byte* k_tile = shared + layout::k_tile_offset;  // only with p.format.k_along_tokens
+  const bool k_along_tokens = p.format.k_along_tokens != 0;
   std::byte* compressed = shared + layout::compressed_offset(k_along_tokens);
 
   const int work_index = static_cast<int>(blockIdx.x);
@@ -98,7 +104,7 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
   const detail_decode::split_pages range =
       RowMasks ? detail_decode::pages_of_split(p, w, head) : detail_decode::split_pages{w.page_begin, w.page_end};
   const int num_pages = range.end - range.begin;
-  const int stages = p.stages;
+  const int stages = p.format.stages;
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
   const int tiles = p.page_size * HeadDim / 64;
@@ -202,7 +208,7 @@ struct bitmap_portable_layout {
 /// (`bitmap_segment_expand::expand`) and folds it with the dense SIMT collective. No copy pipeline: the reference path
 /// for GPUs without bulk copies, not a tuned one.
 template <class T, int HeadDim, int Group, int Threads, int Unroll>
-__global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel(const decode_params p) {
+__global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel(const split_params<bitmap_decode_params> p) {
   using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
   using layout = bitmap_portable_layout<HeadDim, Group, collective::rows>;
   constexpr int segment = layout::segment_tokens;
@@ -228,9 +234,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
     const global_bitmap_page k_page{slot + head * p.k_page_bytes, tiles};
     const global_bitmap_page v_page{slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes, tiles};
     for (int first = 0; first < p.page_size; first += segment) {
-      if (p.k_along_tokens) expand::zero_tile(k_tile);  // scattered into; row tiles are written whole
+      if (p.format.k_along_tokens) expand::zero_tile(k_tile);  // scattered into; row tiles are written whole
       __syncthreads();
-      expand::expand(k_page, v_page, p.page_size, first, p.k_along_tokens != 0, k_tile, v_tile);
+      expand::expand(k_page, v_page, p.page_size, first, p.format.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();
       collective::template fold<from_shared>(k_tile, v_tile, segment, s,
                                              rows_read == nullptr ? nullptr : rows_read + first / 32);

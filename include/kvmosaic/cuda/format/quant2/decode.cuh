@@ -10,11 +10,16 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kvmosaic/cuda/collective/quant2_attend.cuh"
+#include "kvmosaic/cuda/format/quant2/attend.cuh"
 #include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
+
+/// quant2's fields of its split kernel's params.
+struct quant2_decode_params {
+  int stages;  ///< sm_90: compressed page pairs in flight per warp
+};
 
 /// Dynamic shared memory of the quant2 kernel: per-warp barriers, the group's scaled queries, one
 /// `temp_storage` per warp, then `stages` compressed page pairs (K and V) per warp. The CTA's
@@ -42,16 +47,16 @@ struct quant2_decode_layout {
 };
 
 /// The quant2 split kernel. Each of the 4 warps takes every 4th page of the split and streams it
-/// through its own ring of `p.stages` shared-memory slots: with `BulkCopy` (sm_90), lane 0 issues
+/// through its own ring of `p.format.stages` shared-memory slots: with `BulkCopy` (sm_90), lane 0 issues
 /// one bulk copy per page and cache on the slot's mbarrier, `stages` pages ahead; without (the
 /// portable path, sm_75+), the warp copies each page with 16-byte loads before folding it. Warps
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
 /// type, head_dim, Pi, copy path, `RowMasks`: whether a token-granular selection's row masks are
-/// read; without, the code is what it was before selections, measured 2-3% faster at batch 8).
+/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
 /// Grid: (splits capacity, num_kv_heads).
 template <class T, int HeadDim, int Partition, bool BulkCopy, bool RowMasks = false>
-__global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ decode_params p) {
+__global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ split_params<quant2_decode_params> p) {
   using layout = quant2_decode_layout<HeadDim, Partition>;
   using attend = quant2_warp_attend<HeadDim, Partition, T>;
   static_assert(sizeof(typename attend::temp_storage) == sizeof(typename layout::attend::temp_storage) &&
@@ -64,7 +69,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const int stages = BulkCopy ? p.stages : 1;
+  const int stages = BulkCopy ? p.format.stages : 1;
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
 

@@ -145,10 +145,7 @@ __device__ __forceinline__ void for_each_set_bit(std::uint64_t bits, F&& f) {
 }
 
 /// Stores the values at `cursor` to tile_base + address.at(bit) for each set bit of `bits`, in
-/// order. (Tried: two bits per iteration with 64-bit scans, to keep two loads in flight: 26%
-/// slower on H100. Loading each value one iteration before its store, against the short-scoreboard
-/// stalls Nsight Compute shows (3x the barrier stalls): 9% slower at s = 0.7, 1% at s = 0.5, H100,
-/// 2026-11-24, benchmark/results/h100-2026-11-24d.)
+/// order. (The variants tried and their cost: benchmark/README.md, "Decisions the code cites".)
 template <class Cursor, class Address>
 __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cursor, const Address& address,
                                                  std::uint32_t tile_base) {
@@ -267,9 +264,7 @@ struct bitmap_segment_expand {
   /// they need no clearing. K in the paper's layout (`k_along_tokens`: tile c * tiles_per_channel +
   /// first / 64 holds channel c's tokens) is scattered down each channel's column, one work item
   /// per channel, into a K tile the caller keeps zero where nothing is kept. Every thread calls it.
-  /// (Tried before the gather: one item per row tile scattering its set bits, lowest or highest
-  /// first, into zeroed tiles: 11 or 10 instructions per kept value and a warp as slow as its
-  /// fullest tile; one item per token row looping exactly `keep` times: 25-48% slower, session 6.)
+  /// (The scatter variants the gather replaced: benchmark/README.md, "Decisions the code cites".)
   template <class Page>
   __device__ __forceinline__ static void expand(const Page& k_page, const Page& v_page, int page_size, int first,
                                                 bool k_along_tokens, std::byte* k_tile, std::byte* v_tile) {

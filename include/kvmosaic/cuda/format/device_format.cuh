@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A format's device part: `device_format<Format>`, specialized on the format tag in the format's
+/// own folder (`cuda/format/<name>/device.cuh`), found by the CUDA engine the way CUTLASS finds a
+/// collective. The engine (`cuda/backend.cuh`) drives splits, staging, plan/run and the merge for
+/// every format and never names one; a specialization provides:
+///
+/// ```cpp
+/// template <> struct device_format<format::X> {
+///   static constexpr bool encodes_pages;          // false: rows are copied into pages as they are
+///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
+///   struct params;                                // the format's fields of the split kernels' params
+///   struct state;                                 // per-engine decisions (kernel path, stages), with
+///                                                 // `int stages` (0 when the format has none)
+///   static void validate(const format::X&, const engine_shape&);         // what the kernels cannot do
+///   template <class Shapes>
+///   static void configure(state&, const format::X&, device_context&);  // at construction; may
+///                                                 // turn bulk_copy off (then the portable path)
+///   template <class Shapes, class F>                                     // the split kernel of a step:
+///   static void with_decode_kernel(const state&, const format::X&, const device_context&, bool row_masks,
+///                                  F&& f);                               // f(kernel, threads, shared bytes)
+///   static params params_for(const state&, const format::X&, const device_context&);
+///   static int max_pages_per_split(const state&, const decode_tuning&);  // page ids a split keeps
+///   static bool splits_p_on_tensor_cores(const state&, const device_context&);
+///   template <class Shapes>                                              // encoded formats only:
+///   static void encode_pages(const state&, const format::X&, const encode_context&);
+/// };
+/// ```
+///
+/// Split kernels take `kernel::split_params<params>` (the shared `decode_params` plus the
+/// format's own); the engine fills the shared part and launches what `with_decode_kernel` hands
+/// it. docs/architecture.md ("Adding a format") lists the files a new format writes.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/error.cuh"
+#include "kvmosaic/host/backend.hpp"
+
+namespace kvmosaic::cuda {
+
+/// What a format's device part may read of its engine: shapes, arenas and the device.
+struct device_context {
+  const kvmosaic::detail::engine_shape* shape;
+  const kvmosaic::detail::arena_geometry* geometry;
+  std::byte* pages;            ///< page arena (device)
+  std::byte* tails;            ///< tail arena (device)
+  int device;                  ///< CUDA device ordinal
+  bool bulk_copy;              ///< sm_90 bulk-copy pipelines in use (false: the portable sm_75+ path)
+  cudaStream_t stream;
+};
+
+/// What an encode pass is given: `n` completed pages whose dense rows are in scratch slots
+/// 0 .. n (tail-slot layout), to be written to `page_ids` (device array).
+struct encode_context {
+  const device_context* engine;
+  const std::byte* rows;              ///< scratch slots of dense rows (device)
+  const std::int32_t* page_ids;       ///< [n] destination pages (device)
+  const std::int32_t* weight_rows;    ///< [n] key-weight row per page or -1 (formats with key weights)
+  const float* key_weights;           ///< [max_sequences][num_kv_heads][head_dim] (device), or null
+  const std::int32_t* sink_slots;     ///< [n] tail slot keeping a first page's sink rows, or -1
+  std::int32_t n;
+};
+
+namespace detail {
+
+/// `bytes` of dynamic shared memory for a launch of `kernel`, opted in (past the default 48 KB)
+/// right here, next to the launch. A kernel template that several translation units instantiate
+/// may have one handle per unit, and which unit's copy of an inline engine function the linker
+/// keeps is not ours to choose: an opt-in made in another function can land on another unit's
+/// copy of the kernel (the GPU test binary, whose units all instantiate the engines, launched
+/// with "invalid argument" that way). `static_bytes`: the kernel's own shared memory, which counts
+/// towards the 48 KB. Cost: one cudaFuncSetAttribute per launch that needs it.
+template <class Kernel>
+int opted_in_shared(Kernel kernel, int bytes, int static_bytes = 0) {
+  if (bytes + static_bytes > 48 * 1024)
+    KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return bytes;
+}
+
+/// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
+/// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
+/// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most
+/// `max_stages`); `shared_bytes(stages)` is the CTA's dynamic shared memory. 0 when not even one
+/// stage fits. Cost: four device attribute queries.
+template <class SharedBytes>
+int stages_for(int device, int registers, int most_ctas, int max_stages, SharedBytes&& shared_bytes) {
+  int per_sm = 0, per_block = 0, reserved = 0, sm_registers = 0;
+  KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_registers, cudaDevAttrMaxRegistersPerMultiprocessor, device));
+  // Registers are allocated per warp in units of 256; the kernels run 4 warps.
+  const int per_cta_registers = 4 * ((registers * 32 + 255) / 256 * 256);
+  for (int ctas = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
+    const int budget = std::min(per_sm / ctas - reserved, per_block);
+    int stages = 0;
+    while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
+    if (stages >= 1) return stages;
+  }
+  return 0;
+}
+
+}  // namespace detail
+
+/// The device part of `Format`. Only specializations exist.
+template <class Format>
+struct device_format {
+  static_assert(sizeof(Format) == 0,
+                "kvmosaic: this format has no CUDA device part: include its cuda/format/<name>/device.cuh "
+                "(kvmosaic.cuh includes every built-in one), or specialize kvmosaic::cuda::device_format<Format> "
+                "(docs/architecture.md, 'Adding a format')");
+};
+
+}  // namespace kvmosaic::cuda
