@@ -91,8 +91,8 @@ struct warp_attend_mma {
       const int row = index / HeadDim, channel = index % HeadDim;
       const int head = packed ? row % 4 : row;
       const float x = head < Group ? q[head * HeadDim + channel] * scale : 0.0f;
-      const T hi(x);
-      const T lo(x - to_float(hi));
+      const T hi = detail::to_operand<T>(x);
+      const T lo = detail::to_operand<T>(x - to_float(hi));
       const int at = reduction_position(channel) * 2;
       if constexpr (packed) {
         *reinterpret_cast<T*>(tiles + row * query_pitch + at) = row < 4 ? hi : lo;

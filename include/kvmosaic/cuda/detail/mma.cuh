@@ -25,29 +25,29 @@ __device__ __forceinline__ void unsupported_architecture(const Operands&...) {
   __trap();
 }
 
-/// Two floats rounded to T (round to nearest even) in one 32-bit operand register, `low` first:
-/// one paired conversion. Unlike storing a value (`half`, `bfloat16`: saturating), an operand
-/// beyond T's range becomes infinity, as the hardware conversion makes it; this is the inner loop
-/// of every tensor-core fold, and its operands (scaled queries, softmax weights) are in range.
+/// `x` as a T operand (nearest even), without the saturation of a stored value (`pack_pair`'s
+/// reasoning applies): one hardware conversion. Saturating here costs the folds that stage
+/// operands registers they spill (benchmark/README.md, "Decisions the code cites").
 template <class T>
-__device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
+__device__ __forceinline__ T to_operand(float x) {
   static_assert(std::is_same<T, half>::value || std::is_same<T, bfloat16>::value,
-                "kvmosaic: pack_pair packs half or bfloat16 operands");
-  std::uint32_t bits;
-  if constexpr (std::is_same<T, half>::value) {
-    const __half2 pair = __floats2half2_rn(low, high);
-    static_assert(sizeof(pair) == sizeof(bits), "__half2 is two 16-bit halves");
-    memcpy(&bits, &pair, sizeof(bits));
-  } else {
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-    static_assert(sizeof(pair) == sizeof(bits), "__nv_bfloat162 is two 16-bit halves");
-    memcpy(&bits, &pair, sizeof(bits));
-  }
-  return bits;
+                "kvmosaic: to_operand converts to half or bfloat16 operands");
+  if constexpr (std::is_same<T, half>::value)
+    return T::from_bits(__half_as_ushort(__float2half_rn(x)));
+  else
+    return T::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
 }
 
-/// `x` rounded to T (nearest even) and back, without the saturation of a stored value: the hi
-/// part of an operand split into hi + lo 16-bit halves (`pack_pair`'s reasoning applies).
+/// Two floats as T operands (`to_operand`) in one 32-bit operand register, `low` first. Two
+/// scalar conversions, not the paired one (`__floats2half2_rn`): the paired form made the sm_90
+/// bitmap_tiles fold spill more (benchmark/README.md, "Decisions the code cites").
+template <class T>
+__device__ __forceinline__ std::uint32_t pack_pair(float low, float high) {
+  return static_cast<std::uint32_t>(to_operand<T>(low).bits) | (static_cast<std::uint32_t>(to_operand<T>(high).bits) << 16);
+}
+
+/// `x` rounded to T (nearest even) and back, without saturation (`to_operand`): the hi part of
+/// an operand split into hi + lo 16-bit halves.
 template <class T>
 __device__ __forceinline__ float round_operand(float x) {
   if constexpr (std::is_same<T, half>::value)
