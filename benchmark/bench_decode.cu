@@ -334,7 +334,7 @@ void decode(benchmark::State& state) {
       const auto pages = static_cast<std::int64_t>(kv.pages(seqs[b]).size());
       double read = 0;
       for (int h = 0; h < c.num_kv_heads; ++h)
-        read += static_cast<double>(engine.selected_pages(static_cast<std::int32_t>(b), h).size()) / c.num_kv_heads;
+        read += static_cast<double>(engine.selection().selected_pages(static_cast<std::int32_t>(b), h).size()) / c.num_kv_heads;
       const auto slot = static_cast<double>(engine.page_slot_bytes());  // stored_bytes counts the bounds
       kv_bytes += static_cast<double>(m.stored_bytes) - static_cast<double>(pages) * slot + read * slot;
       pages_read += read;

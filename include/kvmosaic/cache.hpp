@@ -193,9 +193,7 @@ class cache : public detail::selector_cache_members<Selector, cache<Format, Sele
         selector_(selector),
         compactor_(compactor),
         pool_(config.max_pages),
-        engine_(std::make_from_tuple<engine_type>(
-            std::tuple_cat(std::tuple<detail::engine_shape, const Format&>(engine_shape(config), format),
-                           selector_traits<Selector>::engine_arguments(selector, config.page_size)))),
+        engine_(engine_shape(config), format, selector),
         sequences_(sequence_slots(config)) {}
 
   const cache_config& config() const noexcept { return config_; }
@@ -496,7 +494,7 @@ class cache : public detail::selector_cache_members<Selector, cache<Format, Sele
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (!selector_traits<Selector>::reads_all_pages) {
       // The host engine reports what it read; the CUDA engine keeps its selection on the device
-      // (engine().selected_pages), so a step never waits for it.
+      // (engine().selection().selected_pages), so a step never waits for it.
       record_selection(span<const sequence_id>(planned_.data(), batch));
     }
   }
@@ -526,14 +524,14 @@ class cache : public detail::selector_cache_members<Selector, cache<Format, Sele
   selection_stats selection(sequence_id seq) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
     static_assert(std::is_same<Backend, backend::host>::value,
-                  "kvmosaic::cache::selection: on backend::cuda, read engine().selected_pages(b, head)");
+                  "kvmosaic::cache::selection: on backend::cuda, read engine().selection().selected_pages(b, head)");
     return live(seq, "cache::selection").last_selection;
   }
   /// The token ranges the last step selected for `seq`, KV head `head` (merged, ascending).
   const std::vector<std::pair<std::int64_t, std::int64_t>>& selected_ranges(sequence_id seq, int head) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selected_ranges: select::all reads every token");
     static_assert(std::is_same<Backend, backend::host>::value,
-                  "kvmosaic::cache::selected_ranges: on backend::cuda, read engine().selected_pages(b, head)");
+                  "kvmosaic::cache::selected_ranges: on backend::cuda, read engine().selection().selected_pages(b, head)");
     const sequence_state& s = live(seq, "cache::selected_ranges");
     detail::require(head >= 0 && head < config_.num_kv_heads, "cache::selected_ranges", "head", head, "0 to num_kv_heads - 1");
     detail::require(!s.selected.empty(), "cache::selected_ranges", "seq", seq, "a sequence of a selected decode step");

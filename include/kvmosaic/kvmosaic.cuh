@@ -23,3 +23,6 @@
 #include "kvmosaic/cuda/format/dense/device.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/device.cuh"
 #include "kvmosaic/cuda/format/quant2/device.cuh"
+#include "kvmosaic/cuda/select/all.cuh"
+#include "kvmosaic/cuda/select/quest.cuh"
+#include "kvmosaic/cuda/select/sentence_chunks.cuh"

@@ -82,9 +82,9 @@ void check_selected_step(test::twin<Format, Selector>& t, bool check_exact = tru
         expected.push_back(t.host.pages(seq)[i]);
         expected_rows.insert(expected_rows.end(), first, first + words);
       }
-      REQUIRE(t.device.engine().selected_pages(static_cast<std::int32_t>(b), h) == expected);
-      if (t.device.engine().token_granular())
-        REQUIRE(t.device.engine().selected_rows(static_cast<std::int32_t>(b), h) == expected_rows);
+      REQUIRE(t.device.engine().selection().selected_pages(static_cast<std::int32_t>(b), h) == expected);
+      if (t.device.engine().selection().row_masks())
+        REQUIRE(t.device.engine().selection().selected_rows(static_cast<std::int32_t>(b), h) == expected_rows);
       // The tokens read, once each: the chosen spans (which may reach into the tail) and the rest.
       std::vector<char> is_read(static_cast<std::size_t>(length), 0);
       for (const auto& [from, to] : read)
@@ -253,7 +253,7 @@ TEST_CASE("GPU quest keeps the host's key bounds, per page and per block", "[gpu
     const std::size_t bytes = t.host.engine().page_bounds_bytes();
     std::vector<std::byte> device_bounds(bytes);
     for (const page_id page : t.host.pages(t.seqs[0])) {
-      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_bounds.data(), t.device.engine().bounds_data() + page * bytes, bytes,
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_bounds.data(), t.device.engine().selection().bounds_data() + page * bytes, bytes,
                                      cudaMemcpyDeviceToHost));
       REQUIRE(std::memcmp(device_bounds.data(), t.host.engine().page_bounds(page, 0, 0), bytes) == 0);
     }
@@ -354,7 +354,7 @@ select::sentence_chunks chunks_of(double ratio) {
 template <class Format>
 void check_chunk_counts(test::twin<Format, select::sentence_chunks>& t) {
   for (const sequence_id seq : t.seqs)
-    REQUIRE(t.device.engine().chunk_count(t.device.slot(seq)) == static_cast<std::int32_t>(t.host.chunks(seq).size()));
+    REQUIRE(t.device.engine().selection().chunk_count(t.device.slot(seq)) == static_cast<std::int32_t>(t.host.chunks(seq).size()));
 }
 
 }  // namespace

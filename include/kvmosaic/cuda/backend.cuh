@@ -36,17 +36,16 @@
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/format/device_format.cuh"
-#include "kvmosaic/cuda/kernel/chunk_bounds.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
-#include "kvmosaic/cuda/kernel/select_pages.cuh"
+#include "kvmosaic/cuda/select/all.cuh"
+#include "kvmosaic/cuda/select/selection_stage.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/host/backend.hpp"
 #include "kvmosaic/select/all.hpp"
-#include "kvmosaic/select/selector_traits.hpp"
 
 namespace kvmosaic {
 namespace cuda {
@@ -62,8 +61,9 @@ inline unsigned grid_for(std::int64_t count, int threads) {
 
 /// The CUDA engine of one cache type: the driver of every format (`device_format<Format>`,
 /// cuda/format/device_format.cuh, provides the format's kernels and decisions) for the kernel
-/// shapes `Shapes` (`detail::shape_list`; empty: every supported shape). It compiles the
-/// selection kernels only for a selector that reads less.
+/// shapes `Shapes` (`detail::shape_list`; empty: every supported shape), and of every selector
+/// (`selection_stage<Selector, Shapes>`, cuda/select/selection_stage.cuh: its device storage and
+/// its kernels, compiled only for a selector that reads less).
 ///
 /// Pages of a format without an encoder are written in place by the row kernels. Other formats'
 /// pages are encoded on the device: the row kernels write the completed pages' dense rows to a
@@ -73,8 +73,13 @@ template <class Format, class Selector = select::all, class Shapes = detail::sha
 class engine {
   using device = device_format<Format>;
   static constexpr bool encodes_pages = device::encodes_pages;
-  /// Selection kernels (scoring, top-k, key bounds) are compiled only for read-less selectors.
-  static constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
+
+ public:
+  /// The selector's device part.
+  using selection_type = selection_stage<Selector, Shapes>;
+
+ private:
+  static constexpr bool selects = selection_type::selects;
 
   /// Where a step's outputs go: `data` in the merge kernel's output type at `strides`, and the
   /// optional log-sum-exps.
@@ -87,24 +92,15 @@ class engine {
 
 
  public:
-  /// `bounds_block_tokens` > 0 keeps the key bounds of each block of that many tokens of every
-  /// sealed page for `select::quest` (the page size, or a multiple of 8 dividing it: then the
-  /// selection is token-granular and the split kernels read row masks). `chunks` > 0 keeps
-  /// `select::sentence_chunks`' chunk bounds on the device (`add_chunks`): storage for the most
-  /// chunks the pages and tails can hold (every chunk of the shortest length, chunks.shortest),
-  /// and each sequence's open rows (up to chunks.longest).
-  engine(const kvmosaic::detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
-         kvmosaic::detail::chunk_limits chunks = {})
+  /// The arenas for `shape`, the format's kernel path for this device, and the selector's device
+  /// storage (`selection_type`).
+  engine(const kvmosaic::detail::engine_shape& shape, const Format& format, const Selector& selector = {})
       : shape_(validated(shape, format)),
         format_(format),
         geometry_(shape, format),
-        bounds_geometry_(shape, bounds_block_tokens),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
-        bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {
-    kvmosaic::detail::require(bounds_block_tokens == 0 || (bounds_block_tokens % 8 == 0 && shape.page_size % bounds_block_tokens == 0),
-                              "cuda::engine", "select::quest::block_tokens", bounds_block_tokens,
-                              "0, or a multiple of 8 that divides the page size");
+        selection_(shape, selector) {
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device_));
     const int device = device_;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
@@ -112,16 +108,12 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     use_bulk_copy_ = major >= 9;
     supports_dependent_launch_ = dependent_launch_ = major >= 9;
-    int opt_in = 0;
-    KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    max_dynamic_shared_ = opt_in - 4 * 1024;  // the selection kernels' static shared memory
     // Rows a TMA box reads past a tail's last token must hold finite values (they meet p = 0).
     KVMOSAIC_CUDA_CHECK(cudaMemset(pages_.data(), 0, pages_.size()));
     KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
     configure_format();
     prepare_decode_kernel();
-    if (chunks.shortest > 0) reserve_chunks(chunks);
   }
   ~engine() {
     if (staged_ != nullptr) cudaEventDestroy(staged_);
@@ -132,10 +124,12 @@ class engine {
   const kvmosaic::detail::arena_geometry& geometry() const noexcept { return geometry_; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
-  /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
-  std::size_t page_bounds_bytes() const noexcept { return bounds_geometry_.page_bytes; }
-  /// Device key bounds: [max_pages][num_kv_heads][lo row, hi row] in the storage dtype.
-  const std::byte* bounds_data() const noexcept { return bounds_.as<const std::byte>(); }
+  /// Bytes a page costs besides its slot: what the selector keeps per page (0 for none).
+  std::size_t page_bounds_bytes() const noexcept { return selection_.page_bytes(); }
+  /// The selector's device part: its storage, and what the last step chose (for tests and
+  /// reports); a selector's host hooks drive it through the non-const one.
+  const selection_type& selection() const noexcept { return selection_; }
+  selection_type& selection() noexcept { return selection_; }
   const std::byte* pages_data() const noexcept { return pages_.as<const std::byte>(); }
   const std::byte* tails_data() const noexcept { return tails_.as<const std::byte>(); }
 
@@ -151,7 +145,7 @@ class engine {
     check_device_rows("cache::prefill", k, v);
     if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot);
     // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena);
-    // format::dense writes every row in one pass. A chunk always holds at least one row: the tail
+    // formats without an encoder write every row in one pass. A chunk always holds at least one row: the tail
     // holds fewer than page_size rows, and a chunk of an encoded format is whole pages.
     const std::int64_t rows = k.extent(0);
     for (std::int64_t first = 0; first < rows;) {
@@ -189,8 +183,8 @@ class engine {
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
-  /// overwrote (copied back on the stream), and the chunk updates not yet committed. Rows past a
-  /// tail's committed length, fresh pages and chunk slots not yet committed are never read. After
+  /// overwrote (copied back on the stream), and the selector's updates not yet committed. Rows past
+  /// a tail's committed length and fresh pages are never read. After
   /// a sticky CUDA error (a fault in a kernel) the device state is lost with the context.
   void rollback() noexcept {
     if (saved_slot_ >= 0) {
@@ -202,17 +196,12 @@ class engine {
       }
     }
     saved_slot_ = -1;
-    chunks_.pending.clear();
-    chunks_.pending_blocks = 0;
+    selection_.rollback();
   }
   /// Makes the writes since the last `commit` final (host bookkeeping only; cannot throw).
   void commit() noexcept {
     saved_slot_ = -1;
-    for (pending_chunks& update : chunks_.pending)
-      chunks_.slots[static_cast<std::size_t>(update.slot)] = std::move(update.next);
-    chunks_.free_blocks.resize(chunks_.free_blocks.size() - chunks_.pending_blocks);
-    chunks_.pending.clear();
-    chunks_.pending_blocks = 0;
+    selection_.commit();
   }
 
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
@@ -241,9 +230,6 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(key_weights_.as<std::byte>() + slot * row, weights, row, cudaMemcpyHostToDevice));
   }
 
-  /// A decode step: plan, then launch. q and out are device arrays [batch][num_q_heads][head_dim].
-  /// With a selection request (`select::quest`), the pages each KV head reads are chosen on the
-  /// device from the key bounds (kernel/select_pages.cuh) inside `launch_step`.
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
@@ -269,175 +255,16 @@ class engine {
     launch_step<O>(queries, o, softmax_scale_);
   }
 
-  /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
-  /// from the device; synchronizes). For tests and reports.
-  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const {
-    kvmosaic::detail::require(selecting_ && b >= 0 && b < batch_, "cuda::engine::selected_pages", "b", b,
-                              "a batch entry of the last step, which must have been a selected one");
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::int32_t count = selected_counts_[static_cast<std::size_t>(b)];
-    if (token_granular())
-      KVMOSAIC_CUDA_CHECK(cudaMemcpy(&count, table_lengths_.as<const std::int32_t>() + b * shape_.num_kv_heads + head,
-                                     sizeof count, cudaMemcpyDeviceToHost));
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(count));
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy(ids.data(),
-                                   selected_.as<const std::int32_t>() +
-                                       (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * capacity_.table_stride,
-                                   ids.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
-    return ids;
-  }
-  /// The row masks of `selected_pages(b, head)` after a token-granular step (sub-page Quest
-  /// blocks): per page, mask_words() words, bit r of word w for row 32 w + r (synchronizes).
-  std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const {
-    const std::size_t pages = selected_pages(b, head).size(), words = static_cast<std::size_t>(mask_words());
-    kvmosaic::detail::require(token_granular(), "cuda::engine::selected_rows", "the last step", "page-granular",
-                              "a token-granular selection (sub-page select::quest blocks)");
-    std::vector<std::uint32_t> masks(pages * words);
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy(masks.data(),
-                                   token_masks_.as<const std::uint32_t>() +
-                                       (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * capacity_.table_stride * words,
-                                   masks.size() * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
-    return masks;
-  }
-  /// Row-mask words per page: ceil(page_size / 32).
-  int mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
-  /// Whether selections pick blocks smaller than a page (the split kernels then read row masks).
-  bool token_granular() const noexcept {
-    return chunks_.limits.shortest > 0 ||
-           (bounds_geometry_.block_tokens > 0 && bounds_geometry_.block_tokens < shape_.page_size);
-  }
-
-  /// `select::sentence_chunks`: rows [first, first + n) of `k` (device, [rows][num_kv_heads]
-  /// [head_dim]) extend the token stream of `slot`, and the host has just closed chunks of
-  /// `lengths` tokens, in order, from the first open token on. Their key bounds (the same values as
-  /// the host backend's) and token ranges go to the chunk arena; the rows still open are kept.
-  template <class T>
-  void add_chunks(std::int32_t slot, tensor_view<const T, 3> k, std::int64_t first, std::int64_t n,
-                  const std::vector<std::int32_t>& lengths) {
-    // The update is built on a copy and takes effect at `commit`; until then the kernels write
-    // only where the committed state does not look (new arena slots, rows past the open ones, or
-    // the other open-row buffer).
-    pending_chunks update{slot, chunks_.slots[static_cast<std::size_t>(slot)], 0};
-    open_chunks& c = update.next;
-    const auto stream = static_cast<std::int32_t>(c.open_rows + n);
-    std::vector<int4> work;
-    std::int32_t at = 0;
-    for (const std::int32_t length : lengths) {
-      if (c.count % chunks_per_block == 0) c.blocks.push_back(take_chunk_block(update, "cuda::engine::add_chunks"));
-      const std::int32_t arena_slot = c.blocks.back() * chunks_per_block + c.count % chunks_per_block;
-      work.push_back(make_int4(at, at + length, arena_slot, static_cast<int>(c.open_start + at)));
-      at += length;
-      ++c.count;
-    }
-    kvmosaic::detail::require(stream - at <= chunks_.limits.longest, "cuda::engine::add_chunks", "open rows", stream - at,
-                              "at most chunk_limits::longest (a chunk is closed once its window exists)");
-    chunks_.pending.reserve(chunks_.pending.size() + 1);
-    kernel::chunk_params p{};
-    p.open = open_row_buffer(slot, c.buffer);
-    p.rows = k.data() + static_cast<std::size_t>(first) * shape_.num_kv_heads * shape_.head_dim;
-    p.open_rows = c.open_rows;
-    p.new_rows = static_cast<int>(n);
-    p.keep_from = at;
-    p.copy_from = at == 0 ? c.open_rows : at;
-    const int next_buffer = at == 0 ? c.buffer : 1 - c.buffer;
-    p.next_open = open_row_buffer(slot, next_buffer);
-    p.bounds = chunks_.bounds.template as<std::byte>();
-    p.ranges = chunks_.ranges.template as<int2>();
-    p.chunks_per_block = chunks_per_block;
-    p.num_kv_heads = shape_.num_kv_heads;
-    if (!work.empty()) {
-      if (chunks_.work.size() < work.size() * sizeof(int4)) {
-        KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be read
-        chunks_.work = device_buffer(std::max<std::size_t>(work.size(), 1024) * sizeof(int4));
-      }
-      // From pageable memory: the copy has left `work` when the call returns.
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chunks_.work.data(), work.data(), work.size() * sizeof(int4), cudaMemcpyHostToDevice, stream_));
-      p.chunks = chunks_.work.template as<const int4>();
-    }
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      using S = decltype(element);
-      constexpr int head_dim = decltype(dim)::value;
-      const auto heads = static_cast<unsigned>(shape_.num_kv_heads);
-      if (!work.empty()) {
-        kernel::chunk_bounds_kernel<S, T, head_dim><<<dim3(static_cast<unsigned>(work.size()), heads), head_dim, 0, stream_>>>(p);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      }
-      if (stream > p.copy_from) {
-        kernel::keep_open_rows_kernel<S, T, head_dim>
-            <<<dim3(static_cast<unsigned>(stream - p.copy_from), heads), head_dim, 0, stream_>>>(p);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      }
-    });
-    c.open_rows = stream - at;
-    c.open_start += at;
-    c.buffer = next_buffer;
-    chunks_.pending_blocks += update.blocks_taken;
-    chunks_.pending.push_back(std::move(update));  // within the reserved capacity
-  }
-
-  /// Frees the chunks of `slot` (its sequence ended).
-  void release_chunks(std::int32_t slot) {
-    open_chunks& c = chunks_.slots[static_cast<std::size_t>(slot)];
-    chunks_.free_blocks.insert(chunks_.free_blocks.end(), c.blocks.begin(), c.blocks.end());
-    c = open_chunks{};
-  }
-
-  /// Gives `to` (a slot with no chunks) a copy of the chunks and open rows of `from` (a fork);
-  /// takes effect at `commit`, as `add_chunks`.
-  void copy_chunks(std::int32_t from, std::int32_t to) {
-    const open_chunks& source = chunks_.slots[static_cast<std::size_t>(from)];
-    pending_chunks update{to, open_chunks{}, 0};
-    open_chunks& c = update.next;
-    c.blocks.reserve(source.blocks.size());
-    chunks_.pending.reserve(chunks_.pending.size() + 1);
-    const std::size_t block_bytes = chunk_block_bytes();
-    for (const std::int32_t block : source.blocks) {
-      const std::int32_t copy = take_chunk_block(update, "cuda::engine::copy_chunks");
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chunks_.bounds.template as<std::byte>() + copy * block_bytes,
-                                          chunks_.bounds.template as<const std::byte>() + block * block_bytes, block_bytes,
-                                          cudaMemcpyDeviceToDevice, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chunks_.ranges.template as<int2>() + copy * chunks_per_block,
-                                          chunks_.ranges.template as<const int2>() + block * chunks_per_block,
-                                          chunks_per_block * sizeof(int2), cudaMemcpyDeviceToDevice, stream_));
-      c.blocks.push_back(copy);
-    }
-    c.count = source.count;
-    c.open_rows = source.open_rows;
-    c.open_start = source.open_start;
-    c.buffer = source.buffer;
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(open_row_buffer(to, c.buffer), open_row_buffer(from, source.buffer),
-                                        open_row_bytes(), cudaMemcpyDeviceToDevice, stream_));
-    chunks_.pending_blocks += update.blocks_taken;
-    chunks_.pending.push_back(std::move(update));
-  }
-
-  /// Chunks of the sequence in `slot` so far (closed ones).
-  std::int32_t chunk_count(std::int32_t slot) const { return chunks_.slots[static_cast<std::size_t>(slot)].count; }
-  /// Device bytes kept for chunks: the arena and the open rows (reserved at construction).
-  std::size_t chunk_storage_bytes() const noexcept { return chunks_.bounds.size() + chunks_.ranges.size() + chunks_.open.size(); }
-
-  /// Quest scores of the last selected step for (b, head), one per span (a page, or a block of
-  /// one: `spans` of them; synchronizes).
-  std::vector<float> page_scores(std::int32_t b, int head, std::int32_t spans) const {
-    std::vector<float> scores(static_cast<std::size_t>(spans));
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy(scores.data(),
-                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(),
-                                   scores.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    return scores;
-  }
-
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
   /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
   /// is what a captured CUDA graph needs; a larger step grows the layout (re-capture after that).
-  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0,
-                    std::int32_t max_chunk_blocks_per_sequence = 0) {
+  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0) {
     const layout_capacity new_capacity{std::max(capacity_.batch, batch),
                                        std::max(capacity_.table_stride, max_pages_per_sequence),
-                                       std::max({capacity_.work, splits, work_capacity(batch)}),
-                                       std::max(capacity_.chunk_stride, max_chunk_blocks_per_sequence)};
+                                       std::max({capacity_.work, splits, work_capacity(batch)})};
+    selection_.reserve(new_capacity.batch, new_capacity.table_stride);
     if (new_capacity.batch == capacity_.batch && new_capacity.table_stride == capacity_.table_stride &&
-        new_capacity.work == capacity_.work && new_capacity.chunk_stride == capacity_.chunk_stride)
+        new_capacity.work == capacity_.work && layout_.bytes - layout_.selection >= selection_.staged_bytes())
       return;
     capacity_ = new_capacity;
     const std::int32_t work = capacity_.work;
@@ -447,13 +274,10 @@ class engine {
     layout_.slots = layout_.partial_offset + align((capacity_.batch + 1) * sizeof(std::int32_t));
     layout_.tail_rows = layout_.slots + align(capacity_.batch * sizeof(std::int32_t));
     layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.budget = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.span_counts = layout_.budget + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.budget_tokens = layout_.span_counts + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.always_from = layout_.budget_tokens + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.tables = layout_.always_from + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.chunk_tables = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
-    layout_.bytes = layout_.chunk_tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.chunk_stride * sizeof(std::int32_t));
+    layout_.read_pages = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tables = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.selection = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    layout_.bytes = layout_.selection + align(selection_.staged_bytes());
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     staging_ = pinned_buffer(layout_.bytes);
     step_metadata_ = device_buffer(layout_.bytes);
@@ -461,85 +285,44 @@ class engine {
     partials_ = device_buffer(partial_floats * sizeof(float));
     queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * shape_.group_size *
                              shape_.head_dim * sizeof(float));
-    if (bounds_geometry_.block_tokens > 0 || chunks_.limits.shortest > 0) {  // per (sequence, KV head): a score per span, the chosen pages
-      const std::size_t rows = static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * capacity_.table_stride;
-      scores_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * score_stride() * sizeof(float));
-      selected_ = device_buffer(rows * sizeof(std::int32_t));
-      if (token_granular()) {  // and each chosen page's row mask
-        const std::size_t words = rows * static_cast<std::size_t>(mask_words()) * sizeof(std::uint32_t);
-        marks_ = device_buffer(words);
-        token_masks_ = device_buffer(words);
-        table_lengths_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * sizeof(std::int32_t));
-      }
-    }
   }
 
   /// Host part of a step: the split plan from the lengths and the block tables, written to
   /// page-locked staging. Waits for the previous step's copy out of that staging, not for kernels.
-  /// With a selection request, each sequence's splits cover the pages its KV heads may read: whole
-  /// pages, min(budget / page_size, sealed pages), known here and chosen on the device; blocks of
-  /// a page, at most min(budget / block, sealed pages), and the splits share those the device
-  /// marks in proportion (`detail_decode::pages_of_split`).
+  /// With a selection request, the selector's stage says which pages each sequence's splits cover
+  /// (`selection_stage::plan`) and stages what the device selects from.
   void plan_step(const std::vector<kvmosaic::detail::sequence_ref>& batch,
                  const kvmosaic::detail::selection_request* request = nullptr) {
     const auto n = static_cast<std::int32_t>(batch.size());
     std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
-    std::int32_t longest = 1, most_chunk_blocks = 0;
-    const bool chunked = chunks_.limits.shortest > 0;
+    std::vector<step_sequence> sequences(batch.size());
+    std::int32_t longest = 1;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
+      sequences[b] = step_sequence{slots[b], full_pages[b]};
       longest = std::max(longest, full_pages[b]);
-      const int span_tokens = token_granular() ? bounds_geometry_.block_tokens : shape_.page_size;
-      read_pages[b] = request == nullptr ? full_pages[b]
-                                         : static_cast<std::int32_t>(std::min<std::int64_t>(
-                                               std::max<std::int64_t>(request->budget[b], 0) / span_tokens, full_pages[b]));
-      if (chunked) {  // chunks may touch any page: the splits share the pages the device marks
-        read_pages[b] = full_pages[b];
-        most_chunk_blocks = std::max(most_chunk_blocks, static_cast<std::int32_t>(chunks_.slots[static_cast<std::size_t>(slots[b])].blocks.size()));
-      }
     }
-    kvmosaic::detail::require(request == nullptr || bounds_geometry_.block_tokens > 0 || chunked, "cuda::engine::plan_step",
-                              "selection request", "without key bounds",
-                              "an engine built with bounds_block_tokens or chunk limits");
+    selection_.plan(request, sequences, read_pages);
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
         make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
-    reserve_step(n, longest, plan.num_splits(), most_chunk_blocks);
+    reserve_step(n, longest, plan.num_splits());
     batch_ = n;
     step_splits_ = plan.num_splits();
-    selecting_ = request != nullptr;
-    if (request != nullptr) {
-      combine_sum_ = request->combine == group_combine::sum;
-      selected_counts_ = read_pages;
-    }
 
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));  // the previous copy has left the staging
     std::byte* host = staging_.as<std::byte>();
     const std::int32_t stride = capacity_.table_stride;
-    const std::int32_t header[4] = {plan.num_splits(), selecting_ ? shape_.num_kv_heads * stride : stride,
-                                    selecting_ ? stride : 0, stride};
+    const bool selected = selection_.planned();
+    const std::int32_t header[4] = {plan.num_splits(), selected ? shape_.num_kv_heads * stride : stride, selected ? stride : 0,
+                                    stride};
     std::memcpy(host + layout_.header, header, sizeof header);
     std::memcpy(host + layout_.sealed, full_pages.data(), full_pages.size() * sizeof(std::int32_t));
-    std::memcpy(host + layout_.budget, read_pages.data(), read_pages.size() * sizeof(std::int32_t));
-    if (request != nullptr) {
-      auto* spans = reinterpret_cast<std::int32_t*>(host + layout_.span_counts);
-      auto* budget = reinterpret_cast<std::int32_t*>(host + layout_.budget_tokens);
-      auto* always = reinterpret_cast<std::int32_t*>(host + layout_.always_from);
-      auto* chunk_tables = reinterpret_cast<std::int32_t*>(host + layout_.chunk_tables);
-      for (std::size_t b = 0; b < batch.size(); ++b) {
-        spans[b] = full_pages[b] * bounds_geometry_.blocks_per_page;
-        if (chunked) {
-          const open_chunks& c = chunks_.slots[static_cast<std::size_t>(slots[b])];
-          spans[b] = c.count;
-          std::copy(c.blocks.begin(), c.blocks.end(), chunk_tables + b * capacity_.chunk_stride);
-        }
-        budget[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request->budget[b], 0, std::numeric_limits<std::int32_t>::max()));
-        always[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request->always_from[b], std::numeric_limits<std::int32_t>::max()));
-      }
-    }
+    std::memcpy(host + layout_.read_pages, read_pages.data(), read_pages.size() * sizeof(std::int32_t));
+    selection_.stage(host + layout_.selection);
     std::memcpy(host + layout_.work, plan.work.data(), plan.work.size() * sizeof(split_work));
     std::memcpy(host + layout_.partial_offset, plan.partial_offset.data(), plan.partial_offset.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.slots, slots.data(), slots.size() * sizeof(std::int32_t));
@@ -553,9 +336,9 @@ class engine {
   /// capturable like `launch_step`: for timing selection apart from attention.
   void launch_selection_only(const float* q) {
     static_assert(selects, "cuda::engine::launch_selection_only: this cache's selector reads every page");
-    kvmosaic::detail::require(selecting_, "cuda::engine::launch_selection_only", "the planned step", "not selected",
-                              "a step planned with a selection request");
-    launch_selection(stage_step(q, output_view{}, 1.0f), q);
+    kvmosaic::detail::require(selection_.planned(), "cuda::engine::launch_selection_only", "the planned step",
+                              "not selected", "a step planned with a selection request");
+    selection_.launch(stage_step(q, output_view{}, 1.0f), step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
   }
 
  private:
@@ -569,7 +352,7 @@ class engine {
     static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
     p.format = device::params_for(format_state_, format_, context());
     if constexpr (selects)
-      if (selecting_) launch_selection(p, q);
+      if (selection_.planned()) selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
     const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
     const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
     with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -620,13 +403,9 @@ class engine {
     p.step_header = reinterpret_cast<const std::int32_t*>(device + layout_.header);
     p.sequence_tables = reinterpret_cast<const std::int32_t*>(device + layout_.tables);
     p.sealed_pages = reinterpret_cast<const std::int32_t*>(device + layout_.sealed);
-    p.block_tables = selecting_ ? selected_.as<const std::int32_t>() : p.sequence_tables;
-    if (selecting_ && token_granular()) {
-      p.token_masks = token_masks_.as<const std::uint32_t>();
-      p.mask_words = mask_words();
-      p.table_lengths = table_lengths_.as<const std::int32_t>();
-      p.planned_pages = reinterpret_cast<const std::int32_t*>(device + layout_.budget);
-    }
+    p.block_tables = p.sequence_tables;
+    p.planned_pages = reinterpret_cast<const std::int32_t*>(device + layout_.read_pages);
+    selection_.bind(p);  // a selected step: the stage's page tables (and row masks)
     p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);
     p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
     p.work = reinterpret_cast<const split_work*>(device + layout_.work);
@@ -645,77 +424,12 @@ class engine {
     return p;
   }
 
-  /// The selection kernels of a step: score every span (a page, a block of one, or a chunk), then
-  /// choose each KV head's pages (and, token-granular, their rows).
-  void launch_selection(const kernel::decode_params& p, const float* q) {
-    const std::byte* device = step_metadata_.as<const std::byte>();
-    kernel::select_params s{};
-    s.bounds = bounds_.as<const std::byte>();
-    s.bounds_entry_bytes = static_cast<std::int64_t>(bounds_geometry_.page_bytes);
-    s.spans_per_entry = bounds_geometry_.blocks_per_page;
-    s.span_tables = p.sequence_tables;
-    s.span_table_stride = capacity_.table_stride;
-    s.span_tokens = bounds_geometry_.block_tokens;
-    if (chunks_.limits.shortest > 0) {  // sentence chunks: spans from the chunk arena
-      s.bounds = chunks_.bounds.template as<const std::byte>();
-      s.bounds_entry_bytes = static_cast<std::int64_t>(chunk_block_bytes());
-      s.spans_per_entry = chunks_per_block;
-      s.span_tables = reinterpret_cast<const std::int32_t*>(device + layout_.chunk_tables);
-      s.span_table_stride = capacity_.chunk_stride;
-      s.span_tokens = 0;
-      s.span_ranges = chunks_.ranges.template as<const int2>();
-    }
-    s.span_counts = reinterpret_cast<const std::int32_t*>(device + layout_.span_counts);
-    s.score_stride = score_stride();
-    s.step_header = p.step_header;
-    s.block_tables = p.sequence_tables;
-    s.sealed_pages = p.sealed_pages;
-    s.budget_pages = reinterpret_cast<const std::int32_t*>(device + layout_.budget);
-    s.q = q;
-    s.num_kv_heads = shape_.num_kv_heads;
-    s.group_size = shape_.group_size;
-    s.combine_sum = combine_sum_ ? 1 : 0;
-    s.scores = scores_.as<float>();
-    s.selected = selected_.as<std::int32_t>();
-    constexpr int spans_per_cta = kernel::score_warps * kernel::score_pages_per_warp;
-    const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
-                          static_cast<unsigned>(std::max((score_stride() + spans_per_cta - 1) / spans_per_cta, 1)),
-                          static_cast<unsigned>(batch_));
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream_>>>(s);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    });
-    const dim3 select_grid(static_cast<unsigned>(batch_), static_cast<unsigned>(shape_.num_kv_heads));
-    if (token_granular()) {
-      s.budget_tokens = reinterpret_cast<const std::int32_t*>(device + layout_.budget_tokens);
-      s.always_from = reinterpret_cast<const std::int32_t*>(device + layout_.always_from);
-      s.page_size = shape_.page_size;
-      s.mask_words = mask_words();
-      s.marks = marks_.as<std::uint32_t>();
-      s.token_masks = token_masks_.as<std::uint32_t>();
-      s.table_lengths = table_lengths_.as<std::int32_t>();
-      // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
-      const int longest_span = chunks_.limits.shortest > 0 ? chunks_.limits.longest : bounds_geometry_.block_tokens;
-      int bytes = kernel::span_select_shared_bytes(score_stride());
-      if (bytes > max_dynamic_shared_ || longest_span > 65535) bytes = 0;
-      const auto select = kernel::select_spans_kernel<kernel::select_threads>;
-      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream_>>>(
-          s, bytes > 0 ? 1 : 0);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      return;
-    }
-    const int keys_bytes = kernel::select_shared_bytes(capacity_.table_stride);
-    kernel::select_pages_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, keys_bytes, stream_>>>(
-        s, keys_bytes > 0 ? 1 : 0);
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-  }
-
  public:
   /// Calls f(kernel, threads, dynamic shared bytes) with the split kernel this engine launches:
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selecting_ && token_granular(), f);
+    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks(), f);
   }
 
   /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
@@ -881,7 +595,12 @@ class engine {
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     };
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
-    if constexpr (selects) write_page_bounds(page_ids, pages_bytes, num_new_pages);
+    // The selector sees the new pages' dense rows: in their page slots, or in scratch slots 0 .. n.
+    selection_.seal(sealed_pages{encodes_pages ? scratch_.as<const std::byte>() : pages_.as<const std::byte>(),
+                                 static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes()),
+                                 static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes),
+                                 encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids, page_ids, num_new_pages},
+                    stream_);
     if constexpr (encodes_pages) {
       if (num_new_pages > 0) {
         const device_context c = context();
@@ -897,31 +616,6 @@ class engine {
     }
   }
 
-  /// A read-less selector's key bounds of the new pages (`page_ids`: device), from their dense
-  /// rows: in their page slots (formats without an encoder), or in scratch slots 0 .. n.
-  void write_page_bounds(const std::int32_t* page_ids, std::size_t pages_bytes, std::int32_t num_new_pages) {
-    if (bounds_geometry_.block_tokens > 0 && num_new_pages > 0) {
-      // The rows of the new pages: in their page slots (dense), or in scratch slots 0 .. n.
-      kernel::bounds_params b{};
-      b.rows = encodes_pages ? scratch_.as<const std::byte>() : pages_.as<const std::byte>();
-      b.rows_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
-      b.rows_head_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes);
-      b.row_slots = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
-      b.new_pages = page_ids;
-      b.bounds = bounds_.as<std::byte>();
-      b.bounds_page_bytes = static_cast<std::int64_t>(bounds_geometry_.page_bytes);
-      b.block_tokens = bounds_geometry_.block_tokens;
-      detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-        constexpr int head_dim = decltype(dim)::value;
-        kernel::page_bounds_kernel<decltype(element), head_dim>
-            <<<dim3(static_cast<unsigned>(num_new_pages), static_cast<unsigned>(shape_.num_kv_heads),
-                    static_cast<unsigned>(bounds_geometry_.blocks_per_page)),
-               head_dim, 0, stream_>>>(b);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      });
-    }
-  }
-
   /// Grows the scratch arena of dense page rows that encoded formats compress from.
   void reserve_scratch(std::int32_t pages) {
     if (pages <= scratch_pages_) return;
@@ -930,46 +624,6 @@ class engine {
     scratch_ = device_buffer(static_cast<std::size_t>(scratch_pages_) * geometry_.tail_slot_bytes());
   }
 
-  /// Chunks per block of the chunk arena: a sequence's chunks live in whole blocks, listed in its
-  /// chunk table (as pages in a block table).
-  static constexpr int chunks_per_block = 32;
-  /// One sequence's chunks: its blocks, how many chunks it closed, and its open rows (in one of
-  /// two buffers: closing chunks moves the rows still open to the other).
-  struct open_chunks {
-    std::vector<std::int32_t> blocks;
-    std::int32_t count = 0;
-    std::int32_t open_rows = 0;
-    std::int64_t open_start = 0;  ///< the token of the first open row
-    int buffer = 0;
-  };
-  /// A slot's chunk state after an `add_chunks` or `copy_chunks` not yet committed, and how many
-  /// free blocks it took (from the back of the free list, after the pending updates before it).
-  struct pending_chunks {
-    std::int32_t slot;
-    open_chunks next;
-    std::size_t blocks_taken;
-  };
-  struct chunk_store {
-    kvmosaic::detail::chunk_limits limits;
-    std::vector<open_chunks> slots;        ///< [max_sequences]
-    std::vector<std::int32_t> free_blocks;
-    std::vector<pending_chunks> pending;   ///< updates of the current write (commit / rollback)
-    std::size_t pending_blocks = 0;        ///< free blocks (at the back) the pending updates hold
-    device_buffer bounds;                  ///< [blocks][num_kv_heads][chunks_per_block][lo row, hi row]
-    device_buffer ranges;                  ///< [blocks * chunks_per_block] {first token, end token}
-    device_buffer open;                    ///< [max_sequences][2][limits.longest][num_kv_heads][head_dim]
-    device_buffer work;                    ///< one call's closed chunks
-  };
-  /// The next free chunk block for a pending update, or `capacity_error` (nothing taken).
-  std::int32_t take_chunk_block(pending_chunks& update, const char* where) {
-    const std::size_t taken = chunks_.pending_blocks + update.blocks_taken;
-    if (taken >= chunks_.free_blocks.size())
-      throw capacity_error("chunk storage", std::string("kvmosaic: ") + where +
-                                                ": chunk storage is full; allowed: at most the chunks of the cache's "
-                                                "pages and tails (forks copy their chunks)");
-    ++update.blocks_taken;
-    return chunks_.free_blocks[chunks_.free_blocks.size() - 1 - taken];
-  }
   /// Keeps the tail slot `slot` on the device for `rollback` (a stream-ordered copy).
   void save_tail(std::int32_t slot) {
     const std::size_t bytes = geometry_.tail_slot_bytes();
@@ -978,60 +632,21 @@ class engine {
                                         cudaMemcpyDeviceToDevice, stream_));
     saved_slot_ = slot;
   }
-  std::size_t chunk_block_bytes() const noexcept {
-    return static_cast<std::size_t>(shape_.num_kv_heads) * chunks_per_block * 2 * shape_.head_dim * size_of(shape_.storage);
-  }
-  std::size_t open_row_bytes() const noexcept {
-    return static_cast<std::size_t>(chunks_.limits.longest) * shape_.num_kv_heads * shape_.head_dim * size_of(shape_.storage);
-  }
-  std::byte* open_row_buffer(std::int32_t slot, int buffer) {
-    return chunks_.open.template as<std::byte>() + (static_cast<std::size_t>(slot) * 2 + buffer) * open_row_bytes();
-  }
-  /// Sizes the chunk storage: every token of every page and tail in chunks of the shortest length.
-  void reserve_chunks(kvmosaic::detail::chunk_limits limits) {
-    chunks_.limits = limits;
-    const std::int64_t tokens = (static_cast<std::int64_t>(shape_.max_pages) + shape_.max_sequences) * shape_.page_size;
-    const std::int64_t blocks = (tokens / limits.shortest + chunks_per_block - 1) / chunks_per_block + shape_.max_sequences;
-    chunks_.slots.assign(static_cast<std::size_t>(shape_.max_sequences), open_chunks{});
-    chunks_.free_blocks.resize(static_cast<std::size_t>(blocks));
-    for (std::int64_t i = 0; i < blocks; ++i) chunks_.free_blocks[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(blocks - 1 - i);
-    chunks_.bounds = device_buffer(static_cast<std::size_t>(blocks) * chunk_block_bytes());
-    chunks_.ranges = device_buffer(static_cast<std::size_t>(blocks) * chunks_per_block * sizeof(int2));
-    chunks_.open = device_buffer(static_cast<std::size_t>(shape_.max_sequences) * 2 * open_row_bytes());
-  }
-
   struct layout_capacity {
-    std::int32_t batch = 0, table_stride = 0, work = 0, chunk_stride = 0;
+    std::int32_t batch = 0, table_stride = 0, work = 0;
   };
   /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
-  /// [pages to read][tables].
+  /// [pages to read][tables][the selection stage's inputs].
   struct step_layout {
-    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, budget = 0,
-                span_counts = 0, budget_tokens = 0, always_from = 0, tables = 0, chunk_tables = 0, bytes = 0;
+    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0, tables = 0,
+                selection = 0, bytes = 0;
   };
-  /// Scores per (sequence, KV head) in `scores_`: one per span of the longest sequence.
-  std::int32_t score_stride() const noexcept {
-    if (chunks_.limits.shortest > 0) return std::max(capacity_.chunk_stride, 1) * chunks_per_block;
-    return capacity_.table_stride * std::max(bounds_geometry_.blocks_per_page, 1);
-  }
-
   kvmosaic::detail::engine_shape shape_;
   Format format_;
   kvmosaic::detail::arena_geometry geometry_;
-  kvmosaic::detail::bounds_geometry bounds_geometry_;
   device_buffer pages_;
   device_buffer tails_;
-  device_buffer bounds_;          ///< key bounds per page (select::quest), else empty
-  device_buffer scores_;          ///< [batch][num_kv_heads][table stride] page scores of a selected step
-  device_buffer selected_;        ///< [batch][num_kv_heads][table stride] the pages each KV head reads
-  bool selecting_ = false;        ///< the planned step is a selected one
-  bool combine_sum_ = false;
-  std::vector<std::int32_t> selected_counts_;
-  device_buffer marks_;           ///< token-granular selection scratch: [batch][num_kv_heads][table stride][mask words]
-  device_buffer token_masks_;     ///< the row masks of selected_ ([batch][num_kv_heads][table stride][mask words])
-  device_buffer table_lengths_;   ///< [batch][num_kv_heads] entries of selected_ a token-granular step wrote
-  chunk_store chunks_;            ///< select::sentence_chunks' chunks (limits.shortest == 0: none)
-  int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
+  selection_type selection_;     ///< the selector's device part
   int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;

@@ -31,7 +31,9 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/select/all.hpp"
 #include "kvmosaic/select/selection_request.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic {
@@ -198,16 +200,15 @@ class engine {
   using dense_traits = format_traits<format::dense>;
 
  public:
-  /// `bounds_block_tokens` > 0 keeps the key bounds of every block of that many tokens of each
-  /// sealed page (for `select::quest`). On this backend `select::sentence_chunks` keeps its
-  /// chunks' bounds in its per-sequence state (select/sentence_chunks.hpp) and passes them with
-  /// each step (`chunk_list`), so the chunk limits are unused.
-  engine(const detail::engine_shape& shape, const Format& format, int bounds_block_tokens = 0,
-         detail::chunk_limits = {})
+  /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
+  /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
+  /// their host state and pass it with each step (`select::sentence_chunks`: `chunk_list`).
+  template <class Selector = select::all>
+  engine(const detail::engine_shape& shape, const Format& format, const Selector& selector = {})
       : shape_(shape),
         format_(format),
         geometry_(shape, format),
-        bounds_geometry_(shape, bounds_block_tokens),
+        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size)),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}

@@ -74,11 +74,6 @@ struct selector_traits<select::quest> : stateless_selector_hooks {
   }
   /// Tokens per block whose key bounds the cache keeps with each page (0: none).
   static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
-
-  /// The engine keeps the key bounds of every block of each sealed page.
-  static std::tuple<int> engine_arguments(const select::quest& s, int page_size) noexcept {
-    return std::tuple<int>(s.block_for(page_size));
-  }
   /// A step scores the page blocks of every sequence.
   static detail::selection_request start_request(const select::quest& s, const selector_shape& shape) {
     detail::selection_request r;

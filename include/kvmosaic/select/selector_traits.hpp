@@ -34,8 +34,6 @@
 ///   template <class Cache> struct cache_members;  // public members the selector adds to the
 ///                                 // cache (a base of cache<...>, CRTP; they read the state with
 ///                                 // Cache::selector_state(seq))
-///   static std::tuple<...> engine_arguments(const Selector&, int page_size);
-///                                 // the engine constructor's arguments after (shape, format)
 ///   template <bool OnDevice, class T>
 ///   static update stage(const Selector&, const selector_shape&, const sequence_state&,
 ///                       const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
@@ -108,11 +106,6 @@ struct stateless_selector_hooks {
   struct update {};
   template <class Cache>
   struct cache_members {};
-
-  template <class Selector>
-  static std::tuple<> engine_arguments(const Selector&, int /*page_size*/) noexcept {
-    return {};
-  }
   template <bool OnDevice, class Selector, class T>
   static update stage(const Selector&, const selector_shape&, const sequence_state&, const tensor_view<const T, 3>&,
                       span<const std::int32_t>, std::int64_t, std::int64_t) noexcept {

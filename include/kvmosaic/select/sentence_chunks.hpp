@@ -184,13 +184,6 @@ struct selector_traits<select::sentence_chunks> {
     }
   };
 
-  /// A device engine keeps the chunks' bounds and open rows: storage sized by the chunk lengths
-  /// Algorithm 2 can produce, max(1, L - Delta) to L + Delta tokens (the host engine ignores them).
-  static std::tuple<int, detail::chunk_limits> engine_arguments(const select::sentence_chunks& s, int /*page_size*/) noexcept {
-    return std::tuple<int, detail::chunk_limits>(
-        0, detail::chunk_limits{std::max(1, s.target_length - s.window), s.target_length + s.window});
-  }
-
   /// Rows [first, first + n) of a prefill or append extend the stream: Algorithm 2 runs over the
   /// open ids while the next chunk's window is complete (more than L + Delta open tokens). On the
   /// host backend the closed chunks' key bounds come from the open keys (rounded to the storage
@@ -255,22 +248,23 @@ struct selector_traits<select::sentence_chunks> {
     c.pending_ids.swap(u.pending_ids);
     c.pending_keys.swap(u.pending_keys);
   }
-  /// On a device backend the engine computes the closed chunks' bounds from the device rows
-  /// [first, first + n) of `k` and keeps the open rows (`add_chunks`, pending until its commit).
+  /// On a device backend the selection stage (cuda/select/sentence_chunks.cuh) computes the closed
+  /// chunks' bounds from the device rows [first, first + n) of `k` and keeps the open rows
+  /// (pending until the engine's commit).
   template <bool OnDevice, class Engine, class T>
   static void write(Engine& engine, std::int32_t slot, const update& u, const tensor_view<const T, 3>& k, std::int64_t first,
                     std::int64_t n) {
-    if constexpr (OnDevice) engine.add_chunks(slot, k, first, n, u.lengths);
+    if constexpr (OnDevice) engine.selection().add_chunks(slot, k, first, n, u.lengths, engine.stream());
   }
   /// On a device backend the child's slot gets a copy of the parent's chunks and open rows.
   template <bool OnDevice, class Engine>
   static void fork(Engine& engine, std::int32_t from, std::int32_t to) {
-    if constexpr (OnDevice) engine.copy_chunks(from, to);
+    if constexpr (OnDevice) engine.selection().copy_chunks(from, to, engine.stream());
   }
-  /// On a device backend the slot's chunk storage goes back to the engine.
+  /// On a device backend the slot's chunk storage goes back to the selection stage.
   template <bool OnDevice, class Engine>
   static void release(Engine& engine, std::int32_t slot) {
-    if constexpr (OnDevice) engine.release_chunks(slot);
+    if constexpr (OnDevice) engine.selection().release_chunks(slot);
   }
   /// The chunks' key bounds: 2 rows of head_dim 16-bit values per chunk and KV head (counted on
   /// both backends, wherever they live).

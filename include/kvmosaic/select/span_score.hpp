@@ -146,12 +146,5 @@ inline std::vector<std::int32_t> budget_prefix(const std::vector<float>& scores,
   return chosen;
 }
 
-/// The lengths a selector's chunks may have (`select::sentence_chunks`: max(1, L - Delta) to
-/// L + Delta tokens), which size an engine's chunk storage; all zero for selectors without chunks.
-struct chunk_limits {
-  int shortest = 0;
-  int longest = 0;
-};
-
 }  // namespace detail
 }  // namespace kvmosaic

@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A selector's device part: `selection_stage<Selector, Shapes>`, specialized on the selector tag
+/// in `cuda/select/<name>.cuh`, found by the CUDA engine as it finds a format's device part
+/// (`device_format`). The engine (`cuda/backend.cuh`) never names a selector: it hands each stage
+/// the pages a write seals, asks it per step which pages each sequence's splits cover, gives it a
+/// region of the step's staged metadata, and launches it between the metadata copy and the split
+/// kernel. A specialization provides:
+///
+/// ```cpp
+/// template <class Shapes> class selection_stage<select::X, Shapes> {
+///  public:
+///   static constexpr bool selects;          // false: every step reads every page (no kernels)
+///   selection_stage(const engine_shape&, const select::X&);   // device storage, sized once
+///   std::size_t page_bytes() const;         // device bytes the stage keeps per page (memory_stats)
+///   void seal(const sealed_pages&, cudaStream_t);             // pages a write completed
+///   void commit() noexcept;                 // makes the stage's writes since the last commit final
+///   void rollback() noexcept;               // forgets them (the engine's rollback)
+///   void plan(const detail::selection_request*, const std::vector<step_sequence>&,
+///             std::vector<std::int32_t>& read_pages);         // host, per step (see below)
+///   std::size_t staged_bytes() const;       // bytes of the planned step's inputs to stage
+///   void stage(std::byte* host) const;      // writes them (the engine copies them with the step's)
+///   void reserve(std::int32_t batch, std::int32_t table_stride);  // outputs for such steps
+///   bool planned() const;                   // the planned step selects
+///   bool row_masks() const;                 // ... and picks blocks smaller than a page
+///   void bind(kernel::decode_params&) const;                  // the contract (below)
+///   void launch(const kernel::decode_params&, const std::byte* staged, const float* q, cudaStream_t);
+/// };
+/// ```
+///
+/// The contract every format's split kernel reads (`kernel::decode_params`): for a selected step,
+/// per (sequence, KV head) a page table (`block_tables`, rows `step_header[1]` apart, heads
+/// `step_header[2]` apart) and, when `row_masks()`, per listed page a row mask (`token_masks`,
+/// `mask_words` words) and the entries written (`table_lengths`). `plan` fills `read_pages[b]`,
+/// the pages sequence b's splits cover (`planned_pages`): every sealed page, or fewer when the
+/// selection is known to read fewer whole pages. docs/architecture.md ("Adding a selector") lists
+/// the files a new selector writes.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvmosaic/host/backend.hpp"
+#include "kvmosaic/select/selection_request.hpp"
+
+namespace kvmosaic::cuda {
+
+/// Pages a write completed, whose dense rows a stage may read (before a format encodes them):
+/// page `page_ids[i]`'s rows are in slot `row_slots[i]` of `rows` (every KV head's K rows at
+/// `head * rows_head_bytes`, token-major, head_dim values each).
+struct sealed_pages {
+  const std::byte* rows;              ///< device
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::int32_t* row_slots;      ///< [n] (device)
+  const std::int32_t* page_ids;       ///< [n] (device)
+  std::int32_t n;
+};
+
+/// One sequence of a step as a stage sees it.
+struct step_sequence {
+  std::int32_t slot;          ///< tail slot
+  std::int32_t sealed_pages;  ///< pages in its block table
+};
+
+/// The device part of `Selector` for an engine compiling `Shapes`. Only specializations exist.
+template <class Selector, class Shapes>
+class selection_stage {
+  static_assert(sizeof(Selector) == 0,
+                "kvmosaic: this selector has no CUDA selection stage: include its cuda/select/<name>.cuh "
+                "(kvmosaic.cuh includes every built-in one), or specialize kvmosaic::cuda::selection_stage<Selector, "
+                "Shapes> (docs/architecture.md, 'Adding a selector')");
+};
+
+}  // namespace kvmosaic::cuda
