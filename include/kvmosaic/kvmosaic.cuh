@@ -23,6 +23,9 @@
 #include "kvmosaic/cuda/format/dense/device.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/device.cuh"
 #include "kvmosaic/cuda/format/quant2/device.cuh"
+// The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/quest.cuh"
 #include "kvmosaic/cuda/select/sentence_chunks.cuh"
+// Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
+#include "kvmosaic/cuda/instantiate.cuh"

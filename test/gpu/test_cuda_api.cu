@@ -2,8 +2,12 @@
 // The public step API on the CUDA backend, on a cache compiled for one kernel shape
 // (backend::cuda_for): plan then run with q and out in float, half or bfloat16 and any strides,
 // the per-head log-sum-exp, against the host backend on the same data; configurations outside
-// the compiled shapes are rejected. Without a GPU every test says so and returns.
+// the compiled shapes are rejected. This unit sees the cache type's explicit instantiation
+// declaration (api_cache.cuh): its kernels are compiled in api_cache.cu, so the tests here also
+// check that a program built that way links and runs. Without a GPU every test says so and
+// returns.
 
+#include "api_cache.cuh"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -12,9 +16,8 @@ using test::gpu_available;
 
 namespace {
 
-using one_shape = backend::cuda_for<kernel_shape<dtype::bf16, 64, 4>>;
-using device_cache = cache<format::dense, select::all, compact::none, one_shape>;
 using host_cache = cache<format::dense>;
+using test::device_cache;
 
 cache_config api_config() {
   cache_config c;

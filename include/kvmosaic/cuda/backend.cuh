@@ -85,9 +85,18 @@ class engine {
   /// optional log-sum-exps.
   struct output_view {
     void* data = nullptr;
+    dtype type = dtype::f32;
     std::int64_t strides[3] = {0, 0, 0};
     float* lse = nullptr;
     std::int64_t lse_strides[2] = {0, 0};
+  };
+  /// A step's queries as `run` was given them: any io dtype, any strides.
+  struct query_view {
+    const void* data;
+    dtype type;
+    std::int64_t extents[3];
+    std::int64_t strides[3];
+    bool contiguous;
   };
 
 
@@ -155,7 +164,7 @@ class engine {
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
       std::vector<std::int32_t> sink_slots(static_cast<std::size_t>(pages), -1);  // the sequence's first page
       if (pages > 0 && sealed_pages == 0) sink_slots[0] = slot;
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), count, sink_slots);
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sink_slots);
       new_pages += pages;
       sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
@@ -179,7 +188,8 @@ class engine {
         sink_slots.push_back(items[b].sealed_pages == 0 ? items[b].slot : -1);
       }
     }
-    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), 1, sink_slots);
+    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), dtype_traits<T>::id, 1,
+               sink_slots);
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
@@ -220,8 +230,9 @@ class engine {
 
   /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
   /// [head_dim] in host memory (copied before this returns), or null for plain magnitudes.
+  template <class F = Format>  // a template: only formats with K weights instantiate it
   void set_key_weights(std::int32_t slot, const float* weights) {
-    static_assert(has_key_weights_v<Format>, "this format has no K weights");
+    static_assert(has_key_weights_v<F>, "this format has no K weights");
     has_key_weights_[static_cast<std::size_t>(slot)] = weights != nullptr;
     if (weights == nullptr) return;
     const std::size_t row = shape_.row_elements() * sizeof(float);
@@ -249,10 +260,14 @@ class engine {
     require_device_memory("cache::run", "q", q.data());
     require_device_memory("cache::run", "out", out.data());
     if (lse.extent(0) > 0) require_device_memory("cache::run", "lse", lse.data());
-    const float* queries = q.data() == nullptr ? nullptr : gathered_queries(q);
-    output_view o{out.data(), {out.stride(0), out.stride(1), out.stride(2)}, lse.extent(0) > 0 ? lse.data() : nullptr,
+    const float* queries =
+        q.data() == nullptr
+            ? nullptr
+            : gathered_queries(query_view{q.data(), dtype_traits<Q>::id, {q.extent(0), q.extent(1), q.extent(2)},
+                                          {q.stride(0), q.stride(1), q.stride(2)}, q.is_contiguous()});
+    output_view o{out.data(), dtype_traits<O>::id, {out.stride(0), out.stride(1), out.stride(2)}, lse.extent(0) > 0 ? lse.data() : nullptr,
                   {lse.stride(0), lse.stride(1)}};
-    launch_step<O>(queries, o, softmax_scale_);
+    launch_step(queries, o, softmax_scale_);
   }
 
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
@@ -334,53 +349,18 @@ class engine {
 
   /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
   /// capturable like `launch_step`: for timing selection apart from attention.
-  void launch_selection_only(const float* q) {
-    static_assert(selects, "cuda::engine::launch_selection_only: this cache's selector reads every page");
-    kvmosaic::detail::require(selection_.planned(), "cuda::engine::launch_selection_only", "the planned step",
-                              "not selected", "a step planned with a selection request");
-    selection_.launch(stage_step(q, output_view{}, 1.0f), step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
-  }
+  void launch_selection_only(const float* q);
 
  private:
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
   /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel. On
   /// sm_90 the split and merge kernels are programmatic dependents of the kernel before each
   /// (cuda/detail/dependent_launch.cuh): each is scheduled while its predecessor finishes.
-  template <class O>
-  void launch_step(const float* q, const output_view& out, float softmax_scale) {
-    kernel::split_params<typename device::params> p{};
-    static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
-    p.format = device::params_for(format_state_, format_, context());
-    if constexpr (selects)
-      if (selection_.planned()) selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
-    const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
-    const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
-    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      detail::launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), detail::opted_in_shared(kernel, shared_bytes),
-                            stream_, dependent_launch_, p);
-    });
-    const kernel::decode_params& common = p;
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto, auto dim, auto) {
-      constexpr int head_dim = decltype(dim)::value;
-      detail::launch_kernel(kernel::merge_splits_kernel<head_dim, O>, dim3(static_cast<unsigned>(batch_ * num_q_heads)),
-                            dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
-    });
-  }
+  void launch_step(const float* q, const output_view& out, float softmax_scale);
 
   /// The step's queries as contiguous float: `q` itself, or a copy gathered into `queries_`
   /// (sized by reserve_step for the largest batch).
-  template <class Q>
-  const float* gathered_queries(const tensor_view<const Q, 3>& q) {
-    if constexpr (std::is_same<Q, float>::value)
-      if (q.is_contiguous()) return q.data();
-    kernel::query_source<Q> source{q.data(), {q.stride(0), q.stride(1), q.stride(2)}, static_cast<int>(q.extent(0)),
-                                   static_cast<int>(q.extent(1)), static_cast<int>(q.extent(2))};
-    constexpr int threads = 256;
-    kernel::gather_queries_kernel<Q><<<detail::grid_for(q.extent(0) * q.extent(1) * q.extent(2), threads), threads, 0, stream_>>>(
-        source, queries_.as<float>());
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    return queries_.as<const float>();
-  }
+  const float* gathered_queries(const query_view& q);
 
   /// Copies the staged metadata to the device and returns the step's kernel parameters.
   kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
@@ -487,12 +467,7 @@ class engine {
 
   /// The format's device part decides its kernel path for this device (and may turn the sm_90
   /// pipelines off); then the kernel's occupancy sizes the split plan.
-  void configure_format() {
-    device_context c = context();
-    device::template configure<Shapes>(format_state_, format_, c);
-    use_bulk_copy_ = c.bulk_copy;
-    prepare_decode_kernel();
-  }
+  void configure_format();
   device_context context() const {
     return device_context{&shape_, &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_, stream_};
   }
@@ -508,14 +483,7 @@ class engine {
 
   /// Raises the chosen split kernel's dynamic shared-memory limit and reads its occupancy, which
   /// sizes the split plan.
-  void prepare_decode_kernel() {
-    with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
-      if (shared_bytes > 48 * 1024)
-        KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
-      KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
-      ctas_per_sm_ = std::max(ctas_per_sm_, 1);
-    });
-  }
+  void prepare_decode_kernel();
 
   template <class T>
   void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
@@ -540,81 +508,8 @@ class engine {
 
   /// Writes rows and completes pages; `sink_slots[i]`: the tail slot that keeps the sink rows of
   /// new page i when it is a sequence's first page (formats with sinks), else -1.
-  template <class T>
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const T* k, const T* v, std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots) {
-    // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
-    // weight row of each new page, -1 for none] [sink slots].
-    const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
-    const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
-    const std::size_t bytes = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
-    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
-    extend_staging_.reserve(bytes);
-    extend_metadata_.reserve(bytes);
-    std::byte* staging = extend_staging_.as<std::byte>();
-    std::memcpy(staging, items.data(), items.size() * sizeof(kernel::extend_item));
-    if (num_new_pages > 0) std::memcpy(staging + items_bytes, new_pages, num_new_pages * sizeof(page_id));
-    if (encodes_pages) {
-      auto* ordinals = reinterpret_cast<std::int32_t*>(staging + items_bytes + pages_bytes);
-      for (std::int32_t i = 0; i < num_new_pages; ++i) ordinals[i] = i;
-      auto* weight_rows = reinterpret_cast<std::int32_t*>(staging + items_bytes + 2 * pages_bytes);
-      for (const kernel::extend_item& item : items) {
-        const std::int32_t pages = (item.tail_rows + item.count) / shape_.page_size;
-        bool weighted = false;
-        if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
-        for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
-      }
-      if (num_new_pages > 0)
-        std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
-      reserve_scratch(num_new_pages);
-    }
-    detail::pull_from_host(extend_staging_, extend_metadata_.data(), bytes, stream_);
-    KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
-    const std::byte* metadata = extend_metadata_.as<const std::byte>();
-    const auto* page_ids = reinterpret_cast<const std::int32_t*>(metadata + items_bytes);
-    kernel::extend_params p{};
-    // Completed pages: dense rows straight into their pages, or into scratch slots to encode.
-    p.pages = encodes_pages ? scratch_.as<std::byte>() : pages_.as<std::byte>();
-    p.page_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
-    p.new_pages = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
-    p.tails = tails_.as<std::byte>();
-    p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
-    p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
-    p.num_kv_heads = shape_.num_kv_heads;
-    p.head_dim = shape_.head_dim;
-    p.page_size = shape_.page_size;
-    p.items = reinterpret_cast<const kernel::extend_item*>(metadata);
-    const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
-    const dim3 tail_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(items.size()));
-    const dim3 row_grid(detail::grid_for(vectors_per_row * max_rows, extend_threads), static_cast<unsigned>(items.size()));
-    const auto scatter = [&](auto element) {
-      using S = decltype(element);
-      kernel::move_tail_rows_kernel<S><<<tail_grid, extend_threads, 0, stream_>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, k, v);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    };
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
-    // The selector sees the new pages' dense rows: in their page slots, or in scratch slots 0 .. n.
-    selection_.seal(sealed_pages{encodes_pages ? scratch_.as<const std::byte>() : pages_.as<const std::byte>(),
-                                 static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes()),
-                                 static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes),
-                                 encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids, page_ids, num_new_pages},
-                    stream_);
-    if constexpr (encodes_pages) {
-      if (num_new_pages > 0) {
-        const device_context c = context();
-        const encode_context e{&c,
-                               scratch_.as<const std::byte>(),
-                               page_ids,
-                               reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
-                               key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr,
-                               reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes),
-                               num_new_pages};
-        device::template encode_pages<Shapes>(format_state_, format_, e);
-      }
-    }
-  }
+                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots);
 
   /// Grows the scratch arena of dense page rows that encoded formats compress from.
   void reserve_scratch(std::int32_t pages) {
@@ -672,6 +567,153 @@ class engine {
   typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
 };
 
+// The members that launch kernels, out of line: an explicit instantiation declaration of the
+// engine (cuda/instantiate.cuh) then keeps them, and every kernel they launch, out of a
+// translation unit.
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::launch_selection_only(const float* q) {
+  kvmosaic::detail::require(selects && selection_.planned(), "cuda::engine::launch_selection_only", "the planned step",
+                            "not selected", "a step planned with a selection request (a read-less selector)");
+  selection_.launch(stage_step(q, output_view{}, 1.0f), step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_view& out, float softmax_scale) {
+  kernel::split_params<typename device::params> p{};
+  static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
+  p.format = device::params_for(format_state_, format_, context());
+  if constexpr (selects)
+    if (selection_.planned()) selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+  const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
+  const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
+  with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+    detail::launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), detail::opted_in_shared(kernel, shared_bytes),
+                          stream_, dependent_launch_, p);
+  });
+  const kernel::decode_params& common = p;
+  detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto, auto dim, auto) {
+    constexpr int head_dim = decltype(dim)::value;
+    detail::dispatch_io_type(out.type, [&](auto element) {
+      detail::launch_kernel(kernel::merge_splits_kernel<head_dim, decltype(element)>, dim3(static_cast<unsigned>(batch_ * num_q_heads)),
+                            dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
+    });
+  });
+}
+
+template <class Format, class Selector, class Shapes>
+const float* engine<Format, Selector, Shapes>::gathered_queries(const query_view& q) {
+  if (q.type == dtype::f32 && q.contiguous) return static_cast<const float*>(q.data);
+  detail::dispatch_io_type(q.type, [&](auto element) {
+    using Q = decltype(element);
+    const kernel::query_source<Q> source{static_cast<const Q*>(q.data), {q.strides[0], q.strides[1], q.strides[2]},
+                                         static_cast<int>(q.extents[0]), static_cast<int>(q.extents[1]),
+                                         static_cast<int>(q.extents[2])};
+    constexpr int threads = 256;
+    kernel::gather_queries_kernel<Q><<<detail::grid_for(q.extents[0] * q.extents[1] * q.extents[2], threads), threads, 0, stream_>>>(
+        source, queries_.as<float>());
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  });
+  return queries_.as<const float>();
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::configure_format() {
+  device_context c = context();
+  device::template configure<Shapes>(format_state_, format_, c);
+  use_bulk_copy_ = c.bulk_copy;
+  prepare_decode_kernel();
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::prepare_decode_kernel() {
+  with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
+    if (shared_bytes > 48 * 1024)
+      KVMOSAIC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm_, kernel, threads, shared_bytes));
+    ctas_per_sm_ = std::max(ctas_per_sm_, 1);
+  });
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages,
+                                               std::int32_t num_new_pages, const void* k, const void* v, dtype rows_type,
+                                               std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots) {
+  // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
+  // weight row of each new page, -1 for none] [sink slots].
+  const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
+  const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
+  const std::size_t bytes = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
+  extend_staging_.reserve(bytes);
+  extend_metadata_.reserve(bytes);
+  std::byte* staging = extend_staging_.as<std::byte>();
+  std::memcpy(staging, items.data(), items.size() * sizeof(kernel::extend_item));
+  if (num_new_pages > 0) std::memcpy(staging + items_bytes, new_pages, num_new_pages * sizeof(page_id));
+  if (encodes_pages) {
+    auto* ordinals = reinterpret_cast<std::int32_t*>(staging + items_bytes + pages_bytes);
+    for (std::int32_t i = 0; i < num_new_pages; ++i) ordinals[i] = i;
+    auto* weight_rows = reinterpret_cast<std::int32_t*>(staging + items_bytes + 2 * pages_bytes);
+    for (const kernel::extend_item& item : items) {
+      const std::int32_t pages = (item.tail_rows + item.count) / shape_.page_size;
+      bool weighted = false;
+      if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
+      for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
+    }
+    if (num_new_pages > 0)
+      std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
+    reserve_scratch(num_new_pages);
+  }
+  detail::pull_from_host(extend_staging_, extend_metadata_.data(), bytes, stream_);
+  KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  const std::byte* metadata = extend_metadata_.as<const std::byte>();
+  const auto* page_ids = reinterpret_cast<const std::int32_t*>(metadata + items_bytes);
+  kernel::extend_params p{};
+  // Completed pages: dense rows straight into their pages, or into scratch slots to encode.
+  p.pages = encodes_pages ? scratch_.as<std::byte>() : pages_.as<std::byte>();
+  p.page_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
+  p.new_pages = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
+  p.tails = tails_.as<std::byte>();
+  p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+  p.num_kv_heads = shape_.num_kv_heads;
+  p.head_dim = shape_.head_dim;
+  p.page_size = shape_.page_size;
+  p.items = reinterpret_cast<const kernel::extend_item*>(metadata);
+  const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
+  const dim3 tail_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(items.size()));
+  const dim3 row_grid(detail::grid_for(vectors_per_row * max_rows, extend_threads), static_cast<unsigned>(items.size()));
+  const auto scatter = [&](auto element) {
+    using S = decltype(element);
+    kernel::move_tail_rows_kernel<S><<<tail_grid, extend_threads, 0, stream_>>>(p);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    detail::dispatch_io_type(rows_type, [&](auto input) {
+      using T = decltype(input);
+      kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, static_cast<const T*>(k), static_cast<const T*>(v));
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  };
+  detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
+  // The selector sees the new pages' dense rows: in their page slots, or in scratch slots 0 .. n.
+  selection_.seal(sealed_pages{encodes_pages ? scratch_.as<const std::byte>() : pages_.as<const std::byte>(),
+                               static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes()),
+                               static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes),
+                               encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids, page_ids, num_new_pages},
+                  stream_);
+  if constexpr (encodes_pages) {
+    if (num_new_pages > 0) {
+      const device_context c = context();
+      const encode_context e{&c,
+                             scratch_.as<const std::byte>(),
+                             page_ids,
+                             reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
+                             key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr,
+                             reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes),
+                             num_new_pages};
+      device::template encode_pages<Shapes>(format_state_, format_, e);
+    }
+  }
+}
 }  // namespace cuda
 
 namespace detail {

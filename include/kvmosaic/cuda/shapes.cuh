@@ -96,6 +96,22 @@ template <class... Shapes>
 struct shapes_of<backend::cuda_for<Shapes...>> {
   using type = shape_list<Shapes...>;
 };
+/// The kernel shapes of a CUDA backend (`backend::cuda_for<...>`), as an engine lists them.
+template <class Backend>
+using shapes_of_t = typename shapes_of<Backend>::type;
+
+/// Calls f(element{}) for the element type of the run-time `type` (float, half or bfloat16):
+/// where the engine turns an input or output array's dtype into template arguments, so that its
+/// kernel-launching members are not templates (an explicit instantiation covers them).
+template <class F>
+void dispatch_io_type(dtype type, F&& f) {
+  switch (type) {
+    case dtype::f32: return f(float{});
+    case dtype::f16: return f(half{});
+    case dtype::bf16: return f(bfloat16{});
+  }
+  kvmosaic::detail::require(false, "cuda::dispatch_io_type", "dtype", static_cast<int>(type), "f32, f16 or bf16");
+}
 
 /// Calls f(element{}, head_dim constant, group constant) for the listed shape that matches the
 /// run-time one; `group_size` 0 matches any group (kernels that do not depend on it: the first

@@ -74,63 +74,13 @@ class selection_stage<select::sentence_chunks, Shapes> {
   template <class T>
   void add_chunks(std::int32_t slot, tensor_view<const T, 3> k, std::int64_t first, std::int64_t n,
                   const std::vector<std::int32_t>& lengths, cudaStream_t stream) {
-    pending update{slot, slots_[static_cast<std::size_t>(slot)], 0};
-    open_chunks& c = update.next;
-    const auto rows = static_cast<std::int32_t>(c.open_rows + n);
-    std::vector<int4> work;
-    std::int32_t at = 0;
-    for (const std::int32_t length : lengths) {
-      if (c.count % chunks_per_block == 0) c.blocks.push_back(take_block(update, "cuda::engine::add_chunks"));
-      const std::int32_t arena_slot = c.blocks.back() * chunks_per_block + c.count % chunks_per_block;
-      work.push_back(make_int4(at, at + length, arena_slot, static_cast<int>(c.open_start + at)));
-      at += length;
-      ++c.count;
-    }
-    kvmosaic::detail::require(rows - at <= longest_, "cuda::engine::add_chunks", "open rows", rows - at,
-                              "at most L + Delta (a chunk is closed once its window exists)");
-    pending_.reserve(pending_.size() + 1);
-    kernel::chunk_params p{};
-    p.open = open_row_buffer(slot, c.buffer);
-    p.rows = k.data() + static_cast<std::size_t>(first) * shape_.num_kv_heads * shape_.head_dim;
-    p.open_rows = c.open_rows;
-    p.new_rows = static_cast<int>(n);
-    p.keep_from = at;
-    p.copy_from = at == 0 ? c.open_rows : at;
-    const int next_buffer = at == 0 ? c.buffer : 1 - c.buffer;
-    p.next_open = open_row_buffer(slot, next_buffer);
-    p.bounds = bounds_.as<std::byte>();
-    p.ranges = ranges_.as<int2>();
-    p.chunks_per_block = chunks_per_block;
-    p.num_kv_heads = shape_.num_kv_heads;
-    if (!work.empty()) {
-      if (work_.size() < work.size() * sizeof(int4)) {
-        KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
-        work_ = device_buffer(std::max<std::size_t>(work.size(), 1024) * sizeof(int4));
-      }
-      // From pageable memory: the copy has left `work` when the call returns.
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(work_.data(), work.data(), work.size() * sizeof(int4), cudaMemcpyHostToDevice, stream));
-      p.chunks = work_.as<const int4>();
-    }
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      using S = decltype(element);
-      constexpr int head_dim = decltype(dim)::value;
-      const auto heads = static_cast<unsigned>(shape_.num_kv_heads);
-      if (!work.empty()) {
-        kernel::chunk_bounds_kernel<S, T, head_dim><<<dim3(static_cast<unsigned>(work.size()), heads), head_dim, 0, stream>>>(p);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      }
-      if (rows > p.copy_from) {
-        kernel::keep_open_rows_kernel<S, T, head_dim>
-            <<<dim3(static_cast<unsigned>(rows - p.copy_from), heads), head_dim, 0, stream>>>(p);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-      }
-    });
-    c.open_rows = rows - at;
-    c.open_start += at;
-    c.buffer = next_buffer;
-    pending_blocks_ += update.blocks_taken;
-    pending_.push_back(std::move(update));  // within the reserved capacity
+    add_chunk_rows(slot, k.data() + static_cast<std::size_t>(first) * shape_.num_kv_heads * shape_.head_dim, dtype_traits<T>::id,
+                   n, lengths, stream);
   }
+  /// `add_chunks` of rows [0, n) at `rows` (device, of dtype `rows_type`): out of line, so that an
+  /// explicit instantiation declaration (cuda/instantiate.cuh) keeps its kernels out of a unit.
+  void add_chunk_rows(std::int32_t slot, const void* rows, dtype rows_type, std::int64_t n,
+                      const std::vector<std::int32_t>& lengths, cudaStream_t stream);
 
   /// Gives `to` (a slot with no chunks) a copy of the chunks and open rows of `from` (a fork);
   /// takes effect at `commit`, as `add_chunks`.
@@ -272,5 +222,70 @@ class selection_stage<select::sentence_chunks, Shapes> {
   device_buffer work_;                     ///< one call's closed chunks
   span_selection<Shapes> spans_;
 };
+
+template <class Shapes>
+void selection_stage<select::sentence_chunks, Shapes>::add_chunk_rows(std::int32_t slot, const void* rows, dtype rows_type,
+                                                                      std::int64_t n, const std::vector<std::int32_t>& lengths,
+                                                                      cudaStream_t stream) {
+  pending update{slot, slots_[static_cast<std::size_t>(slot)], 0};
+  open_chunks& c = update.next;
+  const auto stream_rows = static_cast<std::int32_t>(c.open_rows + n);
+  std::vector<int4> work;
+  std::int32_t at = 0;
+  for (const std::int32_t length : lengths) {
+    if (c.count % chunks_per_block == 0) c.blocks.push_back(take_block(update, "cuda::engine::add_chunks"));
+    const std::int32_t arena_slot = c.blocks.back() * chunks_per_block + c.count % chunks_per_block;
+    work.push_back(make_int4(at, at + length, arena_slot, static_cast<int>(c.open_start + at)));
+    at += length;
+    ++c.count;
+  }
+  kvmosaic::detail::require(stream_rows - at <= longest_, "cuda::engine::add_chunks", "open rows", stream_rows - at,
+                            "at most L + Delta (a chunk is closed once its window exists)");
+  pending_.reserve(pending_.size() + 1);
+  kernel::chunk_params p{};
+  p.open = open_row_buffer(slot, c.buffer);
+  p.rows = rows;
+  p.open_rows = c.open_rows;
+  p.new_rows = static_cast<int>(n);
+  p.keep_from = at;
+  p.copy_from = at == 0 ? c.open_rows : at;
+  const int next_buffer = at == 0 ? c.buffer : 1 - c.buffer;
+  p.next_open = open_row_buffer(slot, next_buffer);
+  p.bounds = bounds_.as<std::byte>();
+  p.ranges = ranges_.as<int2>();
+  p.chunks_per_block = chunks_per_block;
+  p.num_kv_heads = shape_.num_kv_heads;
+  if (!work.empty()) {
+    if (work_.size() < work.size() * sizeof(int4)) {
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+      work_ = device_buffer(std::max<std::size_t>(work.size(), 1024) * sizeof(int4));
+    }
+    // From pageable memory: the copy has left `work` when the call returns.
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(work_.data(), work.data(), work.size() * sizeof(int4), cudaMemcpyHostToDevice, stream));
+    p.chunks = work_.as<const int4>();
+  }
+  detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
+    detail::dispatch_io_type(rows_type, [&](auto input) {
+      using S = decltype(element);
+      using T = decltype(input);
+      constexpr int head_dim = decltype(dim)::value;
+      const auto heads = static_cast<unsigned>(shape_.num_kv_heads);
+      if (!work.empty()) {
+        kernel::chunk_bounds_kernel<S, T, head_dim><<<dim3(static_cast<unsigned>(work.size()), heads), head_dim, 0, stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      }
+      if (stream_rows > p.copy_from) {
+        kernel::keep_open_rows_kernel<S, T, head_dim>
+            <<<dim3(static_cast<unsigned>(stream_rows - p.copy_from), heads), head_dim, 0, stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      }
+    });
+  });
+  c.open_rows = stream_rows - at;
+  c.open_start += at;
+  c.buffer = next_buffer;
+  pending_blocks_ += update.blocks_taken;
+  pending_.push_back(std::move(update));  // within the reserved capacity
+}
 
 }  // namespace kvmosaic::cuda
