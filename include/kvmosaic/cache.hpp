@@ -28,7 +28,6 @@
 #include <limits>
 #include <new>
 #include <string>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>

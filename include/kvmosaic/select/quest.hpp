@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <tuple>
 
 #include "kvmosaic/core/error.hpp"
 #include "kvmosaic/select/selection_request.hpp"

@@ -26,7 +26,9 @@
 /// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
 /// a selector's traits derive from it and replace what they need). `OnDevice` is true when the
 /// backend keeps K and V rows in device memory (backend::cuda): then `k` must not be read on the
-/// host, and work on the keys is the engine's (the `write`, `fork`, `release` hooks drive it).
+/// host, and work on the keys is the selector's device part (`cuda::selection_stage<Selector,
+/// Shapes>`, cuda/select/selection_stage.cuh, reached as `engine.selection()`; the `write`,
+/// `fork`, `release` hooks drive it).
 ///
 ///   using sequence_state = ...;   // per sequence, held by the cache: default-constructed by
 ///                                 // add_sequence (may throw), copied by fork_sequence (may throw)
@@ -74,7 +76,6 @@
 
 #include <cstdint>
 #include <string>
-#include <tuple>
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"

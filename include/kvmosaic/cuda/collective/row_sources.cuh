@@ -9,13 +9,13 @@
 ///                                                           lower channel in the low half
 ///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
 ///                                                           one value per register
-/// and reads rows past its data as zeros. The compressed source is `bitmap_page_rows`
-/// (bitmap_expand.cuh).
+/// and reads rows past its data as zeros. A format adds its own sources next to its kernels
+/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
 
 #include <cstddef>
 #include <cstdint>
 
-#include "kvmosaic/cuda/format/bitmap_tiles/expand.cuh"
+#include "kvmosaic/cuda/detail/tile_layout.cuh"
 
 namespace kvmosaic::cuda {
 
