@@ -341,6 +341,28 @@ TEST_CASE("GPU quest on small cases (compute-sanitizer)", "[gpu][select][sanitiz
   check_selected_step(w);
 }
 
+TEST_CASE("GPU selection reads back after the stream of its step is gone", "[gpu][select][quest]") {
+  if (!gpu_available()) return;
+  const cache_config c = small_config(64, 4, dtype::bf16, 64);
+  test::twin<format::dense, select::quest> t(c, 3, {}, quest_of(0.25));
+  for (const int length : {300, 700}) t.add(length, static_cast<std::uint64_t>(length));
+  t.attend_both();  // on the default stream: the reference selection
+  std::vector<std::vector<std::int32_t>> expected;
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (int h = 0; h < c.num_kv_heads; ++h) expected.push_back(t.device.engine().selection().selected_pages(b, h));
+  // The same step on a stream of the caller's, destroyed before the selection is read (as an
+  // engine or a benchmark tears down its stream): the read-back must not touch that stream.
+  cudaStream_t stream = nullptr;
+  KVMOSAIC_CUDA_CHECK(cudaStreamCreate(&stream));
+  t.device.engine().set_stream(stream);
+  t.attend_both();
+  t.device.engine().set_stream(nullptr);
+  KVMOSAIC_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::size_t i = 0;
+  for (std::int32_t b = 0; b < 2; ++b)
+    for (int h = 0; h < c.num_kv_heads; ++h) REQUIRE(t.device.engine().selection().selected_pages(b, h) == expected[i++]);
+}
+
 namespace {
 
 select::sentence_chunks chunks_of(double ratio) {
