@@ -1,6 +1,6 @@
 # Package tests for kvmosaic, run by CTest (see test/CMakeLists.txt):
 #
-#   cmake -DMODE=find_package|add_subdirectory -DWORK_DIR=<scratch dir>
+#   cmake -DMODE=find_package|add_subdirectory|fetch_content -DWORK_DIR=<scratch dir>
 #         -DKVMOSAIC_SOURCE_DIR=<src> -DKVMOSAIC_BINARY_DIR=<build> -DKVMOSAIC_VERSION=<x.y.z>
 #         -DGENERATOR=<cmake generator> -DCXX_COMPILER=<c++> -DBUILD_TYPE=<type>
 #         [-DCUDA_COMPILER=<nvcc> -DCUDA_ARCHITECTURE=<arch>]
@@ -13,6 +13,13 @@
 # add_subdirectory: configure, build and run test/package/subdir_consumer, which vendors the
 #                   kvmosaic source tree with add_subdirectory() and checks the options default OFF.
 #                   With CUDA_COMPILER given, again with CUDA enabled by the parent (CCCL linked).
+# fetch_content:    packs what a consumer's build reads from the source tree (CMakeLists.txt,
+#                   cmake/, include/, LICENSE) into <WORK_DIR>/kvmosaic-<version>.tar.gz, laid out
+#                   as a release archive (one top-level directory), then configures, builds and runs
+#                   test/package/fetch_content_consumer, which gets it with FetchContent_Declare(URL
+#                   file://... URL_HASH SHA256=...) and FetchContent_MakeAvailable: no network, and
+#                   the working tree as it is, committed or not. Host only: FetchContent_MakeAvailable
+#                   is add_subdirectory, whose CUDA case the add_subdirectory mode covers.
 # SPDX-License-Identifier: Apache-2.0
 cmake_minimum_required(VERSION 3.21)
 
@@ -114,6 +121,22 @@ elseif(MODE STREQUAL "add_subdirectory")
     run_exe(subdir_consumer_cuda kvmosaic_subdir_consumer)
     run_exe(subdir_consumer_cuda kvmosaic_subdir_consumer_cuda)
   endif()
+elseif(MODE STREQUAL "fetch_content")
+  set(_stage "${WORK_DIR}/archive/kvmosaic-${KVMOSAIC_VERSION}")
+  file(MAKE_DIRECTORY "${_stage}")
+  file(COPY "${KVMOSAIC_SOURCE_DIR}/CMakeLists.txt" "${KVMOSAIC_SOURCE_DIR}/LICENSE"
+            "${KVMOSAIC_SOURCE_DIR}/cmake" "${KVMOSAIC_SOURCE_DIR}/include"
+       DESTINATION "${_stage}")
+  set(_archive "${WORK_DIR}/kvmosaic-${KVMOSAIC_VERSION}.tar.gz")
+  execute_process(COMMAND "${CMAKE_COMMAND}" -E tar czf "${_archive}" "kvmosaic-${KVMOSAIC_VERSION}"
+                  WORKING_DIRECTORY "${WORK_DIR}/archive" RESULT_VARIABLE _result)
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "[archive] could not write ${_archive}")
+  endif()
+  file(SHA256 "${_archive}" _sha256)
+  consumer(fetch_content_consumer "${_here}/fetch_content_consumer"
+           "-DKVMOSAIC_URL=file://${_archive}" "-DKVMOSAIC_URL_HASH=SHA256=${_sha256}")
+  run_exe(fetch_content_consumer kvmosaic_fetch_content_consumer)
 else()
   message(FATAL_ERROR "run_package_test.cmake: unknown MODE '${MODE}'")
 endif()

@@ -1,0 +1,4958 @@
+// SPDX-License-Identifier: Apache-2.0
+//
+// single_include/kvmosaic/kvmosaic.hpp: kvmosaic as one file.
+// kvmosaic's host part: <kvmosaic/kvmosaic.hpp> (every format, selector and compactor, the host
+// backend, the fp64 oracle) and <kvmosaic/support/synthetic.hpp> (the synthetic KV generator).
+// Needs a C++17 compiler and Eigen 3.3 or newer; no CUDA.
+//
+// GENERATED FILE: do not edit. Written by scripts/amalgamate.py from the headers in include/
+// (each kvmosaic header inlined once, in dependency order); after changing include/, run
+//     python3 scripts/amalgamate.py
+// and commit the result (CTest single_include_up_to_date checks that it is current).
+#pragma once
+
+// ---- begin <kvmosaic/kvmosaic.hpp> ----
+/// \file
+/// kvmosaic, host part: every format, selector and compactor, the memory manager, the host backend
+/// and the fp64 oracle. Compiles with a plain C++17 compiler and Eigen; no CUDA needed.
+/// For the CUDA kernels include <kvmosaic/kvmosaic.cuh> instead (it includes this header).
+
+// ---- begin <kvmosaic/core/config.hpp> ----
+// kvmosaic: compressed KV-cache structures and decode-attention kernels.
+
+/// \file
+/// Library-wide configuration: version, the host/device function qualifiers, and the limits that
+/// every part of the library shares (supported head_dim, GQA group sizes, page sizes). Those limits
+/// live here, once, so compile-time checks (`static_assert`) and runtime checks (`kvmosaic::error`)
+/// state the same allowed values.
+
+#define KVMOSAIC_VERSION_MAJOR 0
+#define KVMOSAIC_VERSION_MINOR 1
+#define KVMOSAIC_VERSION_PATCH 0
+#define KVMOSAIC_VERSION_STRING "0.1.0"
+
+#if defined(__CUDACC__)
+/// Marks functions usable from host code and from CUDA device code.
+#  define KVMOSAIC_HOST_DEVICE __host__ __device__
+#  define KVMOSAIC_DEVICE __device__
+#  define KVMOSAIC_FORCEINLINE __forceinline__
+#else
+#  define KVMOSAIC_HOST_DEVICE
+#  define KVMOSAIC_DEVICE
+#  define KVMOSAIC_FORCEINLINE inline
+#endif
+
+#if defined(__CUDA_ARCH__)
+#  define KVMOSAIC_IS_DEVICE_CODE 1
+#else
+#  define KVMOSAIC_IS_DEVICE_CODE 0
+#endif
+
+namespace kvmosaic {
+
+/// The library version as "major.minor.patch".
+inline const char* version_string() noexcept { return KVMOSAIC_VERSION_STRING; }
+
+/// Shape limits every format, selector and kernel supports. A kernel specialized on a shape checks it
+/// with `static_assert` against these predicates; a cache configured at run time checks it with a
+/// `kvmosaic::error` naming the parameter. Both print the same allowed values.
+namespace limits {
+
+/// head_dim values with kernels: 64, 128 and 256 (the head sizes of current open models).
+constexpr bool is_supported_head_dim(int head_dim) noexcept {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+constexpr const char* supported_head_dims = "64, 128 or 256";
+
+/// Query heads per KV head (GQA group size), 1 (MHA) to 8.
+constexpr int max_group_size = 8;
+constexpr bool is_supported_group_size(int group_size) noexcept {
+  return group_size >= 1 && group_size <= max_group_size;
+}
+constexpr const char* supported_group_sizes = "1 to 8";
+
+/// Tokens per page: a positive multiple of 16 (the MMA tile height), at most 1024.
+constexpr int page_size_multiple = 16;
+constexpr int max_page_size = 1024;
+constexpr int default_page_size = 64;
+constexpr bool is_supported_page_size(int page_size) noexcept {
+  return page_size > 0 && page_size <= max_page_size && page_size % page_size_multiple == 0;
+}
+constexpr const char* supported_page_sizes = "a multiple of 16 from 16 to 1024";
+
+/// Capacity limits of one cache: every byte count derived from them (pool and tail arenas,
+/// per-step metadata) fits in 64 bits and every index the kernels compute fits in their integer
+/// types, so a configuration inside them fails, if at all, with a `kvmosaic::error` from an
+/// allocation that cannot be served, never with an overflow.
+constexpr int max_kv_heads = 1024;            ///< KV heads of one layer
+constexpr int max_pool_pages = 1 << 24;       ///< pages in one pool (16M pages of up to 1024 tokens)
+constexpr int max_sequences = 1 << 20;        ///< live sequences (tail slots) of one cache
+
+}  // namespace limits
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/config.hpp> ----
+
+// ---- begin <kvmosaic/core/dtype.hpp> ----
+/// \file
+/// 16-bit storage types usable from plain C++17 host code and from CUDA device code.
+///
+/// `kvmosaic::half` (IEEE binary16) and `kvmosaic::bfloat16` are 2-byte trivially copyable
+/// structs with the same bit layout as CUDA's `__half` and `__nv_bfloat16`, so a kernel may
+/// reinterpret a page of them as `__half2`/`__nv_bfloat162` for vector math, while a host-only
+/// build (no CUDA toolkit) uses the same types and bytes. Conversions from float round to nearest,
+/// ties to even, in both the host and the device path, so host and device encode identical bytes.
+///
+/// Values outside the storage range saturate: a finite float whose magnitude rounds beyond the
+/// largest finite value of the type (f16: 65504, about 65520 and up; bf16: 3.3895e38, about
+/// 3.3961e38 and up) is stored as that value with its sign, never as infinity. Infinities and NaN
+/// stay infinities and NaN. So a finite input always stores as a finite value (a dense f16 cache
+/// fed 1e5 stores 65504), on the host and on the device alike: the CUDA kernels convert through
+/// these same types. (Why saturate rather than reject: the cache would have to scan every value of
+/// every call, on the host, before storing; and an activation that large is an outlier whose
+/// clipped value keeps attention finite where infinity would turn it into NaN.)
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+
+#if defined(__CUDACC__)
+#  include <cuda_bf16.h>
+#  include <cuda_fp16.h>
+#endif
+
+namespace kvmosaic {
+
+/// Storage dtype tag used by run-time configuration.
+enum class dtype : std::uint8_t { f16, bf16, f32 };
+
+/// Human-readable name of a dtype ("f16", "bf16", "f32").
+inline const char* to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::f16: return "f16";
+    case dtype::bf16: return "bf16";
+    case dtype::f32: return "f32";
+  }
+  return "?";
+}
+
+namespace detail {
+
+KVMOSAIC_HOST_DEVICE inline std::uint32_t float_bits(float f) noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+KVMOSAIC_HOST_DEVICE inline float bits_float(std::uint32_t u) noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+/// float -> binary16, round to nearest even, with gradual underflow; a finite value beyond the
+/// range saturates to +-65504 (0x7bff), infinities and NaN stay so.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) noexcept {
+  const std::uint32_t x = float_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf or nan: keep nan quiet and non-zero
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x0200u : 0u));
+  }
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7bffu);  // would round to >= 65520: saturate
+  if (abs < 0x38800000u) {                                                      // below 2^-14: subnormal
+    if (abs < 0x33000000u) return static_cast<std::uint16_t>(sign);             // below 2^-25: zero
+    const std::uint32_t exponent = abs >> 23;
+    const std::uint32_t mantissa = (abs & 0x007fffffu) | 0x00800000u;
+    const std::uint32_t shift = 126u - exponent;  // 14..24 bits to drop
+    const std::uint32_t kept = mantissa >> shift;
+    const std::uint32_t rest = mantissa & ((1u << shift) - 1u);
+    const std::uint32_t halfway = 1u << (shift - 1u);
+    const std::uint32_t rounded = kept + ((rest > halfway || (rest == halfway && (kept & 1u))) ? 1u : 0u);
+    return static_cast<std::uint16_t>(sign | rounded);
+  }
+  // normal: rebias exponent, round the 13 dropped mantissa bits to nearest even
+  const std::uint32_t rebased = abs - 0x38000000u;
+  const std::uint32_t rounded = rebased + 0x0fffu + ((rebased >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (rounded >> 13));
+}
+
+KVMOSAIC_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1fu;
+  std::uint32_t mantissa = h & 0x03ffu;
+  if (exponent == 0x1fu) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    if (mantissa == 0) return bits_float(sign);
+    // subnormal: value = mantissa * 2^-24, exact in float
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+/// float -> bfloat16, round to nearest even; a finite value beyond the range saturates to
+/// +-3.3895e38 (0x7f7f), infinities stay infinities, nan stays nan.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t float_to_bfloat16_bits(float f) noexcept {
+  const std::uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
+  if ((x & 0x7fffffffu) == 0x7f800000u) return static_cast<std::uint16_t>(x >> 16);
+  const std::uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);
+  const auto bits = static_cast<std::uint16_t>(rounded >> 16);
+  return (bits & 0x7fffu) == 0x7f80u ? static_cast<std::uint16_t>((bits & 0x8000u) | 0x7f7fu) : bits;
+}
+
+/// 16-bit storage bits `rounded` (the device's round-to-nearest conversion of `f`), with the
+/// saturation above: infinity from a finite `f` becomes the largest finite value `max_bits`.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t saturate_bits(std::uint16_t rounded, float f, std::uint16_t infinity_bits,
+                                                        std::uint16_t max_bits) noexcept {
+  const bool finite = (float_bits(f) & 0x7fffffffu) < 0x7f800000u;
+  return finite && (rounded & 0x7fffu) == infinity_bits
+             ? static_cast<std::uint16_t>((rounded & 0x8000u) | max_bits)
+             : rounded;
+}
+
+KVMOSAIC_HOST_DEVICE inline float bfloat16_bits_to_float(std::uint16_t b) noexcept {
+  return bits_float(static_cast<std::uint32_t>(b) << 16);
+}
+
+}  // namespace detail
+
+/// IEEE 754 binary16 storage value (1 sign, 5 exponent, 10 mantissa bits). Arithmetic is done in
+/// float: convert with `static_cast<float>` or `kvmosaic::to_float`.
+struct alignas(2) half {
+  std::uint16_t bits;
+
+  half() = default;
+  KVMOSAIC_HOST_DEVICE explicit half(float f) noexcept : bits(from_float(f)) {}
+  KVMOSAIC_HOST_DEVICE explicit operator float() const noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+    return __half2float(__ushort_as_half(bits));
+#else
+    return detail::half_bits_to_float(bits);
+#endif
+  }
+  KVMOSAIC_HOST_DEVICE static half from_bits(std::uint16_t b) noexcept {
+    half h;
+    h.bits = b;
+    return h;
+  }
+
+ private:
+  KVMOSAIC_HOST_DEVICE static std::uint16_t from_float(float f) noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+    return detail::saturate_bits(__half_as_ushort(__float2half_rn(f)), f, 0x7c00u, 0x7bffu);
+#else
+    return detail::float_to_half_bits(f);
+#endif
+  }
+};
+
+/// bfloat16 storage value (1 sign, 8 exponent, 7 mantissa bits): float's range, 8 bits of precision.
+struct alignas(2) bfloat16 {
+  std::uint16_t bits;
+
+  bfloat16() = default;
+  KVMOSAIC_HOST_DEVICE explicit bfloat16(float f) noexcept : bits(from_float(f)) {}
+  KVMOSAIC_HOST_DEVICE explicit operator float() const noexcept {
+    return detail::bfloat16_bits_to_float(bits);
+  }
+  KVMOSAIC_HOST_DEVICE static bfloat16 from_bits(std::uint16_t b) noexcept {
+    bfloat16 h;
+    h.bits = b;
+    return h;
+  }
+
+ private:
+  KVMOSAIC_HOST_DEVICE static std::uint16_t from_float(float f) noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+    return detail::saturate_bits(__bfloat16_as_ushort(__float2bfloat16_rn(f)), f, 0x7f80u, 0x7f7fu);
+#else
+    return detail::float_to_bfloat16_bits(f);
+#endif
+  }
+};
+
+static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2, "16-bit storage types must be 2 bytes");
+
+/// Widening conversion used throughout the kernels and the host backend.
+KVMOSAIC_HOST_DEVICE inline float to_float(half h) noexcept { return static_cast<float>(h); }
+KVMOSAIC_HOST_DEVICE inline float to_float(bfloat16 b) noexcept { return static_cast<float>(b); }
+KVMOSAIC_HOST_DEVICE inline float to_float(float f) noexcept { return f; }
+
+/// Compile-time facts about a storage element type.
+/// `unit_roundoff` is u = 2^-p for p significand bits: round-to-nearest changes a value x in the
+/// normal range by at most u*|x|. `min_normal` bounds the absolute error below it (half the
+/// subnormal spacing). Tests derive their tolerances from these numbers.
+template <class T>
+struct dtype_traits {
+  static_assert(sizeof(T) == 0,
+                "kvmosaic: storage element type must be kvmosaic::half, kvmosaic::bfloat16 or float");
+};
+template <>
+struct dtype_traits<half> {
+  static constexpr dtype id = dtype::f16;
+  static constexpr double unit_roundoff = 1.0 / 2048.0;             // 2^-11
+  static constexpr double subnormal_half_spacing = 2.98023223876953125e-08;  // 2^-25
+  static constexpr double max_finite = 65504.0;
+};
+template <>
+struct dtype_traits<bfloat16> {
+  static constexpr dtype id = dtype::bf16;
+  static constexpr double unit_roundoff = 1.0 / 256.0;  // 2^-8
+  static constexpr double subnormal_half_spacing = 4.591774807899561e-41;  // 2^-134
+  static constexpr double max_finite = 3.3895313892515355e38;
+};
+template <>
+struct dtype_traits<float> {
+  static constexpr dtype id = dtype::f32;
+  static constexpr double unit_roundoff = 5.9604644775390625e-08;  // 2^-24
+  static constexpr double subnormal_half_spacing = 7.006492321624085e-46;  // 2^-150
+  static constexpr double max_finite = 3.4028234663852886e38;
+};
+
+namespace detail {
+
+/// Bits of `x` in the 16-bit storage dtype `t` (f16 or bf16), round to nearest even, saturating.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits(float x, dtype t) noexcept {
+  return t == dtype::f16 ? half(x).bits : bfloat16(x).bits;
+}
+
+/// The value of 16-bit storage bits `b` of dtype `t` (f16 or bf16).
+KVMOSAIC_HOST_DEVICE inline float storage_value(std::uint16_t b, dtype t) noexcept {
+  return t == dtype::f16 ? to_float(half::from_bits(b)) : to_float(bfloat16::from_bits(b));
+}
+
+/// The largest finite value of the 16-bit storage dtype `t` (f16: 65504, bf16: 3.3895e38).
+KVMOSAIC_HOST_DEVICE inline float storage_max(dtype t) noexcept {
+  return storage_value(t == dtype::f16 ? std::uint16_t{0x7bffu} : std::uint16_t{0x7f7fu}, t);
+}
+
+/// The neighbours of a finite 16-bit storage value (both formats are sign and magnitude, so a
+/// step of the magnitude bits is one ulp): the next value toward +infinity and toward
+/// -infinity (from +-0: the smallest subnormal of that sign). The caller keeps off the largest
+/// finite magnitude, whose next step out is infinity.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_next_up(std::uint16_t b) noexcept {
+  if ((b & 0x7fffu) == 0) return 0x0001u;
+  return static_cast<std::uint16_t>((b & 0x8000u) ? b - 1u : b + 1u);
+}
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_next_down(std::uint16_t b) noexcept {
+  if ((b & 0x7fffu) == 0) return 0x8001u;
+  return static_cast<std::uint16_t>((b & 0x8000u) ? b + 1u : b - 1u);
+}
+
+/// `x` (finite, within +-storage_max(t)) rounded toward -infinity / +infinity to dtype `t`: the
+/// largest storage value <= x / the smallest >= x.
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits_down(float x, dtype t) noexcept {
+  const std::uint16_t b = storage_bits(x, t);
+  return storage_value(b, t) > x ? storage_next_down(b) : b;
+}
+KVMOSAIC_HOST_DEVICE inline std::uint16_t storage_bits_up(float x, dtype t) noexcept {
+  const std::uint16_t b = storage_bits(x, t);
+  return storage_value(b, t) < x ? storage_next_up(b) : b;
+}
+
+}  // namespace detail
+
+namespace detail {
+/// The element types attention reads and writes (q, out): float, half and bfloat16.
+template <class T>
+struct is_io_type : std::integral_constant<bool, std::is_same<T, float>::value || std::is_same<T, half>::value ||
+                                                     std::is_same<T, bfloat16>::value> {};
+}  // namespace detail
+
+/// Size in bytes of one element of a run-time dtype.
+constexpr std::size_t size_of(dtype t) noexcept { return t == dtype::f32 ? 4 : 2; }
+
+/// Unit roundoff of a run-time dtype (see dtype_traits).
+constexpr double unit_roundoff(dtype t) noexcept {
+  return t == dtype::f16 ? dtype_traits<half>::unit_roundoff
+                         : t == dtype::bf16 ? dtype_traits<bfloat16>::unit_roundoff
+                                            : dtype_traits<float>::unit_roundoff;
+}
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/dtype.hpp> ----
+
+// ---- begin <kvmosaic/core/error.hpp> ----
+/// \file
+/// Errors. Every check on user input throws a `kvmosaic::error` whose message names the operation,
+/// the parameter, the value it got and the values it allows, e.g.
+/// `kvmosaic: cache_config: head_dim = 96; allowed: 64, 128 or 256`. Checks happen before any state
+/// changes, and a failure after the writes began is rolled back, so a throwing call leaves the
+/// cache exactly as it was (no token half-stored, no page leaked). Device code never throws;
+/// everything a kernel relies on is checked on the host first.
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace kvmosaic {
+
+/// Base of all kvmosaic exceptions; `parameter()` names the offending argument.
+class error : public std::runtime_error {
+ public:
+  error(std::string parameter, const std::string& message)
+      : std::runtime_error(message), parameter_(std::move(parameter)) {}
+  const std::string& parameter() const noexcept { return parameter_; }
+
+ private:
+  std::string parameter_;
+};
+
+/// A parameter outside its allowed values.
+class invalid_argument : public error {
+ public:
+  using error::error;
+};
+
+/// A fixed-size resource (page pool, sequence slots) cannot hold what was asked; nothing was changed.
+class capacity_error : public error {
+ public:
+  using error::error;
+};
+
+namespace detail {
+
+template <class Value>
+std::string describe(const char* where, const char* parameter, const Value& value, const char* allowed) {
+  std::ostringstream os;
+  os << "kvmosaic: " << where << ": " << parameter << " = " << value << "; allowed: " << allowed;
+  return os.str();
+}
+
+/// Throws `invalid_argument` naming `parameter`, its `value` and the `allowed` values unless `ok`.
+template <class Value>
+void require(bool ok, const char* where, const char* parameter, const Value& value, const char* allowed) {
+  if (!ok) throw invalid_argument(parameter, describe(where, parameter, value, allowed));
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/error.hpp> ----
+
+// ---- begin <kvmosaic/core/policy.hpp> ----
+/// \file
+/// Policy categories. Each policy struct (a format, a selector, a compactor) declares which kind of
+/// policy it is with a member `using policy_category = kvmosaic::format_tag;` (or `selector_tag`,
+/// `compactor_tag`). The composition checks the category of each template argument first, so a
+/// misplaced or foreign type is rejected with one sentence rather than a page of template errors.
+
+
+namespace kvmosaic {
+
+struct format_tag {};     ///< how one page of K and V is stored
+struct selector_tag {};   ///< which tokens a query reads (or which the cache keeps)
+struct compactor_tag {};  ///< how evicted tokens turn into freed pages
+struct backend_tag {};    ///< where the data lives and the kernels run (host or cuda)
+
+namespace detail {
+/// Maps (Backend, Format, Selector) to the backend's engine type; each backend specializes it.
+template <class Backend, class Format, class Selector>
+struct engine_for {
+  static_assert(sizeof(Backend) == 0,
+                "kvmosaic: no engine for this backend: include kvmosaic/kvmosaic.cuh for backend::cuda");
+};
+
+template <class T, class Category, class = void>
+struct has_policy_category : std::false_type {};
+template <class T, class Category>
+struct has_policy_category<T, Category, std::void_t<typename T::policy_category>>
+    : std::is_same<typename T::policy_category, Category> {};
+}  // namespace detail
+
+/// True when `T` is a storage format, a selector, a compactor, a backend.
+template <class T>
+inline constexpr bool is_format_v = detail::has_policy_category<T, format_tag>::value;
+template <class T>
+inline constexpr bool is_selector_v = detail::has_policy_category<T, selector_tag>::value;
+template <class T>
+inline constexpr bool is_compactor_v = detail::has_policy_category<T, compactor_tag>::value;
+template <class T>
+inline constexpr bool is_backend_v = detail::has_policy_category<T, backend_tag>::value;
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/policy.hpp> ----
+
+// ---- begin <kvmosaic/core/softmax_state.hpp> ----
+/// \file
+/// The online-softmax state `(m, l, o)` and its merge: the one piece of arithmetic that every
+/// attend path (host or device, any format, any split) shares.
+///
+/// For logits s_i over a subset of tokens with values v_i:
+///   m = max_i s_i,   l = sum_i exp(s_i - m),   o = sum_i exp(s_i - m) v_i   (o unnormalized).
+/// Two states over disjoint subsets merge exactly (flash-decoding):
+///   m = max(m_a, m_b),  l = l_a e^{m_a-m} + l_b e^{m_b-m},  o = o_a e^{m_a-m} + o_b e^{m_b-m},
+/// and attention over the union is o / l. The empty subset is m = -inf, l = 0, o = 0, and merges as
+/// the identity. Source: Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018);
+/// Dao et al., flash-decoding (2023).
+
+#include <cmath>
+
+
+namespace kvmosaic {
+
+namespace detail {
+KVMOSAIC_HOST_DEVICE KVMOSAIC_FORCEINLINE float exp_(float x) noexcept {
+#if KVMOSAIC_IS_DEVICE_CODE
+  return __expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+KVMOSAIC_HOST_DEVICE KVMOSAIC_FORCEINLINE double exp_(double x) noexcept { return ::exp(x); }
+/// -infinity of Acc, usable in device code (std::numeric_limits is host-only under nvcc).
+template <class Acc>
+KVMOSAIC_HOST_DEVICE KVMOSAIC_FORCEINLINE constexpr Acc negative_infinity() noexcept {
+  return -static_cast<Acc>(HUGE_VALF);
+}
+}  // namespace detail
+
+/// The two factors that rescale the `o` accumulators of a merge: o = a * o_self + b * o_other.
+template <class Acc>
+struct merge_weights {
+  Acc self;
+  Acc other;
+};
+
+/// The scalar part `(m, l)` of an online-softmax state; the caller keeps `o` (a vector per query
+/// head, possibly spread over threads) and rescales it with the weights each update returns.
+/// Cost: one exp per merged block, one exp per pushed logit.
+template <class Acc = float>
+struct softmax_state {
+  Acc m = detail::negative_infinity<Acc>();  ///< running maximum logit
+  Acc l = Acc(0);                                 ///< running sum of exp(s - m)
+
+  /// True when no token has been folded in yet.
+  KVMOSAIC_HOST_DEVICE bool empty() const noexcept { return l == Acc(0); }
+
+  /// Folds another state over a disjoint set of tokens into this one and returns the factors that
+  /// rescale the two `o` accumulators.
+  KVMOSAIC_HOST_DEVICE merge_weights<Acc> merge(const softmax_state& other) noexcept {
+    const Acc new_m = m > other.m ? m : other.m;
+    if (new_m == detail::negative_infinity<Acc>()) return {Acc(0), Acc(0)};  // both empty
+    const Acc w_self = m == detail::negative_infinity<Acc>() ? Acc(0) : detail::exp_(m - new_m);
+    const Acc w_other =
+        other.m == detail::negative_infinity<Acc>() ? Acc(0) : detail::exp_(other.m - new_m);
+    m = new_m;
+    l = l * w_self + other.l * w_other;
+    return {w_self, w_other};
+  }
+
+  /// Folds one logit `s` in; `o` must become `o * w.self + v * w.other`.
+  KVMOSAIC_HOST_DEVICE merge_weights<Acc> push(Acc s) noexcept {
+    softmax_state single;
+    single.m = s;
+    single.l = Acc(1);
+    return merge(single);
+  }
+
+  /// log-sum-exp of the logits folded so far (the `lse` that FlashInfer-style merges carry).
+  KVMOSAIC_HOST_DEVICE Acc log_sum_exp() const noexcept {
+    return empty() ? detail::negative_infinity<Acc>() : m + static_cast<Acc>(::log(l));
+  }
+};
+
+/// Merges `(m_b, l_b, o_b)` into `(m_a, l_a, o_a)` for vectors of length `n` (any indexable type).
+template <class Acc, class VecA, class VecB>
+KVMOSAIC_HOST_DEVICE void merge_into(softmax_state<Acc>& a, VecA& o_a, const softmax_state<Acc>& b,
+                                     const VecB& o_b, int n) noexcept {
+  const merge_weights<Acc> w = a.merge(b);
+  for (int i = 0; i < n; ++i) o_a[i] = o_a[i] * w.self + o_b[i] * w.other;
+}
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/softmax_state.hpp> ----
+
+// ---- begin <kvmosaic/core/view.hpp> ----
+/// \file
+/// Non-owning views over caller-owned memory (host or device). A view is a pointer plus extents
+/// and strides in elements; it never allocates or frees, and it is trivially copyable so it can be
+/// passed to a kernel by value. `tensor_view<T, Rank>` is a minimal, C++17 stand-in for
+/// `std::mdspan` with a right-most-contiguous default layout.
+
+
+
+namespace kvmosaic {
+
+/// A strided view of `Rank` dimensions over elements of `T`. Index with `view(i, j, ...)`.
+/// Cost: an index is a dot product of the indices with the strides; no bounds checks.
+template <class T, int Rank>
+class tensor_view {
+  static_assert(Rank >= 1 && Rank <= 4, "kvmosaic: tensor_view Rank must be 1 to 4");
+
+ public:
+  using element_type = T;
+  static constexpr int rank = Rank;
+
+  tensor_view() = default;
+
+  /// A contiguous (row-major) view: the last extent varies fastest.
+  template <class... Extents, class = std::enable_if_t<sizeof...(Extents) == Rank>>
+  KVMOSAIC_HOST_DEVICE tensor_view(T* data, Extents... extents) noexcept : data_(data) {
+    const std::int64_t list[] = {static_cast<std::int64_t>(extents)...};
+    std::int64_t stride = 1;
+    for (int d = Rank - 1; d >= 0; --d) {
+      extents_[d] = list[d];
+      strides_[d] = stride;
+      if (d > 0) stride *= list[d];  // the outermost extent is never multiplied: any int64 count fits
+    }
+  }
+
+  /// A view with explicit strides (in elements).
+  KVMOSAIC_HOST_DEVICE static tensor_view strided(T* data, const std::int64_t (&extents)[Rank],
+                                                  const std::int64_t (&strides)[Rank]) noexcept {
+    tensor_view v;
+    v.data_ = data;
+    for (int d = 0; d < Rank; ++d) {
+      v.extents_[d] = extents[d];
+      v.strides_[d] = strides[d];
+    }
+    return v;
+  }
+
+  /// Views of `T` convert to views of `const T`.
+  template <class U, class = std::enable_if_t<std::is_same<const U, T>::value && !std::is_same<U, T>::value>>
+  KVMOSAIC_HOST_DEVICE tensor_view(const tensor_view<U, Rank>& other) noexcept : data_(other.data()) {
+    for (int d = 0; d < Rank; ++d) {
+      extents_[d] = other.extent(d);
+      strides_[d] = other.stride(d);
+    }
+  }
+
+  KVMOSAIC_HOST_DEVICE T* data() const noexcept { return data_; }
+  KVMOSAIC_HOST_DEVICE std::int64_t extent(int d) const noexcept { return extents_[d]; }
+  KVMOSAIC_HOST_DEVICE std::int64_t stride(int d) const noexcept { return strides_[d]; }
+  KVMOSAIC_HOST_DEVICE std::int64_t size() const noexcept {
+    std::int64_t n = 1;
+    for (int d = 0; d < Rank; ++d) n *= extents_[d];
+    return n;
+  }
+  KVMOSAIC_HOST_DEVICE bool empty() const noexcept { return size() == 0; }
+
+  /// True when the elements are packed row-major with no gaps.
+  KVMOSAIC_HOST_DEVICE bool is_contiguous() const noexcept {
+    std::int64_t stride = 1;
+    for (int d = Rank - 1; d >= 0; --d) {
+      if (extents_[d] != 1 && strides_[d] != stride) return false;
+      stride *= extents_[d];
+    }
+    return true;
+  }
+
+  template <class... Indices, class = std::enable_if_t<sizeof...(Indices) == Rank>>
+  KVMOSAIC_HOST_DEVICE T& operator()(Indices... indices) const noexcept {
+    const std::int64_t list[] = {static_cast<std::int64_t>(indices)...};
+    std::int64_t offset = 0;
+    for (int d = 0; d < Rank; ++d) offset += list[d] * strides_[d];
+    return data_[offset];
+  }
+
+ private:
+  T* data_ = nullptr;
+  std::int64_t extents_[Rank] = {};
+  std::int64_t strides_[Rank] = {};
+};
+
+/// A contiguous one-dimensional view.
+template <class T>
+using span = tensor_view<T, 1>;
+
+namespace detail {
+
+/// Whether two views can reach a common byte: their address ranges (from the lowest to the
+/// highest element their extents and strides reach) intersect. Conservative for interleaved
+/// strided views; exact for contiguous ones. Cost: O(Rank).
+template <class A, int RankA, class B, int RankB>
+bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& b) noexcept {
+  const auto range = [](const auto& v, std::uintptr_t& lo, std::uintptr_t& hi) {
+    using E = std::remove_pointer_t<decltype(v.data())>;
+    std::int64_t first = 0, last = 0;  // element offsets
+    for (int d = 0; d < std::decay_t<decltype(v)>::rank; ++d) {
+      if (v.extent(d) == 0) return false;
+      const std::int64_t reach = (v.extent(d) - 1) * v.stride(d);
+      (reach < 0 ? first : last) += reach;
+    }
+    const auto base = reinterpret_cast<std::uintptr_t>(v.data());
+    lo = base + static_cast<std::uintptr_t>(first * static_cast<std::int64_t>(sizeof(E)));
+    hi = base + static_cast<std::uintptr_t>((last + 1) * static_cast<std::int64_t>(sizeof(E)));
+    return true;
+  };
+  std::uintptr_t a_lo = 0, a_hi = 0, b_lo = 0, b_hi = 0;
+  if (!range(a, a_lo, a_hi) || !range(b, b_lo, b_hi)) return false;
+  return a_lo < b_hi && b_lo < a_hi;
+}
+
+}  // namespace detail
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/view.hpp> ----
+
+// ---- begin <kvmosaic/format/format_traits.hpp> ----
+/// \file
+/// What a storage format is, and what it must provide.
+///
+/// A format is a small policy struct in `kvmosaic::format` (e.g. `format::dense`) that carries its
+/// own parameters (a sparsity, a partition size) and declares `using policy_category = format_tag;`. Everything the library does with a format goes
+/// through `kvmosaic::format_traits<Format>`, which a format specializes. The unspecialized primary
+/// template is a `static_assert`, so using a type that is not a format fails with one sentence.
+///
+/// A specialization provides (see `format/dense.hpp` for the reference implementation):
+///
+///   static constexpr const char* name;                  // "dense", "bitmap_tiles", ...
+///   static std::string describe(const Format&);         // name plus parameters, for reports
+///   static void validate(const Format&, const page_shape&);  // throws kvmosaic::invalid_argument
+///   // Exact byte accounting: bytes of one page (page_size tokens) of one KV head, everything
+///   // counted (values, bitmaps, offsets, scales, sums, padding).
+///   static std::size_t k_page_bytes(const Format&, const page_shape&);
+///   static std::size_t v_page_bytes(const Format&, const page_shape&);
+///   // Host reference, rows are float values already rounded to the storage dtype, [n][head_dim]:
+///   static void encode_k(const Format&, const page_shape&, const float* rows, std::byte* page);
+///   static void encode_v(const Format&, const page_shape&, const float* rows, std::byte* page);
+///   static void decode_k(const Format&, const page_shape&, const std::byte* page, int n, float* rows);
+///   static void decode_v(const Format&, const page_shape&, const std::byte* page, int n, float* rows);
+///   // Host attend primitives on the stored form, for the first n tokens of a page and the G query
+///   // heads of one KV head (q already multiplied by the softmax scale):
+///   static void score(const Format&, const page_shape&, const std::byte* k_page, int n,
+///                     const float* q /*[G][D]*/, int G, float* logits /*[G][n]*/);
+///   static void accumulate(const Format&, const page_shape&, const std::byte* v_page, int n,
+///                          const float* p /*[G][n]*/, int G, float* o /*[G][D], += */);
+///
+/// Optional: a format whose K pruning can weigh channels (output-aware scores) declares
+///   static constexpr bool has_key_weights = true;
+///   static void encode_k(const Format&, const page_shape&, const float* rows, const float* weights
+///                        /*[head_dim] or null*/, std::byte* page);
+/// and `cache::set_key_weights` becomes available for it.
+///
+/// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
+/// The CUDA parts (device encode, block-level attend collectives) are specialized in
+/// `kvmosaic/cuda/` on the same tag.
+
+
+namespace kvmosaic {
+
+/// Geometry of one page of one KV head: what every format's byte accounting depends on.
+struct page_shape {
+  int page_size = 64;       ///< tokens per page
+  int head_dim = 128;       ///< channels per head
+  dtype storage = dtype::bf16;  ///< 16-bit element type of uncompressed values
+};
+
+template <class Format>
+struct format_traits {
+  static_assert(sizeof(Format) == 0,
+                "kvmosaic: this type is not a storage format: use one of kvmosaic::format::dense, or "
+                "specialize kvmosaic::format_traits<YourFormat> as described in "
+                "kvmosaic/format/format_traits.hpp");
+};
+
+namespace detail {
+/// format_traits<Format>::has_key_weights, false when a format does not declare it.
+template <class Traits, class = void>
+struct key_weights_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct key_weights_of<Traits, std::void_t<decltype(Traits::has_key_weights)>> {
+  static constexpr bool value = Traits::has_key_weights;
+};
+}  // namespace detail
+
+/// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
+template <class Format>
+inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
+
+namespace detail {
+/// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
+template <class Format, class = void>
+struct sink_rows_of {
+  static int get(const Format&) { return 0; }
+};
+template <class Format>
+struct sink_rows_of<Format, std::void_t<decltype(format_traits<Format>::sink_rows(std::declval<const Format&>()))>> {
+  static int get(const Format& f) { return format_traits<Format>::sink_rows(f); }
+};
+}  // namespace detail
+
+/// The leading tokens of every sequence a format keeps as dense 16-bit rows besides its pages
+/// (attention sinks): stored after the tail rows of the sequence's tail slot once its first page
+/// is sealed, masked out of that page, and attended exactly.
+template <class Format>
+int sink_rows(const Format& format) {
+  return detail::sink_rows_of<Format>::get(format);
+}
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/format/format_traits.hpp> ----
+
+// ---- begin <kvmosaic/format/dense.hpp> ----
+/// \file
+/// `format::dense`: uncompressed pages, the baseline every compressed format is measured against.
+///
+/// A page of one KV head holds `page_size` rows of `head_dim` 16-bit values (the storage dtype),
+/// row-major, for K and for V alike: `page_size * head_dim * 2` bytes each, nothing else. This is
+/// the layout of vLLM-style paged caches with the KV head as the outer index of a block, so one
+/// head's page is one contiguous run of memory. The dense tail of every format uses this layout too.
+
+#include <vector>
+
+// ---- begin <kvmosaic/host/eigen.hpp> ----
+/// \file
+/// The one place kvmosaic includes Eigen. The host backend runs Eigen on the CPU only, so when this
+/// header is compiled by nvcc it asks Eigen not to annotate its functions for the device
+/// (`EIGEN_NO_CUDA`): that keeps `.cu` files that include kvmosaic free of Eigen's device warnings.
+/// Include kvmosaic before Eigen in a `.cu` file, or define `EIGEN_NO_CUDA` yourself.
+
+#if defined(__CUDACC__) && !defined(EIGEN_NO_CUDA) && !defined(EIGEN_CORE_H)
+#  define EIGEN_NO_CUDA
+#endif
+#include <Eigen/Core>
+
+namespace kvmosaic::host {
+/// Row-major float matrix views used by the host primitives.
+using row_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using row_matrix_map = Eigen::Map<row_matrix>;
+using const_row_matrix_map = Eigen::Map<const row_matrix>;
+}  // namespace kvmosaic::host
+// ---- end <kvmosaic/host/eigen.hpp> ----
+
+namespace kvmosaic {
+namespace format {
+
+/// Uncompressed 16-bit K and V rows. Compression ratio 1 by definition. Source: the baseline.
+struct dense {
+  using policy_category = format_tag;
+};
+
+}  // namespace format
+
+namespace detail {
+
+/// Converts `count` float values (already representable in T) to T.
+template <class T>
+void store_rows(const float* rows, std::size_t count, std::byte* out) {
+  T* typed = reinterpret_cast<T*>(out);
+  for (std::size_t i = 0; i < count; ++i) typed[i] = T(rows[i]);
+}
+
+template <class T>
+void load_rows(const std::byte* in, std::size_t count, float* rows) {
+  const T* typed = reinterpret_cast<const T*>(in);
+  for (std::size_t i = 0; i < count; ++i) rows[i] = to_float(typed[i]);
+}
+
+/// Row-major 16-bit rows <-> float rows, dispatched on the run-time storage dtype.
+inline void store_dense_rows(dtype storage, const float* rows, std::size_t count, std::byte* out) {
+  if (storage == dtype::f16) store_rows<half>(rows, count, out);
+  else store_rows<bfloat16>(rows, count, out);
+}
+inline void load_dense_rows(dtype storage, const std::byte* in, std::size_t count, float* rows) {
+  if (storage == dtype::f16) load_rows<half>(in, count, rows);
+  else load_rows<bfloat16>(in, count, rows);
+}
+
+/// Per-thread float scratch reused across pages by the host primitives (no allocation per page).
+inline std::vector<float>& host_scratch(std::size_t count) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer;
+}
+
+}  // namespace detail
+
+template <>
+struct format_traits<format::dense> {
+  static constexpr const char* name = "dense";
+
+  static std::string describe(const format::dense&) { return "dense"; }
+
+  static void validate(const format::dense&, const page_shape& shape) {
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, "format::dense",
+                    "storage", to_string(shape.storage), "f16 or bf16");
+  }
+
+  static std::size_t k_page_bytes(const format::dense&, const page_shape& shape) {
+    return static_cast<std::size_t>(shape.page_size) * shape.head_dim * size_of(shape.storage);
+  }
+  static std::size_t v_page_bytes(const format::dense& f, const page_shape& shape) {
+    return k_page_bytes(f, shape);
+  }
+
+  static void encode_k(const format::dense&, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::store_dense_rows(shape.storage, rows, static_cast<std::size_t>(shape.page_size) * shape.head_dim, page);
+  }
+  static void encode_v(const format::dense& f, const page_shape& shape, const float* rows, std::byte* page) {
+    encode_k(f, shape, rows, page);
+  }
+  static void decode_k(const format::dense&, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    detail::load_dense_rows(shape.storage, page, static_cast<std::size_t>(n) * shape.head_dim, rows);
+  }
+  static void decode_v(const format::dense& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    decode_k(f, shape, page, n, rows);
+  }
+
+  /// logits[g][t] = q[g] . k[t] for the first n rows of the page. Cost: n*G*D multiply-adds.
+  static void score(const format::dense& f, const page_shape& shape, const std::byte* k_page, int n,
+                    const float* q, int groups, float* logits) {
+    const int d = shape.head_dim;
+    std::vector<float>& keys = detail::host_scratch(static_cast<std::size_t>(n) * d);
+    decode_k(f, shape, k_page, n, keys.data());
+    host::row_matrix_map(logits, groups, n).noalias() =
+        host::const_row_matrix_map(q, groups, d) * host::const_row_matrix_map(keys.data(), n, d).transpose();
+  }
+
+  /// o[g] += sum_t p[g][t] v[t] for the first n rows of the page. Cost: n*G*D multiply-adds.
+  static void accumulate(const format::dense& f, const page_shape& shape, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o) {
+    const int d = shape.head_dim;
+    std::vector<float>& values = detail::host_scratch(static_cast<std::size_t>(n) * d);
+    decode_v(f, shape, v_page, n, values.data());
+    host::row_matrix_map(o, groups, d).noalias() +=
+        host::const_row_matrix_map(p, groups, n) * host::const_row_matrix_map(values.data(), n, d);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/format/dense.hpp> ----
+
+// ---- begin <kvmosaic/format/bitmap_tiles.hpp> ----
+/// \file
+/// `format::bitmap_tiles`: MUSTAFAR's unstructured KV sparsity (Joo et al., "MUSTAFAR: Promoting
+/// Unstructured Sparsity for KV Cache Pruning in LLM Inference", sections 2-3, 4.3, appendix C).
+///
+/// Pruning: every token's K vector and V vector keeps exactly `head_dim - round(s * head_dim)`
+/// elements of largest magnitude (per-token magnitude pruning, the paper's choice for both caches).
+/// Ties in magnitude keep the lower channel. Optionally K is pruned output-aware (section 2.1): the
+/// score of k_c is |k_c| * w_c, with w the sum of |q| over a window of queries (the GQA group
+/// summed), set per sequence with `cache::set_key_weights` (`output_aware_key_weights` computes
+/// w); scores are fp32 products on host and device alike.
+///
+/// Storage of one page (page_size tokens) of one KV head, K and V alike:
+///   [bitmaps: tiles x uint64][tile offsets: tiles x uint32][non-zero values: 16-bit, packed]
+/// with 1x64 tiles. The paper (appendix C) tiles K along tokens for each channel (tile (c, j) =
+/// channel c, tokens 64 j .. 64 j + 63: the dimension q.k does not reduce over) and V along
+/// channels for each token (tile (t, j) = token t, channels 64 j .. 64 j + 63). Bit b of a tile's
+/// bitmap marks element b as kept; its values follow in bit order at its tile offset (values
+/// before it in the page). Pages append without touching earlier pages.
+///
+/// Deliberate difference, the default (`k_layout = bitmap_k_layout::along_channels`): K is tiled as
+/// V, along channels per token; the paper's orientation is `bitmap_k_layout::along_tokens`. Same
+/// bytes. Why: our decode kernel expands tiles into a dense shared-memory tile, one tile per lane,
+/// so a warp runs as long as its fullest tile. A K tile along tokens holds one channel's 64
+/// tokens, and channels with outliers are kept for nearly every token: on K with outlier channels
+/// (`synthetic::generate_kv`), a warp's fullest K tile holds 51 values along tokens against 24
+/// along channels at s = 0.7 (mean 19); along channels was the faster default on K with outlier
+/// channels at s = 0.7 (benchmark/README.md, "Decisions the code cites": "bitmap_tiles K layout").
+///
+/// Deliberate difference: the paper pads each tile's values to a multiple of 8 so a thread can
+/// load a tile with aligned vector loads from global memory. Here the values of a page form one
+/// run padded to 16 bytes at its end: kernels stage whole pages in shared memory, where any
+/// offset is cheap, and since every token keeps the same count the page size is exact and fixed.
+/// Bytes per page and head: tiles x 12 + align16(page_size x kept x 2), tiles = page_size x
+/// head_dim / 64. At head_dim 128, pages of 64: 59% of dense at s = 0.5, 39% at s = 0.7 (the
+/// paper: 65% and 45%, with its per-tile padding).
+
+#include <algorithm>
+#include <numeric>
+
+
+namespace kvmosaic {
+namespace format {
+
+/// How bitmap_tiles tiles K (V is always tiled along channels, per token).
+enum class bitmap_k_layout {
+  along_tokens,    ///< tile = one channel, 64 tokens: the paper's orientation (appendix C)
+  along_channels,  ///< tile = one token, 64 channels, as V: the default (faster decode, see the file comment)
+};
+
+/// Unstructured per-token magnitude pruning of K and V to sparsities `s_k`, `s_v` in [0, 0.95],
+/// stored as 1x64 bitmap tiles. Cost per page: the kept values plus 12 bytes per 64 elements,
+/// the same in either K layout.
+struct bitmap_tiles {
+  using policy_category = format_tag;
+  float s_k = 0.5f;  ///< fraction of each K vector pruned
+  float s_v = 0.5f;  ///< fraction of each V vector pruned
+  bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
+};
+
+}  // namespace format
+
+namespace detail {
+
+constexpr int tile_length = 64;
+
+/// Elements a vector of `head_dim` keeps at sparsity s.
+inline int kept_per_vector(float sparsity, int head_dim) {
+  return head_dim - static_cast<int>(std::lround(static_cast<double>(sparsity) * head_dim));
+}
+
+/// Indices of the `keep` largest scores |x_i| (times weights[i] when weights are given) of
+/// x[0..n), ties to the lower index, in increasing order.
+inline void largest_magnitudes(const float* x, int n, int keep, std::vector<int>& kept, const float* weights = nullptr) {
+  kept.resize(static_cast<std::size_t>(n));
+  std::iota(kept.begin(), kept.end(), 0);
+  const auto score = [x, weights](int i) { return weights ? std::abs(x[i]) * weights[i] : std::abs(x[i]); };
+  std::stable_sort(kept.begin(), kept.end(), [&score](int a, int b) { return score(a) > score(b); });
+  kept.resize(static_cast<std::size_t>(keep));
+  std::sort(kept.begin(), kept.end());
+}
+
+/// Layout of one bitmap-tiles page: where its bitmaps, offsets and values start.
+struct bitmap_page_layout {
+  int tiles;
+  int values;  ///< kept values in the page
+  std::size_t offsets_at() const { return static_cast<std::size_t>(tiles) * 8; }
+  std::size_t values_at() const { return offsets_at() + static_cast<std::size_t>(tiles) * 4; }
+  std::size_t bytes() const { return values_at() + (static_cast<std::size_t>(values) * 2 + 15) / 16 * 16; }
+};
+
+inline bitmap_page_layout bitmap_layout(float sparsity, const page_shape& shape) {
+  return bitmap_page_layout{shape.page_size * shape.head_dim / tile_length,
+                            shape.page_size * kept_per_vector(sparsity, shape.head_dim)};
+}
+
+/// Prunes rows [page_size][head_dim] per token (scores weighted by `weights` when given) and packs
+/// them; `along_tokens` tiles each channel along tokens (K), otherwise each token along channels (V).
+inline void encode_bitmap_page(float sparsity, const page_shape& shape, const float* rows, bool along_tokens,
+                               std::byte* page, const float* weights = nullptr) {
+  const int p = shape.page_size, d = shape.head_dim;
+  const bitmap_page_layout layout = bitmap_layout(sparsity, shape);
+  // Which elements each token keeps (the decision, not the value: a kept zero stays kept, so
+  // every page holds exactly `layout.values` values).
+  std::vector<std::uint8_t> keep_mask(static_cast<std::size_t>(p) * d, 0);
+  std::vector<int> kept;
+  for (int t = 0; t < p; ++t) {
+    largest_magnitudes(rows + static_cast<std::size_t>(t) * d, d, kept_per_vector(sparsity, d), kept, weights);
+    for (const int c : kept) keep_mask[static_cast<std::size_t>(t) * d + c] = 1;
+  }
+  std::vector<float> values;
+  values.reserve(static_cast<std::size_t>(layout.values));
+  auto* bitmaps = reinterpret_cast<std::uint64_t*>(page);
+  auto* offsets = reinterpret_cast<std::uint32_t*>(page + layout.offsets_at());
+  const int tiles_per_line = along_tokens ? p / tile_length : d / tile_length;
+  for (int tile = 0; tile < layout.tiles; ++tile) {
+    const int line = tile / tiles_per_line, part = tile % tiles_per_line;
+    std::uint64_t bits = 0;
+    offsets[tile] = static_cast<std::uint32_t>(values.size());
+    for (int b = 0; b < tile_length; ++b) {
+      const int t = along_tokens ? part * tile_length + b : line;
+      const int c = along_tokens ? line : part * tile_length + b;
+      const std::size_t index = static_cast<std::size_t>(t) * d + c;
+      if (keep_mask[index]) {
+        bits |= std::uint64_t{1} << b;
+        values.push_back(rows[index]);
+      }
+    }
+    std::memcpy(&bitmaps[tile], &bits, sizeof bits);
+  }
+  std::byte* value_bytes = page + layout.values_at();
+  std::memset(value_bytes, 0, layout.bytes() - layout.values_at());
+  store_dense_rows(shape.storage, values.data(), values.size(), value_bytes);
+}
+
+/// Unpacks the first n tokens of a page into dense rows [n][head_dim] (pruned elements are 0).
+inline void decode_bitmap_page(float sparsity, const page_shape& shape, const std::byte* page, int n,
+                               bool along_tokens, float* rows) {
+  const int p = shape.page_size, d = shape.head_dim;
+  const bitmap_page_layout layout = bitmap_layout(sparsity, shape);
+  std::fill(rows, rows + static_cast<std::size_t>(n) * d, 0.0f);
+  std::vector<float> values(static_cast<std::size_t>(layout.values));
+  load_dense_rows(shape.storage, page + layout.values_at(), values.size(), values.data());
+  const int tiles_per_line = along_tokens ? p / tile_length : d / tile_length;
+  for (int tile = 0; tile < layout.tiles; ++tile) {
+    std::uint64_t bits;
+    std::memcpy(&bits, page + static_cast<std::size_t>(tile) * 8, sizeof bits);
+    std::uint32_t offset;
+    std::memcpy(&offset, page + layout.offsets_at() + static_cast<std::size_t>(tile) * 4, sizeof offset);
+    const int line = tile / tiles_per_line, part = tile % tiles_per_line;
+    for (int b = 0; b < tile_length; ++b) {
+      if (!((bits >> b) & 1u)) continue;
+      const int t = along_tokens ? part * tile_length + b : line;
+      const int c = along_tokens ? line : part * tile_length + b;
+      const float value = values[offset++];
+      if (t < n) rows[static_cast<std::size_t>(t) * d + c] = value;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// MUSTAFAR's output-aware K weights (section 2.1): w[h][c] = sum over the window's queries and
+/// the query heads of KV head h of |q[t][h * group_size + g][c]|. `queries`: [window][num_q_heads]
+/// [head_dim] (the paper uses the 32 most recent). Returns [num_kv_heads][head_dim].
+inline std::vector<float> output_aware_key_weights(tensor_view<const float, 3> queries, int group_size) {
+  detail::require(group_size >= 1 && queries.extent(1) % group_size == 0, "output_aware_key_weights", "group_size",
+                  group_size, "a divisor of queries.extent(1) (the query heads)");
+  const std::int64_t kv_heads = queries.extent(1) / group_size, d = queries.extent(2);
+  std::vector<float> w(static_cast<std::size_t>(kv_heads * d), 0.0f);
+  for (std::int64_t t = 0; t < queries.extent(0); ++t)
+    for (std::int64_t j = 0; j < queries.extent(1); ++j)
+      for (std::int64_t c = 0; c < d; ++c) w[static_cast<std::size_t>((j / group_size) * d + c)] += std::abs(queries(t, j, c));
+  return w;
+}
+
+template <>
+struct format_traits<format::bitmap_tiles> {
+  static constexpr const char* name = "bitmap_tiles";
+  /// K may be pruned output-aware (cache::set_key_weights).
+  static constexpr bool has_key_weights = true;
+
+  static std::string describe(const format::bitmap_tiles& f) {
+    std::ostringstream os;
+    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "")
+       << ")";
+    return os.str();
+  }
+
+  static void validate(const format::bitmap_tiles& f, const page_shape& shape) {
+    const char* where = "format::bitmap_tiles";
+    detail::require(f.s_k >= 0.0f && f.s_k <= 0.95f, where, "s_k", f.s_k, "0 to 0.95");
+    detail::require(f.s_v >= 0.0f && f.s_v <= 0.95f, where, "s_v", f.s_v, "0 to 0.95");
+    detail::require(shape.page_size % detail::tile_length == 0, where, "page_size", shape.page_size,
+                    "a multiple of 64 (pages are whole 1x64 tiles along tokens)");
+    detail::require(shape.head_dim % detail::tile_length == 0, where, "head_dim", shape.head_dim, "a multiple of 64");
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
+                    to_string(shape.storage), "f16 or bf16");
+    detail::require(f.k_layout == format::bitmap_k_layout::along_tokens || f.k_layout == format::bitmap_k_layout::along_channels,
+                    where, "k_layout", static_cast<int>(f.k_layout), "bitmap_k_layout::along_tokens or along_channels");
+  }
+  static bool k_along_tokens(const format::bitmap_tiles& f) { return f.k_layout == format::bitmap_k_layout::along_tokens; }
+
+  static std::size_t k_page_bytes(const format::bitmap_tiles& f, const page_shape& shape) {
+    return detail::bitmap_layout(f.s_k, shape).bytes();
+  }
+  static std::size_t v_page_bytes(const format::bitmap_tiles& f, const page_shape& shape) {
+    return detail::bitmap_layout(f.s_v, shape).bytes();
+  }
+
+  static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_bitmap_page(f.s_k, shape, rows, k_along_tokens(f), page);
+  }
+  /// As encode_k, each element scored |k_c| * weights[c] (weights: [head_dim], or null).
+  static void encode_k(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, const float* weights,
+                       std::byte* page) {
+    detail::encode_bitmap_page(f.s_k, shape, rows, k_along_tokens(f), page, weights);
+  }
+  static void encode_v(const format::bitmap_tiles& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_bitmap_page(f.s_v, shape, rows, /*along_tokens=*/false, page);
+  }
+  static void decode_k(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* page, int n,
+                       float* rows) {
+    detail::decode_bitmap_page(f.s_k, shape, page, n, k_along_tokens(f), rows);
+  }
+  static void decode_v(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* page, int n,
+                       float* rows) {
+    detail::decode_bitmap_page(f.s_v, shape, page, n, /*along_tokens=*/false, rows);
+  }
+
+  /// Host reference: unpack, then the dense product (the CUDA kernels compute on the tiles).
+  static void score(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* k_page, int n,
+                    const float* q, int groups, float* logits) {
+    const int d = shape.head_dim;
+    std::vector<float>& keys = detail::host_scratch(static_cast<std::size_t>(shape.page_size) * d);
+    decode_k(f, shape, k_page, n, keys.data());
+    host::row_matrix_map(logits, groups, n).noalias() =
+        host::const_row_matrix_map(q, groups, d) * host::const_row_matrix_map(keys.data(), n, d).transpose();
+  }
+  static void accumulate(const format::bitmap_tiles& f, const page_shape& shape, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o) {
+    const int d = shape.head_dim;
+    std::vector<float>& values = detail::host_scratch(static_cast<std::size_t>(shape.page_size) * d);
+    decode_v(f, shape, v_page, n, values.data());
+    host::row_matrix_map(o, groups, d).noalias() +=
+        host::const_row_matrix_map(p, groups, n) * host::const_row_matrix_map(values.data(), n, d);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/format/bitmap_tiles.hpp> ----
+
+// ---- begin <kvmosaic/format/quant2.hpp> ----
+/// \file
+/// `format::quant2`: HACK's asymmetric 2-bit quantization with attention computed on the codes
+/// (Zhang et al., "HACK: Homomorphic Acceleration via Compression of the Key-Value Cache for
+/// Disaggregated LLM Inference", sections 5.2-5.3 and 6). Host part: encode, decode, and the host
+/// attend on codes (the reference the CUDA kernels will be tested against).
+///
+/// Quantization: each partition of `partition` (Pi) elements keeps a min m and a scale
+/// s >= (max - m) / 3 (both 16-bit floats, as the paper stores them, in the cache's storage dtype:
+/// f16 or bf16, so any value the cache stores has a representable range) and codes c in {0..3}
+/// with x ~ m + s c. m is the partition's min rounded toward -infinity and s the smallest
+/// storage value with m + 3 s >= max (evaluated in fp64): every value lies in [m, m + 3 s], and
+/// the codes are computed against the stored m and s (`quant2_range`). K is partitioned along
+/// head_dim for each token, V along tokens for each channel (each product's inner dimension,
+/// Fig. 7). Rounding is stochastic (to floor(t) + 1 with
+/// probability frac(t), t = (x - m) / s, unbiased) or to nearest. The stochastic noise is a
+/// counter-based hash of (seed, the element's index in its page, its value, its partition's m and
+/// s): a pure function of the data, so the host and the device draw the same codes with no
+/// stream of positions, and different seeds give independent roundings.
+///
+/// Summation elimination (5.3): each partition stores its code sum, so no step re-sums the cache.
+/// Requantization elimination (5.3): V partitions run along tokens, and the newest ones stay
+/// 16-bit until complete. Here the dense tail plays that part: a page is encoded when it is full,
+/// and page_size must be a multiple of Pi, so a sealed page holds whole V partitions. (The paper
+/// keeps at most Pi - 1 tokens unquantized; we keep up to page_size - 1.) Optional sink tokens
+/// stay 16-bit (`sink_tokens`; not in the paper: our addition, for StreamingLLM's attention sinks).
+///
+/// Attention on codes (Eq. 4): for a partition of an inner product sum_k (m_a + s_a a_k)
+/// (m_b + s_b b_k) = Pi m_a m_b + m_a s_b sum(b) + s_a m_b sum(a) + s_a s_b sum(a b): q is
+/// quantized to 8 bits per partition of Pi channels (round to nearest, min and scale in fp32:
+/// q is transient), the softmax numerators p to 8 bits per partition of Pi tokens, and only the
+/// integer products sum(a b) touch the codes; sum(b) comes from the page.
+///
+/// Non-finite values and NaN: a partition holding a NaN or an infinity (only a NaN or infinite
+/// input stores one: finite inputs saturate, core/dtype.hpp) stores NaN as its min and scale and
+/// code 0 for every element. The outputs that read it (a K partition: every query head of its KV
+/// head; a V partition: its channel of those heads), and those of a query head with a NaN in q,
+/// are unspecified: NaN on the host backend (as dense attention's), NaN or another value on
+/// CUDA (its split merge does not propagate NaN). Other heads and sequences are unaffected, and
+/// every float-to-integer conversion is clamped first (NaN to code 0): no input is undefined
+/// behaviour, host or device.
+///
+/// Page layout (one head, K or V): [mins: partitions x 16-bit][scales: partitions x 16-bit]
+/// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each] padded to 16 bytes. V
+/// partition c * (page_size / Pi) + j holds tokens j Pi .. of channel c; K partition the same
+/// (K per channel) or t * (head_dim / Pi) + j, channels j Pi .. of token t (K per token). The
+/// codes are not stored partition by partition: they form the int8 tensor-core operand the CUDA
+/// kernel multiplies (K as [tokens][channels], V as [channels][tokens], in 16 x 32 tiles; see
+/// `quant2_code_bit`), so a warp unpacks them with shifts and masks. At Pi = 64, head_dim 128,
+/// pages of 64: 2688 bytes per page, 16.4% of dense.
+
+#include <limits>
+
+
+namespace kvmosaic {
+namespace format {
+
+/// Along which axis quant2 partitions K (V is always partitioned along tokens, per channel).
+enum class key_axis {
+  head_dim,  ///< per token, Pi channels a partition: the paper's layout (the product's inner dimension)
+  tokens,    ///< per channel, Pi tokens a partition: one range per channel, so outlier channels
+             ///< do not stretch their neighbours' steps; the scales are folded into q
+};
+
+/// How quant2 rounds a value to a code.
+enum class rounding {
+  stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
+  nearest,     ///< to the nearest code
+};
+
+/// HACK's 2-bit KV quantization with attention on the codes. Cost per page: 2 bits per element
+/// plus 4-6 bytes (min, scale, code sum) per partition of `partition` elements.
+struct quant2 {
+  using policy_category = format_tag;
+  int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
+  rounding mode = rounding::stochastic;
+  std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
+  key_axis k_axis = key_axis::tokens;        ///< how K is partitioned (see key_axis)
+  /// Attention sinks kept 16-bit: the first `sink_tokens` (0 to 16) tokens of every sequence are
+  /// stored as dense rows too once the sequence's first page is sealed, and attended exactly;
+  /// in that page they are masked, and quantized as copies of the first token after them so that
+  /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
+  /// sequence.
+  int sink_tokens = 0;
+};
+
+}  // namespace format
+
+namespace detail {
+
+/// splitmix64's finalizer: a bijective 64-bit mix (Steele et al.), the counter-based generator of
+/// the stochastic rounding (host and device compute it the same way).
+KVMOSAIC_HOST_DEVICE constexpr std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+/// Uniform in [0, 1) with 24 bits, from the seed and a 64-bit key.
+KVMOSAIC_HOST_DEVICE inline float rounding_noise(std::uint64_t seed, std::uint64_t key) {
+  return static_cast<float>(mix64(mix64(seed) ^ key) >> 40) * (1.0f / 16777216.0f);
+}
+
+/// The extent of a partition's values, added in element order: lo and hi as std::min and
+/// std::max keep them (the first of equals, so the same signed zero on host and device), and
+/// whether every value is finite.
+struct quant2_extent {
+  float lo, hi;
+  bool finite;
+
+  KVMOSAIC_HOST_DEVICE explicit quant2_extent(float first) : lo(first), hi(first), finite(is_finite(first)) {}
+  KVMOSAIC_HOST_DEVICE void add(float v) {
+    lo = v < lo ? v : lo;
+    hi = hi < v ? v : hi;
+    finite = finite && is_finite(v);
+  }
+  KVMOSAIC_HOST_DEVICE static bool is_finite(float v) { return (float_bits(v) & 0x7fffffffu) < 0x7f800000u; }
+};
+
+/// A partition's stored min and scale: their bits in the storage dtype and their values.
+struct quant2_range_bits {
+  std::uint16_t min_bits, scale_bits;
+  float min, scale;
+};
+
+/// The stored min and scale of a partition with extent `e`, in the 16-bit storage dtype
+/// `storage`: m = lo rounded toward -infinity, s = the smallest storage value with 3 s >= hi - m
+/// (compared in fp64: exact unless hi and m differ in magnitude by more than 2^40, where the
+/// rounding is below 2^-52 of the range), so every value lies in [m, m + 3 s] and a range up to
+/// twice the dtype's largest value is representable. lo and hi are first clamped to the dtype's
+/// finite range (the cache stores values already saturated to it; a raw float beyond it gets code
+/// 0 or 3). A non-finite value gives NaN for both. The codes are computed against these stored
+/// values. Host and device compute it the same way (IEEE fp64 subtraction and division, no
+/// contraction), so the bytes are the same.
+KVMOSAIC_HOST_DEVICE inline quant2_range_bits quant2_range(const quant2_extent& e, dtype storage) {
+  quant2_range_bits r{};
+  if (!e.finite) {
+    r.min_bits = r.scale_bits = storage == dtype::f16 ? std::uint16_t{0x7e00u} : std::uint16_t{0x7fc0u};
+    r.min = r.scale = storage_value(r.min_bits, storage);
+    return r;
+  }
+  const float top = storage_max(storage);
+  const float lo = e.lo < -top ? -top : (e.lo > top ? top : e.lo);
+  const float hi = e.hi < -top ? -top : (e.hi > top ? top : e.hi);
+  r.min_bits = storage_bits_down(lo, storage);
+  r.min = storage_value(r.min_bits, storage);
+  const double range = static_cast<double>(hi) - static_cast<double>(r.min);  // >= 0, at most 2 top
+  r.scale_bits = storage_bits_up(static_cast<float>(range / 3.0), storage);
+  while (3.0 * static_cast<double>(storage_value(r.scale_bits, storage)) < range)
+    r.scale_bits = storage_next_up(r.scale_bits);  // at most one step: the float rounding above
+  r.scale = storage_value(r.scale_bits, storage);
+  return r;
+}
+
+/// The 2-bit code of v in a partition with stored min m and scale s (`quant2_range`). Stochastic:
+/// up with probability frac((v - m) / s), the noise a hash of (seed, the element's index in its
+/// page, v, m, s); nearest: to the nearest code. One function for host and device: no product
+/// feeds a sum here, so no compiler contracts an operation and both round alike. The code is
+/// clamped to 0..3 before the conversion to int; a NaN (v, m or s NaN) gives 0.
+KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed, std::uint64_t element_index, float v,
+                                            float m, float s) {
+  const float t = s > 0.0f ? (v - m) / s : 0.0f;
+  float c;
+  if (!stochastic) {
+    c = floorf(t + 0.5f);
+  } else {
+    const std::uint64_t range_key =
+        mix64((static_cast<std::uint64_t>(detail::float_bits(m)) << 32) | detail::float_bits(s));
+    const std::uint64_t key = element_index ^ (static_cast<std::uint64_t>(detail::float_bits(v)) << 32) ^ range_key;
+    const float below = floorf(t);
+    c = below + (rounding_noise(seed, key) < t - below ? 1.0f : 0.0f);
+  }
+  return c >= 3.0f ? 3 : (c > 0.0f ? static_cast<int>(c) : 0);
+}
+
+/// Bit of the code at (row, col) of a page's code matrix with `cols` columns. The matrix is
+/// stored in tiles of 16 rows x 32 columns, row-major over tiles, 128 bytes a tile. Within a tile,
+/// the 32-bit word of lane 4 g + q holds in byte b, bits 2 s and 2 s + 1, the code at row
+/// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
+/// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
+/// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
+constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+  const int tile = row / 16 * (cols / 32) + col / 32;
+  const int r = row % 16, c = col % 32;
+  const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
+  return static_cast<std::size_t>(tile) * 1024 + static_cast<std::size_t>(lane) * 32 + (c % 4) * 8 + s * 2;
+}
+
+/// Geometry of one quant2 page (one head, K or V): the byte layout, how partition elements map to
+/// (token, channel), and how those map to the code matrix. The codes form the A operand of the
+/// attention products on tensor cores: K as [tokens][channels] (S^T = K Q^T, an inner product
+/// over channels), V as [channels][tokens] (O^T = V^T P^T, over tokens).
+struct quant2_layout {
+  int partitions;     ///< partitions in the page
+  int partition;      ///< Pi
+  int sum_bytes;      ///< 1 or 2
+  int page_size;
+  int head_dim;
+  bool along_tokens;  ///< partitions run along tokens, one channel each (V, and K per channel)
+  bool is_key;        ///< code matrix rows are tokens (K) rather than channels (V)
+  dtype storage;      ///< the dtype of the mins and scales: the cache's storage dtype (f16 or bf16)
+
+  std::size_t scales_at() const { return static_cast<std::size_t>(partitions) * 2; }
+  std::size_t sums_at() const { return static_cast<std::size_t>(partitions) * 4; }
+  std::size_t codes_at() const { return sums_at() + static_cast<std::size_t>(partitions) * sum_bytes; }
+  std::size_t bytes() const {
+    return (codes_at() + static_cast<std::size_t>(partitions) * partition / 4 + 15) / 16 * 16;
+  }
+  /// Element i of partition `part`: (token, channel).
+  void element(int part, int i, int& token, int& channel) const {
+    if (along_tokens) {
+      const int per_channel = page_size / partition;
+      channel = part / per_channel;
+      token = part % per_channel * partition + i;
+    } else {
+      const int per_token = head_dim / partition;
+      token = part / per_token;
+      channel = part % per_token * partition + i;
+    }
+  }
+  /// Bit of the code of (token, channel), counted from codes_at().
+  std::size_t code_bit(int token, int channel) const {
+    return is_key ? quant2_code_bit(head_dim, token, channel) : quant2_code_bit(page_size, channel, token);
+  }
+};
+
+inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape& shape, bool is_key) {
+  return quant2_layout{shape.page_size * shape.head_dim / f.partition,
+                       f.partition,
+                       f.partition * 3 > 255 ? 2 : 1,
+                       shape.page_size,
+                       shape.head_dim,
+                       !is_key || f.k_axis == format::key_axis::tokens,
+                       is_key,
+                       shape.storage};
+}
+
+/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) against the stored
+/// min and scale (`quant2_range`, in `storage`); returns them. `key` numbers the elements within
+/// the page. A partition with a non-finite value gets code 0 everywhere (and NaN min and scale).
+inline quant2_range_bits quantize_partition(const format::quant2& f, dtype storage, const float* x, int count,
+                                            int stride, std::uint64_t key, std::uint8_t* codes) {
+  quant2_extent extent(x[0]);
+  for (int i = 1; i < count; ++i) extent.add(x[static_cast<std::size_t>(i) * stride]);
+  const quant2_range_bits range = quant2_range(extent, storage);
+  const bool stochastic = f.mode == format::rounding::stochastic;
+  for (int i = 0; i < count; ++i) {
+    const float v = x[static_cast<std::size_t>(i) * stride];
+    const std::uint64_t index = key + static_cast<std::uint64_t>(i);
+    codes[i] = extent.finite ? static_cast<std::uint8_t>(quant2_code(stochastic, f.seed, index, v, range.min, range.scale))
+                             : std::uint8_t{0};
+  }
+  return range;
+}
+
+/// Encodes rows [page_size][head_dim] into a K (`is_key`) or V page: each partition quantized
+/// (`quantize_partition`), its min, scale and code sum stored, its codes placed in the code matrix.
+inline void encode_quant2_page(const format::quant2& f, const page_shape& shape, const float* rows, bool is_key,
+                               std::byte* page) {
+  const quant2_layout layout = quant2_layout_of(f, shape, is_key);
+  const int d = shape.head_dim, pi = f.partition;
+  std::memset(page, 0, layout.bytes());
+  std::vector<std::uint8_t> codes(static_cast<std::size_t>(pi));
+  for (int part = 0; part < layout.partitions; ++part) {
+    int token = 0, channel = 0;
+    layout.element(part, 0, token, channel);
+    const float* first = rows + static_cast<std::size_t>(token) * d + channel;
+    const int stride = layout.along_tokens ? d : 1;
+    const quant2_range_bits range =
+        quantize_partition(f, shape.storage, first, pi, stride, static_cast<std::uint64_t>(part) * pi, codes.data());
+    std::memcpy(page + static_cast<std::size_t>(part) * 2, &range.min_bits, 2);
+    std::memcpy(page + layout.scales_at() + static_cast<std::size_t>(part) * 2, &range.scale_bits, 2);
+    unsigned sum = 0;
+    for (int i = 0; i < pi; ++i) {
+      sum += codes[static_cast<std::size_t>(i)];
+      layout.element(part, i, token, channel);
+      const std::size_t bit = layout.code_bit(token, channel);
+      page[layout.codes_at() + bit / 8] |= static_cast<std::byte>(codes[static_cast<std::size_t>(i)] << (bit % 8));
+    }
+    if (layout.sum_bytes == 1) {
+      page[layout.sums_at() + static_cast<std::size_t>(part)] = static_cast<std::byte>(sum);
+    } else {
+      const auto sum16 = static_cast<std::uint16_t>(sum);
+      std::memcpy(page + layout.sums_at() + static_cast<std::size_t>(part) * 2, &sum16, 2);
+    }
+  }
+}
+
+/// The stored form of one page, read back: mins, scales, code sums and codes, as numbers.
+struct quant2_page_view {
+  quant2_layout layout;
+  const std::byte* page;
+  float min(int part) const { return load(page + static_cast<std::size_t>(part) * 2); }
+  float scale(int part) const { return load(page + layout.scales_at() + static_cast<std::size_t>(part) * 2); }
+  unsigned code_sum(int part) const {
+    if (layout.sum_bytes == 1) return static_cast<unsigned>(page[layout.sums_at() + static_cast<std::size_t>(part)]);
+    std::uint16_t sum16;
+    std::memcpy(&sum16, page + layout.sums_at() + static_cast<std::size_t>(part) * 2, 2);
+    return sum16;
+  }
+  /// The code of (token, channel).
+  int code_at(int token, int channel) const {
+    const std::size_t bit = layout.code_bit(token, channel);
+    return (static_cast<int>(page[layout.codes_at() + bit / 8]) >> (bit % 8)) & 3;
+  }
+  /// The code of element i of partition `part`.
+  int code(int part, int i) const {
+    int token = 0, channel = 0;
+    layout.element(part, i, token, channel);
+    return code_at(token, channel);
+  }
+  /// A min or scale, in the layout's storage dtype.
+  float load(const std::byte* at) const {
+    std::uint16_t bits;
+    std::memcpy(&bits, at, 2);
+    return storage_value(bits, layout.storage);
+  }
+};
+
+/// The reciprocal of an 8-bit grid's step, 0 below the smallest normal float (a step of
+/// subnormal softmax weights, whose reciprocal may overflow; every value then gets code 0 and the
+/// error is below the step times 255, itself subnormal). The device computes the same.
+inline float quantize8_inverse(float step) { return step >= 1.17549435e-38f ? 1.0f / step : 0.0f; }
+
+/// 8-bit asymmetric quantization of a transient operand (q, or the softmax numerators), round to
+/// nearest: x ~ m + s a, a in 0..255. Returns sum(a). A NaN among the values makes m and s NaN
+/// (and every code 0), so what is computed from them is NaN; codes are clamped to 0..255 before
+/// the conversion to int.
+inline unsigned quantize8(const float* x, int count, int stride, float& m, float& s, int* a) {
+  float lo = x[0], hi = x[0];
+  bool nan = std::isnan(x[0]);
+  for (int i = 1; i < count; ++i) {
+    const float v = x[static_cast<std::size_t>(i) * stride];
+    nan = nan || std::isnan(v);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  if (nan) {
+    m = s = std::numeric_limits<float>::quiet_NaN();
+    std::fill(a, a + count, 0);
+    return 0;
+  }
+  m = lo;
+  // A product, one reciprocal and one fused multiply-add per value, no division: what the
+  // device kernels compute, rounding for rounding (fma is correctly rounded on both sides).
+  s = (hi - lo) * (1.0f / 255.0f);
+  const float inverse = quantize8_inverse(s);
+  const float bias = std::fma(-lo, inverse, 0.5f);  // code = floor((x - lo) / s + 1/2)
+  unsigned sum = 0;
+  for (int i = 0; i < count; ++i) {
+    const float y = std::fma(x[static_cast<std::size_t>(i) * stride], inverse, bias);
+    a[i] = static_cast<int>(std::floor(std::fmin(std::fmax(y, 0.0f), 255.0f)));  // NaN (inf x) -> 0
+    sum += static_cast<unsigned>(a[i]);
+  }
+  return sum;
+}
+
+/// K partitioned along tokens: the code sums the channel dimension needs (Eq. 4 runs over
+/// channels), per token and group of Pi channels, replace the per-partition sums (same count,
+/// same width): sums[t * (head_dim / Pi) + p] = sum of the codes of token t, channels p Pi ...
+inline void store_token_code_sums(const format::quant2& f, const page_shape& shape, std::byte* page) {
+  const quant2_layout layout = quant2_layout_of(f, shape, /*is_key=*/true);
+  const quant2_page_view view{layout, page};
+  const int d = shape.head_dim, pi = f.partition;
+  std::vector<unsigned> sums(static_cast<std::size_t>(layout.partitions), 0u);
+  for (int c = 0; c < d; ++c)
+    for (int t = 0; t < shape.page_size; ++t)
+      sums[static_cast<std::size_t>(t * (d / pi) + c / pi)] += static_cast<unsigned>(view.code_at(t, c));
+  for (int i = 0; i < layout.partitions; ++i) {
+    if (layout.sum_bytes == 1) {
+      page[layout.sums_at() + static_cast<std::size_t>(i)] = static_cast<std::byte>(sums[static_cast<std::size_t>(i)]);
+    } else {
+      const auto sum16 = static_cast<std::uint16_t>(sums[static_cast<std::size_t>(i)]);
+      std::memcpy(page + layout.sums_at() + static_cast<std::size_t>(i) * 2, &sum16, 2);
+    }
+  }
+}
+
+/// Eq. 4 for one partition: sum_k (m_a + s_a a_k)(m_b + s_b b_k) from the integer dot sum(a b),
+/// the code sums and the partition length.
+inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, double m_b, double s_b, double sum_b,
+                              double dot) {
+  return length * m_a * m_b + m_a * s_b * sum_b + s_a * m_b * sum_a + s_a * s_b * dot;
+}
+
+}  // namespace detail
+
+template <>
+struct format_traits<format::quant2> {
+  static constexpr const char* name = "quant2";
+
+  static std::string describe(const format::quant2& f) {
+    std::ostringstream os;
+    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
+       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
+    if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
+    os << ")";
+    return os.str();
+  }
+
+  static void validate(const format::quant2& f, const page_shape& shape) {
+    const char* where = "format::quant2";
+    detail::require(f.partition == 32 || f.partition == 64 || f.partition == 128, where, "partition", f.partition,
+                    "32, 64 or 128");
+    detail::require(shape.head_dim % f.partition == 0, where, "head_dim", shape.head_dim,
+                    "a multiple of partition (K partitions run along head_dim)");
+    detail::require(shape.page_size % f.partition == 0, where, "page_size", shape.page_size,
+                    "a multiple of partition (a sealed page holds whole V partitions)");
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
+                    to_string(shape.storage), "f16 or bf16");
+    detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
+                    "0 to 16");
+    // Enumerations arrive from configuration as integers: a value outside the enumerators would
+    // otherwise pick a branch silently.
+    const int mode = static_cast<int>(f.mode), axis = static_cast<int>(f.k_axis);
+    detail::require(f.mode == format::rounding::stochastic || f.mode == format::rounding::nearest, where, "mode", mode,
+                    "rounding::stochastic (0) or rounding::nearest (1)");
+    detail::require(f.k_axis == format::key_axis::head_dim || f.k_axis == format::key_axis::tokens, where, "k_axis",
+                    axis, "key_axis::head_dim (0) or key_axis::tokens (1)");
+  }
+
+  /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.
+  static constexpr int max_sink_tokens = 16;
+  static int sink_rows(const format::quant2& f) { return f.sink_tokens; }
+
+  static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
+    return detail::quant2_layout_of(f, shape, true).bytes();
+  }
+  static std::size_t v_page_bytes(const format::quant2& f, const page_shape& shape) { return k_page_bytes(f, shape); }
+
+  static void encode_k(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant2_page(f, shape, rows, /*is_key=*/true, page);
+    if (f.k_axis == format::key_axis::tokens) detail::store_token_code_sums(f, shape, page);
+  }
+  static void encode_v(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant2_page(f, shape, rows, /*is_key=*/false, page);
+  }
+  static void decode_k(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    decode(f, shape, page, n, /*is_key=*/true, rows);
+  }
+  static void decode_v(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+    decode(f, shape, page, n, /*is_key=*/false, rows);
+  }
+
+  /// logits[g][t] = q[g] . k[t] on the codes (Eq. 4): q quantized to 8 bits per partition, one
+  /// integer dot product per (token, partition) plus the correction terms. Cost: n G D integer
+  /// multiply-adds, 4 n G D / Pi floating-point operations.
+  static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
+                    int groups, float* logits) {
+    if (f.k_axis == format::key_axis::tokens) {
+      score_channel_partitioned(f, shape, k_page, n, q, groups, logits);
+      return;
+    }
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
+    const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
+    std::vector<int> a(static_cast<std::size_t>(d));
+    std::vector<float> m_a(static_cast<std::size_t>(per_token)), s_a(m_a.size());
+    std::vector<unsigned> sum_a(m_a.size());
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < per_token; ++j)
+        sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
+                                                               m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
+                                                               a.data() + static_cast<std::size_t>(j) * pi);
+      for (int t = 0; t < n; ++t) {
+        double logit = 0;
+        for (int j = 0; j < per_token; ++j) {
+          const int part = t * per_token + j;
+          std::int64_t dot = 0;
+          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(j * pi + i)] * view.code(part, i);
+          logit += detail::homomorphic_dot(pi, m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
+                                           sum_a[static_cast<std::size_t>(j)], view.min(part), view.scale(part),
+                                           view.code_sum(part), static_cast<double>(dot));
+        }
+        logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
+      }
+    }
+  }
+
+  /// o[g] += sum_t p[g][t] v[t] on the codes (Eq. 4): p quantized to 8 bits per partition of Pi
+  /// tokens. Pages are full (n = page_size): tails are dense. Cost as `score`.
+  static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), v_page};
+    const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
+    detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
+    std::vector<int> a(static_cast<std::size_t>(n));
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < per_channel; ++j) {
+        float m_p = 0, s_p = 0;
+        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, a.data());
+        for (int c = 0; c < d; ++c) {
+          const int part = c * per_channel + j;
+          std::int64_t dot = 0;
+          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(i)] * view.code(part, i);
+          o[static_cast<std::size_t>(g) * d + c] += static_cast<float>(detail::homomorphic_dot(
+              pi, m_p, s_p, sum_p, view.min(part), view.scale(part), view.code_sum(part), static_cast<double>(dot)));
+        }
+      }
+    }
+  }
+
+ private:
+  /// score with K partitioned along tokens: for the tokens of partition j, k_tc = m_cj + s_cj b_tc,
+  /// so q.k_t = sum_c q_c m_cj + sum_c (q_c s_cj) b_tc. The first term is one number per j; the
+  /// scales fold into q' = q * s_j, quantized to 8 bits per group of Pi channels, and Eq. 4 runs
+  /// over channels with the stored per-token code sums (no m_b term: the mins are in the first).
+  static void score_channel_partitioned(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n,
+                                        const float* q, int groups, float* logits) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
+    const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
+    std::vector<float> folded(static_cast<std::size_t>(d));
+    std::vector<int> a(static_cast<std::size_t>(d));
+    std::vector<float> m_a(static_cast<std::size_t>(groups_of_channels)), s_a(m_a.size());
+    for (int g = 0; g < groups; ++g) {
+      const float* q_g = q + static_cast<std::size_t>(g) * d;
+      for (int j = 0; j < per_channel && j * pi < n; ++j) {
+        double base = 0;
+        for (int c = 0; c < d; ++c) {
+          const int part = c * per_channel + j;
+          base += static_cast<double>(q_g[c]) * view.min(part);
+          folded[static_cast<std::size_t>(c)] = q_g[c] * view.scale(part);
+        }
+        for (int p = 0; p < groups_of_channels; ++p)
+          detail::quantize8(folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, m_a[static_cast<std::size_t>(p)],
+                            s_a[static_cast<std::size_t>(p)], a.data() + static_cast<std::size_t>(p) * pi);
+        for (int t = j * pi; t < std::min(n, (j + 1) * pi); ++t) {
+          double logit = base;
+          for (int p = 0; p < groups_of_channels; ++p) {
+            std::int64_t dot = 0;
+            for (int c = p * pi; c < (p + 1) * pi; ++c)
+              dot += a[static_cast<std::size_t>(c)] * view.code_at(t, c);
+            logit += static_cast<double>(m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
+                     static_cast<double>(s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
+          }
+          logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
+        }
+      }
+    }
+  }
+
+  static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
+                     float* rows) {
+    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, is_key), page};
+    const int d = shape.head_dim, pi = f.partition;
+    for (int part = 0; part < view.layout.partitions; ++part) {
+      for (int i = 0; i < pi; ++i) {
+        int t = 0, c = 0;
+        view.layout.element(part, i, t, c);
+        if (t < n) rows[static_cast<std::size_t>(t) * d + c] = view.min(part) + view.scale(part) * static_cast<float>(view.code(part, i));
+      }
+    }
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/format/quant2.hpp> ----
+
+// ---- begin <kvmosaic/select/selector_traits.hpp> ----
+/// \file
+/// What a selector is, and what it must provide.
+///
+/// A selector is a policy struct in `kvmosaic::select` declaring `using policy_category =
+/// selector_tag;` and carrying its parameters (a budget, a window). It decides which tokens a
+/// decode query sees. There are two kinds, and the difference matters to memory:
+///   - *read less*: the cache keeps every token; the selector picks the pages (or token ranges)
+///     one step reads. Memory is not freed. (`all`, `quest`, `sentence_chunks`.)
+///   - *keep less*: tokens are evicted for good, and a compactor returns their memory.
+///     (`streaming`, `h2o`, `snapkv`.)
+///
+/// `kvmosaic::selector_traits<Selector>` provides, as a description:
+///   static constexpr const char* name;
+///   static std::string describe(const Selector&);   // name plus parameters, for reports
+///   static constexpr bool reads_all_pages;          // true: kernels read every page, no page list
+///   static constexpr bool evicts;                   // true: a keep-less selector
+///   static constexpr bool needs_token_ids;          // true: prefill and append take token ids
+///   static void validate(const Selector&, int page_size);  // throws invalid_argument
+///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
+///                                                   // of a page (0: none)
+///
+/// and, as behaviour, the host hooks the cache calls for every selector without naming one
+/// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
+/// a selector's traits derive from it and replace what they need). `OnDevice` is true when the
+/// backend keeps K and V rows in device memory (backend::cuda): then `k` must not be read on the
+/// host, and work on the keys is the selector's device part (`cuda::selection_stage<Selector,
+/// Shapes>`, cuda/select/selection_stage.cuh, reached as `engine.selection()`; the `write`,
+/// `fork`, `release` hooks drive it).
+///
+///   using sequence_state = ...;   // per sequence, held by the cache: default-constructed by
+///                                 // add_sequence (may throw), copied by fork_sequence (may throw)
+///   using update = ...;           // what some rows add to a sequence_state, staged
+///   template <class Cache> struct cache_members;  // public members the selector adds to the
+///                                 // cache (a base of cache<...>, CRTP; they read the state with
+///                                 // Cache::selector_state(seq))
+///   template <bool OnDevice, class T>
+///   static update stage(const Selector&, const selector_shape&, const sequence_state&,
+///                       const tensor_view<const T, 3>& k, span<const std::int32_t> ids,
+///                       std::int64_t first, std::int64_t n);
+///                                 // what rows [first, first + n) of k (and their ids, host
+///                                 // memory; empty unless needs_token_ids) add; may throw, must
+///                                 // not change the state
+///   static void reserve(sequence_state&, const update&);  // room, so that commit cannot throw;
+///                                 // may throw (allocation), changes no observable value
+///   static void commit(sequence_state&, update&) noexcept;  // applies a staged update
+///   template <bool OnDevice, class Engine, class T>
+///   static void write(Engine&, std::int32_t slot, const update&, const tensor_view<const T, 3>& k,
+///                     std::int64_t first, std::int64_t n);
+///                                 // the engine's part of an update, after the rows' write and
+///                                 // before commit; may throw (the engine's rollback undoes it)
+///   template <bool OnDevice, class Engine>
+///   static void fork(Engine&, std::int32_t from, std::int32_t to);  // the engine's part of a
+///                                 // fork (pending until the engine's commit, as write)
+///   template <bool OnDevice, class Engine>
+///   static void release(Engine&, std::int32_t slot);  // the engine's part of remove_sequence
+///   static std::int64_t extra_bytes(const selector_shape&, const sequence_state&);  // bytes the
+///                                 // selector keeps for the sequence (memory_stats)
+///   static std::int64_t always_from(const sequence_state&, std::int64_t sealed);  // the first
+///                                 // sealed token every step reads whatever the selection (the
+///                                 // selection statistics' reuse); `sealed` when none
+///   // read-less selectors (reads_all_pages == false) also provide:
+///   static detail::selection_request start_request(const Selector&, const selector_shape&);
+///                                 // the step's fields (score combination, span kind)
+///   static void request(const Selector&, const selector_shape&, const sequence_state&,
+///                       std::int64_t length, std::int64_t tail_rows, detail::selection_request&);
+///                                 // appends one sequence's entry (budget, always_from, spans)
+///
+/// A read-less selector turns each step's queries into *spans* (runs of tokens with the min and
+/// max of their keys, see select/span_score.hpp), scores them and picks some within a token
+/// budget. What the attend path consumes is the same for every such selector: per (sequence, KV
+/// head), the pages holding a selected token and, per page, which of its tokens are selected
+/// (docs/selectors.md). The dense tail (and a format's sink rows) is always read.
+
+
+// ---- begin <kvmosaic/select/selection_request.hpp> ----
+/// \file
+/// What one decode step of a read-less selector asks of an engine (`detail::selection_request`):
+/// per batch entry, the token budget, the first token read whatever the selection, and the spans
+/// to score (the engine's page blocks, or a list of token ranges with their key bounds). A
+/// selector's host hooks fill it (`selector_traits::start_request`, `request`); both backends'
+/// engines read it.
+
+
+// ---- begin <kvmosaic/select/span_score.hpp> ----
+/// \file
+/// What the read-less selectors share: the token budget, Quest's upper-bound score of a span of
+/// tokens from its per-channel key bounds, the combination of a GQA group's scores, and the
+/// reference selection (the longest prefix of the spans in score order that fits the budget).
+///
+/// A *span* is a run of tokens with the channel-wise min and max of their keys: a fixed block of a
+/// page for `select::quest`, a sentence chunk for `select::sentence_chunks`. Both selectors score
+/// spans the same way and select them the same way; they differ in how spans are cut.
+///
+/// The score's fp32 arithmetic has one fixed order (`span_score`), written so that the host and
+/// the CUDA scoring kernel (one warp per span: lane l sums its head_dim / 32 contiguous channels
+/// in turn, read with one vector load per bound row, then a butterfly over the 32 lanes) round
+/// identically: both backends select the same spans.
+
+
+
+namespace kvmosaic {
+
+/// How the scores of the query heads of a GQA group become the one score per span that selects
+/// for their shared KV head (one selection per KV head: the group shares every K/V load).
+///   - `max` (the default): the largest of the group's scores: a span any head of the group ranks
+///     high is kept.
+///   - `sum`: the sum of the group's scores, Quest's bound of the group's summed logits.
+/// On the synthetic workload (32K, budget 1/8) `max` keeps more of the exact attention mass (0.72
+/// against 0.69) and gives the lower output error; `sum` recalls each query head's own top pages a
+/// little better. docs/selectors.md has the measurements.
+enum class group_combine { max, sum };
+
+inline const char* to_string(group_combine c) noexcept { return c == group_combine::max ? "max" : "sum"; }
+
+namespace select {
+
+/// The tokens a read-less selector may pick per (sequence, KV head) and step: `tokens` when it is
+/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, sink rows and (for sentence
+/// chunks) the open chunk are read on top of it. A budget of 0 reads only those; a budget of the
+/// whole context or more reads every token.
+struct token_budget {
+  double ratio = 1.0 / 16.0;  ///< fraction of the context, in [0, 1]
+  std::int64_t tokens = -1;   ///< absolute budget in tokens; >= 0 overrides `ratio` (any value:
+                              ///< one past the context reads it all)
+
+  /// The budget for a sequence of `length` (>= 0) tokens: in [0, length] for a ratio (the
+  /// product is clamped before its conversion to an integer, so no ratio or length overflows).
+  std::int64_t resolve(std::int64_t length) const noexcept {
+    if (tokens >= 0) return tokens;
+    const double share = std::floor(ratio * static_cast<double>(length));
+    if (!(share > 0.0)) return 0;  // also a NaN ratio (rejected by validate)
+    return share >= static_cast<double>(length) ? length : static_cast<std::int64_t>(share);
+  }
+  /// Throws `invalid_argument` naming `budget.ratio` unless it is in [0, 1] (NaN is not). Every
+  /// `tokens` is valid.
+  void validate(const char* where) const {
+    detail::require(ratio >= 0.0 && ratio <= 1.0, where, "budget.ratio", ratio, "0 to 1");
+  }
+  /// For `describe`: "N tokens"; "1/n" for a ratio that is the reciprocal of an integer n up to
+  /// 2^31 - 1 (1/16); else "ratio x" (x to 6 significant digits, so "ratio 0" and "ratio 0.3").
+  std::string describe() const {
+    if (tokens >= 0) return std::to_string(tokens) + " tokens";
+    if (ratio > 0.0 && ratio <= 1.0) {
+      const double n = std::floor(1.0 / ratio + 0.5);  // infinite for a tiny ratio: then no n
+      if (n <= 2147483647.0 && std::abs(ratio * n - 1.0) <= 1e-12) return "1/" + std::to_string(static_cast<long>(n));
+    }
+    std::ostringstream os;
+    os << "ratio " << ratio;
+    return os.str();
+  }
+};
+
+}  // namespace select
+
+namespace detail {
+
+/// Lanes of the canonical score order (a warp).
+inline constexpr int span_score_lanes = 32;
+
+/// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
+///   sum_c max(q[c] * hi[c], q[c] * lo[c]) = sum_c q[c] * (q[c] >= 0 ? hi[c] : lo[c]),
+/// computed as the right-hand side (one product per channel: rounding is monotone, so for finite
+/// values the product of the bound chosen by q's sign is exactly the larger rounded product),
+/// in the canonical order: lane l sums its channels l * w .. (l + 1) * w - 1 in turn, w = head_dim
+/// / 32 (fp32, no fused multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1).
+/// `load(c)` returns the pair (lo[c], hi[c]) as floats. Cost: head_dim multiplies and adds.
+template <class Load>
+inline float span_score(const float* q, int head_dim, Load&& load) {
+  float lane[span_score_lanes];
+  const int width = head_dim / span_score_lanes;
+  for (int l = 0; l < span_score_lanes; ++l) {
+    float s = 0.0f;
+    for (int c = l * width; c < (l + 1) * width; ++c) {
+      const auto bounds = load(c);
+      // fl32(q x), exactly (the double product is exact), and out of reach of a contraction
+      // into a fused multiply-add, which would change the order the device follows.
+      const float product = static_cast<float>(static_cast<double>(q[c]) * (q[c] >= 0.0f ? bounds.second : bounds.first));
+      s = s + product;
+    }
+    lane[l] = s;
+  }
+  for (int offset = span_score_lanes / 2; offset >= 1; offset /= 2) {
+    float next[span_score_lanes];
+    for (int l = 0; l < span_score_lanes; ++l) next[l] = lane[l] + lane[l ^ offset];
+    std::copy(next, next + span_score_lanes, lane);
+  }
+  return lane[0];
+}
+
+/// Combines per-head scores of a group in the canonical order (heads 0, 1, ... in turn).
+inline float combine_scores(const float* scores, int group, group_combine how) noexcept {
+  float total = scores[0];
+  for (int g = 1; g < group; ++g) total = how == group_combine::max ? (scores[g] > total ? scores[g] : total) : total + scores[g];
+  return total;
+}
+
+/// The reference selection, which the device selection reproduces exactly: order the spans by
+/// score (higher first; equal scores by lower index), take the longest prefix of that order whose
+/// `weights` (token counts) sum to at most `budget`. Returns the chosen indices, ascending. NaN
+/// scores sort last. Cost: O(n log n).
+inline std::vector<std::int32_t> budget_prefix(const std::vector<float>& scores, const std::vector<std::int32_t>& weights,
+                                               std::int64_t budget) {
+  std::vector<std::int32_t> order(scores.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto key = [&](std::int32_t i) {
+    const float s = scores[static_cast<std::size_t>(i)];
+    return std::isnan(s) ? -INFINITY : s;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return key(a) > key(b); });
+  std::vector<std::int32_t> chosen;
+  std::int64_t used = 0;
+  for (const std::int32_t i : order) {
+    used += weights[static_cast<std::size_t>(i)];
+    if (used > budget) break;
+    chosen.push_back(i);
+  }
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/span_score.hpp> ----
+
+namespace kvmosaic {
+namespace detail {
+
+/// Spans of one sequence given as token ranges (`select::sentence_chunks`' final chunks): span i
+/// is tokens [starts[i], starts[i+1]), its key bounds at bounds + (i * num_kv_heads + head) * 2 *
+/// head_dim (storage dtype bits: the lo row, then the hi row). Read on the host backend only (a
+/// device engine keeps these bounds itself).
+struct chunk_list {
+  const std::int64_t* starts = nullptr;
+  std::int32_t count = 0;
+  const std::uint16_t* bounds = nullptr;
+};
+
+/// What a read-less selector asks of one step (select/selector_traits.hpp): per batch entry, the
+/// token budget and the first token of the region read whatever the selection (the open chunk);
+/// the spans are the engine's page blocks (`block_tokens` > 0) or the given chunks.
+struct selection_request {
+  group_combine combine = group_combine::max;
+  int block_tokens = 0;
+  std::vector<std::int64_t> budget;        ///< [batch] tokens
+  std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
+  std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
+};
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/selection_request.hpp> ----
+
+namespace kvmosaic {
+
+template <class Selector>
+struct selector_traits {
+  static_assert(sizeof(Selector) == 0,
+                "kvmosaic: this type is not a selector: use one of kvmosaic::select::all, or "
+                "specialize kvmosaic::selector_traits<YourSelector> as described in "
+                "kvmosaic/select/selector_traits.hpp");
+};
+
+/// What a selector's hooks know of the cache they serve (from its validated cache_config).
+struct selector_shape {
+  int num_kv_heads;
+  int head_dim;
+  int page_size;
+  dtype storage;  ///< f16 or bf16: the dtype keys are stored (and bounded) in
+};
+
+/// The host hooks of a selector that keeps nothing per sequence (`select::all`, `select::quest`):
+/// an empty state, nothing staged, nothing kept in the engine, no bytes counted. Cost: none.
+struct stateless_selector_hooks {
+  struct sequence_state {};
+  struct update {};
+  template <class Cache>
+  struct cache_members {};
+  template <bool OnDevice, class Selector, class T>
+  static update stage(const Selector&, const selector_shape&, const sequence_state&, const tensor_view<const T, 3>&,
+                      span<const std::int32_t>, std::int64_t, std::int64_t) noexcept {
+    return {};
+  }
+  static void reserve(sequence_state&, const update&) noexcept {}
+  static void commit(sequence_state&, update&) noexcept {}
+  template <bool OnDevice, class Engine, class T>
+  static void write(Engine&, std::int32_t, const update&, const tensor_view<const T, 3>&, std::int64_t,
+                    std::int64_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void fork(Engine&, std::int32_t, std::int32_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void release(Engine&, std::int32_t) noexcept {}
+  static std::int64_t extra_bytes(const selector_shape&, const sequence_state&) noexcept { return 0; }
+  static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
+};
+
+namespace detail {
+/// The members `Selector` adds to `Cache` (`selector_traits<Selector>::cache_members<Cache>`), or
+/// none when `Selector` is not a selector (the cache then fails with one sentence naming it).
+template <class Selector, class Cache, bool = is_selector_v<Selector>>
+struct selector_cache_members {
+  struct type {};
+};
+template <class Selector, class Cache>
+struct selector_cache_members<Selector, Cache, true> {
+  using type = typename selector_traits<Selector>::template cache_members<Cache>;
+};
+}  // namespace detail
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/selector_traits.hpp> ----
+
+// ---- begin <kvmosaic/select/all.hpp> ----
+/// \file
+/// `select::all`: every token is read at every step (exact attention over the stored cache).
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Reads every page and the tail. Cost: none beyond the attention itself. Source: the baseline.
+struct all {
+  using policy_category = selector_tag;
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::all> : stateless_selector_hooks {
+  static constexpr const char* name = "all";
+  static constexpr bool reads_all_pages = true;
+  static constexpr bool evicts = false;
+  static constexpr bool needs_token_ids = false;
+  static std::string describe(const select::all&) { return "all"; }
+  static void validate(const select::all&, int /*page_size*/) {}
+  static int bounds_block_tokens(const select::all&, int) noexcept { return 0; }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/all.hpp> ----
+
+// ---- begin <kvmosaic/select/quest.hpp> ----
+/// \file
+/// `select::quest`: query-aware block selection (Quest, Tang et al., ICML 2024; the stage-2 page
+/// selection of MosaicKV, section 4.2; "page selection without eviction" in the eviction notes).
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Reads, per (sequence, KV head) and step, the blocks of sealed pages with the highest upper
+/// bound of q . k, within a token budget, plus the dense tail (always read).
+///
+/// What it computes: each block of `block_tokens` tokens of a page keeps the channel-wise min and
+/// max of its keys (`lo`, `hi`, in the storage dtype: exact), written when the page is sealed (at
+/// prefill or when an append fills the tail), never recomputed. A step scores every block with
+/// sum_c max(q_c hi_c, q_c lo_c), combines the group's query heads (`combine`), and reads the
+/// top floor(budget / block_tokens) blocks (higher score first, ties to the earlier block). The
+/// keys are the exact rows before the format encodes them, so for lossy formats the bound is on
+/// the original keys (as in Quest, whose metadata is taken before anything else).
+///
+/// Cost: 2 x head_dim 16-bit values per block and KV head of memory (1/32 of a dense K page at
+/// block 64: counted in `memory_stats`); per step, reading those bounds (1/64 of the dense K+V
+/// bytes at block 64) and a top-k per (sequence, KV head). Memory is not freed: a read-less
+/// selector (size the pool as if uncompressed).
+///
+/// Kernels read whole pages: on the CUDA backend `block_tokens` must equal the page size (0, the
+/// default, means the page size); the host backend also reads sub-page blocks (masking the
+/// unselected tokens of a page).
+struct quest {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
+  int block_tokens = 0;                       ///< tokens per block: 0 = the page size, or a multiple of 8
+                                              ///< dividing it
+  group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
+
+  /// The block size for pages of `page_size` tokens.
+  int block_for(int page_size) const noexcept { return block_tokens == 0 ? page_size : block_tokens; }
+};
+
+}  // namespace select
+
+/// Quest keeps nothing per sequence: its bounds live with each page, in the engine.
+template <>
+struct selector_traits<select::quest> : stateless_selector_hooks {
+  static constexpr const char* name = "quest";
+  static constexpr bool reads_all_pages = false;
+  static constexpr bool evicts = false;
+  static constexpr bool needs_token_ids = false;
+  static std::string describe(const select::quest& s) {
+    std::string text = "quest(";
+    text += s.budget.describe();
+    if (s.block_tokens != 0) text += ", block " + std::to_string(s.block_tokens);
+    text += std::string(", ") + to_string(s.combine) + ")";
+    return text;
+  }
+  /// Checks the parameters against the cache's page size (throws `invalid_argument`).
+  static void validate(const select::quest& s, int page_size) {
+    s.budget.validate("select::quest");
+    const int block = s.block_for(page_size);
+    detail::require(block >= 8 && block % 8 == 0 && page_size % block == 0, "select::quest", "block_tokens",
+                    s.block_tokens, "0 (the page size) or a multiple of 8 that divides page_size");
+  }
+  /// Tokens per block whose key bounds the cache keeps with each page (0: none).
+  static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
+  /// A step scores the page blocks of every sequence.
+  static detail::selection_request start_request(const select::quest& s, const selector_shape& shape) {
+    detail::selection_request r;
+    r.combine = s.combine;
+    r.block_tokens = s.block_for(shape.page_size);
+    return r;
+  }
+  /// One sequence's entry: the budget for its length, and nothing read besides the selection but
+  /// the tail. A sequence whose tail is empty reads at least one block, so that every step attends
+  /// to a token. Cost: O(1).
+  static void request(const select::quest& s, const selector_shape&, const sequence_state&, std::int64_t length,
+                      std::int64_t tail_rows, detail::selection_request& r) {
+    const std::int64_t budget = s.budget.resolve(length);
+    r.budget.push_back(tail_rows == 0 ? std::max<std::int64_t>(budget, r.block_tokens) : budget);
+    r.always_from.push_back(length);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/quest.hpp> ----
+
+// ---- begin <kvmosaic/select/sentence_chunks.hpp> ----
+/// \file
+/// `select::sentence_chunks`: sentence-level selection (SentKVCompress: the sentence split of its
+/// Algorithm 2, the per-sentence min and max key of section 4.1.2, selection within a token budget
+/// and reuse across steps of section 4.2).
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// A boundary token of the caller's vocabulary and its semantic weight S(b) in [0, 1].
+struct boundary {
+  std::int32_t id;
+  float weight;
+};
+
+/// Reads, per (sequence, KV head) and step, whole sentence chunks in score order until the token
+/// budget is full, plus the open chunk and the dense tail (always read).
+///
+/// What it computes:
+///   - the token stream (ids the caller passes with every prefill and append) is cut into chunks
+///     by Algorithm 2 of SentKVCompress, exactly (`sentence_split`): from `current`, ideal_end =
+///     min(current + L, n); candidates are the boundary tokens t in [max(ideal_end - Delta,
+///     current + 1), min(ideal_end + Delta, n)] (t < n: a token must exist); the chunk ends at the
+///     candidate maximizing 0.7 S(t) + 0.3 (1 - |ideal_end - t| / Delta) (the first of equals), or
+///     at ideal_end when there is none. As in the pseudocode, the chunk is [current, best_split)
+///     and the boundary token at best_split opens the next chunk.
+///   - a chunk is final once the tokens its window can see exist (n > current + L + Delta); the
+///     tokens after the last final chunk (the open chunk, fewer than L + Delta + 1) are always read.
+///   - each final chunk keeps the channel-wise min and max of its keys per KV head (16-bit, exact).
+///   - a step scores every chunk as `select::quest` scores a block (sum_c max(q_c hi_c, q_c lo_c),
+///     the group combined by `combine`) and takes chunks in score order while their lengths fit the
+///     budget (stopping at the first that does not), with no padding: kernels read the selected
+///     tokens' pages and mask the rest.
+///
+/// Cost: 2 x head_dim 16-bit values per chunk and KV head (about 1/7 of the dense K bytes at the
+/// default L = 14; SentKVCompress reports 7% of the KV); per step, reading those bounds and a
+/// budgeted top-k per (sequence, KV head). Both backends: on CUDA the host cuts the chunks from
+/// the ids (host memory) and the device keeps their bounds (docs/selectors.md).
+struct sentence_chunks {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
+  int target_length = 14;                     ///< L: the ideal chunk length (the paper's setting), 1 to
+                                              ///< `max_length`
+  int window = 8;                             ///< Delta: how far a split may move from the ideal end, 1 to
+                                              ///< `max_length`
+  group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
+  std::vector<boundary> boundaries;           ///< the boundary token ids and their weights S(b)
+
+  /// The largest L and Delta: chunks are sentences (the paper's L is 14), and an engine keeps
+  /// each sequence's open chunk, up to L + Delta rows, in memory, so both stay small and L + Delta
+  /// (at most 8192) far from int's range.
+  static constexpr int max_length = 4096;
+
+  /// S(b) of `id`: its weight, or -1 for a token that is not a boundary.
+  float weight_of(std::int32_t id) const noexcept {
+    for (const boundary& b : boundaries)
+      if (b.id == id) return b.weight;
+    return -1.0f;
+  }
+};
+
+/// One chunk: tokens [begin, end).
+struct chunk {
+  std::int64_t begin;
+  std::int64_t end;
+};
+
+/// Algorithm 2 of SentKVCompress over ids[0, n): the chunks, in order, covering [0, n).
+inline std::vector<chunk> sentence_split(const std::int32_t* ids, std::int64_t n, const sentence_chunks& s);
+
+namespace detail {
+/// One step of Algorithm 2 from `current` over a stream of n tokens: the chunk's end.
+inline std::int64_t split_end(const std::int32_t* ids, std::int64_t n, std::int64_t current, const sentence_chunks& s) {
+  const std::int64_t ideal_end = std::min<std::int64_t>(current + s.target_length, n);
+  const std::int64_t window_start = std::max<std::int64_t>(ideal_end - s.window, current + 1);
+  const std::int64_t window_end = std::min<std::int64_t>(ideal_end + s.window, n);
+  std::int64_t best = -1;
+  double best_score = 0.0;
+  for (std::int64_t t = window_start; t <= window_end && t < n; ++t) {
+    const float weight = s.weight_of(ids[t]);
+    if (weight < 0.0f) continue;
+    const double distance = static_cast<double>(ideal_end > t ? ideal_end - t : t - ideal_end);
+    const double score = 0.7 * weight + 0.3 * (1.0 - distance / s.window);
+    if (best < 0 || score > best_score) {
+      best = t;
+      best_score = score;
+    }
+  }
+  return best >= 0 ? best : ideal_end;
+}
+}  // namespace detail
+
+inline std::vector<chunk> sentence_split(const std::int32_t* ids, std::int64_t n, const sentence_chunks& s) {
+  std::vector<chunk> chunks;
+  for (std::int64_t current = 0; current < n;) {
+    const std::int64_t end = detail::split_end(ids, n, current, s);
+    chunks.push_back(chunk{current, end});
+    current = end;
+  }
+  return chunks;
+}
+
+/// The chunk stream of one sequence (`select::sentence_chunks`' per-sequence state): its final
+/// chunks, their key bounds on the host backend, and the open chunk's tokens, which Algorithm 2
+/// has not cut yet. Memory: 8 bytes per chunk, plus on the host backend 2 x head_dim 16-bit values
+/// per chunk and KV head, plus the open chunk's ids (and, on the host, its keys as floats: at most
+/// L + Delta rows).
+struct chunk_stream {
+  std::vector<std::int64_t> starts{0};     ///< chunk i is [starts[i], starts[i+1]); back(): the open chunk
+  std::vector<std::uint16_t> bounds;       ///< host backend: [chunk][num_kv_heads][lo row, hi row], storage dtype bits
+  std::vector<std::int32_t> pending_ids;   ///< ids of the open chunk's tokens
+  std::vector<float> pending_keys;         ///< host backend: their keys, rounded to the storage dtype [token][heads][head_dim]
+
+  /// The final chunks, in order ([begin, end)). Cost: O(chunks), a new vector.
+  std::vector<chunk> chunks() const {
+    std::vector<chunk> out;
+    for (std::size_t i = 0; i + 1 < starts.size(); ++i) out.push_back(chunk{starts[i], starts[i + 1]});
+    return out;
+  }
+};
+
+/// What some rows add to a `chunk_stream`, computed without changing it (`selector_traits::stage`):
+/// the chunks Algorithm 2 closes, their key bounds (host backend), and the open tokens left.
+struct chunk_stream_update {
+  std::vector<std::int32_t> lengths;      ///< closed chunks, in order
+  std::vector<std::uint16_t> bounds;      ///< host backend: their bounds, as chunk_stream::bounds
+  std::vector<std::int32_t> pending_ids;  ///< the open chunk's ids afterwards
+  std::vector<float> pending_keys;        ///< host backend: their keys afterwards
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::sentence_chunks> {
+  static constexpr const char* name = "sentence_chunks";
+  static constexpr bool reads_all_pages = false;
+  static constexpr bool evicts = false;
+  static constexpr bool needs_token_ids = true;
+  static std::string describe(const select::sentence_chunks& s) {
+    std::string text = "sentence_chunks(";
+    text += s.budget.describe();
+    text += ", L " + std::to_string(s.target_length) + ", delta " + std::to_string(s.window) + ", " + to_string(s.combine) + ")";
+    return text;
+  }
+  static void validate(const select::sentence_chunks& s, int /*page_size*/) {
+    const char* where = "select::sentence_chunks";
+    s.budget.validate(where);
+    detail::require(s.target_length >= 1 && s.target_length <= select::sentence_chunks::max_length, where,
+                    "target_length", s.target_length, "1 to 4096 (sentence_chunks::max_length)");
+    detail::require(s.window >= 1 && s.window <= select::sentence_chunks::max_length, where, "window", s.window,
+                    "1 to 4096 (sentence_chunks::max_length)");
+    for (const select::boundary& b : s.boundaries)
+      detail::require(b.weight >= 0.0f && b.weight <= 1.0f, where, "boundaries[].weight", b.weight, "0 to 1");
+  }
+  static int bounds_block_tokens(const select::sentence_chunks&, int) noexcept { return 0; }
+
+  // --- Host hooks (select/selector_traits.hpp) ---------------------------------------------------
+
+  using sequence_state = select::chunk_stream;
+  using update = select::chunk_stream_update;
+
+  /// `cache::chunks(seq)`: the chunks cut for `seq` so far ([begin, end), final ones only).
+  template <class Cache>
+  struct cache_members {
+    std::vector<select::chunk> chunks(std::int32_t seq) const {
+      return static_cast<const Cache&>(*this).selector_state(seq).chunks();
+    }
+  };
+
+  /// Rows [first, first + n) of a prefill or append extend the stream: Algorithm 2 runs over the
+  /// open ids while the next chunk's window is complete (more than L + Delta open tokens). On the
+  /// host backend the closed chunks' key bounds come from the open keys (rounded to the storage
+  /// dtype, so exact); on a device backend `write` has the engine compute them. Cost: O(open
+  /// tokens) copies, Algorithm 2's window scan per closed chunk, and on the host a min/max pass over
+  /// the closed chunks' keys.
+  template <bool OnDevice, class T>
+  static update stage(const select::sentence_chunks& s, const selector_shape& shape, const sequence_state& c,
+                      const tensor_view<const T, 3>& k, span<const std::int32_t> ids, std::int64_t first, std::int64_t n) {
+    update u;
+    const int heads = shape.num_kv_heads, d = shape.head_dim;
+    const std::size_t row = static_cast<std::size_t>(heads) * d;
+    u.pending_ids = c.pending_ids;
+    for (std::int64_t t = first; t < first + n; ++t) u.pending_ids.push_back(ids(t));
+    if constexpr (!OnDevice) {
+      u.pending_keys = c.pending_keys;
+      for (std::int64_t t = first; t < first + n; ++t)
+        for (int h = 0; h < heads; ++h)
+          for (int ch = 0; ch < d; ++ch) u.pending_keys.push_back(round_to_storage(shape.storage, to_float(k(t, h, ch))));
+    }
+    // Algorithm 2 over the open tokens, while the next chunk's window is complete (ids only).
+    const std::int64_t horizon = static_cast<std::int64_t>(s.target_length) + s.window;
+    std::size_t done = 0;  // tokens of pending already cut into chunks
+    while (static_cast<std::int64_t>(u.pending_ids.size() - done) > horizon) {
+      const std::int64_t end =
+          select::detail::split_end(u.pending_ids.data() + done, static_cast<std::int64_t>(u.pending_ids.size() - done), 0, s);
+      u.lengths.push_back(static_cast<std::int32_t>(end));
+      done += static_cast<std::size_t>(end);
+    }
+    u.pending_ids.erase(u.pending_ids.begin(), u.pending_ids.begin() + static_cast<std::ptrdiff_t>(done));
+    if constexpr (!OnDevice) {
+      std::vector<float> bounds(2 * static_cast<std::size_t>(d));
+      std::size_t at = 0;
+      for (const std::int32_t length : u.lengths) {
+        for (int h = 0; h < heads; ++h) {
+          for (int ch = 0; ch < d; ++ch) {
+            float lo = u.pending_keys[at * row + static_cast<std::size_t>(h) * d + ch], hi = lo;
+            for (std::int64_t t = 1; t < length; ++t) {
+              const float x = u.pending_keys[(at + static_cast<std::size_t>(t)) * row + static_cast<std::size_t>(h) * d + ch];
+              lo = x < lo ? x : lo;
+              hi = x > hi ? x : hi;
+            }
+            bounds[static_cast<std::size_t>(ch)] = lo;
+            bounds[static_cast<std::size_t>(d + ch)] = hi;
+          }
+          for (const float x : bounds) u.bounds.push_back(storage_bits(shape.storage, x));  // lo row, then hi row
+        }
+        at += static_cast<std::size_t>(length);
+      }
+      u.pending_keys.erase(u.pending_keys.begin(), u.pending_keys.begin() + static_cast<std::ptrdiff_t>(done * row));
+    }
+    return u;
+  }
+  /// Room for `u` in `c`, so that `commit` cannot throw.
+  static void reserve(sequence_state& c, const update& u) {
+    c.starts.reserve(c.starts.size() + u.lengths.size());
+    c.bounds.reserve(c.bounds.size() + u.bounds.size());
+  }
+  static void commit(sequence_state& c, update& u) noexcept {
+    for (const std::int32_t length : u.lengths) c.starts.push_back(c.starts.back() + length);
+    c.bounds.insert(c.bounds.end(), u.bounds.begin(), u.bounds.end());
+    c.pending_ids.swap(u.pending_ids);
+    c.pending_keys.swap(u.pending_keys);
+  }
+  /// On a device backend the selection stage (cuda/select/sentence_chunks.cuh) computes the closed
+  /// chunks' bounds from the device rows [first, first + n) of `k` and keeps the open rows
+  /// (pending until the engine's commit).
+  template <bool OnDevice, class Engine, class T>
+  static void write(Engine& engine, std::int32_t slot, const update& u, const tensor_view<const T, 3>& k, std::int64_t first,
+                    std::int64_t n) {
+    if constexpr (OnDevice) engine.selection().add_chunks(slot, k, first, n, u.lengths, engine.stream());
+  }
+  /// On a device backend the child's slot gets a copy of the parent's chunks and open rows.
+  template <bool OnDevice, class Engine>
+  static void fork(Engine& engine, std::int32_t from, std::int32_t to) {
+    if constexpr (OnDevice) engine.selection().copy_chunks(from, to, engine.stream());
+  }
+  /// On a device backend the slot's chunk storage goes back to the selection stage.
+  template <bool OnDevice, class Engine>
+  static void release(Engine& engine, std::int32_t slot) {
+    if constexpr (OnDevice) engine.selection().release_chunks(slot);
+  }
+  /// The chunks' key bounds: 2 rows of head_dim 16-bit values per chunk and KV head (counted on
+  /// both backends, wherever they live).
+  static std::int64_t extra_bytes(const selector_shape& shape, const sequence_state& c) noexcept {
+    return static_cast<std::int64_t>(c.starts.size() - 1) * shape.num_kv_heads * 2 * shape.head_dim *
+           static_cast<std::int64_t>(sizeof(std::uint16_t));
+  }
+  /// Every step reads the open chunk (and everything after it).
+  static std::int64_t always_from(const sequence_state& c, std::int64_t sealed) noexcept {
+    return std::min(sealed, c.starts.back());
+  }
+
+  /// A step scores each sequence's final chunks.
+  static detail::selection_request start_request(const select::sentence_chunks& s, const selector_shape&) {
+    detail::selection_request r;
+    r.combine = s.combine;
+    r.block_tokens = 0;
+    return r;
+  }
+  /// One sequence's entry: the budget for its length, the open chunk (never empty, so every step
+  /// attends to a token) read besides the selection, and the final chunks as spans. Cost: O(1).
+  static void request(const select::sentence_chunks& s, const selector_shape&, const sequence_state& c, std::int64_t length,
+                      std::int64_t /*tail_rows*/, detail::selection_request& r) {
+    r.budget.push_back(s.budget.resolve(length));
+    r.always_from.push_back(c.starts.back());
+    r.chunks.push_back(detail::chunk_list{c.starts.data(), static_cast<std::int32_t>(c.starts.size() - 1), c.bounds.data()});
+  }
+
+ private:
+  static float round_to_storage(dtype storage, float x) noexcept {
+    return storage == dtype::f16 ? detail::half_bits_to_float(detail::float_to_half_bits(x))
+                                 : detail::bfloat16_bits_to_float(detail::float_to_bfloat16_bits(x));
+  }
+  static std::uint16_t storage_bits(dtype storage, float x) noexcept {
+    return storage == dtype::f16 ? detail::float_to_half_bits(x) : detail::float_to_bfloat16_bits(x);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/sentence_chunks.hpp> ----
+
+// ---- begin <kvmosaic/compact/compactor_traits.hpp> ----
+/// \file
+/// What a compactor is, and what it must provide.
+///
+/// A compactor is a policy struct in `kvmosaic::compact` declaring `using policy_category =
+/// compactor_tag;`. It turns tokens a keep-less selector evicted into freed pages: it moves
+/// surviving tokens between slots, updates block tables and logical positions together, never
+/// moves or frees a page whose reference count is above one, and reports pages freed, slot copies
+/// and tokens evicted per pass. `kvmosaic::compactor_traits<Compactor>` provides
+///   static constexpr const char* name;
+///   static std::string describe(const Compactor&);
+///   static constexpr bool frees_memory;   // false for compact::none
+/// and, for compactors that free memory, the compaction pass over one sequence.
+
+
+
+namespace kvmosaic {
+
+template <class Compactor>
+struct compactor_traits {
+  static_assert(sizeof(Compactor) == 0,
+                "kvmosaic: this type is not a compactor: use one of kvmosaic::compact::none, or "
+                "specialize kvmosaic::compactor_traits<YourCompactor> as described in "
+                "kvmosaic/compact/compactor_traits.hpp");
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/compactor_traits.hpp> ----
+
+// ---- begin <kvmosaic/compact/none.hpp> ----
+/// \file
+/// `compact::none`: no compaction. The right choice with a read-less selector, which evicts nothing.
+
+
+
+namespace kvmosaic {
+namespace compact {
+
+/// Never moves a token or frees a page. Cost: none.
+struct none {
+  using policy_category = compactor_tag;
+};
+
+}  // namespace compact
+
+template <>
+struct compactor_traits<compact::none> {
+  static constexpr const char* name = "none";
+  static constexpr bool frees_memory = false;
+  static std::string describe(const compact::none&) { return "none"; }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/none.hpp> ----
+
+// ---- begin <kvmosaic/memory/page_pool.hpp> ----
+/// \file
+/// The page pool: bookkeeping for a fixed number of fixed-size page slots. It hands out page ids,
+/// counts references (a page shared by forked sequences, e.g. a common prompt prefix, is freed
+/// when its last holder releases it) and keeps the free-page gauge, the proof of reclaimed memory.
+///
+/// The pool owns no bytes: the backend's arena (host memory or device memory) maps a page id to
+/// its slot, `slot address = base + id * slot_bytes`, as vLLM's block tables do. Bookkeeping stays on
+/// the host on every backend, as in inference engines, so allocation never synchronizes the GPU.
+
+
+
+namespace kvmosaic {
+
+/// Index of a page slot in a pool (int32, as in vLLM block tables).
+using page_id = std::int32_t;
+
+/// Free list and reference counts of `capacity` page slots. Cost: O(1) per allocate, retain and
+/// release; O(capacity) memory. Not thread-safe: one owner drives it (the cache).
+class page_pool {
+ public:
+  explicit page_pool(std::int32_t capacity) : ref_counts_(checked(capacity), 0) {
+    free_list_.reserve(static_cast<std::size_t>(capacity));
+    // Hand out low ids first: the stack pops from the back.
+    for (std::int32_t id = capacity - 1; id >= 0; --id) free_list_.push_back(id);
+  }
+
+  std::int32_t capacity() const noexcept { return static_cast<std::int32_t>(ref_counts_.size()); }
+  std::int32_t free_pages() const noexcept { return static_cast<std::int32_t>(free_list_.size()); }
+  std::int32_t used_pages() const noexcept { return capacity() - free_pages(); }
+  bool can_allocate(std::int64_t count) const noexcept { return count <= free_pages(); }
+
+  /// Takes `count` pages, all or none, each with reference count 1. Throws `capacity_error` naming
+  /// the request and the free count when the pool cannot hold them; the pool is then unchanged.
+  std::vector<page_id> allocate(std::int64_t count) {
+    if (count < 0) throw invalid_argument("count", detail::describe("page_pool::allocate", "count", count, ">= 0"));
+    if (!can_allocate(count)) {
+      throw capacity_error(
+          "page_pool", "kvmosaic: page pool exhausted: " + std::to_string(count) + " page(s) needed, " +
+                           std::to_string(free_pages()) + " free of " + std::to_string(capacity()) +
+                           "; allowed: at most the free pages (raise cache_config::max_pages or free sequences)");
+    }
+    std::vector<page_id> pages(static_cast<std::size_t>(count));
+    for (auto& id : pages) {
+      id = free_list_.back();
+      free_list_.pop_back();
+      ref_counts_[static_cast<std::size_t>(id)] = 1;
+    }
+    return pages;
+  }
+
+  /// Adds a holder to a page in use (a forked sequence shares it).
+  void retain(page_id id) {
+    check_in_use(id, "page_pool::retain");
+    ++ref_counts_[static_cast<std::size_t>(id)];
+  }
+
+  /// Drops a holder; the page returns to the free list when none is left.
+  void release(page_id id) {
+    check_in_use(id, "page_pool::release");
+    if (--ref_counts_[static_cast<std::size_t>(id)] == 0) free_list_.push_back(id);
+  }
+
+  /// Holders of a page (0 when free).
+  std::int32_t ref_count(page_id id) const {
+    detail::require(id >= 0 && id < capacity(), "page_pool::ref_count", "page", id, "0 to capacity - 1");
+    return ref_counts_[static_cast<std::size_t>(id)];
+  }
+
+ private:
+  static std::size_t checked(std::int32_t capacity) {
+    detail::require(capacity >= 1, "page_pool", "capacity", capacity, ">= 1");
+    return static_cast<std::size_t>(capacity);
+  }
+  void check_in_use(page_id id, const char* where) const {
+    detail::require(id >= 0 && id < capacity() && ref_counts_[static_cast<std::size_t>(id)] > 0, where, "page",
+                    id, "a page id that is allocated");
+  }
+
+  std::vector<std::int32_t> ref_counts_;
+  std::vector<page_id> free_list_;
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/memory/page_pool.hpp> ----
+
+// ---- begin <kvmosaic/memory/block_table.hpp> ----
+/// \file
+/// Per-sequence block tables: logical page i of a sequence lives in pool slot `pages[i]`.
+/// A token at logical position t is in page t / page_size at row t % page_size, or in the dense
+/// tail when t >= pages.size() * page_size. Kernels receive the tables of a batch packed into one
+/// int32 matrix by `pack_block_tables`.
+
+
+
+namespace kvmosaic {
+
+/// The ordered page ids of one sequence.
+using block_table = std::vector<page_id>;
+
+/// Packs the tables of a batch into a row-major [batch][max_pages] int32 matrix padded with -1
+/// (the layout paged-attention kernels index as `table[b * stride + i]`). Returns the row stride.
+inline std::int32_t pack_block_tables(const std::vector<const block_table*>& tables, std::vector<std::int32_t>& out) {
+  std::size_t stride = 1;
+  for (const block_table* t : tables) stride = std::max(stride, t->size());
+  out.assign(tables.size() * stride, -1);
+  for (std::size_t b = 0; b < tables.size(); ++b) std::copy(tables[b]->begin(), tables[b]->end(), out.begin() + b * stride);
+  return static_cast<std::int32_t>(stride);
+}
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/memory/block_table.hpp> ----
+
+// ---- begin <kvmosaic/host/backend.hpp> ----
+/// \file
+/// The host backend: page and tail storage in host memory and the CPU implementation of every cache
+/// operation (extend, append, attend), built on the format's host reference primitives and Eigen.
+/// It is the test oracle's sibling (same arithmetic as the kernels: fp32 logits and accumulators,
+/// online softmax merged page by page) and the backend the demo runs on without a GPU.
+///
+/// Layouts (all row-major, bytes):
+///   page slot  = [K: num_kv_heads x k_page_bytes][V: num_kv_heads x v_page_bytes]
+///   tail slot  = [K: num_kv_heads x page_size x head_dim][V: same], storage dtype (format::dense)
+
+#include <memory>
+#include <new>
+
+
+namespace kvmosaic {
+namespace backend {
+/// Runs everything on the CPU, with pages in host memory.
+struct host {
+  using policy_category = backend_tag;
+  static constexpr const char* name = "host";
+};
+}  // namespace backend
+
+namespace detail {
+
+/// The geometry every backend engine is built from (a subset of cache_config, already validated).
+struct engine_shape {
+  int num_kv_heads;
+  int group_size;
+  int head_dim;
+  int page_size;
+  dtype storage;
+  std::int32_t max_pages;
+  std::int32_t max_sequences;
+
+  page_shape page() const { return page_shape{page_size, head_dim, storage}; }
+  std::size_t row_elements() const { return static_cast<std::size_t>(num_kv_heads) * head_dim; }
+};
+
+/// Byte geometry of one format's page and tail arenas (the layouts in this file's comment): the
+/// one place every engine computes slot sizes and offsets.
+struct arena_geometry {
+  template <class Format>
+  arena_geometry(const engine_shape& shape, const Format& format)
+      : num_kv_heads(shape.num_kv_heads),
+        k_page_bytes(format_traits<Format>::k_page_bytes(format, shape.page())),
+        v_page_bytes(format_traits<Format>::v_page_bytes(format, shape.page())),
+        sink_rows(kvmosaic::sink_rows(format)),
+        row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
+        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + sink_rows) * row_bytes) {}
+
+  std::size_t num_kv_heads;
+  std::size_t k_page_bytes;     ///< one page of K of one head, by the format's accounting
+  std::size_t v_page_bytes;     ///< one page of V of one head
+  std::size_t sink_rows;        ///< dense sink rows kept after the tail rows (formats with sinks)
+  std::size_t row_bytes;        ///< one dense row of one head
+  std::size_t tail_head_bytes;  ///< page_size tail rows, then the sink rows, of one head (K or V)
+
+  /// One pool slot: a page of K and of V for every KV head.
+  std::size_t page_slot_bytes() const noexcept { return num_kv_heads * (k_page_bytes + v_page_bytes); }
+  /// One tail slot: page_size dense rows (and the sink rows) of K and of V for every KV head.
+  std::size_t tail_slot_bytes() const noexcept { return 2 * num_kv_heads * tail_head_bytes; }
+  /// Offset of the first sink row inside a tail slot's head.
+  std::size_t sink_offset(const engine_shape& shape) const noexcept {
+    return static_cast<std::size_t>(shape.page_size) * row_bytes;
+  }
+  /// Offsets inside a page slot and a tail slot.
+  std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
+  std::size_t v_page_offset(int head) const noexcept { return num_kv_heads * k_page_bytes + head * v_page_bytes; }
+  std::size_t tail_offset(bool is_v, int head) const noexcept {
+    return (static_cast<std::size_t>(is_v) * num_kv_heads + head) * tail_head_bytes;
+  }
+};
+
+/// What the attend path needs to know about one sequence of a batch.
+struct sequence_ref {
+  const block_table* pages;   ///< full (encoded) pages, in order
+  std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
+  std::int32_t slot;          ///< tail slot
+};
+
+/// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
+/// its tail is sealed into when this token fills it (-1 otherwise), and the pages it has.
+struct append_item {
+  std::int32_t slot;
+  std::int32_t tail_rows;
+  page_id new_page;
+  std::int64_t sealed_pages;
+};
+
+/// Key bounds kept per block of every page for a read-less selector (`select::quest`): the
+/// channel-wise min row then max row of each block's keys, per KV head, in the storage dtype.
+struct bounds_geometry {
+  bounds_geometry(const engine_shape& shape, int block)
+      : block_tokens(block),
+        blocks_per_page(block > 0 ? shape.page_size / block : 0),
+        row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * 2 * row_bytes),
+        page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
+  int block_tokens;        ///< 0: no bounds kept
+  int blocks_per_page;
+  std::size_t row_bytes;   ///< one row of head_dim values
+  std::size_t head_bytes;  ///< the bounds of one page of one KV head: [blocks][lo row, hi row]
+  std::size_t page_bytes;  ///< the bounds of one page (every KV head): what a page costs on top
+  std::size_t offset(page_id page, int head, int block) const noexcept {
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * 2 * row_bytes;
+  }
+};
+
+/// Writes the channel-wise min and max of `n` rows (head_dim floats each, already exact in the
+/// storage dtype) as two stored rows at `out`.
+inline void store_key_bounds(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  std::vector<float> bounds(2 * static_cast<std::size_t>(head_dim));
+  for (int c = 0; c < head_dim; ++c) {
+    float lo = rows[c], hi = rows[c];
+    for (int t = 1; t < n; ++t) {
+      const float x = rows[static_cast<std::size_t>(t) * head_dim + c];
+      lo = x < lo ? x : lo;
+      hi = x > hi ? x : hi;
+    }
+    bounds[static_cast<std::size_t>(c)] = lo;
+    bounds[static_cast<std::size_t>(head_dim + c)] = hi;
+  }
+  store_dense_rows(storage, bounds.data(), bounds.size(), out);
+}
+
+/// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
+/// ascending), the tokens attended (selected, open chunk, tail, sinks) and the pages read.
+struct head_selection {
+  std::vector<std::pair<std::int64_t, std::int64_t>> selected;
+  std::int64_t tokens_selected = 0;
+  std::int64_t tokens_read = 0;
+  std::int32_t pages_read = 0;
+};
+
+/// Row b of a [batch][heads][head_dim] view, as a one-row view.
+template <class T>
+tensor_view<const T, 3> row_of(const tensor_view<const T, 3>& x, std::int64_t b) {
+  return tensor_view<const T, 3>::strided(&x(b, 0, 0), {1, x.extent(1), x.extent(2)},
+                                          {x.stride(0), x.stride(1), x.stride(2)});
+}
+
+/// Owns bytes with 64-byte alignment and leaves them uninitialized (pages are written before read).
+class host_buffer {
+ public:
+  explicit host_buffer(std::size_t bytes) : bytes_(bytes), data_(allocate(bytes)) {}
+  std::byte* data() const noexcept { return data_.get(); }
+  std::size_t size() const noexcept { return bytes_; }
+
+ private:
+  struct free_aligned {
+    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  static std::byte* allocate(std::size_t bytes) {
+    try {
+      return static_cast<std::byte*>(::operator new[](bytes == 0 ? 64 : bytes, std::align_val_t{64}));
+    } catch (const std::bad_alloc&) {
+      throw capacity_error("cache_config", "kvmosaic: host backend: cannot allocate " + std::to_string(bytes) +
+                                               " bytes of page or tail storage; allowed: a cache_config whose "
+                                               "max_pages and max_sequences fit in host memory");
+    }
+  }
+  std::size_t bytes_;
+  std::unique_ptr<std::byte[], free_aligned> data_;
+};
+
+}  // namespace detail
+
+namespace host {
+
+/// The host engine of one format: storage plus the CPU data path. The cache drives it with
+/// validated arguments and does all bookkeeping (pool, block tables, lengths) itself.
+template <class Format>
+class engine {
+  using traits = format_traits<Format>;
+  using dense_traits = format_traits<format::dense>;
+
+ public:
+  /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
+  /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
+  /// their host state and pass it with each step (`select::sentence_chunks`: `chunk_list`).
+  template <class Selector = select::all>
+  engine(const detail::engine_shape& shape, const Format& format, const Selector& selector = {})
+      : shape_(shape),
+        format_(format),
+        geometry_(shape, format),
+        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size)),
+        pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
+        tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
+        bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
+
+  const detail::arena_geometry& geometry() const noexcept { return geometry_; }
+  const detail::bounds_geometry& bounds_geometry() const noexcept { return bounds_geometry_; }
+  /// Bytes of one pool slot: one page of K and of V for every KV head.
+  std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
+  /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
+  std::size_t page_bounds_bytes() const noexcept { return bounds_geometry_.page_bytes; }
+  /// The key bounds of block `block` of `page`, KV head `head`: lo row then hi row.
+  const std::byte* page_bounds(page_id page, int head, int block) const {
+    return bounds_.data() + bounds_geometry_.offset(page, head, block);
+  }
+  /// What the last selected step read, per (batch entry, KV head): [b * num_kv_heads + h].
+  const std::vector<detail::head_selection>& last_selection() const noexcept { return last_selection_; }
+
+  /// Appends `rows` ([n][num_kv_heads][head_dim]) to the tail of `slot`, which holds `tail_rows`
+  /// rows after `sealed_pages` pages. Each time the tail fills, it is encoded into the next page
+  /// of `new_pages`. Until the next `commit`, `rollback` restores the tail rows this overwrote
+  /// (the rows after a sealed page land where the old tail rows were).
+  template <class T>
+  void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              const page_id* new_pages, std::int64_t sealed_pages) {
+    const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
+    std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot, tail_rows);
+    const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
+      for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float(src(t, h, c));
+      detail::store_dense_rows(shape_.storage, row.data(), row.size(), tail_head(slot, is_v, h) + tail_rows * row_bytes);
+    };
+    for (std::int64_t t = 0; t < k.extent(0); ++t) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        store(k, false, t, h);
+        store(v, true, t, h);
+      }
+      if (++tail_rows == shape_.page_size) {
+        seal_tail(slot, *new_pages++, sealed_pages++ == 0);
+        tail_rows = 0;
+      }
+    }
+  }
+
+  /// Appends row b of `k`, `v` ([batch][num_kv_heads][head_dim]) to sequence items[b].
+  template <class T>
+  void append(const std::vector<detail::append_item>& items, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    for (std::size_t b = 0; b < items.size(); ++b) {
+      const auto row = static_cast<std::int64_t>(b);
+      extend(items[b].slot, items[b].tail_rows, detail::row_of(k, row), detail::row_of(v, row), &items[b].new_page,
+             items[b].sealed_pages);
+    }
+  }
+
+  /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
+  /// overwrote. (Rows written past a tail's committed length, and fresh pages, are never read.)
+  void rollback() noexcept {
+    if (saved_slot_ >= 0) {
+      const std::size_t bytes = static_cast<std::size_t>(saved_rows_) * geometry_.row_bytes;
+      std::size_t at = 0;
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true}) {
+          std::memcpy(tail_head(saved_slot_, is_v, h), saved_tail_.data() + at, bytes);
+          at += bytes;
+        }
+    }
+    saved_slot_ = -1;
+  }
+  /// Makes the writes since the last `commit` final.
+  void commit() noexcept { saved_slot_ = -1; }
+
+  /// Copies the first `rows` tail rows of one slot to another (fork); the K weights go along.
+  void copy_tail(std::int32_t from, std::int32_t to, int rows) {
+    (void)rows;  // whole slot: simpler, and the bytes past `rows` are never read
+    std::memcpy(tail_slot(to), tail_slot(from), geometry_.tail_slot_bytes());
+    if constexpr (has_key_weights_v<Format>) {
+      key_weights_[static_cast<std::size_t>(to)] = key_weights_[static_cast<std::size_t>(from)];
+    }
+  }
+
+  /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
+  /// [head_dim] (host memory), or null for plain magnitudes.
+  void set_key_weights(std::int32_t slot, const float* weights) {
+    static_assert(has_key_weights_v<Format>, "this format has no K weights");
+    std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+    if (weights == nullptr)
+      w.clear();
+    else
+      w.assign(weights, weights + shape_.row_elements());
+  }
+
+  /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
+  /// selection request for `run` (the batch's block tables are read when `run` runs).
+  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
+    planned_batch_ = batch;
+    planned_scale_ = softmax_scale;
+    planned_request_ = request != nullptr ? *request : detail::selection_request{};
+    planned_selects_ = request != nullptr;
+  }
+
+  /// The planned step (`cache::run`): out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every
+  /// stored token of sequence b, or, with a selection request, over the tokens the selection
+  /// reads (docs/selectors.md); lse[b][j] (optional, extent 0: not written) its log-sum-exp.
+  /// q, out: [batch][num_kv_heads * group_size][head_dim], float, half or bfloat16, any strides.
+  template <class Q, class O>
+  void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
+    const std::vector<detail::sequence_ref>& batch = planned_batch_;
+    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
+    const float softmax_scale = planned_scale_;
+    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
+    attend_scratch s(groups, d, p);
+    if (request != nullptr) last_selection_.assign(batch.size() * static_cast<std::size_t>(shape_.num_kv_heads), {});
+    std::vector<std::uint64_t> keep;
+    const int mask_words = (p + 63) / 64;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const detail::sequence_ref& seq = batch[b];
+      const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        if (request != nullptr) {
+          detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
+          select_tokens(*request, b, seq, q, h, keep, chosen);
+          chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
+          for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+            int tokens = 0;
+            for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
+            chosen.tokens_read += tokens;
+            chosen.pages_read += tokens > 0;
+          }
+        }
+        for (int g = 0; g < groups; ++g)
+          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(b, h * groups + g, c)) * softmax_scale;
+        std::fill(s.o.begin(), s.o.end(), 0.0f);
+        std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+        const page_shape shape = shape_.page();
+        const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
+        for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+          const page_id page = (*seq.pages)[i];
+          const std::uint64_t* page_keep = request != nullptr ? keep.data() + i * mask_words : nullptr;
+          if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
+            continue;
+          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
+        }
+        if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
+          const std::size_t at = geometry_.sink_offset(shape_);
+          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
+                                   tail_head(seq.slot, true, h) + at, sinks, s);
+        }
+        if (tail_rows > 0) {
+          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
+                                   tail_rows, s);
+        }
+        for (int g = 0; g < groups; ++g) {
+          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
+          if (lse.extent(0) > 0) lse(b, h * groups + g) = s.state[g].log_sum_exp();
+        }
+      }
+    }
+  }
+
+  const std::byte* k_page(page_id page, int head) const {
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + geometry_.k_page_offset(head);
+  }
+  const std::byte* v_page(page_id page, int head) const {
+    return pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes() + geometry_.v_page_offset(head);
+  }
+
+ private:
+  /// Per-call working memory of attend, sized once per call rather than per page.
+  struct attend_scratch {
+    attend_scratch(int groups, int head_dim, int page_size)
+        : q_group(static_cast<std::size_t>(groups) * head_dim),
+          logits(static_cast<std::size_t>(groups) * page_size),
+          o(q_group.size()),
+          o_block(q_group.size()),
+          state(static_cast<std::size_t>(groups)),
+          block(state.size()) {}
+    std::vector<float> q_group, logits, o, o_block;
+    std::vector<softmax_state<float>> state, block;
+  };
+
+  /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
+  /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
+  /// first `masked` tokens (sinks, attended as dense rows instead) get p = 0, and so do the tokens
+  /// whose bit in `keep` (a token mask, null: all) is clear. Heads are independent: a head with no
+  /// token left (every logit -inf) folds nothing, and a block with no token left for any head is
+  /// skipped.
+  template <class Traits, class F>
+  static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
+                         attend_scratch& s, int masked = 0, const std::uint64_t* keep = nullptr) {
+    const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
+    constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
+    bool any = false;
+    Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
+    for (int g = 0; g < groups; ++g) {
+      float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
+      std::fill(row, row + masked, minus_infinity);
+      if (keep != nullptr)
+        for (int t = masked; t < n; ++t)
+          if (((keep[t / 64] >> (t % 64)) & 1) == 0) row[t] = minus_infinity;
+      float m = row[0];
+      for (int t = 1; t < n; ++t) m = std::max(m, row[t]);
+      s.block[g].m = m;
+      if (m == minus_infinity) {  // nothing of this head to fold (masked, or logits below fp32)
+        std::fill(row, row + n, 0.0f);
+        s.block[g].l = 0.0f;
+        continue;
+      }
+      float l = 0;
+      for (int t = 0; t < n; ++t) l += (row[t] = std::exp(row[t] - m));
+      s.block[g].l = l;
+      any = true;
+    }
+    if (!any) return;  // no head has a token left: nothing to fold
+    std::fill(s.o_block.begin(), s.o_block.end(), 0.0f);
+    Traits::accumulate(format, shape, v, n, s.logits.data(), groups, s.o_block.data());
+    for (int g = 0; g < groups; ++g) {
+      float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
+      merge_into(s.state[g], o_g, s.block[g], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+    }
+  }
+
+  static int popcount64(std::uint64_t x) noexcept {
+    int n = 0;
+    for (; x != 0; x &= x - 1) ++n;
+    return n;
+  }
+
+  /// A read-less step for one (sequence, KV head): scores the spans (the page blocks, or the
+  /// sequence's chunks), picks them within the budget (`detail::budget_prefix`) and marks the page
+  /// tokens the step reads in `keep` ([page][mask word]): the selected spans' tokens and every
+  /// token from `always_from` on. The tail and sink rows are read besides.
+  template <class Q>
+  void select_tokens(const detail::selection_request& r, std::size_t b, const detail::sequence_ref& seq,
+                     const tensor_view<const Q, 3>& q, int h, std::vector<std::uint64_t>& keep,
+                     detail::head_selection& chosen) const {
+    const int p = shape_.page_size, d = shape_.head_dim, groups = shape_.group_size;
+    const std::size_t mask_words = static_cast<std::size_t>(p + 63) / 64;
+    const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+    keep.assign(seq.pages->size() * mask_words, 0);
+    std::vector<std::int64_t> begin;
+    std::vector<const std::byte*> bounds;
+    std::vector<std::int32_t> length;
+    if (r.block_tokens > 0) {
+      for (std::size_t i = 0; i < seq.pages->size(); ++i)
+        for (int j = 0; j < bounds_geometry_.blocks_per_page; ++j) {
+          begin.push_back(static_cast<std::int64_t>(i) * p + static_cast<std::int64_t>(j) * r.block_tokens);
+          length.push_back(r.block_tokens);
+          bounds.push_back(page_bounds((*seq.pages)[i], h, j));
+        }
+    } else {
+      const detail::chunk_list& c = r.chunks[b];
+      for (std::int32_t i = 0; i < c.count; ++i) {
+        begin.push_back(c.starts[i]);
+        length.push_back(static_cast<std::int32_t>(c.starts[i + 1] - c.starts[i]));
+        bounds.push_back(reinterpret_cast<const std::byte*>(
+            c.bounds + (static_cast<std::size_t>(i) * shape_.num_kv_heads + h) * 2 * static_cast<std::size_t>(d)));
+      }
+    }
+    std::vector<float> scores(begin.size()), head_scores(static_cast<std::size_t>(groups)), lo_hi(2 * static_cast<std::size_t>(d));
+    std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
+    for (std::size_t i = 0; i < begin.size(); ++i) {
+      dense_traits::decode_k(format::dense{}, page_shape{2, d, shape_.storage}, bounds[i], 2, lo_hi.data());
+      for (int g = 0; g < groups; ++g)
+        head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
+          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>(d + c)]);
+        });
+      scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
+    }
+    const auto mark = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t t = std::max<std::int64_t>(from, 0); t < std::min(to, sealed); ++t)
+        keep[static_cast<std::size_t>(t / p) * mask_words + static_cast<std::size_t>(t % p) / 64] |= std::uint64_t{1} << (t % p % 64);
+    };
+    for (const std::int32_t i : detail::budget_prefix(scores, length, r.budget[b])) {
+      const std::int64_t from = begin[static_cast<std::size_t>(i)], to = from + length[static_cast<std::size_t>(i)];
+      mark(from, to);
+      chosen.tokens_selected += to - from;
+      if (!chosen.selected.empty() && chosen.selected.back().second == from)
+        chosen.selected.back().second = to;
+      else
+        chosen.selected.emplace_back(from, to);
+    }
+    mark(r.always_from[b], sealed);
+  }
+
+  std::byte* tail_slot(std::int32_t slot) const {
+    return tails_.data() + static_cast<std::size_t>(slot) * geometry_.tail_slot_bytes();
+  }
+  /// Keeps the first `rows` tail rows of `slot` (every head, K and V) for `rollback`.
+  void save_tail(std::int32_t slot, int rows) {
+    const std::size_t bytes = static_cast<std::size_t>(rows) * geometry_.row_bytes;
+    saved_tail_.resize(2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
+    std::size_t at = 0;
+    for (int h = 0; h < shape_.num_kv_heads; ++h)
+      for (const bool is_v : {false, true}) {
+        std::memcpy(saved_tail_.data() + at, tail_head(slot, is_v, h), bytes);
+        at += bytes;
+      }
+    saved_slot_ = slot;
+    saved_rows_ = rows;
+  }
+  std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
+    return tail_slot(slot) + geometry_.tail_offset(is_v, head);
+  }
+  /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
+  /// A sequence's first page keeps its sink rows: copied after the tail rows, and replaced by the
+  /// first row after them in what the encoder sees (they are masked in the page).
+  void seal_tail(std::int32_t slot, page_id page, bool first_page) {
+    const page_shape shape = shape_.page();
+    const int sinks = first_page ? static_cast<int>(geometry_.sink_rows) : 0;
+    std::vector<float> rows(static_cast<std::size_t>(shape_.page_size) * shape_.head_dim);
+    const auto hide_sinks = [&] {
+      for (int t = 0; t < sinks; ++t)
+        std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
+                    rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
+    };
+    if (sinks > 0) {
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true})
+          std::memcpy(tail_head(slot, is_v, h) + geometry_.sink_offset(shape_), tail_head(slot, is_v, h),
+                      static_cast<std::size_t>(sinks) * geometry_.row_bytes);
+    }
+    std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
+    for (int h = 0; h < shape_.num_kv_heads; ++h) {
+      dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
+      for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
+        detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
+                                 bounds_geometry_.block_tokens, shape_.head_dim,
+                                 bounds_.data() + bounds_geometry_.offset(page, h, block));
+      hide_sinks();
+      if constexpr (has_key_weights_v<Format>) {
+        const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+        traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * shape_.head_dim,
+                         base + geometry_.k_page_offset(h));
+      } else {
+        traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
+      }
+      dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
+      hide_sinks();
+      traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
+    }
+  }
+
+  detail::engine_shape shape_;
+  Format format_;
+  detail::arena_geometry geometry_;
+  detail::bounds_geometry bounds_geometry_;
+  detail::host_buffer pages_;
+  detail::host_buffer tails_;
+  detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
+  std::vector<detail::head_selection> last_selection_;
+  std::vector<detail::sequence_ref> planned_batch_;  ///< the planned step (`plan`, then `run`)
+  detail::selection_request planned_request_;
+  float planned_scale_ = 1.0f;
+  bool planned_selects_ = false;
+  std::vector<std::byte> saved_tail_;  ///< tail rows kept for `rollback`
+  std::int32_t saved_slot_ = -1;       ///< their slot, -1: nothing to restore
+  int saved_rows_ = 0;
+  /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
+  std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
+};
+
+}  // namespace host
+
+namespace detail {
+template <class Format, class Selector>
+struct engine_for<backend::host, Format, Selector> {
+  using type = host::engine<Format>;
+};
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/host/backend.hpp> ----
+
+// ---- begin <kvmosaic/host/exact.hpp> ----
+/// \file
+/// The test oracle: exact decode attention in fp64, independent of every format, page and kernel,
+/// and the fidelity numbers every part reports against it (relative L2 error and cosine).
+///
+/// For query head j of KV head h = j / group_size: out_j = sum_t softmax_t(scale * q_j . k_t,h) v_t,h,
+/// computed two-pass (max, then exp-sum) in double. Cost: 2 * tokens * Hq * D multiply-adds.
+
+
+
+namespace kvmosaic::host {
+
+/// Exact attention of one query token over all tokens of one sequence.
+///   q   [num_q_heads][head_dim]
+///   k,v [tokens][num_kv_heads][head_dim]  (float, half or bfloat16; widened exactly to double)
+/// Returns out [num_q_heads][head_dim] in double. num_q_heads must be num_kv_heads * group_size.
+template <class QT, class KVT>
+std::vector<double> exact_attention(tensor_view<const QT, 2> q, tensor_view<const KVT, 3> k,
+                                    tensor_view<const KVT, 3> v, double softmax_scale) {
+  const std::int64_t tokens = k.extent(0), kv_heads = k.extent(1), head_dim = k.extent(2);
+  const std::int64_t q_heads = q.extent(0);
+  detail::require(tokens >= 1, "exact_attention", "k.extent(0) (tokens)", tokens, ">= 1");
+  detail::require(q.extent(1) == head_dim, "exact_attention", "q.extent(1) (head_dim)", q.extent(1),
+                  "k.extent(2)");
+  detail::require(v.extent(0) == tokens && v.extent(1) == kv_heads && v.extent(2) == head_dim, "exact_attention",
+                  "v.extents", "mismatch", "the extents of k");
+  detail::require(kv_heads >= 1 && q_heads % kv_heads == 0, "exact_attention", "q.extent(0) (query heads)",
+                  q_heads, "a multiple of k.extent(1)");
+  const std::int64_t group = q_heads / kv_heads;
+
+  std::vector<double> out(static_cast<std::size_t>(q_heads * head_dim), 0.0);
+  std::vector<double> logits(static_cast<std::size_t>(tokens));
+  for (std::int64_t j = 0; j < q_heads; ++j) {
+    const std::int64_t h = j / group;
+    double max_logit = -HUGE_VAL;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      double dot = 0.0;
+      for (std::int64_t c = 0; c < head_dim; ++c)
+        dot += static_cast<double>(to_float(q(j, c))) * static_cast<double>(to_float(k(t, h, c)));
+      logits[static_cast<std::size_t>(t)] = dot * softmax_scale;
+      max_logit = std::max(max_logit, logits[static_cast<std::size_t>(t)]);
+    }
+    double sum = 0.0;
+    double* o = out.data() + j * head_dim;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const double p = std::exp(logits[static_cast<std::size_t>(t)] - max_logit);
+      sum += p;
+      for (std::int64_t c = 0; c < head_dim; ++c) o[c] += p * static_cast<double>(to_float(v(t, h, c)));
+    }
+    for (std::int64_t c = 0; c < head_dim; ++c) o[c] /= sum;
+  }
+  return out;
+}
+
+/// How close an attention output is to the exact one.
+struct fidelity {
+  double rel_l2_error = 0;  ///< ||got - exact||_2 / ||exact||_2
+  double cosine = 1;        ///< <got, exact> / (||got|| ||exact||)
+  double max_abs_error = 0; ///< max_i |got_i - exact_i|
+};
+
+/// Compares `count` values of an output with the exact reference.
+template <class T>
+fidelity compare(const T* got, const double* exact, std::size_t count) {
+  double diff2 = 0, exact2 = 0, got2 = 0, dot = 0, max_abs = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const double g = static_cast<double>(got[i]), e = exact[i];
+    diff2 += (g - e) * (g - e);
+    exact2 += e * e;
+    got2 += g * g;
+    dot += g * e;
+    max_abs = std::max(max_abs, std::abs(g - e));
+  }
+  fidelity f;
+  f.rel_l2_error = exact2 > 0 ? std::sqrt(diff2 / exact2) : std::sqrt(diff2);
+  f.cosine = (got2 > 0 && exact2 > 0) ? dot / std::sqrt(got2 * exact2) : (got2 == exact2 ? 1.0 : 0.0);
+  f.max_abs_error = max_abs;
+  return f;
+}
+
+}  // namespace kvmosaic::host
+// ---- end <kvmosaic/host/exact.hpp> ----
+
+// ---- begin <kvmosaic/cache.hpp> ----
+/// \file
+/// The composition: `kvmosaic::cache<Format, Selector, Compactor, Backend>`.
+///
+/// A cache holds the K and V of many sequences for one attention layer: per sequence, a block
+/// table of compressed pages of `page_size` tokens (stored by `Format`, in a fixed-size page pool)
+/// plus one dense tail of fewer than `page_size` tokens in the storage dtype. When the tail fills
+/// it is encoded into a new page. A decode step attends one query token per sequence over the
+/// pages `Selector` picks plus the tail; `Compactor` turns evicted tokens into freed pages.
+///
+/// The cache is the host object of the layering: it owns memory, validates every argument, and
+/// keeps the bookkeeping (pool, block tables, lengths, reference counts) on the host for every
+/// backend. The backend's engine owns the bytes and the data path (CPU code, or CUDA kernels).
+/// Every operation is all or nothing: it checks its arguments and makes its allocations before it
+/// changes anything, the engine undoes a write that fails (`rollback`), and the bookkeeping is
+/// committed with operations that cannot throw; a call that throws, for bad input, an exhausted
+/// pool, an allocation failure or a CUDA error short of a lost context, leaves the cache as it
+/// was (docs/architecture.md, "Every call is all or nothing").
+///
+/// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
+/// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
+
+
+
+namespace kvmosaic {
+
+/// Run-time shape and capacity of a cache. Checked by the cache constructor (`validate`).
+struct cache_config {
+  int num_kv_heads = 8;      ///< KV heads of the layer, >= 1
+  int group_size = 4;        ///< query heads per KV head (GQA): 1 to 8
+  int head_dim = 128;        ///< 64, 128 or 256
+  int page_size = limits::default_page_size;  ///< tokens per page: a multiple of 16, 16 to 1024
+  dtype storage = dtype::bf16;                ///< dtype of uncompressed values: f16 or bf16
+  std::int32_t max_pages = 1024;              ///< page pool capacity (pages of all KV heads, K and V)
+  std::int32_t max_sequences = 64;            ///< concurrent sequences (one dense tail each)
+
+  int num_q_heads() const noexcept { return num_kv_heads * group_size; }
+
+  /// Throws `invalid_argument` naming the first field outside its allowed values.
+  void validate() const {
+    const char* where = "cache_config";
+    detail::require(num_kv_heads >= 1, where, "num_kv_heads", num_kv_heads, ">= 1");
+    detail::require(limits::is_supported_group_size(group_size), where, "group_size", group_size,
+                    limits::supported_group_sizes);
+    detail::require(limits::is_supported_head_dim(head_dim), where, "head_dim", head_dim,
+                    limits::supported_head_dims);
+    detail::require(limits::is_supported_page_size(page_size), where, "page_size", page_size,
+                    limits::supported_page_sizes);
+    detail::require(storage == dtype::f16 || storage == dtype::bf16, where, "storage", to_string(storage),
+                    "f16 or bf16");
+    detail::require(num_kv_heads <= limits::max_kv_heads, where, "num_kv_heads", num_kv_heads,
+                    "at most limits::max_kv_heads (1024)");
+    detail::require(max_pages >= 1 && max_pages <= limits::max_pool_pages, where, "max_pages", max_pages,
+                    "1 to limits::max_pool_pages (2^24)");
+    detail::require(max_sequences >= 1 && max_sequences <= limits::max_sequences, where, "max_sequences",
+                    max_sequences, "1 to limits::max_sequences (2^20)");
+  }
+};
+
+/// A compile-time shape: a config whose head_dim, group size and page size are checked by the
+/// compiler. Kernels specialized on a shape use the same predicates.
+template <int HeadDim, int GroupSize, int PageSize = limits::default_page_size>
+struct static_shape {
+  static_assert(limits::is_supported_head_dim(HeadDim), "kvmosaic: head_dim must be 64, 128 or 256");
+  static_assert(limits::is_supported_group_size(GroupSize), "kvmosaic: group_size must be 1 to 8");
+  static_assert(limits::is_supported_page_size(PageSize),
+                "kvmosaic: page_size must be a multiple of 16 from 16 to 1024");
+  static constexpr int head_dim = HeadDim;
+  static constexpr int group_size = GroupSize;
+  static constexpr int page_size = PageSize;
+
+  /// A run-time config with this shape.
+  static cache_config config(int num_kv_heads, dtype storage = dtype::bf16) {
+    cache_config c;
+    c.num_kv_heads = num_kv_heads;
+    c.group_size = GroupSize;
+    c.head_dim = HeadDim;
+    c.page_size = PageSize;
+    c.storage = storage;
+    return c;
+  }
+};
+
+/// Handle of a sequence in a cache (returned by `add_sequence`). Opaque: it names a sequence slot
+/// and the generation of that slot, so a handle kept after `remove_sequence` is rejected with
+/// `invalid_argument` instead of addressing the sequence that reuses the slot. A slot's generation
+/// wraps after 2^31 / max_sequences removals (2^25 at the default 64 slots); `cache::slot` maps a
+/// live handle to its slot, 0 to max_sequences - 1, the index the backends use.
+using sequence_id = std::int32_t;
+
+/// Options of one decode step.
+struct attend_params {
+  /// Multiplies q . k before the softmax. 0 means the default 1 / sqrt(head_dim).
+  float softmax_scale = 0.0f;
+};
+
+/// Memory in use, in bytes, with every stored byte of the format counted.
+struct memory_stats {
+  std::int64_t tokens = 0;          ///< tokens stored
+  std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
+                                    ///< + sink rows (formats that keep sinks dense)
+  std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
+  std::int32_t pages_used = 0;      ///< pool pages held
+  std::int32_t pages_free = 0;      ///< the free-page gauge
+
+  /// stored_bytes / dense_bytes (DESIGN: all stored bytes over dense 16-bit bytes, same tokens).
+  double compression_ratio() const noexcept {
+    return dense_bytes > 0 ? static_cast<double>(stored_bytes) / static_cast<double>(dense_bytes) : 1.0;
+  }
+  double bytes_per_token() const noexcept {
+    return tokens > 0 ? static_cast<double>(stored_bytes) / static_cast<double>(tokens) : 0.0;
+  }
+};
+
+/// What the last decode step of a read-less selector read for one sequence: token and page counts
+/// averaged over its KV heads (each KV head selects on its own); reuse over all of them.
+struct selection_stats {
+  double tokens_selected = 0;  ///< tokens of the selected spans (within the budget)
+  double tokens_read = 0;      ///< tokens attended: selected, those the selector always reads,
+                               ///< sink rows and tail
+  double pages_read = 0;       ///< pages holding at least one attended token (the tail not counted)
+  /// Of the previous step's selected tokens (every KV head's), the fraction this step read again
+  /// (SentKVCompress's reuse); NaN before a sequence's second selected step.
+  double reuse = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// A paged, compressed KV cache for one attention layer. See the file comment.
+///
+/// \tparam Format    how a page is stored (`format::dense`, ...)
+/// \tparam Selector  which tokens a query reads (`select::all`, ...)
+/// \tparam Compactor how evicted tokens free pages (`compact::none`, ...)
+/// \tparam Backend   where pages live and attention runs (`backend::host`, `backend::cuda`)
+///
+/// The selector takes part through its traits' hooks only (select/selector_traits.hpp): a state
+/// per sequence that the cache stages, reserves and commits with each call, the engine's share of
+/// its work, its bytes, its part of a step's selection request, and public members it adds
+/// (`selector_traits<Selector>::cache_members`, a base of this class).
+template <class Format, class Selector = select::all, class Compactor = compact::none, class Backend = backend::host>
+class cache : public detail::selector_cache_members<Selector, cache<Format, Selector, Compactor, Backend>>::type {
+  static_assert(is_format_v<Format>,
+                "kvmosaic::cache: the first template argument (Format) must be a storage format, "
+                "e.g. kvmosaic::format::dense");
+  static_assert(is_selector_v<Selector>,
+                "kvmosaic::cache: the second template argument (Selector) must be a selector, "
+                "e.g. kvmosaic::select::all");
+  static_assert(is_compactor_v<Compactor>,
+                "kvmosaic::cache: the third template argument (Compactor) must be a compactor, "
+                "e.g. kvmosaic::compact::none");
+  static_assert(is_backend_v<Backend>,
+                "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
+                "or kvmosaic::backend::cuda");
+  static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
+                "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
+                "(e.g. compact::repack), not compact::none");
+
+ public:
+  using format_type = Format;
+  using selector_type = Selector;
+  using compactor_type = Compactor;
+  using backend_type = Backend;
+  using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
+
+  explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
+                 const Compactor& compactor = {})
+      : config_(validated(config, format, selector)),
+        format_(format),
+        selector_(selector),
+        compactor_(compactor),
+        pool_(config.max_pages),
+        engine_(engine_shape(config), format, selector),
+        sequences_(sequence_slots(config)) {}
+
+  const cache_config& config() const noexcept { return config_; }
+  const Format& format() const noexcept { return format_; }
+  const Selector& selector() const noexcept { return selector_; }
+  const Compactor& compactor() const noexcept { return compactor_; }
+  const page_pool& pool() const noexcept { return pool_; }
+  const engine_type& engine() const noexcept { return engine_; }
+  /// The backend engine (e.g. to set the CUDA stream or capture a decode step in a graph).
+  engine_type& engine() noexcept { return engine_; }
+
+  /// "format/selector/compactor" with parameters, for reports.
+  std::string describe() const {
+    return format_traits<Format>::describe(format_) + "/" + selector_traits<Selector>::describe(selector_) + "/" +
+           compactor_traits<Compactor>::describe(compactor_);
+  }
+
+  /// Starts an empty sequence. Throws `capacity_error` when max_sequences are live.
+  sequence_id add_sequence() {
+    const std::int32_t slot = free_slot("cache::add_sequence");
+    sequence_state fresh;  // may throw (allocation): nothing changed yet
+    if constexpr (has_key_weights_v<Format>) engine_.set_key_weights(slot, nullptr);  // magnitudes
+    return activate(slot, std::move(fresh));
+  }
+
+  /// Ends a sequence and releases its pages (shared pages stay until their last holder ends). Its
+  /// handle, and every copy of it, is invalid from now on.
+  void remove_sequence(sequence_id seq) {
+    sequence_state& s = live(seq, "cache::remove_sequence");
+    const std::int32_t slot = slot_of(seq);
+    for (const page_id page : s.pages) pool_.release(page);
+    selector_traits<Selector>::template release<rows_on_device>(engine_, slot);
+    if constexpr (has_key_weights_v<Format>) engine_.set_key_weights(slot, nullptr);
+    const std::uint32_t generation = s.generation + 1 < generations_ ? s.generation + 1 : 0;
+    s = sequence_state{};
+    s.generation = generation;
+  }
+
+  /// A new sequence that shares every full page of `seq` (reference counted, no copy) and holds a
+  /// copy of its tail: a common prefix stored once. All or nothing: on failure no slot is taken.
+  sequence_id fork_sequence(sequence_id seq) {
+    const sequence_state& parent = live(seq, "cache::fork_sequence");
+    const std::int32_t from = slot_of(seq);
+    const std::int32_t slot = free_slot("cache::fork_sequence");
+    sequence_state child;  // copies (may throw): nothing changed yet
+    child.pages = parent.pages;
+    child.length = parent.length;
+    child.selector_state = parent.selector_state;
+    // The child's slot is not live until the end: a failed copy leaves nothing visible.
+    write_then_commit({}, [&] {
+      engine_.copy_tail(from, slot, tail_rows(parent));
+      selector_traits<Selector>::template fork<rows_on_device>(engine_, from, slot);
+    });
+    for (const page_id page : child.pages) pool_.retain(page);
+    return activate(slot, std::move(child));
+  }
+
+  /// The slot (0 to max_sequences - 1) of a live sequence: the index a backend's per-sequence
+  /// storage (tail, a selector's engine state, `detail::sequence_ref::slot`) uses.
+  std::int32_t slot(sequence_id seq) const {
+    live(seq, "cache::slot");
+    return slot_of(seq);
+  }
+
+  /// Output-aware K pruning (MUSTAFAR section 2.1), for formats with `has_key_weights_v`: K pages
+  /// of `seq` sealed from now on keep, per token, the elements of largest |k_c| * weights(h, c)
+  /// instead of largest |k_c|. `weights` is [num_kv_heads][head_dim] in host memory, e.g.
+  /// `output_aware_key_weights` of the latest window of queries; an empty view (extent 0) goes
+  /// back to magnitudes. Pages already sealed keep their pruning; forks inherit the weights.
+  void set_key_weights(sequence_id seq, tensor_view<const float, 2> weights) {
+    static_assert(has_key_weights_v<Format>,
+                  "kvmosaic::cache::set_key_weights: this format does not prune K with channel weights "
+                  "(format::bitmap_tiles does)");
+    live(seq, "cache::set_key_weights");
+    if (weights.extent(0) == 0) {
+      engine_.set_key_weights(slot_of(seq), nullptr);
+      return;
+    }
+    detail::require(weights.extent(0) == config_.num_kv_heads && weights.extent(1) == config_.head_dim,
+                    "cache::set_key_weights", "weights shape", std::to_string(weights.extent(0)) + "x" +
+                    std::to_string(weights.extent(1)), "num_kv_heads x head_dim");
+    check_view("cache::set_key_weights", "weights", weights);
+    std::vector<float> dense(static_cast<std::size_t>(weights.extent(0) * weights.extent(1)));
+    for (std::int64_t h = 0; h < weights.extent(0); ++h)
+      for (std::int64_t c = 0; c < weights.extent(1); ++c) {
+        const float w = weights(h, c);
+        detail::require(std::isfinite(w) && w >= 0.0f, "cache::set_key_weights", "weights", w,
+                        "finite and >= 0 (sums of |q|)");
+        dense[static_cast<std::size_t>(h * weights.extent(1) + c)] = w;
+      }
+    engine_.set_key_weights(slot_of(seq), dense.data());
+  }
+
+  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
+  /// values are rounded to the storage dtype, finite values beyond its range saturated to its
+  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
+  /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
+  /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
+  /// the pages, it throws `capacity_error` and nothing is stored. NaN input gives unspecified
+  /// outputs for the heads that read it, never undefined behaviour.
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    static_assert(!selector_traits<Selector>::needs_token_ids,
+                  "kvmosaic::cache::prefill: this selector cuts the stream at boundary tokens: pass the token "
+                  "ids, prefill(seq, k, v, token_ids)");
+    prefill_rows(seq, k, v, span<const std::int32_t>{});
+  }
+  /// `prefill` with the tokens' ids (`token_ids.size() == k.extent(0)`, host memory), which
+  /// selectors with `selector_traits::needs_token_ids` read; other selectors ignore them.
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
+                    "k.extent(0) (one id per token)");
+    check_view("cache::prefill", "token_ids", token_ids);
+    prefill_rows(seq, k, v, token_ids);
+  }
+
+ private:
+  // All or nothing: everything that can fail (checks, allocations, the selector's staged update)
+  // happens before the backend writes; the backend's write is undone if it fails (the
+  // tail rows it may have overwritten are restored, its fresh pages go back to the pool); the
+  // bookkeeping is then committed with operations that cannot throw.
+  template <class T>
+  void prefill_rows(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
+    sequence_state& s = live(seq, "cache::prefill");
+    const std::int32_t slot = slot_of(seq);
+    check_rows("cache::prefill", k, v);
+    detail::require(k.extent(0) >= 1, "cache::prefill", "k.extent(0) (tokens)", k.extent(0), ">= 1");
+    const int tail = tail_rows(s);
+    const std::int64_t rows = k.extent(0), page = config_.page_size;
+    // Pages the rows complete, without overflow for any row count (a count the pool cannot hold
+    // is a capacity_error below).
+    const std::int64_t completed = rows / page + (tail + rows % page) / page;
+    const std::vector<page_id> fresh = pool_.allocate(completed);
+    using traits = selector_traits<Selector>;
+    typename traits::update staged;
+    write_then_commit(fresh, [&] {
+      staged = traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, 0, rows);
+      traits::reserve(s.selector_state, staged);
+      s.pages.reserve(s.pages.size() + fresh.size());
+      engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
+      traits::template write<rows_on_device>(engine_, slot, staged, k, 0, rows);
+    });
+    s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
+    s.length += rows;
+    traits::commit(s.selector_state, staged);
+  }
+
+ public:
+
+  /// Appends one token to each sequence of a decode batch: `k`, `v` are [batch][num_kv_heads]
+  /// [head_dim], row b for `seqs[b]`. Sequences must be distinct. All or nothing, as prefill.
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    static_assert(!selector_traits<Selector>::needs_token_ids,
+                  "kvmosaic::cache::append: this selector cuts the stream at boundary tokens: pass the token "
+                  "ids, append(seqs, k, v, token_ids)");
+    append_rows(seqs, k, v, span<const std::int32_t>{});
+  }
+  /// `append` with each new token's id (`token_ids.size() == seqs.size()`); see `prefill`.
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == seqs.size(), "cache::append", "token_ids.size()", token_ids.size(),
+                    "seqs.size() (one id per sequence)");
+    check_view("cache::append", "token_ids", token_ids);
+    append_rows(seqs, k, v, token_ids);
+  }
+
+ private:
+  template <class T>
+  void append_rows(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                   span<const std::int32_t> token_ids) {
+    check_view("cache::append", "seqs", seqs);
+    check_rows("cache::append", k, v);
+    detail::require(k.extent(0) == seqs.size(), "cache::append", "k.extent(0) (batch)", k.extent(0),
+                    "seqs.size()");
+    std::int64_t pages_needed = 0;
+    std::vector<bool> seen(sequences_.size(), false);
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const sequence_state& s = live(seqs(b), "cache::append");
+      const auto slot = static_cast<std::size_t>(slot_of(seqs(b)));
+      detail::require(!seen[slot], "cache::append", "seqs", seqs(b),
+                      "distinct sequence ids (one token per sequence per call)");
+      seen[slot] = true;
+      pages_needed += tail_rows(s) + 1 == config_.page_size;
+    }
+    // Staging (may throw; nothing changed yet): the selector's updates, room for the new pages.
+    using traits = selector_traits<Selector>;
+    std::vector<typename traits::update> staged(static_cast<std::size_t>(seqs.size()));
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      sequence_state& s = state_of(seqs(b));
+      staged[static_cast<std::size_t>(b)] =
+          traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, b, 1);
+      traits::reserve(s.selector_state, staged[static_cast<std::size_t>(b)]);
+      if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
+    }
+    std::vector<detail::append_item> items;
+    items.reserve(static_cast<std::size_t>(seqs.size()));
+    const std::vector<page_id> fresh = pool_.allocate(pages_needed);
+    auto next = fresh.begin();
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const sequence_state& s = state_of(seqs(b));
+      const int tail = tail_rows(s);
+      items.push_back(detail::append_item{slot_of(seqs(b)), tail, tail + 1 == config_.page_size ? *next++ : -1,
+                                          static_cast<std::int64_t>(s.pages.size())});
+    }
+    write_then_commit(fresh, [&] {
+      engine_.append(items, k, v);
+      for (std::int64_t b = 0; b < seqs.size(); ++b)
+        traits::template write<rows_on_device>(engine_, slot_of(seqs(b)), staged[static_cast<std::size_t>(b)], k, b, 1);
+    });
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
+      sequence_state& s = state_of(seqs(b));
+      if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
+      ++s.length;
+      traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
+    }
+  }
+
+ public:
+
+  /// One decode step: `plan(seqs, params)`, then `run(q, out)`. out[b] = attention of query q[b]
+  /// ([num_q_heads][head_dim]) over the tokens of `seqs[b]` that the selector picks (all of them
+  /// for `select::all`); query head j reads KV head j / group_size. q and out: float, half or
+  /// bfloat16, any strides (host memory on backend::host, device memory on backend::cuda).
+  template <class Q, class O>
+  void attend(span<const sequence_id> seqs, tensor_view<Q, 3> q, tensor_view<O, 3> out, const attend_params& params = {}) {
+    plan(seqs, params);
+    run(q, out);
+  }
+
+  /// The host half of a decode step (FlashInfer's plan, CUTLASS's initialize): checks `seqs`,
+  /// makes the split plan and the selector's request, and stages them; `run` executes the latest
+  /// plan. Cost: O(batch + pages of the batch) on the host; on backend::cuda it writes page-locked
+  /// staging and waits only for the previous step's copy out of it, never for kernels. A plan
+  /// stays valid until the next call that changes the cache (append, prefill, fork, remove).
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) {
+    const char* where = "cache::plan";
+    detail::require(params.softmax_scale >= 0.0f && std::isfinite(params.softmax_scale), where,
+                    "params.softmax_scale", params.softmax_scale, "a finite value >= 0 (0: 1/sqrt(head_dim))");
+    check_view(where, "seqs", seqs);
+    std::vector<detail::sequence_ref> batch;
+    batch.reserve(static_cast<std::size_t>(seqs.size()));
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const sequence_state& s = live(seqs(b), where);
+      detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
+                      "sequences holding at least one token");
+      batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
+    }
+    planned_.assign(seqs.data(), seqs.data() + seqs.size());
+    const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
+                                                    : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    if constexpr (selector_traits<Selector>::reads_all_pages) {
+      engine_.plan(batch, scale);
+    } else {
+      const selector_shape shape = selector_shape_of();
+      detail::selection_request request = selector_traits<Selector>::start_request(selector_, shape);
+      for (std::int64_t b = 0; b < seqs.size(); ++b) {
+        const sequence_state& s = state_of(seqs(b));
+        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.length, tail_rows(s), request);
+      }
+      engine_.plan(batch, scale, &request);
+    }
+  }
+
+  /// The device half of the planned step (backend::cuda: enqueued on `engine().stream()`, no
+  /// allocation and no synchronization, so a CUDA graph can capture it and replay it after each
+  /// new `plan` of a batch no larger). q, out: [batch][num_q_heads][head_dim] in float, half or
+  /// bfloat16 with any strides (contiguous float q is read in place; other queries are gathered
+  /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
+  /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
+  /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
+  template <class Q, class O>
+  void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
+    static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
+                  "kvmosaic::cache::run: q and out hold float, kvmosaic::half or kvmosaic::bfloat16");
+    const char* where = "cache::run";
+    const auto batch = static_cast<std::int64_t>(planned_.size());
+    detail::require(q.extent(0) == batch, where, "q.extent(0) (batch)", q.extent(0), "the batch of the last plan");
+    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
+                    "num_kv_heads * group_size");
+    detail::require(q.extent(2) == config_.head_dim, where, "q.extent(2) (head_dim)", q.extent(2),
+                    "cache_config::head_dim");
+    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2),
+                    where, "out.extents", "mismatch", "the extents of q");
+    detail::require(lse.extent(0) == 0 || (lse.extent(0) == batch && lse.extent(1) == q.extent(1)), where,
+                    "lse.extents", "mismatch", "empty, or [batch][num_q_heads]");
+    check_view(where, "q", q);
+    check_view(where, "out", out);
+    check_view(where, "lse", lse);
+    detail::require(!detail::views_overlap(q, out), where, "out", "overlapping q",
+                    "an array that shares no element with q (attention reads every query of a group "
+                    "before it writes an output)");
+    detail::require(lse.extent(0) == 0 || (!detail::views_overlap(lse, q) && !detail::views_overlap(lse, out)), where,
+                    "lse", "overlapping q or out", "an array that shares no element with q or out");
+    using query_type = std::remove_const_t<Q>;
+    engine_.run(tensor_view<const query_type, 3>(q), out, lse);
+    if constexpr (!selector_traits<Selector>::reads_all_pages) {
+      // The host engine reports what it read; the CUDA engine keeps its selection on the device
+      // (engine().selection().selected_pages), so a step never waits for it.
+      record_selection(span<const sequence_id>(planned_.data(), batch));
+    }
+  }
+
+  /// Sizes the buffers of decode steps for batches of up to `batch` sequences of up to
+  /// `max_tokens` tokens each, so that `plan` and `run` within those bounds never reallocate:
+  /// what a CUDA graph captured from `run` needs (a larger step reallocates, and the graph must be
+  /// captured again). backend::host has nothing to size.
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    detail::require(batch >= 1 && batch <= config_.max_sequences, "cache::reserve_step", "batch", batch,
+                    "1 to cache_config::max_sequences");
+    detail::require(max_tokens >= 1, "cache::reserve_step", "max_tokens", max_tokens, ">= 1");
+    if constexpr (!std::is_same<Backend, backend::host>::value) {
+      const std::int64_t pages = std::min<std::int64_t>(max_tokens / config_.page_size + 1, config_.max_pages);
+      engine_.reserve_step(batch, static_cast<std::int32_t>(pages));
+    }
+  }
+
+  /// Changes a read-less selector's token budget from the next step on (engines vary it with load).
+  void set_budget(const select::token_budget& budget) {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::set_budget: select::all has no budget");
+    budget.validate("cache::set_budget");
+    selector_.budget = budget;
+  }
+
+  /// What the last step read for `seq` (read-less selectors; the sequence must have been in it).
+  selection_stats selection(sequence_id seq) const {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
+    static_assert(std::is_same<Backend, backend::host>::value,
+                  "kvmosaic::cache::selection: on backend::cuda, read engine().selection().selected_pages(b, head)");
+    return live(seq, "cache::selection").last_selection;
+  }
+  /// The token ranges the last step selected for `seq`, KV head `head` (merged, ascending).
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& selected_ranges(sequence_id seq, int head) const {
+    static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selected_ranges: select::all reads every token");
+    static_assert(std::is_same<Backend, backend::host>::value,
+                  "kvmosaic::cache::selected_ranges: on backend::cuda, read engine().selection().selected_pages(b, head)");
+    const sequence_state& s = live(seq, "cache::selected_ranges");
+    detail::require(head >= 0 && head < config_.num_kv_heads, "cache::selected_ranges", "head", head, "0 to num_kv_heads - 1");
+    detail::require(!s.selected.empty(), "cache::selected_ranges", "seq", seq, "a sequence of a selected decode step");
+    return s.selected[static_cast<std::size_t>(head)];
+  }
+  /// The selector's state of a live sequence (`selector_traits<Selector>::sequence_state`; empty
+  /// for selectors that keep none). The selector's `cache_members` read it.
+  const typename selector_traits<Selector>::sequence_state& selector_state(sequence_id seq) const {
+    return live(seq, "cache::selector_state").selector_state;
+  }
+
+  /// Tokens stored for a sequence.
+  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").length; }
+  /// The page ids of a sequence's full pages, in order.
+  const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
+
+  /// Memory of one sequence as if it were alone (its pages counted in full, shared or not).
+  memory_stats sequence_memory(sequence_id seq) const {
+    const sequence_state& s = live(seq, "cache::sequence_memory");
+    memory_stats m = pool_gauge();
+    m.tokens = s.length;
+    m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
+                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+    m.dense_bytes = s.length * tail_row_bytes();
+    return m;
+  }
+
+  /// Memory of the whole cache: every pool page in use once, plus every live tail.
+  memory_stats memory() const {
+    memory_stats m = pool_gauge();
+    m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * page_bytes();
+    for (const sequence_state& s : sequences_) {
+      if (!s.live) continue;
+      m.tokens += s.length;
+      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.dense_bytes += s.length * tail_row_bytes();
+    }
+    return m;
+  }
+
+ private:
+  struct sequence_state {
+    bool live = false;
+    std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
+    std::int64_t length = 0;
+    block_table pages;
+    typename selector_traits<Selector>::sequence_state selector_state;  ///< the selector's, per sequence
+    selection_stats last_selection;
+    /// The previous selected step's ranges per KV head (for reuse).
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
+  };
+
+  /// Bytes of one pool page, with the key bounds a selector keeps per page.
+  std::int64_t page_bytes() const {
+    return static_cast<std::int64_t>(engine_.page_slot_bytes() + engine_.page_bounds_bytes());
+  }
+  /// Bytes the selector keeps for a sequence (e.g. key bounds of its spans).
+  std::int64_t selector_bytes(const sequence_state& s) const {
+    return selector_traits<Selector>::extra_bytes(selector_shape_of(), s.selector_state);
+  }
+  /// What the selector's hooks know of this cache.
+  selector_shape selector_shape_of() const noexcept {
+    return selector_shape{config_.num_kv_heads, config_.head_dim, config_.page_size, config_.storage};
+  }
+  /// The backend keeps K and V rows in device memory (backend::cuda): the selector's hooks then
+  /// leave work on the keys to the engine.
+  static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
+
+  /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
+  static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> hits;
+    for (const auto& [a, z] : ranges)
+      if (std::max(a, from) < std::min(z, to)) hits.emplace_back(std::max(a, from), std::min(z, to));
+    std::sort(hits.begin(), hits.end());
+    std::int64_t total = 0, reach = from;
+    for (const auto& [a, z] : hits) {
+      const std::int64_t start = std::max(a, reach);
+      if (z > start) total += z - start;
+      reach = std::max(reach, z);
+    }
+    return total;
+  }
+
+  /// After a selected step: each sequence's stats, and its reuse of the previous step's selection.
+  void record_selection(span<const sequence_id> seqs) {
+    if constexpr (std::is_same<Backend, backend::host>::value) record_host_selection(seqs);
+  }
+  void record_host_selection(span<const sequence_id> seqs) {
+    const auto& heads = engine_.last_selection();
+    const int num_heads = config_.num_kv_heads;
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      sequence_state& s = state_of(seqs(b));
+      selection_stats stats;
+      double reused = 0, previous = 0;
+      // Always read: the sink rows, and everything from the selector's always-read region (or the
+      // tail) on.
+      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+      const std::int64_t always_from = selector_traits<Selector>::always_from(s.selector_state, sealed);
+      const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+      std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
+      for (int h = 0; h < num_heads; ++h) {
+        const detail::head_selection& e = heads[static_cast<std::size_t>(b * num_heads + h)];
+        stats.tokens_selected += static_cast<double>(e.tokens_selected) / num_heads;
+        stats.tokens_read += static_cast<double>(e.tokens_read) / num_heads;
+        stats.pages_read += static_cast<double>(e.pages_read) / num_heads;
+        current[static_cast<std::size_t>(h)] = e.selected;
+        if (s.selected.empty()) continue;
+        std::vector<std::pair<std::int64_t, std::int64_t>> read = e.selected;
+        if (sinks > 0) read.emplace_back(0, sinks);
+        read.emplace_back(always_from, std::numeric_limits<std::int64_t>::max());
+        for (const auto& [from, to] : s.selected[static_cast<std::size_t>(h)]) {
+          previous += static_cast<double>(to - from);
+          reused += static_cast<double>(overlap(from, to, read));
+        }
+      }
+      if (!s.selected.empty()) stats.reuse = previous > 0 ? reused / previous : 1.0;
+      s.last_selection = stats;
+      s.selected = std::move(current);
+    }
+  }
+
+  static cache_config validated(const cache_config& config, const Format& format, const Selector& selector) {
+    config.validate();
+    format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    selector_traits<Selector>::validate(selector, config.page_size);
+    return config;
+  }
+  static std::vector<sequence_state> sequence_slots(const cache_config& c) {
+    try {
+      return std::vector<sequence_state>(static_cast<std::size_t>(c.max_sequences));
+    } catch (const std::bad_alloc&) {
+      throw capacity_error("max_sequences", "kvmosaic: cache: cannot allocate the state of " +
+                                                std::to_string(c.max_sequences) +
+                                                " sequences; allowed: a max_sequences that fits in host memory");
+    }
+  }
+  static detail::engine_shape engine_shape(const cache_config& c) {
+    return detail::engine_shape{c.num_kv_heads, c.group_size, c.head_dim, c.page_size,
+                                c.storage,      c.max_pages,  c.max_sequences};
+  }
+
+  // A handle is slot + max_sequences * generation (sequence_id's comment).
+  std::int32_t slot_of(sequence_id seq) const noexcept { return seq % config_.max_sequences; }
+  sequence_state& state_of(sequence_id seq) noexcept { return sequences_[static_cast<std::size_t>(slot_of(seq))]; }
+  const sequence_state& state_of(sequence_id seq) const noexcept {
+    return sequences_[static_cast<std::size_t>(slot_of(seq))];
+  }
+
+  const sequence_state& live(sequence_id seq, const char* where) const {
+    detail::require(seq >= 0, where, "seq", seq, "an id returned by add_sequence or fork_sequence and not removed");
+    const sequence_state& s = state_of(seq);
+    detail::require(s.live && static_cast<std::uint32_t>(seq / config_.max_sequences) == s.generation, where, "seq", seq,
+                    "an id returned by add_sequence or fork_sequence and not removed (this one was removed, "
+                    "or never handed out)");
+    return s;
+  }
+  sequence_state& live(sequence_id seq, const char* where) {
+    return const_cast<sequence_state&>(static_cast<const cache&>(*this).live(seq, where));
+  }
+
+  /// A slot with no live sequence, or `capacity_error`.
+  std::int32_t free_slot(const char* where) const {
+    for (std::size_t i = 0; i < sequences_.size(); ++i)
+      if (!sequences_[i].live) return static_cast<std::int32_t>(i);
+    throw capacity_error("max_sequences", std::string("kvmosaic: ") + where + ": all " +
+                                              std::to_string(config_.max_sequences) +
+                                              " sequence slots are in use; allowed: at most "
+                                              "cache_config::max_sequences live sequences");
+  }
+  /// Makes `state` the live sequence of `slot` (cannot throw) and returns its handle.
+  sequence_id activate(std::int32_t slot, sequence_state&& state) noexcept {
+    sequence_state& s = sequences_[static_cast<std::size_t>(slot)];
+    state.generation = s.generation;
+    state.live = true;
+    s = std::move(state);
+    return static_cast<sequence_id>(static_cast<std::int64_t>(s.generation) * config_.max_sequences + slot);
+  }
+
+  /// Rejects a view whose extents are negative, or that has elements but no data.
+  template <class T, int Rank>
+  static void check_view(const char* where, const char* name, const tensor_view<T, Rank>& view) {
+    bool empty = false;
+    for (int d = 0; d < Rank; ++d) {
+      detail::require(view.extent(d) >= 0, where, name, "an extent < 0", "extents >= 0");
+      empty = empty || view.extent(d) == 0;
+    }
+    detail::require(empty || view.data() != nullptr, where, name, "null", "a non-null pointer to its elements");
+  }
+
+  int tail_rows(const sequence_state& s) const {
+    return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+  }
+  /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
+  std::int64_t sink_rows_of(const sequence_state& s) const {
+    return s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+  }
+  /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
+  std::int64_t tail_row_bytes() const {
+    return 2 * static_cast<std::int64_t>(config_.num_kv_heads) * config_.head_dim * 2;
+  }
+
+  template <class T>
+  void check_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
+    detail::require(k.extent(1) == config_.num_kv_heads, where, "k.extent(1) (kv heads)", k.extent(1),
+                    "cache_config::num_kv_heads");
+    detail::require(k.extent(2) == config_.head_dim, where, "k.extent(2) (head_dim)", k.extent(2),
+                    "cache_config::head_dim");
+    detail::require(v.extent(0) == k.extent(0) && v.extent(1) == k.extent(1) && v.extent(2) == k.extent(2), where,
+                    "v.extents", "mismatch", "the extents of k");
+    check_view(where, "k", k);
+    check_view(where, "v", v);
+  }
+
+  /// Runs a backend write into freshly allocated pages. If it fails (an allocation or a CUDA
+  /// error), the engine undoes what it wrote (`rollback`: the tail rows it overwrote, its pending
+  /// selector updates), the pages go back to the pool and the bookkeeping is left untouched;
+  /// otherwise the engine commits (`commit`, which cannot throw).
+  template <class Write>
+  void write_then_commit(const std::vector<page_id>& fresh, Write&& write) {
+    try {
+      write();
+    } catch (...) {
+      engine_.rollback();
+      for (const page_id page : fresh) pool_.release(page);
+      throw;
+    }
+    engine_.commit();
+  }
+
+  memory_stats pool_gauge() const {
+    memory_stats m;
+    m.pages_used = pool_.used_pages();
+    m.pages_free = pool_.free_pages();
+    return m;
+  }
+
+  cache_config config_;
+  std::vector<sequence_id> planned_;  ///< the sequences of the last plan
+  /// Generations a slot's handles run through before they wrap (sequence_id's comment).
+  std::uint32_t generations_ = static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max() / config_.max_sequences);
+  Format format_;
+  Selector selector_;
+  Compactor compactor_;
+  page_pool pool_;
+  engine_type engine_;
+  std::vector<sequence_state> sequences_;
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/cache.hpp> ----
+// ---- end <kvmosaic/kvmosaic.hpp> ----
+
+// ---- begin <kvmosaic/support/synthetic.hpp> ----
+/// \file
+/// Seeded, reproducible synthetic KV caches for tests, demos and benchmarks.
+///
+/// Real KV caches have a shape that compression methods rely on, and a generator that produces
+/// i.i.d. gaussians would make every method look either perfect or useless. This generator
+/// reproduces the statistics the source papers describe:
+///
+/// * Keys have a few *outlier channels* per head: channels whose magnitude is many times that of
+///   the others and whose sign/mean is the same for every token (the KIVI observation that the
+///   MUSTAFAR paper builds on when it prunes the key cache per token: magnitude pruning keeps the
+///   outlier elements). The remaining channels are roughly gaussian around a small per-channel mean.
+/// * Values have no outlier channels: every channel has about the same magnitude (MUSTAFAR's
+///   "more uniform distribution" of the value cache), with a per-token scale that varies.
+/// * Keys and queries are rotated with RoPE (GPT-NeoX layout: channel i pairs with i + D/2).
+/// * Neighbouring tokens are correlated (a slowly drifting per-head "topic" plus a per-sentence
+///   component), so pages and sentences are coherent units, which block and sentence selectors
+///   (Quest-style pages, SentKVCompress sentence chunks) exploit.
+/// * Attention is peaky, not flat: the first tokens are attention sinks, some tokens (boundary
+///   tokens above all) are persistent heavy hitters, and every query retrieves a few regions of the
+///   past plus its recent neighbourhood. The defaults give, with softmax scale 1/sqrt(head_dim),
+///   tens to a few hundred effective tokens at 8K-32K context (see `test/unit/test_synthetic.cpp`).
+/// * Token ids have sentence structure: sentences of varying length end in a boundary token
+///   (period, question mark, ...) with a semantic weight S(b), the input of SentKVCompress's
+///   sentence split (its Algorithm 2).
+///
+/// Reproducibility: every number is a pure function of (seed, sequence, token, head, channel) computed
+/// with a counter-based hash (splitmix64 finalizer), never with `std::*_distribution`, whose output
+/// is implementation-defined. A prefix or any window of a sequence therefore holds exactly the values
+/// of the full sequence, and appending tokens one at a time sees the same data as a prefill. The bulk
+/// per-element noise uses only integer arithmetic and one IEEE multiplication, so it is bitwise
+/// identical everywhere; the few values that go through `std::log`/`std::cos`/`std::sin`/`std::exp`
+/// (gaussians of the per-head structure, RoPE angles) can differ by an ulp between C libraries.
+///
+/// Host-only standard C++17.
+
+#include <array>
+#include <climits>
+
+
+namespace kvmosaic::synthetic {
+
+/// Shape and statistics of a synthetic KV stream. Model-like properties (which channels are outliers,
+/// per-channel means and scales, sink and heavy-hitter directions, each query head's mix) depend on
+/// `seed` only; the content of a sequence (tokens, topics, noise, which tokens are heavy hitters)
+/// depends on `seed` and the sequence number. The defaults are tuned for head_dim 128 and give
+/// realistic attention at 1K-32K context (see `generate_query` for measured entropies); queries are
+/// scaled by sqrt(128 / head_dim) so that head_dim 64 and 256 give similar attention.
+struct kv_config {
+  /// Number of KV heads.
+  int num_kv_heads = 8;
+  /// Query heads per KV head (GQA group size); query head q belongs to KV head q / group_size.
+  int group_size = 4;
+  /// Channels per head; must be even (RoPE pairs channel i with i + head_dim / 2).
+  int head_dim = 128;
+  /// Root of all randomness.
+  std::uint64_t seed = 0x6b766d6f73616963ULL;
+
+  /// Key outlier channels per KV head (MUSTAFAR/KIVI: the key cache has a few channels of large,
+  /// consistent magnitude). They are chosen per head as whole RoPE pairs (both channels of a pair,
+  /// so RoPE keeps the magnitude in those channels) among the lower-frequency pairs; an odd count
+  /// adds one channel of one more pair. 0 to head_dim.
+  int outlier_channels = 4;
+  /// Magnitude of the outlier channels relative to the others: their mean is about
+  /// 0.75 * outlier_scale (sign fixed per channel) and their spread 0.35 * outlier_scale, against
+  /// unit spread and a small mean in the other channels.
+  float outlier_scale = 8.0f;
+  /// RoPE base; keys and queries are rotated with angle position * rope_theta^(-2i/head_dim) on the
+  /// pair (i, i + head_dim/2).
+  double rope_theta = 10000.0;
+
+  /// Attention sinks: token t < sink_tokens gets a component of per-channel RMS
+  /// sink_strength / (1 + t) along the head's sink direction, which every query contains. Token 0 is
+  /// the strongest sink, as in StreamingLLM-style observations.
+  float sink_strength = 4.0f;
+  /// Number of leading tokens that act as sinks.
+  int sink_tokens = 4;
+  /// Values of the sink tokens are scaled by this (sinks absorb attention but carry little content).
+  float sink_value_scale = 0.25f;
+
+  /// Heavy hitters (H2O): a token that is one gets a component along the head's heavy-hitter
+  /// direction, which every query of the head contains, so it draws attention at every decode
+  /// step. Its per-channel RMS is heavy_hitter_strength * (0.25 + 0.75 u), u uniform.
+  float heavy_hitter_strength = 3.0f;
+  /// Probability (per token and KV head) that an ordinary token is a heavy hitter.
+  float heavy_hitter_rate = 1.0f / 512.0f;
+  /// Probability (per token and KV head) that a boundary token (sentence end) is a heavy hitter;
+  /// punctuation draws disproportionate attention in real models.
+  float boundary_heavy_hitter_rate = 0.15f;
+
+  /// Tokens between the knots of the slowly drifting per-head topic vector (linear interpolation
+  /// between gaussian knots, renormalized to unit variance). Gives page-level locality.
+  int topic_span = 64;
+  /// Weight of the topic component in the (pre-RoPE, centred, per-channel-scaled) key.
+  float topic_weight = 0.6f;
+  /// Weight of the per-sentence component (constant within a sentence): sentences are coherent.
+  float sentence_weight = 0.45f;
+  /// Weight of the per-token noise. topic^2 + sentence^2 + noise^2 ~ 1 keeps unit channel spread.
+  float noise_weight = 0.65f;
+  /// Weight of the (separate) topic component in values; the rest is per-token noise.
+  float value_topic_weight = 0.5f;
+  /// Log-standard deviation of the per-(token, head) value scale.
+  float value_token_spread = 0.25f;
+
+  /// Retrieval targets per query head: past tokens whose (rotated, centred) key the query contains,
+  /// so the query attends to them and their neighbourhood. Target 0 is shared by the query heads of
+  /// a GQA group. Targets stay fixed for `query_drift` consecutive decode positions.
+  int retrieval_targets = 4;
+  /// Decode positions during which a query head keeps its retrieval targets.
+  int query_drift = 32;
+  /// Per-channel RMS of each retrieval component of the query (before the per-head mix).
+  float retrieval_strength = 0.5f;
+  /// Per-channel RMS of the recency component: the current position's topic and sentence, rotated
+  /// to the current position, so recent tokens (same sentence, same topic) get more attention.
+  float recency_strength = 1.1f;
+  /// Distance scale (tokens) of the recency component: RoPE pairs turning faster than about one
+  /// radian per `recency_reach` tokens are down-weighted in it, so recency covers a neighbourhood of
+  /// roughly this size instead of spiking on the previous token.
+  float recency_reach = 16.0f;
+  /// Per-channel RMS of the sink component of the query.
+  float query_sink_strength = 0.22f;
+  /// Per-channel RMS of the heavy-hitter component of the query.
+  float query_heavy_hitter_strength = 0.22f;
+  /// Weight of the key mean (rotated to the query position) in the query: queries share the keys'
+  /// outlier channels, which adds a smooth relative-position bias.
+  float query_mean_weight = 0.03f;
+  /// Per-channel RMS of gaussian noise in the query.
+  float query_noise = 0.3f;
+  /// Each query head scales each of its sink / heavy-hitter / retrieval / recency components by its
+  /// own factor in [1 - head_variation, 1 + head_variation), fixed by the seed: heads differ, some
+  /// leaning on sinks, others on recent or retrieved tokens.
+  float head_variation = 0.15f;
+
+  /// Vocabulary size for ordinary token ids (drawn from [100, vocab_size), small ids more often).
+  /// Must exceed every boundary id (29991).
+  int vocab_size = 32000;
+  /// Shortest sentence in tokens, boundary token included.
+  int min_sentence_len = 4;
+  /// Longest sentence in tokens. Lengths are min + floor((max - min + 1) * u1 * u2), mean about
+  /// min + (max - min) / 4 (~23 tokens with the defaults), skewed towards short sentences.
+  int max_sentence_len = 80;
+};
+
+/// A boundary token and its semantic weight S(b) in [0, 1]: how strongly it ends a semantic unit.
+/// SentKVCompress (Algorithm 2) splits at the boundary token b within +-delta of the ideal end that
+/// maximizes 0.7 S(b) + 0.3 (1 - |ideal_end - b| / delta), so stronger delimiters win over closer ones.
+struct boundary_token {
+  /// Token id (the id of that punctuation in the 32000-token LLaMA-2 SentencePiece vocabulary).
+  std::int32_t id;
+  /// Semantic weight S(b).
+  float weight;
+};
+
+/// The boundary tokens and their weights. SentKVCompress names periods, question marks and
+/// exclamation marks as boundaries and gives per-model weights only in a figure; these weights are
+/// ours: full stops strongest, then ?, !, line breaks, semicolons and colons.
+inline constexpr std::array<boundary_token, 6> boundary_tokens{{
+    {29889, 1.00f},  // "."
+    {29973, 0.95f},  // "?"
+    {29991, 0.90f},  // "!"
+    {13, 0.80f},     // "\n" (<0x0A>)
+    {29936, 0.60f},  // ";"
+    {29901, 0.50f},  // ":"
+}};
+
+/// Comma token id: appears inside sentences, is not a boundary.
+inline constexpr std::int32_t comma_token_id = 29892;
+
+/// Whether `id` is one of `boundary_tokens`.
+constexpr bool is_boundary_id(std::int32_t id) noexcept {
+  for (const auto& b : boundary_tokens)
+    if (b.id == id) return true;
+  return false;
+}
+
+/// S(b) of token `id`: its weight in `boundary_tokens`, 0 for other tokens.
+constexpr float boundary_weight(std::int32_t id) noexcept {
+  for (const auto& b : boundary_tokens)
+    if (b.id == id) return b.weight;
+  return 0.0f;
+}
+
+/// Token ids of one sequence with sentence structure: sentences of varying length
+/// (`kv_config::min_sentence_len` to `max_sentence_len`), each ending in a boundary token.
+/// `is_boundary[t]` is 1 exactly where `ids[t]` is a boundary id.
+struct token_stream {
+  /// Token id per position.
+  std::vector<std::int32_t> ids;
+  /// 1 where the token ends a sentence (a boundary token), else 0.
+  std::vector<std::uint8_t> is_boundary;
+};
+
+/// K and V of a window of one sequence, float, layout [token][kv_head][channel]. Tokens are indexed
+/// relative to the window: local token i is sequence position `first_token + i`.
+struct kv_data {
+  /// Tokens in the window.
+  int num_tokens = 0;
+  /// KV heads.
+  int num_kv_heads = 0;
+  /// Channels per head.
+  int head_dim = 0;
+  /// Sequence position of local token 0.
+  int first_token = 0;
+  /// Keys (RoPE applied, unless produced by `generate_keys_pre_rope`).
+  std::vector<float> k;
+  /// Values.
+  std::vector<float> v;
+
+  /// Offset of (token, head, channel) in `k` and `v`.
+  std::size_t index(int token, int head, int channel) const noexcept {
+    return (static_cast<std::size_t>(token) * static_cast<std::size_t>(num_kv_heads) +
+            static_cast<std::size_t>(head)) *
+               static_cast<std::size_t>(head_dim) +
+           static_cast<std::size_t>(channel);
+  }
+  /// Key element of local token `token`.
+  float& k_at(int token, int head, int channel) noexcept { return k[index(token, head, channel)]; }
+  /// Key element of local token `token`.
+  float k_at(int token, int head, int channel) const noexcept { return k[index(token, head, channel)]; }
+  /// Value element of local token `token`.
+  float& v_at(int token, int head, int channel) noexcept { return v[index(token, head, channel)]; }
+  /// Value element of local token `token`.
+  float v_at(int token, int head, int channel) const noexcept { return v[index(token, head, channel)]; }
+  /// The head_dim keys of (token, head), contiguous.
+  float* k_row(int token, int head) noexcept { return k.data() + index(token, head, 0); }
+  /// The head_dim keys of (token, head), contiguous.
+  const float* k_row(int token, int head) const noexcept { return k.data() + index(token, head, 0); }
+  /// The head_dim values of (token, head), contiguous.
+  float* v_row(int token, int head) noexcept { return v.data() + index(token, head, 0); }
+  /// The head_dim values of (token, head), contiguous.
+  const float* v_row(int token, int head) const noexcept { return v.data() + index(token, head, 0); }
+};
+
+namespace detail {
+
+/// splitmix64 increment (2^64 / golden ratio).
+inline constexpr std::uint64_t golden = 0x9e3779b97f4a7c15ULL;
+
+/// splitmix64 finalizer: a bijective 64-bit mix with full avalanche.
+constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+/// Hash of the pair (h, x); chaining it hashes a tuple (seed, stream, a, b, ...).
+constexpr std::uint64_t combine(std::uint64_t h, std::uint64_t x) noexcept {
+  return mix64(h ^ mix64(x + golden));
+}
+
+/// Hash of element `i` of the family keyed by `base` (the splitmix64 sequence seeded at `base`).
+constexpr std::uint64_t element(std::uint64_t base, std::uint64_t i) noexcept {
+  return mix64(base + (i + 1) * golden);
+}
+
+/// Independent streams of randomness, one per quantity.
+enum stream : std::uint64_t {
+  s_outlier = 0x5100,
+  s_kmean,
+  s_ksig,
+  s_vmean,
+  s_vsig,
+  s_sink_dir,
+  s_hh_dir,
+  s_personality,
+  s_sentence,
+  s_token,
+  s_ktopic,
+  s_vtopic,
+  s_ksentence,
+  s_knoise,
+  s_vnoise,
+  s_vscale,
+  s_heavy,
+  s_target,
+  s_qnoise,
+};
+
+/// Uniform double in [0, 1) from the top 53 bits of `h`: k * 2^-53, exact (no rounding anywhere).
+constexpr double uniform53(std::uint64_t h) noexcept {
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
+
+/// Standard normal by Box-Muller (cosine branch) from the hash `h`; uses log/sqrt/cos.
+inline double box_muller(std::uint64_t h) noexcept {
+  const double u1 = 1.0 - uniform53(h);  // (0, 1], exact
+  const double u2 = uniform53(mix64(h + golden));
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+/// Cheap gaussian-like variate with mean 0 and variance ~1: the sum of the four 16-bit fields of `h`
+/// (Irwin-Hall, n = 4), centred and scaled. Integer arithmetic and one multiplication, so bitwise
+/// reproducible without libm; bounded by +-3.46.
+constexpr double fast_normal(std::uint64_t h) noexcept {
+  const std::int64_t s = static_cast<std::int64_t>((h & 0xffffu) + ((h >> 16) & 0xffffu) +
+                                                   ((h >> 32) & 0xffffu) + (h >> 48));
+  return static_cast<double>(s - 131070) * (1.7320508075688772 / 65536.0);
+}
+
+/// Checks `cfg` (throws `kvmosaic::invalid_argument`).
+inline void validate(const kv_config& cfg, const char* where) {
+  using kvmosaic::detail::require;
+  require(cfg.num_kv_heads >= 1, where, "num_kv_heads", cfg.num_kv_heads, ">= 1");
+  require(cfg.group_size >= 1, where, "group_size", cfg.group_size, ">= 1");
+  require(cfg.head_dim >= 2 && cfg.head_dim % 2 == 0, where, "head_dim", cfg.head_dim,
+          "an even number >= 2");
+  require(cfg.outlier_channels >= 0 && cfg.outlier_channels <= cfg.head_dim, where,
+          "outlier_channels", cfg.outlier_channels, "0 to head_dim");
+  require(cfg.rope_theta > 1.0, where, "rope_theta", cfg.rope_theta, "> 1");
+  require(cfg.sink_tokens >= 0, where, "sink_tokens", cfg.sink_tokens, ">= 0");
+  require(cfg.topic_span >= 1, where, "topic_span", cfg.topic_span, ">= 1");
+  require(cfg.retrieval_targets >= 0, where, "retrieval_targets", cfg.retrieval_targets, ">= 0");
+  require(cfg.query_drift >= 1, where, "query_drift", cfg.query_drift, ">= 1");
+  require(cfg.vocab_size > 29991, where, "vocab_size", cfg.vocab_size, "> 29991");
+  require(cfg.min_sentence_len >= 1, where, "min_sentence_len", cfg.min_sentence_len, ">= 1");
+  require(cfg.max_sentence_len >= cfg.min_sentence_len, where, "max_sentence_len",
+          cfg.max_sentence_len, ">= min_sentence_len");
+}
+
+/// The seed-dependent ("model") part of the generator: per-head channel statistics and directions.
+struct head_model {
+  int heads = 0;                 ///< KV heads
+  int dim = 0;                   ///< head_dim
+  int pairs = 0;                 ///< head_dim / 2 RoPE pairs
+  std::vector<double> inv_freq;  ///< [pair] RoPE angular frequency
+  std::vector<double> kmu;       ///< [head][channel] key mean (large in outlier channels)
+  std::vector<double> ksig;      ///< [head][channel] key spread (large in outlier channels)
+  std::vector<double> vmu;       ///< [head][channel] value mean (small)
+  std::vector<double> vsig;      ///< [head][channel] value spread (0.85 to 1.15)
+  std::vector<double> sink_dir;  ///< [head][channel] sink direction, |x|^2 = dim
+  std::vector<double> hh_dir;    ///< [head][channel] heavy-hitter direction, |x|^2 = dim
+  std::vector<int> outliers;     ///< [head][i] outlier channels, ascending
+  int outliers_per_head = 0;     ///< kv_config::outlier_channels
+};
+
+/// Scales `x[0, n)` so that its squared norm is n (per-element RMS 1); leaves a zero vector alone.
+inline void normalize_rms(double* x, int n) noexcept {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += x[i] * x[i];
+  if (s <= 0.0) return;
+  const double f = std::sqrt(static_cast<double>(n) / s);
+  for (int i = 0; i < n; ++i) x[i] *= f;
+}
+
+/// Builds the model part of `cfg`.
+inline head_model make_model(const kv_config& cfg) {
+  head_model m;
+  const int H = cfg.num_kv_heads, D = cfg.head_dim, P = D / 2;
+  m.heads = H;
+  m.dim = D;
+  m.pairs = P;
+  m.inv_freq.resize(static_cast<std::size_t>(P));
+  for (int j = 0; j < P; ++j)
+    m.inv_freq[static_cast<std::size_t>(j)] =
+        std::pow(cfg.rope_theta, -2.0 * static_cast<double>(j) / static_cast<double>(D));
+  const std::size_t HD = static_cast<std::size_t>(H) * static_cast<std::size_t>(D);
+  m.kmu.assign(HD, 0.0);
+  m.ksig.assign(HD, 0.0);
+  m.vmu.assign(HD, 0.0);
+  m.vsig.assign(HD, 0.0);
+  m.sink_dir.assign(HD, 0.0);
+  m.hh_dir.assign(HD, 0.0);
+  m.outliers_per_head = cfg.outlier_channels;
+  m.outliers.reserve(static_cast<std::size_t>(H) * static_cast<std::size_t>(cfg.outlier_channels));
+  const std::uint64_t seed = cfg.seed;
+  const double oscale = static_cast<double>(cfg.outlier_scale);
+  std::vector<int> cand;
+  std::vector<int> chosen;
+  for (int h = 0; h < H; ++h) {
+    const std::size_t row = static_cast<std::size_t>(h) * static_cast<std::size_t>(D);
+    const std::uint64_t hk = combine(combine(seed, s_kmean), static_cast<std::uint64_t>(h));
+    const std::uint64_t hs = combine(combine(seed, s_ksig), static_cast<std::uint64_t>(h));
+    const std::uint64_t hvm = combine(combine(seed, s_vmean), static_cast<std::uint64_t>(h));
+    const std::uint64_t hvs = combine(combine(seed, s_vsig), static_cast<std::uint64_t>(h));
+    const std::uint64_t hsd = combine(combine(seed, s_sink_dir), static_cast<std::uint64_t>(h));
+    const std::uint64_t hhd = combine(combine(seed, s_hh_dir), static_cast<std::uint64_t>(h));
+    for (int c = 0; c < D; ++c) {
+      const auto uc = static_cast<std::uint64_t>(c);
+      m.kmu[row + uc] = 0.3 * box_muller(element(hk, uc));
+      m.ksig[row + uc] = 0.8 + 0.4 * uniform53(element(hs, uc));
+      m.vmu[row + uc] = 0.2 * box_muller(element(hvm, uc));
+      m.vsig[row + uc] = 0.85 + 0.3 * uniform53(element(hvs, uc));
+      m.sink_dir[row + uc] = box_muller(element(hsd, uc));
+      m.hh_dir[row + uc] = box_muller(element(hhd, uc));
+    }
+    normalize_rms(&m.sink_dir[row], D);
+    {  // make the heavy-hitter direction orthogonal to the sink direction
+      double dot = 0.0;
+      for (int c = 0; c < D; ++c) dot += m.hh_dir[row + static_cast<std::size_t>(c)] * m.sink_dir[row + static_cast<std::size_t>(c)];
+      dot /= static_cast<double>(D);
+      for (int c = 0; c < D; ++c) m.hh_dir[row + static_cast<std::size_t>(c)] -= dot * m.sink_dir[row + static_cast<std::size_t>(c)];
+    }
+    normalize_rms(&m.hh_dir[row], D);
+
+    // Outlier channels: whole RoPE pairs drawn (partial Fisher-Yates) from the pairs
+    // [D/4, 3D/8), i.e. the lower-frequency half but not its slowest part, so that RoPE keeps their
+    // magnitude in those channels and their mean turns slowly; all pairs if that range is too small.
+    const int n_out = cfg.outlier_channels;
+    const int n_pairs = (n_out + 1) / 2;
+    int lo = P / 2, hi = (3 * P) / 4;
+    if (hi - lo < n_pairs) {
+      lo = 0;
+      hi = P;
+    }
+    cand.clear();
+    for (int j = lo; j < hi; ++j) cand.push_back(j);
+    const std::uint64_t ho = combine(combine(seed, s_outlier), static_cast<std::uint64_t>(h));
+    chosen.clear();
+    for (int i = 0; i < n_pairs; ++i) {
+      const auto left = static_cast<std::uint64_t>(static_cast<int>(cand.size()) - i);
+      const int pick = i + static_cast<int>(element(ho, static_cast<std::uint64_t>(i)) % left);
+      std::swap(cand[static_cast<std::size_t>(i)], cand[static_cast<std::size_t>(pick)]);
+      const int j = cand[static_cast<std::size_t>(i)];
+      if (2 * (i + 1) <= n_out) {
+        chosen.push_back(j);
+        chosen.push_back(j + P);
+      } else {  // odd count: one channel of the last pair
+        chosen.push_back((element(ho, 1000u + static_cast<std::uint64_t>(i)) & 1u) ? j + P : j);
+      }
+    }
+    std::sort(chosen.begin(), chosen.end());
+    for (int c : chosen) {
+      const auto uc = static_cast<std::uint64_t>(c);
+      const std::uint64_t hc = element(ho, 2000u + uc);
+      const double sign = (hc & 1u) ? 1.0 : -1.0;
+      m.kmu[row + uc] = sign * 0.75 * oscale * (0.8 + 0.4 * uniform53(mix64(hc)));
+      m.ksig[row + uc] = 0.35 * oscale;
+      m.outliers.push_back(c);
+    }
+  }
+  return m;
+}
+
+/// Length of sentence `s` of sequence `seq`.
+inline int sentence_length(const kv_config& cfg, std::uint64_t seq, std::uint64_t s) noexcept {
+  const std::uint64_t h = combine(combine(combine(cfg.seed, s_sentence), seq), s);
+  const double u = uniform53(h) * uniform53(mix64(h));
+  const int span = cfg.max_sentence_len - cfg.min_sentence_len + 1;
+  return cfg.min_sentence_len + static_cast<int>(static_cast<double>(span) * u);
+}
+
+/// Sentence starts of one sequence, generated lazily from token 0 (sentence lengths are hashed by
+/// sentence index, so walking from 0 is the only way to place a token in its sentence; it is cheap).
+class sentence_map {
+ public:
+  sentence_map(const kv_config& cfg, std::uint64_t seq) : cfg_(&cfg), seq_(seq), starts_{0} {}
+
+  /// Makes sure the sentence containing token `t` is known.
+  void extend_to(int t) {
+    while (starts_.back() <= t)
+      starts_.push_back(starts_.back() +
+                        sentence_length(*cfg_, seq_, static_cast<std::uint64_t>(starts_.size() - 1)));
+  }
+  /// Index of the sentence containing token `t` (after `extend_to(t)`).
+  int sentence_of(int t) const noexcept {
+    return static_cast<int>(std::upper_bound(starts_.begin(), starts_.end(), t) - starts_.begin()) -
+           1;
+  }
+  /// First token of sentence `s` (s may be one past the last complete sentence known).
+  int start(int s) const noexcept { return starts_[static_cast<std::size_t>(s)]; }
+
+ private:
+  const kv_config* cfg_;
+  std::uint64_t seq_;
+  std::vector<int> starts_;
+};
+
+/// Id of token `t` of sequence `seq`; `last` says whether it ends its sentence.
+inline std::int32_t token_id(const kv_config& cfg, std::uint64_t seq, int t, bool last) noexcept {
+  const std::uint64_t h =
+      combine(combine(combine(cfg.seed, s_token), seq), static_cast<std::uint64_t>(t));
+  if (last) {
+    // Sentence ends: . 66%, ? 8%, ! 5%, newline 12%, ; 5%, : 4%.
+    constexpr std::array<std::uint32_t, 6> cumulative{{660, 740, 790, 910, 960, 1000}};
+    const auto r = static_cast<std::uint32_t>(h % 1000u);
+    for (std::size_t i = 0; i < cumulative.size(); ++i)
+      if (r < cumulative[i]) return boundary_tokens[i].id;
+    return boundary_tokens[0].id;
+  }
+  if (h % 100u < 6u) return comma_token_id;
+  const double u = uniform53(mix64(h));
+  auto id = static_cast<std::int32_t>(100 + static_cast<int>(static_cast<double>(cfg.vocab_size - 100) *
+                                                              (u * u * u)));
+  if (is_boundary_id(id) || id == comma_token_id) id -= 7;  // keep ordinary ids ordinary
+  return id;
+}
+
+/// Gaussian knot `knot` of the topic path of (sequence, head), written to out[0, D).
+inline void topic_knot(const kv_config& cfg, std::uint64_t stream_id, std::uint64_t seq, int knot,
+                       int head, double* out) noexcept {
+  const std::uint64_t b = combine(combine(combine(combine(cfg.seed, stream_id), seq),
+                                          static_cast<std::uint64_t>(knot)),
+                                  static_cast<std::uint64_t>(head));
+  for (int c = 0; c < cfg.head_dim; ++c) out[c] = box_muller(element(b, static_cast<std::uint64_t>(c)));
+}
+
+/// Per-sentence key component of (sequence, sentence, head), written to out[0, D).
+inline void sentence_vector(const kv_config& cfg, std::uint64_t seq, int sentence, int head,
+                            double* out) noexcept {
+  const std::uint64_t b = combine(combine(combine(combine(cfg.seed, s_ksentence), seq),
+                                          static_cast<std::uint64_t>(sentence)),
+                                  static_cast<std::uint64_t>(head));
+  for (int c = 0; c < cfg.head_dim; ++c) out[c] = fast_normal(element(b, static_cast<std::uint64_t>(c)));
+}
+
+/// Interpolation weights (a, b) of the knots around token offset r within a topic span: linear
+/// interpolation renormalized so the interpolated gaussian keeps unit variance.
+inline void topic_weights(int r, int span, double& a, double& b) noexcept {
+  const double w = static_cast<double>(r) / static_cast<double>(span);
+  const double f = 1.0 / std::sqrt((1.0 - w) * (1.0 - w) + w * w);
+  a = (1.0 - w) * f;
+  b = w * f;
+}
+
+/// Hash base of the key noise of (sequence, token, head); channel c uses element(base, c).
+inline std::uint64_t key_noise_base(const kv_config& cfg, std::uint64_t seq, int t, int h) noexcept {
+  return combine(combine(combine(combine(cfg.seed, s_knoise), seq), static_cast<std::uint64_t>(t)),
+                 static_cast<std::uint64_t>(h));
+}
+
+/// Heavy-hitter strength (per-channel RMS of the heavy-hitter component) of (token, head); 0 if the
+/// token is not a heavy hitter.
+inline double heavy_hitter(const kv_config& cfg, std::uint64_t seq, int t, int h, bool boundary) noexcept {
+  if (t < cfg.sink_tokens) return 0.0;
+  const std::uint64_t x = combine(combine(combine(combine(cfg.seed, s_heavy), seq), static_cast<std::uint64_t>(t)),
+                                  static_cast<std::uint64_t>(h));
+  const double rate = boundary ? static_cast<double>(cfg.boundary_heavy_hitter_rate)
+                               : static_cast<double>(cfg.heavy_hitter_rate);
+  if (uniform53(x) >= rate) return 0.0;
+  return static_cast<double>(cfg.heavy_hitter_strength) * (0.25 + 0.75 * uniform53(mix64(x)));
+}
+
+/// Sink strength (per-channel RMS of the sink component) of token t.
+inline double sink_weight(const kv_config& cfg, int t) noexcept {
+  return t < cfg.sink_tokens ? static_cast<double>(cfg.sink_strength) / (1.0 + static_cast<double>(t)) : 0.0;
+}
+
+/// Rotates x (D values, NeoX half-split pairs) by the angles whose cosines/sines are given per pair.
+inline void rotate(double* x, const double* cs, const double* sn, int pairs) noexcept {
+  for (int j = 0; j < pairs; ++j) {
+    const double a = x[j], b = x[j + pairs];
+    x[j] = a * cs[j] - b * sn[j];
+    x[j + pairs] = a * sn[j] + b * cs[j];
+  }
+}
+
+/// cos/sin of position * inv_freq[j] for every pair j.
+inline void rope_angles(const head_model& m, int position, double* cs, double* sn) noexcept {
+  for (int j = 0; j < m.pairs; ++j) {
+    const double ang = static_cast<double>(position) * m.inv_freq[static_cast<std::size_t>(j)];
+    cs[j] = std::cos(ang);
+    sn[j] = std::sin(ang);
+  }
+}
+
+/// One pre-RoPE key element without the sink/heavy-hitter components (shared by the bulk generator
+/// and the query's retrieval targets so both compute the same number).
+inline double key_element(double mu, double sig, double tw, double topic, double sw, double sent,
+                          double nw, double noise) noexcept {
+  return mu + sig * (tw * topic + sw * sent + nw * noise);
+}
+
+/// Generates K (rotated if `rope`, else pre-RoPE) and V for tokens [first, first + n).
+inline kv_data generate(const kv_config& cfg, std::uint64_t seq, int first, int n, bool rope,
+                        const char* where) {
+  validate(cfg, where);
+  kvmosaic::detail::require(first >= 0, where, "first_token", first, ">= 0");
+  kvmosaic::detail::require(n >= 0 && n <= INT_MAX - first, where, "num_tokens", n,
+                            ">= 0, first_token + num_tokens <= INT_MAX");
+  const head_model m = make_model(cfg);
+  const int H = cfg.num_kv_heads, D = cfg.head_dim, P = D / 2;
+  const auto uD = static_cast<std::size_t>(D);
+  const std::size_t HD = static_cast<std::size_t>(H) * uD;
+  kv_data out;
+  out.num_tokens = n;
+  out.num_kv_heads = H;
+  out.head_dim = D;
+  out.first_token = first;
+  out.k.resize(static_cast<std::size_t>(n) * HD);
+  out.v.resize(static_cast<std::size_t>(n) * HD);
+  if (n == 0) return out;
+  const int last = first + n - 1;
+
+  const int span = cfg.topic_span;
+  const int knot0 = first / span, knot1 = last / span + 1;
+  const auto nknots = static_cast<std::size_t>(knot1 - knot0 + 1);
+  std::vector<double> ktopic(nknots * HD), vtopic(nknots * HD);
+  for (int kk = knot0; kk <= knot1; ++kk)
+    for (int h = 0; h < H; ++h) {
+      const std::size_t off = static_cast<std::size_t>(kk - knot0) * HD + static_cast<std::size_t>(h) * uD;
+      topic_knot(cfg, s_ktopic, seq, kk, h, &ktopic[off]);
+      topic_knot(cfg, s_vtopic, seq, kk, h, &vtopic[off]);
+    }
+  std::vector<double> wa(static_cast<std::size_t>(span)), wb(static_cast<std::size_t>(span));
+  for (int r = 0; r < span; ++r) topic_weights(r, span, wa[static_cast<std::size_t>(r)], wb[static_cast<std::size_t>(r)]);
+
+  sentence_map sm(cfg, seq);
+  sm.extend_to(last);
+  int sent = sm.sentence_of(first);
+  std::vector<double> svec(HD);
+  for (int h = 0; h < H; ++h) sentence_vector(cfg, seq, sent, h, &svec[static_cast<std::size_t>(h) * uD]);
+
+  const std::uint64_t vnoise_key = combine(combine(cfg.seed, s_vnoise), seq);
+  const std::uint64_t vscale_key = combine(combine(cfg.seed, s_vscale), seq);
+  const double tw = cfg.topic_weight, sw = cfg.sentence_weight, nw = cfg.noise_weight;
+  const double vtw = cfg.value_topic_weight;
+  const double vnw = std::sqrt(std::max(0.0, 1.0 - vtw * vtw));
+  std::vector<double> cs(static_cast<std::size_t>(P)), sn(static_cast<std::size_t>(P));
+  std::vector<double> x(uD), e(uD);
+
+  for (int t = first; t <= last; ++t) {
+    while (sm.start(sent + 1) <= t) {
+      ++sent;
+      for (int h = 0; h < H; ++h) sentence_vector(cfg, seq, sent, h, &svec[static_cast<std::size_t>(h) * uD]);
+    }
+    const bool boundary = (sm.start(sent + 1) - 1 == t);
+    rope_angles(m, t, cs.data(), sn.data());
+    const std::size_t kn = static_cast<std::size_t>(t / span - knot0) * HD;
+    const double a = wa[static_cast<std::size_t>(t % span)], b = wb[static_cast<std::size_t>(t % span)];
+    const double sink = sink_weight(cfg, t);
+    for (int h = 0; h < H; ++h) {
+      const std::size_t hrow = static_cast<std::size_t>(h) * uD;
+      const double* ka = &ktopic[kn + hrow];
+      const double* kb = &ktopic[kn + HD + hrow];
+      const double* va = &vtopic[kn + hrow];
+      const double* vb = &vtopic[kn + HD + hrow];
+      const double* sv = &svec[hrow];
+      const double* kmu = &m.kmu[hrow];
+      const double* ksig = &m.ksig[hrow];
+      const std::uint64_t nb = key_noise_base(cfg, seq, t, h);
+      for (int c = 0; c < D; ++c) {
+        const double topic = a * ka[c] + b * kb[c];
+        x[static_cast<std::size_t>(c)] = key_element(kmu[c], ksig[c], tw, topic, sw, sv[c], nw,
+                                                     fast_normal(element(nb, static_cast<std::uint64_t>(c))));
+      }
+      const double hh = heavy_hitter(cfg, seq, t, h, boundary);
+      if (sink != 0.0 || hh != 0.0) {
+        // Sink / heavy-hitter components live in the rotated frame (queries contain the same fixed
+        // vectors, so the match does not decay with distance); the pre-RoPE key holds them
+        // counter-rotated by the token's position.
+        for (int c = 0; c < D; ++c)
+          e[static_cast<std::size_t>(c)] = sink * m.sink_dir[hrow + static_cast<std::size_t>(c)] +
+                                           hh * m.hh_dir[hrow + static_cast<std::size_t>(c)];
+        for (int j = 0; j < P; ++j) {  // rotate by -t
+          const double p = e[static_cast<std::size_t>(j)], q = e[static_cast<std::size_t>(j + P)];
+          e[static_cast<std::size_t>(j)] = p * cs[static_cast<std::size_t>(j)] + q * sn[static_cast<std::size_t>(j)];
+          e[static_cast<std::size_t>(j + P)] = -p * sn[static_cast<std::size_t>(j)] + q * cs[static_cast<std::size_t>(j)];
+        }
+        for (int c = 0; c < D; ++c) x[static_cast<std::size_t>(c)] += e[static_cast<std::size_t>(c)];
+      }
+      float* kout = out.k.data() + static_cast<std::size_t>(t - first) * HD + hrow;
+      if (rope) {
+        for (int j = 0; j < P; ++j) {
+          const auto uj = static_cast<std::size_t>(j);
+          const double p = x[uj], q = x[uj + static_cast<std::size_t>(P)];
+          kout[j] = static_cast<float>(p * cs[uj] - q * sn[uj]);
+          kout[j + P] = static_cast<float>(p * sn[uj] + q * cs[uj]);
+        }
+      } else {
+        for (int c = 0; c < D; ++c) kout[c] = static_cast<float>(x[static_cast<std::size_t>(c)]);
+      }
+
+      // Values: per-(token, head) scale times (small mean + spread * (topic + noise)).
+      const std::uint64_t vkey = combine(combine(vscale_key, static_cast<std::uint64_t>(t)), static_cast<std::uint64_t>(h));
+      double scale = std::exp(static_cast<double>(cfg.value_token_spread) * fast_normal(vkey));
+      if (t < cfg.sink_tokens) scale *= static_cast<double>(cfg.sink_value_scale);
+      const std::uint64_t vb_hash =
+          combine(combine(vnoise_key, static_cast<std::uint64_t>(t)), static_cast<std::uint64_t>(h));
+      const double* vmu = &m.vmu[hrow];
+      const double* vsig = &m.vsig[hrow];
+      float* vout = out.v.data() + static_cast<std::size_t>(t - first) * HD + hrow;
+      for (int c = 0; c < D; ++c) {
+        const double topic = a * va[c] + b * vb[c];
+        const double noise = fast_normal(element(vb_hash, static_cast<std::uint64_t>(c)));
+        vout[c] = static_cast<float>(scale * (vmu[c] + vsig[c] * (vtw * topic + vnw * noise)));
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace detail
+
+/// Token ids [0, num_tokens) of sequence `sequence`: sentences of min_sentence_len to
+/// max_sentence_len tokens (mean ~23 with the defaults), each ending in a boundary token drawn from
+/// `boundary_tokens` (. 66%, newline 12%, ? 8%, ! 5%, ; 5%, : 4%); inside sentences ~6% commas and
+/// ordinary ids from [100, vocab_size), small (frequent) ids more likely. A prefix of a longer
+/// stream equals the shorter stream.
+inline token_stream generate_tokens(const kv_config& cfg, std::uint64_t sequence, int num_tokens) {
+  detail::validate(cfg, "synthetic::generate_tokens");
+  kvmosaic::detail::require(num_tokens >= 0, "synthetic::generate_tokens", "num_tokens", num_tokens, ">= 0");
+  token_stream ts;
+  ts.ids.resize(static_cast<std::size_t>(num_tokens));
+  ts.is_boundary.resize(static_cast<std::size_t>(num_tokens));
+  if (num_tokens == 0) return ts;
+  detail::sentence_map sm(cfg, sequence);
+  sm.extend_to(num_tokens - 1);
+  int sent = 0;
+  for (int t = 0; t < num_tokens; ++t) {
+    while (sm.start(sent + 1) <= t) ++sent;
+    const bool last = (sm.start(sent + 1) - 1 == t);
+    const std::int32_t id = detail::token_id(cfg, sequence, t, last);
+    ts.ids[static_cast<std::size_t>(t)] = id;
+    ts.is_boundary[static_cast<std::size_t>(t)] = last ? 1 : 0;
+  }
+  return ts;
+}
+
+/// K (RoPE applied) and V of tokens [first_token, first_token + num_tokens) of sequence `sequence`,
+/// bitwise equal to the same slice of a longer generation.
+///
+/// Pre-RoPE key of token t, head h, channel c:
+///   mean[h][c] + spread[h][c] * (topic_weight * topic(t) + sentence_weight * sentence(t)
+///                                + noise_weight * noise(t))
+/// plus, counter-rotated by t, the sink component (t < sink_tokens) and the heavy-hitter component.
+/// mean/spread are large in the outlier channels (MUSTAFAR/KIVI channel outliers), small/unit
+/// elsewhere. Values: scale(t, h) * (small mean + spread in [0.85, 1.15] * (topic + noise)), no
+/// outlier channels (MUSTAFAR: uniform value magnitudes).
+inline kv_data generate_kv(const kv_config& cfg, std::uint64_t sequence, int first_token, int num_tokens) {
+  return detail::generate(cfg, sequence, first_token, num_tokens, true, "synthetic::generate_kv");
+}
+
+/// K (RoPE applied) and V of tokens [0, num_tokens) of sequence `sequence`.
+inline kv_data generate_kv(const kv_config& cfg, std::uint64_t sequence, int num_tokens) {
+  return generate_kv(cfg, sequence, 0, num_tokens);
+}
+
+/// Like `generate_kv`, but `k` holds the keys before RoPE (for checking rotations: each pair
+/// (i, i + head_dim/2) of `generate_kv`'s key has the norm of the same pair here). `v` is identical.
+inline kv_data generate_keys_pre_rope(const kv_config& cfg, std::uint64_t sequence, int first_token,
+                                      int num_tokens) {
+  return detail::generate(cfg, sequence, first_token, num_tokens, false, "synthetic::generate_keys_pre_rope");
+}
+
+/// The key outlier channels of KV head `head`, ascending (`outlier_channels` of them).
+inline std::vector<int> outlier_channel_list(const kv_config& cfg, int head) {
+  detail::validate(cfg, "synthetic::outlier_channel_list");
+  kvmosaic::detail::require(head >= 0 && head < cfg.num_kv_heads, "synthetic::outlier_channel_list", "head",
+                            head, "0 to num_kv_heads - 1");
+  const detail::head_model m = detail::make_model(cfg);
+  const auto per = static_cast<std::size_t>(m.outliers_per_head);
+  return std::vector<int>(m.outliers.begin() + static_cast<std::ptrdiff_t>(per * static_cast<std::size_t>(head)),
+                          m.outliers.begin() + static_cast<std::ptrdiff_t>(per * static_cast<std::size_t>(head + 1)));
+}
+
+/// Applies RoPE in place to `x` (head_dim values, GPT-NeoX half-split pairs (i, i + head_dim/2)) at
+/// `position` with base `cfg.rope_theta`: the rotation the generator applies to keys and queries
+/// (same angles, computed in double, rounded to float once).
+inline void apply_rope(const kv_config& cfg, int position, float* x) {
+  detail::validate(cfg, "synthetic::apply_rope");
+  const int D = cfg.head_dim, P = D / 2;
+  std::vector<double> y(static_cast<std::size_t>(D));
+  for (int c = 0; c < D; ++c) y[static_cast<std::size_t>(c)] = static_cast<double>(x[c]);
+  for (int j = 0; j < P; ++j) {
+    const double ang = static_cast<double>(position) *
+                       std::pow(cfg.rope_theta, -2.0 * static_cast<double>(j) / static_cast<double>(D));
+    const double cs = std::cos(ang), sn = std::sin(ang);
+    const double a = y[static_cast<std::size_t>(j)], b = y[static_cast<std::size_t>(j + P)];
+    y[static_cast<std::size_t>(j)] = a * cs - b * sn;
+    y[static_cast<std::size_t>(j + P)] = a * sn + b * cs;
+  }
+  for (int c = 0; c < D; ++c) x[c] = static_cast<float>(y[static_cast<std::size_t>(c)]);
+}
+
+/// Softmax scale the statistics are tuned for: 1 / sqrt(head_dim).
+inline double softmax_scale(const kv_config& cfg) noexcept {
+  return 1.0 / std::sqrt(static_cast<double>(cfg.head_dim));
+}
+
+/// Queries of the decode step at `position` (the position of the token being decoded; it attends to
+/// the cached tokens [0, position), optionally plus itself), all num_kv_heads * group_size query
+/// heads, layout [q_head][channel] with q_head = kv_head * group_size + g. RoPE at `position`.
+///
+/// Each query head mixes, with per-head factors in [1 - head_variation, 1 + head_variation) fixed by
+/// the seed (some heads lean on sinks, others on retrieval or recency):
+/// * the head's sink and heavy-hitter directions (fixed in the rotated frame, projected out of
+///   everything else): sinks and heavy hitters get high scores at every step;
+/// * `retrieval_targets` keys of past tokens, centred and divided by the per-channel key variance
+///   (a matched filter, so outlier channels do not swamp the match) and rotated to their own
+///   positions. Even-numbered targets are uniform over the past, odd-numbered ones lie 128 to 2176
+///   tokens back; all stay fixed for `query_drift` steps. The query retrieves those tokens and,
+///   through the topic/sentence correlation, their neighbourhood (a few pages, a sentence);
+/// * the topic and sentence of `position` (slow RoPE pairs weighted up, see `recency_reach`)
+///   rotated to `position`: recency bias over the current sentence and the last tens of tokens;
+/// * a little of the key mean and gaussian noise.
+/// Everything is scaled by sqrt(128 / head_dim).
+///
+/// With the defaults (D = 128, 8 KV heads x 4) the mean attention entropy over query heads at
+/// position 8192 is about 3.5-3.8 nats (30-45 effective tokens; single heads 4 to ~700), at 32768
+/// about 4.7-5.4 nats (110-220 effective tokens); top-256 tokens hold ~90% (8K) / ~80% (32K) of the
+/// mass, the first 4 tokens 5-20%, heavy hitters a large share of the rest.
+inline std::vector<float> generate_query(const kv_config& cfg, std::uint64_t sequence, int position) {
+  const char* where = "synthetic::generate_query";
+  detail::validate(cfg, where);
+  kvmosaic::detail::require(position >= 0, where, "position", position, ">= 0");
+  using namespace detail;
+  const head_model m = make_model(cfg);
+  const int H = cfg.num_kv_heads, G = cfg.group_size, D = cfg.head_dim, P = D / 2;
+  const auto uD = static_cast<std::size_t>(D);
+  const int span = cfg.topic_span;
+  const double tw = cfg.topic_weight, sw = cfg.sentence_weight, nw = cfg.noise_weight;
+  const double qscale = std::sqrt(128.0 / static_cast<double>(D));
+  std::vector<float> q(static_cast<std::size_t>(H) * static_cast<std::size_t>(G) * uD);
+
+  sentence_map sm(cfg, sequence);
+  sm.extend_to(position);
+  std::vector<double> cs_p(static_cast<std::size_t>(P)), sn_p(static_cast<std::size_t>(P));
+  std::vector<double> cs_t(static_cast<std::size_t>(P)), sn_t(static_cast<std::size_t>(P));
+  rope_angles(m, position, cs_p.data(), sn_p.data());
+  std::vector<double> ka(uD), kb(uD), sv(uD), rec(uD), mean(uD), acc(uD), tmp(uD);
+
+  // Retrieval targets: epoch-based so they stay put for query_drift steps.
+  const int epoch = position / cfg.query_drift;
+  const int p0 = epoch * cfg.query_drift;
+  const int range = p0 > 0 ? p0 : position;
+  const std::uint64_t tkey = combine(combine(cfg.seed, s_target), sequence);
+  constexpr int recent_gap = 128, recent_window = 2048;  // "recent" targets: [range-2176, range-128)
+  const double recency_reach = static_cast<double>(cfg.recency_reach);
+
+  for (int h = 0; h < H; ++h) {
+    const std::size_t hrow = static_cast<std::size_t>(h) * uD;
+    // Recency: topic and sentence component of the current position, rotated to it.
+    {
+      double a = 0, b = 0;
+      topic_weights(position % span, span, a, b);
+      topic_knot(cfg, s_ktopic, sequence, position / span, h, ka.data());
+      topic_knot(cfg, s_ktopic, sequence, position / span + 1, h, kb.data());
+      sentence_vector(cfg, sequence, sm.sentence_of(position), h, sv.data());
+      for (int c = 0; c < D; ++c) {
+        const auto uc = static_cast<std::size_t>(c);
+        rec[uc] = (tw * (a * ka[uc] + b * kb[uc]) + sw * sv[uc]) / m.ksig[hrow + uc];
+      }
+      // Down-weight the fast-rotating pairs: a match through them dies within a few tokens, which
+      // would make recency a single-token spike; the slow pairs carry the neighbourhood.
+      for (int j = 0; j < P; ++j) {
+        const double w = 1.0 / (1.0 + recency_reach * m.inv_freq[static_cast<std::size_t>(j)]);
+        rec[static_cast<std::size_t>(j)] *= w;
+        rec[static_cast<std::size_t>(j + P)] *= w;
+      }
+      normalize_rms(rec.data(), D);
+      rotate(rec.data(), cs_p.data(), sn_p.data(), P);
+      for (int c = 0; c < D; ++c) mean[static_cast<std::size_t>(c)] = m.kmu[hrow + static_cast<std::size_t>(c)];
+      rotate(mean.data(), cs_p.data(), sn_p.data(), P);
+    }
+    for (int g = 0; g < G; ++g) {
+      const int qh = h * G + g;
+      const std::uint64_t pers = combine(combine(cfg.seed, s_personality), static_cast<std::uint64_t>(qh));
+      const double hv = static_cast<double>(cfg.head_variation);
+      const double f_sink = 1.0 - hv + 2.0 * hv * uniform53(element(pers, 0));
+      const double f_hh = 1.0 - hv + 2.0 * hv * uniform53(element(pers, 1));
+      const double f_ret = 1.0 - hv + 2.0 * hv * uniform53(element(pers, 2));
+      const double f_rec = 1.0 - hv + 2.0 * hv * uniform53(element(pers, 3));
+      const double a_sink = cfg.query_sink_strength * f_sink, a_hh = cfg.query_heavy_hitter_strength * f_hh;
+      const double a_rec = cfg.recency_strength * f_rec;
+      for (int c = 0; c < D; ++c) {
+        const auto uc = static_cast<std::size_t>(c);
+        acc[uc] = a_rec * rec[uc] + static_cast<double>(cfg.query_mean_weight) * mean[uc];
+      }
+      // Noise, rotated to the position.
+      const std::uint64_t nb = combine(combine(combine(combine(cfg.seed, s_qnoise), sequence),
+                                               static_cast<std::uint64_t>(position)),
+                                       static_cast<std::uint64_t>(qh));
+      for (int c = 0; c < D; ++c)
+        tmp[static_cast<std::size_t>(c)] =
+            box_muller(element(nb, static_cast<std::uint64_t>(c))) / m.ksig[hrow + static_cast<std::size_t>(c)];
+      rotate(tmp.data(), cs_p.data(), sn_p.data(), P);
+      for (int c = 0; c < D; ++c) acc[static_cast<std::size_t>(c)] += static_cast<double>(cfg.query_noise) * tmp[static_cast<std::size_t>(c)];
+      // Retrieval targets.
+      if (range > 0) {
+        for (int r = 0; r < cfg.retrieval_targets; ++r) {
+          const std::uint64_t th = r == 0 ? combine(combine(combine(tkey, static_cast<std::uint64_t>(h)), static_cast<std::uint64_t>(epoch)), 0u)
+                                          : combine(combine(combine(tkey, (std::uint64_t{1} << 32) + static_cast<std::uint64_t>(qh)),
+                                                            static_cast<std::uint64_t>(epoch)),
+                                                    static_cast<std::uint64_t>(r));
+          const double u = uniform53(th);
+          int t;
+          if (r % 2 == 0 || range <= 2 * recent_gap) {  // anywhere in the past
+            t = static_cast<int>(u * static_cast<double>(range));
+          } else {  // the recent past, beyond the reach of the recency component
+            const int window = std::min(range - recent_gap, recent_window);
+            t = range - recent_gap - 1 - static_cast<int>(u * static_cast<double>(window));
+          }
+          const double weight = cfg.retrieval_strength * f_ret * (0.8 + 0.4 * uniform53(mix64(th))) *
+                                std::max(0.25, 1.0 - 0.15 * r);
+          double a = 0, b = 0;
+          topic_weights(t % span, span, a, b);
+          topic_knot(cfg, s_ktopic, sequence, t / span, h, ka.data());
+          topic_knot(cfg, s_ktopic, sequence, t / span + 1, h, kb.data());
+          sentence_vector(cfg, sequence, sm.sentence_of(t), h, sv.data());
+          const std::uint64_t kn = key_noise_base(cfg, sequence, t, h);
+          for (int c = 0; c < D; ++c) {
+            const auto uc = static_cast<std::size_t>(c);
+            const double topic = a * ka[uc] + b * kb[uc];
+            // Matched filter: the centred key divided by its per-channel variance (the key is
+            // mean + ksig * z, so this is z / ksig); outlier channels weigh less.
+            tmp[uc] = key_element(0.0, 1.0, tw, topic, sw, sv[uc], nw,
+                                  fast_normal(element(kn, static_cast<std::uint64_t>(c)))) /
+                      m.ksig[hrow + uc];
+          }
+          normalize_rms(tmp.data(), D);
+          rope_angles(m, t, cs_t.data(), sn_t.data());
+          rotate(tmp.data(), cs_t.data(), sn_t.data(), P);
+          for (int c = 0; c < D; ++c) acc[static_cast<std::size_t>(c)] += weight * tmp[static_cast<std::size_t>(c)];
+        }
+      }
+      // Sinks and heavy hitters: project those directions out of the rest and add them with their
+      // own weights, so their scores do not depend on chance overlaps with the other components.
+      const double* sd = &m.sink_dir[hrow];
+      const double* hd = &m.hh_dir[hrow];
+      double ds = 0.0, dh = 0.0;
+      for (int c = 0; c < D; ++c) {
+        ds += acc[static_cast<std::size_t>(c)] * sd[c];
+        dh += acc[static_cast<std::size_t>(c)] * hd[c];
+      }
+      ds = a_sink - ds / static_cast<double>(D);
+      dh = a_hh - dh / static_cast<double>(D);
+      for (int c = 0; c < D; ++c) acc[static_cast<std::size_t>(c)] += ds * sd[c] + dh * hd[c];
+      float* qo = &q[static_cast<std::size_t>(qh) * uD];
+      for (int c = 0; c < D; ++c) qo[c] = static_cast<float>(qscale * acc[static_cast<std::size_t>(c)]);
+    }
+  }
+  return q;
+}
+
+}  // namespace kvmosaic::synthetic
+// ---- end <kvmosaic/support/synthetic.hpp> ----
