@@ -9869,7 +9869,6 @@ class span_selection {
   void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, const span_source& source,
               cudaStream_t stream) {
     if (!planned_) return;
-    stream_ = stream;
     const std::size_t row = align(static_cast<std::size_t>(batch_capacity_) * sizeof(std::int32_t));
     kernel::select_params s{};
     s.bounds = source.bounds;
@@ -9923,11 +9922,12 @@ class span_selection {
   }
 
   /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
-  /// from the device; synchronizes). For tests and reports.
+  /// from the device after synchronizing the device: the stream of the step may be gone). For
+  /// tests and reports.
   std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const {
     kvmosaic::detail::require(planned_ && b >= 0 && b < planned_batch_, "cuda::engine::selection().selected_pages", "b",
                               b, "a batch entry of the last step, which must have been a selected one");
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     std::int32_t count = selected_counts_[static_cast<std::size_t>(b)];
     if (row_masks_)
       KVMOSAIC_CUDA_CHECK(cudaMemcpy(&count, table_lengths_.as<const std::int32_t>() + b * shape_.num_kv_heads + head,
@@ -9956,7 +9956,7 @@ class span_selection {
   /// synchronizes).
   std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans, const span_source& source) const {
     std::vector<float> scores(static_cast<std::size_t>(spans));
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(scores.data(),
                                    scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(source),
                                    scores.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -9974,7 +9974,6 @@ class span_selection {
   bool planned_ = false, row_masks_ = false, combine_sum_ = false;
   std::int32_t planned_batch_ = 0;
   std::vector<std::int32_t> span_counts_, budget_tokens_, always_from_, span_tables_, selected_counts_;
-  cudaStream_t stream_ = nullptr;  ///< of the last launch
   // Outputs.
   device_buffer scores_;         ///< [batch][num_kv_heads][score stride] span scores
   device_buffer selected_;       ///< [batch][num_kv_heads][table stride] the pages each KV head reads
