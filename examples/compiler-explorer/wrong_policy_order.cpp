@@ -16,8 +16,9 @@
 //   error: static assertion failed: kvmosaic::cache: the second template argument (Selector) must
 //          be a selector, e.g. kvmosaic::select::all
 //
-// The third argument's assertion follows, then errors the same mistake causes further down. The
-// repository's tests compile this file and require that it fails with the first message:
+// The third argument's assertion follows, and nothing else: the cache compiles the rest of its
+// body against defaults, so each misplaced policy gives one sentence. The repository's tests
+// compile this file and require that it fails with the first message:
 // EXPECT: kvmosaic::cache: the second template argument \(Selector\) must be a selector, e\.g\. kvmosaic::select::all
 #include <https://raw.githubusercontent.com/OWNER/REPO/main/single_include/kvmosaic/kvmosaic.hpp>
 

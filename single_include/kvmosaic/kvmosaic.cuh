@@ -3417,20 +3417,30 @@ struct selection_stats {
 /// per sequence that the cache stages, reserves and commits with each call, the engine's share of
 /// its work, its bytes, its part of a step's selection request, and public members it adds
 /// (`selector_traits<Selector>::cache_members`, a base of this class).
-template <class Format, class Selector = select::all, class Compactor = compact::none, class Backend = backend::host>
-class cache : public detail::selector_cache_members<Selector, cache<Format, Selector, Compactor, Backend>>::type {
-  static_assert(is_format_v<Format>,
+template <class FormatArg, class SelectorArg = select::all, class CompactorArg = compact::none,
+          class BackendArg = backend::host>
+class cache
+    : public detail::selector_cache_members<SelectorArg, cache<FormatArg, SelectorArg, CompactorArg, BackendArg>>::type {
+  static_assert(is_format_v<FormatArg>,
                 "kvmosaic::cache: the first template argument (Format) must be a storage format, "
                 "e.g. kvmosaic::format::dense");
-  static_assert(is_selector_v<Selector>,
+  static_assert(is_selector_v<SelectorArg>,
                 "kvmosaic::cache: the second template argument (Selector) must be a selector, "
                 "e.g. kvmosaic::select::all");
-  static_assert(is_compactor_v<Compactor>,
+  static_assert(is_compactor_v<CompactorArg>,
                 "kvmosaic::cache: the third template argument (Compactor) must be a compactor, "
                 "e.g. kvmosaic::compact::none");
-  static_assert(is_backend_v<Backend>,
+  static_assert(is_backend_v<BackendArg>,
                 "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
                 "or kvmosaic::backend::cuda");
+
+  // A policy in the wrong position fails its sentence above; the rest of the class then compiles
+  // against a default of that kind, so that sentence is the only error a user reads.
+  using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
+  using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
+  using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
+  using Backend = std::conditional_t<is_backend_v<BackendArg>, BackendArg, backend::host>;
+
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
