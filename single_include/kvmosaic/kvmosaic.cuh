@@ -9749,8 +9749,9 @@ __global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_param
 /// stages the per-sequence inputs (span counts, token budgets, the always-read region, and a span
 /// table when the spans are not the pages) and launches the scoring and top-k kernels
 /// (kernel/select_pages.cuh). A stage (`cuda/select/quest.cuh`, `cuda/select/sentence_chunks.cuh`)
-/// says where its spans' bounds live (`span_source`) and what each sequence has; this does the
-/// rest, the same for both.
+/// derives from it, says where its spans' bounds live (`use_source`, once its storage exists) and
+/// plans each step (`start`, `add`); the rest of the stage's interface (staging, outputs, launch,
+/// read-back) is this class's, the same for both.
 ///
 /// Cost per step: one scoring pass over every span's bounds (2 x head_dim 16-bit values per span
 /// and KV head) and a radix top-k per (sequence, KV head); host: O(batch) staging, plus the span
@@ -9775,7 +9776,12 @@ struct span_source {
 template <class Shapes>
 class span_selection {
  public:
-  explicit span_selection(const kvmosaic::detail::engine_shape& shape) : shape_(shape) {
+  static constexpr bool selects = true;
+
+  /// `row_masks_possible`: whether any step may pick spans smaller than a page (sizes the
+  /// row-mask outputs).
+  span_selection(const kvmosaic::detail::engine_shape& shape, bool row_masks_possible)
+      : shape_(shape), row_masks_possible_(row_masks_possible) {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -9784,45 +9790,12 @@ class span_selection {
 
   /// Row-mask words per page: ceil(page_size / 32).
   int mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
-
-  /// Starts the host half of a step of `batch` sequences: `row_masks` when spans are smaller than
-  /// a page, `spans_per_sequence`: the scores each (sequence, KV head) needs room for when the
-  /// spans are the stage's own (0: the block tables' spans, sized by `reserve`), `table_entries`:
-  /// the span-table entries the longest sequence lists (own tables only).
-  void start(const kvmosaic::detail::selection_request& request, std::size_t batch, bool row_masks,
-             std::int32_t table_entries) {
-    planned_ = true;
-    row_masks_ = row_masks;
-    combine_sum_ = request.combine == group_combine::sum;
-    planned_batch_ = static_cast<std::int32_t>(batch);
-    span_table_stride_ = std::max(span_table_stride_, table_entries);
-    batch_capacity_ = std::max(batch_capacity_, planned_batch_);
-    span_counts_.assign(batch, 0);
-    budget_tokens_.assign(batch, 0);
-    always_from_.assign(batch, 0);
-    span_tables_.assign(batch * static_cast<std::size_t>(span_table_stride_), 0);
-    selected_counts_.assign(batch, 0);
-  }
-  /// A step that reads every page (no request).
-  void start_unselected() noexcept { planned_ = false; }
-  /// Sequence b of the started step: `spans` to score, the budget and always-read region from
-  /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
-  void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
-           const std::vector<std::int32_t>* table = nullptr) {
-    span_counts_[b] = spans;
-    budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
-    always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));
-    selected_counts_[b] = read_pages;
-    if (table != nullptr)
-      std::copy(table->begin(), table->end(), span_tables_.begin() + static_cast<std::ptrdiff_t>(b * span_table_stride_));
-  }
-
   bool planned() const noexcept { return planned_; }
   bool row_masks() const noexcept { return planned_ && row_masks_; }
   /// Scores per (sequence, KV head): one per span of the longest sequence the layout holds.
-  std::int32_t score_stride(const span_source& source) const noexcept {
-    return source.own_tables ? std::max(span_table_stride_, 1) * source.spans_per_entry
-                             : table_stride_ * std::max(source.spans_per_entry, 1);
+  std::int32_t score_stride() const noexcept {
+    return source_.own_tables ? std::max(span_table_stride_, 1) * source_.spans_per_entry
+                              : table_stride_ * std::max(source_.spans_per_entry, 1);
   }
 
   /// Staged inputs: [span counts][token budgets][always-read starts][span tables], each
@@ -9841,12 +9814,12 @@ class span_selection {
   }
 
   /// Outputs for steps of up to `batch` sequences of up to `table_stride` pages, and scores for
-  /// `source`'s spans.
-  void reserve(std::int32_t batch, std::int32_t table_stride, const span_source& source) {
+  /// their spans.
+  void reserve(std::int32_t batch, std::int32_t table_stride) {
     batch_capacity_ = std::max(batch_capacity_, batch);
     table_stride_ = std::max(table_stride_, table_stride);
     const std::size_t rows = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * table_stride_;
-    const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride(source) * sizeof(float);
+    const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride() * sizeof(float);
     if (scores_.size() < score_bytes) scores_ = device_buffer(score_bytes);
     if (selected_.size() < rows * sizeof(std::int32_t)) selected_ = device_buffer(rows * sizeof(std::int32_t));
     if (row_masks_possible_) {  // and each chosen page's row mask
@@ -9859,9 +9832,6 @@ class span_selection {
       if (table_lengths_.size() < lengths) table_lengths_ = device_buffer(lengths);
     }
   }
-  /// Whether any step may pick blocks smaller than a page (sizes the row-mask outputs).
-  void allow_row_masks(bool possible) noexcept { row_masks_possible_ = possible; }
-
   /// The outputs the split kernels read in place of the sequences' block tables.
   void bind(kernel::decode_params& p) const noexcept {
     if (!planned_) return;
@@ -9876,20 +9846,19 @@ class span_selection {
   /// Scores every span, then chooses each KV head's pages (and, with row masks, their rows).
   /// `p`: the step's parameters (its metadata on the device), `staged`: this step's staged inputs
   /// on the device.
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, const span_source& source,
-              cudaStream_t stream) {
+  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
     if (!planned_) return;
     const std::size_t row = align(static_cast<std::size_t>(batch_capacity_) * sizeof(std::int32_t));
     kernel::select_params s{};
-    s.bounds = source.bounds;
-    s.bounds_entry_bytes = source.entry_bytes;
-    s.spans_per_entry = source.spans_per_entry;
-    s.span_tables = source.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
-    s.span_table_stride = source.own_tables ? span_table_stride_ : table_stride_;
-    s.span_tokens = source.span_tokens;
-    s.span_ranges = source.ranges;
+    s.bounds = source_.bounds;
+    s.bounds_entry_bytes = source_.entry_bytes;
+    s.spans_per_entry = source_.spans_per_entry;
+    s.span_tables = source_.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
+    s.span_table_stride = source_.own_tables ? span_table_stride_ : table_stride_;
+    s.span_tokens = source_.span_tokens;
+    s.span_ranges = source_.ranges;
     s.span_counts = reinterpret_cast<const std::int32_t*>(staged);
-    s.score_stride = score_stride(source);
+    s.score_stride = score_stride();
     s.step_header = p.step_header;
     s.block_tables = p.sequence_tables;
     s.sealed_pages = p.sealed_pages;
@@ -9919,7 +9888,7 @@ class span_selection {
       s.table_lengths = table_lengths_.as<std::int32_t>();
       // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
       int bytes = kernel::span_select_shared_bytes(s.score_stride);
-      if (bytes > max_dynamic_shared_ || source.longest_span > 65535) bytes = 0;
+      if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
       select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(s, bytes > 0 ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
@@ -9964,19 +9933,55 @@ class span_selection {
   }
   /// The scores of the last selected step for (b, head), one per span (`spans` of them;
   /// synchronizes).
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans, const span_source& source) const {
+  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
     std::vector<float> scores(static_cast<std::size_t>(spans));
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(scores.data(),
-                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(source),
+                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(),
                                    scores.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return scores;
+  }
+
+ protected:
+  /// Where the spans and their bounds live (fixed for the stage's life).
+  void use_source(const span_source& source) noexcept { source_ = source; }
+
+  /// Starts the host half of a step of `batch` sequences: `row_masks` when spans are smaller than
+  /// a page; `table_entries`: the span-table entries the longest sequence lists when the spans
+  /// are the stage's own (0 for the block tables' spans; scores are sized from either).
+  void start(const kvmosaic::detail::selection_request& request, std::size_t batch, bool row_masks,
+             std::int32_t table_entries) {
+    planned_ = true;
+    row_masks_ = row_masks;
+    combine_sum_ = request.combine == group_combine::sum;
+    planned_batch_ = static_cast<std::int32_t>(batch);
+    span_table_stride_ = std::max(span_table_stride_, table_entries);
+    batch_capacity_ = std::max(batch_capacity_, planned_batch_);
+    span_counts_.assign(batch, 0);
+    budget_tokens_.assign(batch, 0);
+    always_from_.assign(batch, 0);
+    span_tables_.assign(batch * static_cast<std::size_t>(span_table_stride_), 0);
+    selected_counts_.assign(batch, 0);
+  }
+  /// A step that reads every page (no request).
+  void start_unselected() noexcept { planned_ = false; }
+  /// Sequence b of the started step: `spans` to score, the budget and always-read region from
+  /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
+  void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
+           const std::vector<std::int32_t>* table = nullptr) {
+    span_counts_[b] = spans;
+    budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
+    always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));
+    selected_counts_[b] = read_pages;
+    if (table != nullptr)
+      std::copy(table->begin(), table->end(), span_tables_.begin() + static_cast<std::ptrdiff_t>(b * span_table_stride_));
   }
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
 
   kvmosaic::detail::engine_shape shape_;
+  span_source source_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
   bool row_masks_possible_ = false;
   std::int32_t batch_capacity_ = 0, table_stride_ = 0, span_table_stride_ = 0;
@@ -9997,21 +10002,24 @@ class span_selection {
 
 namespace kvmosaic::cuda {
 
+/// The spans are the blocks of the pages; staging, outputs, the launch and the read-back are
+/// `span_selection`'s.
 template <class Shapes>
-class selection_stage<select::quest, Shapes> {
- public:
-  static constexpr bool selects = true;
+class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
+  using spans = span_selection<Shapes>;
 
+ public:
   /// Bounds for every page of the pool, `selector.block_for(page_size)` tokens per block.
   selection_stage(const kvmosaic::detail::engine_shape& shape, const select::quest& selector)
-      : shape_(shape),
+      : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
+        shape_(shape),
         geometry_(shape, selector.block_for(shape.page_size)),
-        bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes),
-        spans_(shape) {
+        bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
     kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
                               "cuda::engine", "select::quest::block_tokens", geometry_.block_tokens,
                               "a multiple of 8 that divides the page size");
-    spans_.allow_row_masks(row_masks_possible());
+    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
+                                  geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false});
   }
 
   /// Device key bounds of each page: [max_pages][num_kv_heads][blocks][lo row, hi row], storage dtype.
@@ -10051,47 +10059,22 @@ class selection_stage<select::quest, Shapes> {
             std::vector<std::int32_t>& read_pages) {
     if (request == nullptr) {
       for (std::size_t b = 0; b < batch.size(); ++b) read_pages[b] = batch[b].sealed_pages;
-      spans_.start_unselected();
+      spans::start_unselected();
       return;
     }
-    const bool masks = row_masks_possible();
-    spans_.start(*request, batch.size(), masks, 0);
+    const bool masks = geometry_.block_tokens < shape_.page_size;
+    spans::start(*request, batch.size(), masks, 0);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t spans_read = std::max<std::int64_t>(request->budget[b], 0) / (masks ? geometry_.block_tokens : shape_.page_size);
       read_pages[b] = static_cast<std::int32_t>(std::min<std::int64_t>(spans_read, batch[b].sealed_pages));
-      spans_.add(b, batch[b].sealed_pages * geometry_.blocks_per_page, *request, read_pages[b]);
+      spans::add(b, batch[b].sealed_pages * geometry_.blocks_per_page, *request, read_pages[b]);
     }
   }
-  std::size_t staged_bytes() const noexcept { return spans_.staged_bytes(); }
-  void stage(std::byte* host) const { spans_.stage(host); }
-  void reserve(std::int32_t batch, std::int32_t table_stride) { spans_.reserve(batch, table_stride, source()); }
-  bool planned() const noexcept { return spans_.planned(); }
-  bool row_masks() const noexcept { return spans_.row_masks(); }
-  void bind(kernel::decode_params& p) const noexcept { spans_.bind(p); }
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
-    spans_.launch(p, staged, q, source(), stream);
-  }
-
-  /// What the last step chose (synchronizes; for tests and reports): the pages of (b, head), their
-  /// row masks (sub-page blocks), and the score of each of the first `spans` blocks.
-  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const { return spans_.selected_pages(b, head); }
-  std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const { return spans_.selected_rows(b, head); }
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
-    return spans_.span_scores(b, head, spans, source());
-  }
-  int mask_words() const noexcept { return spans_.mask_words(); }
 
  private:
-  bool row_masks_possible() const noexcept { return geometry_.block_tokens < shape_.page_size; }
-  span_source source() const noexcept {
-    return span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes), geometry_.blocks_per_page,
-                       geometry_.block_tokens, nullptr, geometry_.block_tokens, false};
-  }
-
   kvmosaic::detail::engine_shape shape_;
   kvmosaic::detail::bounds_geometry geometry_;
   device_buffer bounds_;  ///< [max_pages][num_kv_heads][blocks][lo row, hi row]
-  span_selection<Shapes> spans_;
 };
 
 }  // namespace kvmosaic::cuda
@@ -10192,19 +10175,22 @@ __global__ void __launch_bounds__(HeadDim) keep_open_rows_kernel(const chunk_par
 
 namespace kvmosaic::cuda {
 
+/// The spans are the closed chunks, listed per sequence in its chunk table (always with row
+/// masks); staging, outputs, the launch and the read-back are `span_selection`'s.
 template <class Shapes>
-class selection_stage<select::sentence_chunks, Shapes> {
+class selection_stage<select::sentence_chunks, Shapes> : public span_selection<Shapes> {
+  using spans = span_selection<Shapes>;
+
  public:
-  static constexpr bool selects = true;
   /// Chunks per block of the chunk arena.
   static constexpr int chunks_per_block = 32;
 
   /// Storage for chunks of max(1, L - Delta) to L + Delta tokens (what Algorithm 2 can cut).
   selection_stage(const kvmosaic::detail::engine_shape& shape, const select::sentence_chunks& selector)
-      : shape_(shape),
+      : spans(shape, true),
+        shape_(shape),
         shortest_(std::max(1, selector.target_length - selector.window)),
-        longest_(selector.target_length + selector.window),
-        spans_(shape) {
+        longest_(selector.target_length + selector.window) {
     const std::int64_t tokens = (static_cast<std::int64_t>(shape.max_pages) + shape.max_sequences) * shape.page_size;
     const std::int64_t blocks = (tokens / shortest_ + chunks_per_block - 1) / chunks_per_block + shape.max_sequences;
     slots_.assign(static_cast<std::size_t>(shape.max_sequences), open_chunks{});
@@ -10213,7 +10199,8 @@ class selection_stage<select::sentence_chunks, Shapes> {
     bounds_ = device_buffer(static_cast<std::size_t>(blocks) * block_bytes());
     ranges_ = device_buffer(static_cast<std::size_t>(blocks) * chunks_per_block * sizeof(int2));
     open_ = device_buffer(static_cast<std::size_t>(shape.max_sequences) * 2 * open_row_bytes());
-    spans_.allow_row_masks(true);
+    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(block_bytes()), chunks_per_block, 0,
+                                  ranges_.as<const int2>(), longest_, true});
   }
 
   /// Chunk bounds are kept per chunk, not per page.
@@ -10293,35 +10280,18 @@ class selection_stage<select::sentence_chunks, Shapes> {
             std::vector<std::int32_t>& read_pages) {
     for (std::size_t b = 0; b < batch.size(); ++b) read_pages[b] = batch[b].sealed_pages;
     if (request == nullptr) {
-      spans_.start_unselected();
+      spans::start_unselected();
       return;
     }
     std::int32_t most_blocks = 0;
     for (const step_sequence& s : batch)
       most_blocks = std::max(most_blocks, static_cast<std::int32_t>(slots_[static_cast<std::size_t>(s.slot)].blocks.size()));
-    spans_.start(*request, batch.size(), true, most_blocks);
+    spans::start(*request, batch.size(), true, most_blocks);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const open_chunks& c = slots_[static_cast<std::size_t>(batch[b].slot)];
-      spans_.add(b, c.count, *request, read_pages[b], &c.blocks);
+      spans::add(b, c.count, *request, read_pages[b], &c.blocks);
     }
   }
-  std::size_t staged_bytes() const noexcept { return spans_.staged_bytes(); }
-  void stage(std::byte* host) const { spans_.stage(host); }
-  void reserve(std::int32_t batch, std::int32_t table_stride) { spans_.reserve(batch, table_stride, source()); }
-  bool planned() const noexcept { return spans_.planned(); }
-  bool row_masks() const noexcept { return spans_.row_masks(); }
-  void bind(kernel::decode_params& p) const noexcept { spans_.bind(p); }
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
-    spans_.launch(p, staged, q, source(), stream);
-  }
-
-  /// What the last step chose (synchronizes; for tests and reports), as `select::quest`'s stage.
-  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const { return spans_.selected_pages(b, head); }
-  std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const { return spans_.selected_rows(b, head); }
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
-    return spans_.span_scores(b, head, spans, source());
-  }
-  int mask_words() const noexcept { return spans_.mask_words(); }
 
  private:
   /// One sequence's chunks: its blocks, how many chunks it closed, and its open rows (in one of
@@ -10360,11 +10330,6 @@ class selection_stage<select::sentence_chunks, Shapes> {
   std::byte* open_row_buffer(std::int32_t slot, int buffer) {
     return open_.as<std::byte>() + (static_cast<std::size_t>(slot) * 2 + buffer) * open_row_bytes();
   }
-  span_source source() const noexcept {
-    return span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(block_bytes()), chunks_per_block, 0,
-                       ranges_.as<const int2>(), longest_, true};
-  }
-
   kvmosaic::detail::engine_shape shape_;
   int shortest_, longest_;                 ///< chunk lengths Algorithm 2 can cut
   std::vector<open_chunks> slots_;         ///< [max_sequences]
@@ -10375,7 +10340,6 @@ class selection_stage<select::sentence_chunks, Shapes> {
   device_buffer ranges_;                   ///< [blocks * chunks_per_block] {first token, end token}
   device_buffer open_;                     ///< [max_sequences][2][L + Delta][num_kv_heads][head_dim]
   device_buffer work_;                     ///< one call's closed chunks
-  span_selection<Shapes> spans_;
 };
 
 template <class Shapes>

@@ -30,21 +30,24 @@
 
 namespace kvmosaic::cuda {
 
+/// The spans are the blocks of the pages; staging, outputs, the launch and the read-back are
+/// `span_selection`'s.
 template <class Shapes>
-class selection_stage<select::quest, Shapes> {
- public:
-  static constexpr bool selects = true;
+class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
+  using spans = span_selection<Shapes>;
 
+ public:
   /// Bounds for every page of the pool, `selector.block_for(page_size)` tokens per block.
   selection_stage(const kvmosaic::detail::engine_shape& shape, const select::quest& selector)
-      : shape_(shape),
+      : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
+        shape_(shape),
         geometry_(shape, selector.block_for(shape.page_size)),
-        bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes),
-        spans_(shape) {
+        bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
     kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
                               "cuda::engine", "select::quest::block_tokens", geometry_.block_tokens,
                               "a multiple of 8 that divides the page size");
-    spans_.allow_row_masks(row_masks_possible());
+    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
+                                  geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false});
   }
 
   /// Device key bounds of each page: [max_pages][num_kv_heads][blocks][lo row, hi row], storage dtype.
@@ -84,47 +87,22 @@ class selection_stage<select::quest, Shapes> {
             std::vector<std::int32_t>& read_pages) {
     if (request == nullptr) {
       for (std::size_t b = 0; b < batch.size(); ++b) read_pages[b] = batch[b].sealed_pages;
-      spans_.start_unselected();
+      spans::start_unselected();
       return;
     }
-    const bool masks = row_masks_possible();
-    spans_.start(*request, batch.size(), masks, 0);
+    const bool masks = geometry_.block_tokens < shape_.page_size;
+    spans::start(*request, batch.size(), masks, 0);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t spans_read = std::max<std::int64_t>(request->budget[b], 0) / (masks ? geometry_.block_tokens : shape_.page_size);
       read_pages[b] = static_cast<std::int32_t>(std::min<std::int64_t>(spans_read, batch[b].sealed_pages));
-      spans_.add(b, batch[b].sealed_pages * geometry_.blocks_per_page, *request, read_pages[b]);
+      spans::add(b, batch[b].sealed_pages * geometry_.blocks_per_page, *request, read_pages[b]);
     }
   }
-  std::size_t staged_bytes() const noexcept { return spans_.staged_bytes(); }
-  void stage(std::byte* host) const { spans_.stage(host); }
-  void reserve(std::int32_t batch, std::int32_t table_stride) { spans_.reserve(batch, table_stride, source()); }
-  bool planned() const noexcept { return spans_.planned(); }
-  bool row_masks() const noexcept { return spans_.row_masks(); }
-  void bind(kernel::decode_params& p) const noexcept { spans_.bind(p); }
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
-    spans_.launch(p, staged, q, source(), stream);
-  }
-
-  /// What the last step chose (synchronizes; for tests and reports): the pages of (b, head), their
-  /// row masks (sub-page blocks), and the score of each of the first `spans` blocks.
-  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const { return spans_.selected_pages(b, head); }
-  std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const { return spans_.selected_rows(b, head); }
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
-    return spans_.span_scores(b, head, spans, source());
-  }
-  int mask_words() const noexcept { return spans_.mask_words(); }
 
  private:
-  bool row_masks_possible() const noexcept { return geometry_.block_tokens < shape_.page_size; }
-  span_source source() const noexcept {
-    return span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes), geometry_.blocks_per_page,
-                       geometry_.block_tokens, nullptr, geometry_.block_tokens, false};
-  }
-
   kvmosaic::detail::engine_shape shape_;
   kvmosaic::detail::bounds_geometry geometry_;
   device_buffer bounds_;  ///< [max_pages][num_kv_heads][blocks][lo row, hi row]
-  span_selection<Shapes> spans_;
 };
 
 }  // namespace kvmosaic::cuda

@@ -37,19 +37,22 @@
 
 namespace kvmosaic::cuda {
 
+/// The spans are the closed chunks, listed per sequence in its chunk table (always with row
+/// masks); staging, outputs, the launch and the read-back are `span_selection`'s.
 template <class Shapes>
-class selection_stage<select::sentence_chunks, Shapes> {
+class selection_stage<select::sentence_chunks, Shapes> : public span_selection<Shapes> {
+  using spans = span_selection<Shapes>;
+
  public:
-  static constexpr bool selects = true;
   /// Chunks per block of the chunk arena.
   static constexpr int chunks_per_block = 32;
 
   /// Storage for chunks of max(1, L - Delta) to L + Delta tokens (what Algorithm 2 can cut).
   selection_stage(const kvmosaic::detail::engine_shape& shape, const select::sentence_chunks& selector)
-      : shape_(shape),
+      : spans(shape, true),
+        shape_(shape),
         shortest_(std::max(1, selector.target_length - selector.window)),
-        longest_(selector.target_length + selector.window),
-        spans_(shape) {
+        longest_(selector.target_length + selector.window) {
     const std::int64_t tokens = (static_cast<std::int64_t>(shape.max_pages) + shape.max_sequences) * shape.page_size;
     const std::int64_t blocks = (tokens / shortest_ + chunks_per_block - 1) / chunks_per_block + shape.max_sequences;
     slots_.assign(static_cast<std::size_t>(shape.max_sequences), open_chunks{});
@@ -58,7 +61,8 @@ class selection_stage<select::sentence_chunks, Shapes> {
     bounds_ = device_buffer(static_cast<std::size_t>(blocks) * block_bytes());
     ranges_ = device_buffer(static_cast<std::size_t>(blocks) * chunks_per_block * sizeof(int2));
     open_ = device_buffer(static_cast<std::size_t>(shape.max_sequences) * 2 * open_row_bytes());
-    spans_.allow_row_masks(true);
+    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(block_bytes()), chunks_per_block, 0,
+                                  ranges_.as<const int2>(), longest_, true});
   }
 
   /// Chunk bounds are kept per chunk, not per page.
@@ -138,35 +142,18 @@ class selection_stage<select::sentence_chunks, Shapes> {
             std::vector<std::int32_t>& read_pages) {
     for (std::size_t b = 0; b < batch.size(); ++b) read_pages[b] = batch[b].sealed_pages;
     if (request == nullptr) {
-      spans_.start_unselected();
+      spans::start_unselected();
       return;
     }
     std::int32_t most_blocks = 0;
     for (const step_sequence& s : batch)
       most_blocks = std::max(most_blocks, static_cast<std::int32_t>(slots_[static_cast<std::size_t>(s.slot)].blocks.size()));
-    spans_.start(*request, batch.size(), true, most_blocks);
+    spans::start(*request, batch.size(), true, most_blocks);
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const open_chunks& c = slots_[static_cast<std::size_t>(batch[b].slot)];
-      spans_.add(b, c.count, *request, read_pages[b], &c.blocks);
+      spans::add(b, c.count, *request, read_pages[b], &c.blocks);
     }
   }
-  std::size_t staged_bytes() const noexcept { return spans_.staged_bytes(); }
-  void stage(std::byte* host) const { spans_.stage(host); }
-  void reserve(std::int32_t batch, std::int32_t table_stride) { spans_.reserve(batch, table_stride, source()); }
-  bool planned() const noexcept { return spans_.planned(); }
-  bool row_masks() const noexcept { return spans_.row_masks(); }
-  void bind(kernel::decode_params& p) const noexcept { spans_.bind(p); }
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
-    spans_.launch(p, staged, q, source(), stream);
-  }
-
-  /// What the last step chose (synchronizes; for tests and reports), as `select::quest`'s stage.
-  std::vector<std::int32_t> selected_pages(std::int32_t b, int head) const { return spans_.selected_pages(b, head); }
-  std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const { return spans_.selected_rows(b, head); }
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
-    return spans_.span_scores(b, head, spans, source());
-  }
-  int mask_words() const noexcept { return spans_.mask_words(); }
 
  private:
   /// One sequence's chunks: its blocks, how many chunks it closed, and its open rows (in one of
@@ -205,11 +192,6 @@ class selection_stage<select::sentence_chunks, Shapes> {
   std::byte* open_row_buffer(std::int32_t slot, int buffer) {
     return open_.as<std::byte>() + (static_cast<std::size_t>(slot) * 2 + buffer) * open_row_bytes();
   }
-  span_source source() const noexcept {
-    return span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(block_bytes()), chunks_per_block, 0,
-                       ranges_.as<const int2>(), longest_, true};
-  }
-
   kvmosaic::detail::engine_shape shape_;
   int shortest_, longest_;                 ///< chunk lengths Algorithm 2 can cut
   std::vector<open_chunks> slots_;         ///< [max_sequences]
@@ -220,7 +202,6 @@ class selection_stage<select::sentence_chunks, Shapes> {
   device_buffer ranges_;                   ///< [blocks * chunks_per_block] {first token, end token}
   device_buffer open_;                     ///< [max_sequences][2][L + Delta][num_kv_heads][head_dim]
   device_buffer work_;                     ///< one call's closed chunks
-  span_selection<Shapes> spans_;
 };
 
 template <class Shapes>

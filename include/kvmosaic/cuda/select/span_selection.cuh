@@ -8,8 +8,9 @@
 /// stages the per-sequence inputs (span counts, token budgets, the always-read region, and a span
 /// table when the spans are not the pages) and launches the scoring and top-k kernels
 /// (kernel/select_pages.cuh). A stage (`cuda/select/quest.cuh`, `cuda/select/sentence_chunks.cuh`)
-/// says where its spans' bounds live (`span_source`) and what each sequence has; this does the
-/// rest, the same for both.
+/// derives from it, says where its spans' bounds live (`use_source`, once its storage exists) and
+/// plans each step (`start`, `add`); the rest of the stage's interface (staging, outputs, launch,
+/// read-back) is this class's, the same for both.
 ///
 /// Cost per step: one scoring pass over every span's bounds (2 x head_dim 16-bit values per span
 /// and KV head) and a radix top-k per (sequence, KV head); host: O(batch) staging, plus the span
@@ -52,7 +53,12 @@ struct span_source {
 template <class Shapes>
 class span_selection {
  public:
-  explicit span_selection(const kvmosaic::detail::engine_shape& shape) : shape_(shape) {
+  static constexpr bool selects = true;
+
+  /// `row_masks_possible`: whether any step may pick spans smaller than a page (sizes the
+  /// row-mask outputs).
+  span_selection(const kvmosaic::detail::engine_shape& shape, bool row_masks_possible)
+      : shape_(shape), row_masks_possible_(row_masks_possible) {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -61,45 +67,12 @@ class span_selection {
 
   /// Row-mask words per page: ceil(page_size / 32).
   int mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
-
-  /// Starts the host half of a step of `batch` sequences: `row_masks` when spans are smaller than
-  /// a page, `spans_per_sequence`: the scores each (sequence, KV head) needs room for when the
-  /// spans are the stage's own (0: the block tables' spans, sized by `reserve`), `table_entries`:
-  /// the span-table entries the longest sequence lists (own tables only).
-  void start(const kvmosaic::detail::selection_request& request, std::size_t batch, bool row_masks,
-             std::int32_t table_entries) {
-    planned_ = true;
-    row_masks_ = row_masks;
-    combine_sum_ = request.combine == group_combine::sum;
-    planned_batch_ = static_cast<std::int32_t>(batch);
-    span_table_stride_ = std::max(span_table_stride_, table_entries);
-    batch_capacity_ = std::max(batch_capacity_, planned_batch_);
-    span_counts_.assign(batch, 0);
-    budget_tokens_.assign(batch, 0);
-    always_from_.assign(batch, 0);
-    span_tables_.assign(batch * static_cast<std::size_t>(span_table_stride_), 0);
-    selected_counts_.assign(batch, 0);
-  }
-  /// A step that reads every page (no request).
-  void start_unselected() noexcept { planned_ = false; }
-  /// Sequence b of the started step: `spans` to score, the budget and always-read region from
-  /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
-  void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
-           const std::vector<std::int32_t>* table = nullptr) {
-    span_counts_[b] = spans;
-    budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
-    always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));
-    selected_counts_[b] = read_pages;
-    if (table != nullptr)
-      std::copy(table->begin(), table->end(), span_tables_.begin() + static_cast<std::ptrdiff_t>(b * span_table_stride_));
-  }
-
   bool planned() const noexcept { return planned_; }
   bool row_masks() const noexcept { return planned_ && row_masks_; }
   /// Scores per (sequence, KV head): one per span of the longest sequence the layout holds.
-  std::int32_t score_stride(const span_source& source) const noexcept {
-    return source.own_tables ? std::max(span_table_stride_, 1) * source.spans_per_entry
-                             : table_stride_ * std::max(source.spans_per_entry, 1);
+  std::int32_t score_stride() const noexcept {
+    return source_.own_tables ? std::max(span_table_stride_, 1) * source_.spans_per_entry
+                              : table_stride_ * std::max(source_.spans_per_entry, 1);
   }
 
   /// Staged inputs: [span counts][token budgets][always-read starts][span tables], each
@@ -118,12 +91,12 @@ class span_selection {
   }
 
   /// Outputs for steps of up to `batch` sequences of up to `table_stride` pages, and scores for
-  /// `source`'s spans.
-  void reserve(std::int32_t batch, std::int32_t table_stride, const span_source& source) {
+  /// their spans.
+  void reserve(std::int32_t batch, std::int32_t table_stride) {
     batch_capacity_ = std::max(batch_capacity_, batch);
     table_stride_ = std::max(table_stride_, table_stride);
     const std::size_t rows = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * table_stride_;
-    const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride(source) * sizeof(float);
+    const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride() * sizeof(float);
     if (scores_.size() < score_bytes) scores_ = device_buffer(score_bytes);
     if (selected_.size() < rows * sizeof(std::int32_t)) selected_ = device_buffer(rows * sizeof(std::int32_t));
     if (row_masks_possible_) {  // and each chosen page's row mask
@@ -136,9 +109,6 @@ class span_selection {
       if (table_lengths_.size() < lengths) table_lengths_ = device_buffer(lengths);
     }
   }
-  /// Whether any step may pick blocks smaller than a page (sizes the row-mask outputs).
-  void allow_row_masks(bool possible) noexcept { row_masks_possible_ = possible; }
-
   /// The outputs the split kernels read in place of the sequences' block tables.
   void bind(kernel::decode_params& p) const noexcept {
     if (!planned_) return;
@@ -153,20 +123,19 @@ class span_selection {
   /// Scores every span, then chooses each KV head's pages (and, with row masks, their rows).
   /// `p`: the step's parameters (its metadata on the device), `staged`: this step's staged inputs
   /// on the device.
-  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, const span_source& source,
-              cudaStream_t stream) {
+  void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
     if (!planned_) return;
     const std::size_t row = align(static_cast<std::size_t>(batch_capacity_) * sizeof(std::int32_t));
     kernel::select_params s{};
-    s.bounds = source.bounds;
-    s.bounds_entry_bytes = source.entry_bytes;
-    s.spans_per_entry = source.spans_per_entry;
-    s.span_tables = source.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
-    s.span_table_stride = source.own_tables ? span_table_stride_ : table_stride_;
-    s.span_tokens = source.span_tokens;
-    s.span_ranges = source.ranges;
+    s.bounds = source_.bounds;
+    s.bounds_entry_bytes = source_.entry_bytes;
+    s.spans_per_entry = source_.spans_per_entry;
+    s.span_tables = source_.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
+    s.span_table_stride = source_.own_tables ? span_table_stride_ : table_stride_;
+    s.span_tokens = source_.span_tokens;
+    s.span_ranges = source_.ranges;
     s.span_counts = reinterpret_cast<const std::int32_t*>(staged);
-    s.score_stride = score_stride(source);
+    s.score_stride = score_stride();
     s.step_header = p.step_header;
     s.block_tables = p.sequence_tables;
     s.sealed_pages = p.sealed_pages;
@@ -196,7 +165,7 @@ class span_selection {
       s.table_lengths = table_lengths_.as<std::int32_t>();
       // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
       int bytes = kernel::span_select_shared_bytes(s.score_stride);
-      if (bytes > max_dynamic_shared_ || source.longest_span > 65535) bytes = 0;
+      if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
       select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(s, bytes > 0 ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
@@ -241,19 +210,55 @@ class span_selection {
   }
   /// The scores of the last selected step for (b, head), one per span (`spans` of them;
   /// synchronizes).
-  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans, const span_source& source) const {
+  std::vector<float> span_scores(std::int32_t b, int head, std::int32_t spans) const {
     std::vector<float> scores(static_cast<std::size_t>(spans));
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(scores.data(),
-                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(source),
+                                   scores_.as<const float>() + (static_cast<std::size_t>(b) * shape_.num_kv_heads + head) * score_stride(),
                                    scores.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return scores;
+  }
+
+ protected:
+  /// Where the spans and their bounds live (fixed for the stage's life).
+  void use_source(const span_source& source) noexcept { source_ = source; }
+
+  /// Starts the host half of a step of `batch` sequences: `row_masks` when spans are smaller than
+  /// a page; `table_entries`: the span-table entries the longest sequence lists when the spans
+  /// are the stage's own (0 for the block tables' spans; scores are sized from either).
+  void start(const kvmosaic::detail::selection_request& request, std::size_t batch, bool row_masks,
+             std::int32_t table_entries) {
+    planned_ = true;
+    row_masks_ = row_masks;
+    combine_sum_ = request.combine == group_combine::sum;
+    planned_batch_ = static_cast<std::int32_t>(batch);
+    span_table_stride_ = std::max(span_table_stride_, table_entries);
+    batch_capacity_ = std::max(batch_capacity_, planned_batch_);
+    span_counts_.assign(batch, 0);
+    budget_tokens_.assign(batch, 0);
+    always_from_.assign(batch, 0);
+    span_tables_.assign(batch * static_cast<std::size_t>(span_table_stride_), 0);
+    selected_counts_.assign(batch, 0);
+  }
+  /// A step that reads every page (no request).
+  void start_unselected() noexcept { planned_ = false; }
+  /// Sequence b of the started step: `spans` to score, the budget and always-read region from
+  /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
+  void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
+           const std::vector<std::int32_t>* table = nullptr) {
+    span_counts_[b] = spans;
+    budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
+    always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));
+    selected_counts_[b] = read_pages;
+    if (table != nullptr)
+      std::copy(table->begin(), table->end(), span_tables_.begin() + static_cast<std::ptrdiff_t>(b * span_table_stride_));
   }
 
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
 
   kvmosaic::detail::engine_shape shape_;
+  span_source source_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
   bool row_masks_possible_ = false;
   std::int32_t batch_capacity_ = 0, table_stride_ = 0, span_table_stride_ = 0;
