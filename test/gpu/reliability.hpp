@@ -7,6 +7,7 @@
 // (errors injected with detail::cuda_fault_injection); stale handles, per-sequence key weights, a
 // GQA group with one extreme head, and q/out that the device cannot read.
 
+#include "../support/feed.hpp"
 #include "twin.hpp"
 
 namespace kvmosaic::test::reliability {
@@ -56,44 +57,17 @@ inline cache_config config_for(int page) {
 }
 
 /// Tokens [first, first + n) of a synthetic stream, on the device, with ids (sentence boundaries
-/// every fifth token).
+/// every fifth token): `Rows` of test/support/feed.hpp.
 struct device_rows {
   device_rows(const cache_config& c, std::uint64_t stream, int first, int n)
-      : kv(synthetic::generate_kv(generator_for(c), stream, first, n)), k(kv.k), v(kv.v) {
-    for (int t = first; t < first + n; ++t) ids.push_back(t % 5 == 4 ? synthetic::comma_token_id : 1000 + t);
-  }
-  static synthetic::kv_config generator_for(const cache_config& c) {
-    synthetic::kv_config g;
-    g.num_kv_heads = c.num_kv_heads;
-    g.group_size = c.group_size;
-    g.head_dim = c.head_dim;
-    g.seed = 19;
-    return g;
-  }
-  tensor_view<const float, 3> kd() const { return {k.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim}; }
-  tensor_view<const float, 3> vd() const { return {v.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim}; }
+      : kv(synthetic::generate_kv(generator_for(c, 19), stream, first, n)), k_(kv.k), v_(kv.v), ids(stream_ids(first, n)) {}
+  tensor_view<const float, 3> k() const { return {k_.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim}; }
+  tensor_view<const float, 3> v() const { return {v_.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim}; }
   span<const std::int32_t> id_span() const { return {ids.data(), static_cast<std::int64_t>(ids.size())}; }
   synthetic::kv_data kv;
-  device_array<float> k, v;
+  device_array<float> k_, v_;
   std::vector<std::int32_t> ids;
 };
-
-template <class Cache>
-void prefill(Cache& cache, sequence_id seq, const device_rows& r) {
-  if constexpr (selector_traits<typename Cache::selector_type>::needs_token_ids)
-    cache.prefill(seq, r.kd(), r.vd(), r.id_span());
-  else
-    cache.prefill(seq, r.kd(), r.vd());
-}
-
-template <class Cache>
-void append(Cache& cache, const std::vector<sequence_id>& seqs, const device_rows& r) {
-  const span<const sequence_id> s(seqs.data(), static_cast<std::int64_t>(seqs.size()));
-  if constexpr (selector_traits<typename Cache::selector_type>::needs_token_ids)
-    cache.append(s, r.kd(), r.vd(), r.id_span());
-  else
-    cache.append(s, r.kd(), r.vd());
-}
 
 /// What a caller can observe: gauge, lengths, block tables, the device bytes of every page in
 /// them, and the outputs of fixed queries (bitwise).
@@ -325,7 +299,7 @@ inline void check_device_arrays() {
                     Catch::Contains("q = host memory"));
   CHECK_THROWS_WITH(cache.attend(one, tensor_view<const float, 3>(q.data(), 1, hq, d), tensor_view<float, 3>(host_out.data(), 1, hq, d)),
                     Catch::Contains("out = host memory"));
-  CHECK_THROWS_WITH(cache.prefill(seq, tensor_view<const float, 3>(r.kv.k.data(), 9, c.num_kv_heads, d), r.vd()),
+  CHECK_THROWS_WITH(cache.prefill(seq, tensor_view<const float, 3>(r.kv.k.data(), 9, c.num_kv_heads, d), r.v()),
                     Catch::Contains("k = host memory"));
   // Strided q and out (every other head of a wider array) are honoured: the same outputs as packed.
   cache.attend(one, tensor_view<const float, 3>(q.data(), 1, hq, d), tensor_view<float, 3>(out.data(), 1, hq, d));

@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../support/feed.hpp"
 #include "../support/oracle.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
@@ -104,17 +105,8 @@ cache_config small_config(int page = 16) {
   return c;
 }
 
-synthetic::kv_config synthetic_for(const cache_config& c, std::uint64_t seed = 7) {
-  synthetic::kv_config s;
-  s.num_kv_heads = c.num_kv_heads;
-  s.group_size = c.group_size;
-  s.head_dim = c.head_dim;
-  s.seed = seed;
-  return s;
-}
-
 /// Tokens [first, first + n) of synthetic stream `stream`, with ids cycling through sentence
-/// boundaries (for select::sentence_chunks).
+/// boundaries (for select::sentence_chunks): `Rows` of test/support/feed.hpp.
 struct rows {
   synthetic::kv_data kv;
   std::vector<std::int32_t> ids;
@@ -123,28 +115,10 @@ struct rows {
   span<const std::int32_t> id_span() const { return {ids.data(), static_cast<std::int64_t>(ids.size())}; }
 };
 rows make_rows(const cache_config& c, std::uint64_t stream, int first, int n) {
-  rows r;
-  r.kv = synthetic::generate_kv(synthetic_for(c), stream, first, n);
-  for (int t = first; t < first + n; ++t) r.ids.push_back(t % 5 == 4 ? synthetic::comma_token_id : 1000 + t);
-  return r;
+  return rows{synthetic::generate_kv(test::generator_for(c, 7), stream, first, n), test::stream_ids(first, n)};
 }
-
-template <class Cache>
-void prefill(Cache& cache, sequence_id seq, const rows& r) {
-  if constexpr (selector_traits<typename Cache::selector_type>::needs_token_ids)
-    cache.prefill(seq, r.k(), r.v(), r.id_span());
-  else
-    cache.prefill(seq, r.k(), r.v());
-}
-
-template <class Cache>
-void append(Cache& cache, const std::vector<sequence_id>& seqs, const rows& r) {
-  const span<const sequence_id> s(seqs.data(), static_cast<std::int64_t>(seqs.size()));
-  if constexpr (selector_traits<typename Cache::selector_type>::needs_token_ids)
-    cache.append(s, r.k(), r.v(), r.id_span());
-  else
-    cache.append(s, r.k(), r.v());
-}
+using test::append;
+using test::prefill;
 
 /// Everything a caller can observe of a set of sequences: gauge, lengths, block tables, chunk
 /// cuts, and the attention outputs of fixed queries (bitwise).
