@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../support/feed.hpp"
 #include "../support/oracle.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
@@ -19,12 +20,7 @@ using dense_cache = cache<format::dense>;
 namespace {
 
 synthetic::kv_config synthetic_for(const cache_config& c, std::uint64_t seed = 1) {
-  synthetic::kv_config s;
-  s.num_kv_heads = c.num_kv_heads;
-  s.group_size = c.group_size;
-  s.head_dim = c.head_dim;
-  s.seed = seed;
-  return s;
+  return test::generator_for(c, seed);
 }
 
 struct batch_result {

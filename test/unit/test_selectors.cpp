@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "../support/feed.hpp"
 #include "../support/oracle.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
@@ -25,12 +26,7 @@ namespace {
 using ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
 synthetic::kv_config synthetic_for(const cache_config& c, std::uint64_t seed = 3) {
-  synthetic::kv_config s;
-  s.num_kv_heads = c.num_kv_heads;
-  s.group_size = c.group_size;
-  s.head_dim = c.head_dim;
-  s.seed = seed;
-  return s;
+  return test::generator_for(c, seed);
 }
 
 cache_config small_config(int page_size = 64) {
