@@ -249,7 +249,9 @@ class cache
     const std::int32_t slot = free_slot("cache::fork_sequence");
     sequence_state child;  // copies (may throw): nothing changed yet
     child.pages = parent.pages;
-    child.length = parent.length;
+    child.stored = parent.stored;
+    child.seen = parent.seen;
+    child.slots = parent.slots;
     child.selector_state = parent.selector_state;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
@@ -343,11 +345,14 @@ class cache
       staged = traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, 0, rows);
       traits::reserve(s.selector_state, staged);
       s.pages.reserve(s.pages.size() + fresh.size());
+      if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + fresh.size(), config_.page_size);
       engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
       traits::template write<rows_on_device>(engine_, slot, staged, k, 0, rows);
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
-    s.length += rows;
+    if constexpr (evicts_tokens) s.slots.seal(fresh.size(), s.seen - tail, config_.page_size);  // reserved
+    s.stored += rows;
+    s.seen += rows;
     traits::commit(s.selector_state, staged);
   }
 
@@ -398,7 +403,10 @@ class cache
       staged[static_cast<std::size_t>(b)] =
           traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, b, 1);
       traits::reserve(s.selector_state, staged[static_cast<std::size_t>(b)]);
-      if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
+      if (tail_rows(s) + 1 == config_.page_size) {
+        s.pages.reserve(s.pages.size() + 1);
+        if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + 1, config_.page_size);
+      }
     }
     std::vector<detail::append_item> items;
     items.reserve(static_cast<std::size_t>(seqs.size()));
@@ -417,8 +425,12 @@ class cache
     });
     for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
       sequence_state& s = state_of(seqs(b));
-      if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
-      ++s.length;
+      if (items[static_cast<std::size_t>(b)].new_page >= 0) {
+        s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
+        if constexpr (evicts_tokens) s.slots.seal(1, s.seen - (config_.page_size - 1), config_.page_size);
+      }
+      ++s.stored;
+      ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
   }
@@ -449,9 +461,11 @@ class cache
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       const sequence_state& s = live(seqs(b), where);
-      detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
+      detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
-      batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
+      const std::uint64_t* live_rows = nullptr;
+      if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
+      batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
     }
     planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
@@ -463,7 +477,7 @@ class cache
       detail::selection_request request = selector_traits<Selector>::start_request(selector_, shape);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
-        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.length, tail_rows(s), request);
+        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
       }
       engine_.plan(batch, scale, &request);
     }
@@ -553,7 +567,133 @@ class cache
   }
 
   /// Tokens stored for a sequence.
-  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").length; }
+  /// Evicts the tokens at logical `positions` (host memory) of `seq`: attention skips them from
+  /// this call on, and every page left with no live token goes back to the pool at once (block-
+  /// granular reclaim; a compaction pass frees the rest). Positions of the other tokens, and
+  /// `length(seq)`, do not change. All or nothing: a position outside [0, length), in the open tail
+  /// (its rows are not evictable), already evicted or listed twice is an `invalid_argument` and
+  /// nothing changes. Cost: O(slots log slots) on the host (the position lookup); no device work.
+  template <class C = Compactor>
+  void evict(sequence_id seq, span<const std::int64_t> positions) {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::evict: this cache's compactor frees no memory; use compact::repack or "
+                  "compact::hole_fill");
+    static_assert(!rows_on_device, "kvmosaic::cache::evict: eviction on backend::cuda is not built yet (issue 20)");
+    static_assert(selector_traits<Selector>::reads_all_pages || selector_traits<Selector>::evicts,
+                  "kvmosaic::cache::evict: eviction with a read-less selector is not built yet (issue 20)");
+    const char* where = "cache::evict";
+    sequence_state& s = live(seq, where);
+    check_view(where, "positions", positions);
+    const int page = config_.page_size;
+    const std::int64_t open_from = s.seen - tail_rows(s);  // the tail's first position
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_position;  // (position, slot) of live sealed slots
+    by_position.reserve(s.slots.position.size() - static_cast<std::size_t>(s.slots.dead));
+    for (std::size_t slot = 0; slot < s.slots.position.size(); ++slot)
+      if (s.slots.position[slot] >= 0) by_position.emplace_back(s.slots.position[slot], static_cast<std::int64_t>(slot));
+    std::sort(by_position.begin(), by_position.end());
+    std::vector<std::int64_t> slots;
+    slots.reserve(static_cast<std::size_t>(positions.size()));
+    for (std::int64_t i = 0; i < positions.size(); ++i) {
+      const std::int64_t p = positions(i);
+      detail::require(p >= 0 && p < s.seen, where, "positions", p, "0 to length(seq) - 1");
+      detail::require(p < open_from, where, "positions", p,
+                      ("a sealed token: below " + std::to_string(open_from) + " (the tail's open rows are not evictable)").c_str());
+      detail::require(p >= sink_rows(format_), where, "positions", p,
+                      "a token after the format's sink tokens (they are kept 16-bit and always read)");
+      const auto it = std::lower_bound(by_position.begin(), by_position.end(), std::make_pair(p, std::int64_t{-1}));
+      detail::require(it != by_position.end() && it->first == p, where, "positions", p,
+                      "a live token (this one was evicted before)");
+      slots.push_back(it->second);
+    }
+    std::vector<std::int64_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    detail::require(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), where, "positions", "a repeated position",
+                    "distinct positions");
+    // Nothing below allocates past this point but the empty-page list: compute it on a copy first.
+    detail::slot_positions next = s.slots;
+    for (const std::int64_t slot : slots) next.evict(slot, page);
+    const std::vector<std::int32_t> empty = detail::empty_pages(next.position, page);
+    block_table pages;
+    pages.reserve(s.pages.size() - empty.size());
+    for (std::size_t i = 0, e = 0; i < s.pages.size(); ++i) {
+      if (e < empty.size() && empty[e] == static_cast<std::int32_t>(i)) {
+        ++e;
+        continue;
+      }
+      pages.push_back(s.pages[i]);
+    }
+    next.drop_pages(empty, page);
+    // Commit (cannot throw): the freed pages go back to the pool.
+    for (const std::int32_t i : empty) pool_.release(s.pages[static_cast<std::size_t>(i)]);
+    s.pages.swap(pages);
+    s.slots = std::move(next);
+    s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+  }
+
+  /// A compaction pass over `seq` with the cache's compactor (`compact::repack`,
+  /// `compact::hole_fill`): survivors move (memory/compaction_plan.hpp), the pages the pass empties
+  /// go back to the pool at once, and the position map follows. Pages shared with a fork (leading
+  /// pages whose reference count is above one) are neither moved nor freed. Returns what the pass
+  /// did. Cost: the plan, O(slots) on the host, and the engine's moves: a decode of every page a
+  /// move touches and an encode of every page it writes (formats that encode pages compress the
+  /// moved rows again: see the format's docs for what that does to its error).
+  template <class C = Compactor>
+  compaction_report compact(sequence_id seq) {
+    static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
+    static_assert(!rows_on_device, "kvmosaic::cache::compact: compaction on backend::cuda is not built yet (issue 20)");
+    sequence_state& s = live(seq, "cache::compact");
+    const int page = config_.page_size;
+    std::int32_t frozen = 0;
+    while (frozen < static_cast<std::int32_t>(s.pages.size()) && pool_.ref_count(s.pages[static_cast<std::size_t>(frozen)]) > 1)
+      ++frozen;
+    const std::int64_t round_start = std::max<std::int64_t>(s.slots.round_start, static_cast<std::int64_t>(frozen) * page);
+    const detail::compaction_plan plan = compactor_traits<C>::plan(compactor_, s.slots.position, page, round_start, frozen);
+    detail::slot_positions next;  // the map afterwards (allocates: before anything changes)
+    next.reserve(static_cast<std::size_t>(plan.pages_kept), page);
+    next.seal(static_cast<std::size_t>(plan.pages_kept), 0, page);
+    for (std::size_t slot = 0; slot < plan.positions.size(); ++slot) {
+      next.position[slot] = plan.positions[slot];
+      if (plan.positions[slot] < 0) next.evict(static_cast<std::int64_t>(slot), page);
+    }
+    next.round_start = static_cast<std::int64_t>(plan.pages_kept) * page;
+    engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    // Commit (cannot throw): emptied pages go back to the pool.
+    for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
+    s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
+    s.stored -= static_cast<std::int64_t>(plan.pages_freed) * page;
+    s.slots = std::move(next);
+    return plan.report(detail::reencodes_moved_rows_v<Format>);
+  }
+  /// `compact(seq)` for every live sequence; the reports summed.
+  template <class C = Compactor>
+  compaction_report compact() {
+    compaction_report total;
+    for (std::size_t i = 0; i < sequences_.size(); ++i)
+      if (sequences_[i].live)
+        total += compact<C>(static_cast<sequence_id>(static_cast<std::int64_t>(sequences_[i].generation) * config_.max_sequences +
+                                                     static_cast<std::int64_t>(i)));
+    return total;
+  }
+
+  /// The logical position of each sealed slot of `seq` (block-table order, -1 for an evicted
+  /// token), then its tail rows' positions: what position-dependent code (RoPE, prefix hashing)
+  /// reads once a compaction has moved tokens.
+  template <class C = Compactor>
+  std::vector<std::int64_t> positions(sequence_id seq) const {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::positions: without a compactor that frees memory, slot i holds position i");
+    const sequence_state& s = live(seq, "cache::positions");
+    std::vector<std::int64_t> out = s.slots.position;
+    for (std::int64_t p = s.seen - tail_rows(s); p < s.seen; ++p) out.push_back(p);
+    return out;
+  }
+
+  /// Tokens the sequence has been given: the position of its next token. Eviction and compaction
+  /// do not change it.
+  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").seen; }
+  /// Tokens the sequence holds in its slots (its sealed pages' rows, dead ones included until a
+  /// compaction reclaims them, and its tail rows); `length` when nothing was evicted.
+  std::int64_t stored_tokens(sequence_id seq) const { return live(seq, "cache::stored_tokens").stored; }
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -561,10 +701,10 @@ class cache
   memory_stats sequence_memory(sequence_id seq) const {
     const sequence_state& s = live(seq, "cache::sequence_memory");
     memory_stats m = pool_gauge();
-    m.tokens = s.length;
+    m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
                      (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-    m.dense_bytes = s.length * tail_row_bytes();
+    m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
 
@@ -574,9 +714,9 @@ class cache
     m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * page_bytes();
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
-      m.tokens += s.length;
+      m.tokens += s.stored;
       m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-      m.dense_bytes += s.length * tail_row_bytes();
+      m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
   }
@@ -585,8 +725,10 @@ class cache
   struct sequence_state {
     bool live = false;
     std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
-    std::int64_t length = 0;
+    std::int64_t stored = 0;  ///< slots in use: the sealed pages' rows and the tail rows
+    std::int64_t seen = 0;    ///< tokens given: the next token's position
     block_table pages;
+    detail::slot_positions slots;  ///< caches whose compactor frees memory: per sealed slot, its position
     typename selector_traits<Selector>::sequence_state selector_state;  ///< the selector's, per sequence
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
@@ -608,6 +750,8 @@ class cache
   /// The backend keeps K and V rows in device memory (backend::cuda): the selector's hooks then
   /// leave work on the keys to the engine.
   static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
+  /// The compactor frees memory: the cache keeps each sequence's position map and can evict.
+  static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -731,7 +875,7 @@ class cache
   }
 
   int tail_rows(const sequence_state& s) const {
-    return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+    return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
   /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
   std::int64_t sink_rows_of(const sequence_state& s) const {

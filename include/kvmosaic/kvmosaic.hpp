@@ -24,7 +24,9 @@
 #include "kvmosaic/select/sentence_chunks.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
+#include "kvmosaic/compact/hole_fill.hpp"
 #include "kvmosaic/compact/none.hpp"
+#include "kvmosaic/compact/repack.hpp"
 
 #include "kvmosaic/memory/page_pool.hpp"
 #include "kvmosaic/memory/block_table.hpp"

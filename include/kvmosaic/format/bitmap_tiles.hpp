@@ -261,4 +261,13 @@ struct format_traits<format::bitmap_tiles> {
   }
 };
 
+namespace detail {
+/// Compaction moves format::bitmap_tiles' tokens without changing a stored value: every token keeps
+/// the same count of values, so its tile bits and values move as a record. (The host path decodes
+/// and prunes the moved rows again, which keeps the same values when the sequence's K weights are
+/// those its pages were sealed with.)
+template <>
+struct reencodes_moved_rows<format::bitmap_tiles> : std::false_type {};
+}  // namespace detail
+
 }  // namespace kvmosaic

@@ -115,4 +115,11 @@ struct format_traits<format::dense> {
   }
 };
 
+namespace detail {
+/// Compaction moves format::dense's tokens without changing a stored value: a page holds each
+/// token's row as it is.
+template <>
+struct reencodes_moved_rows<format::dense> : std::false_type {};
+}  // namespace detail
+
 }  // namespace kvmosaic

@@ -80,6 +80,15 @@ template <class Format>
 inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
 
 namespace detail {
+/// Whether a compaction that moves a token into another page compresses it again (the page is
+/// re-encoded, which can change stored values: counted as `compaction_report::pages_reencoded`).
+/// False for formats whose pages hold each token's record as it is (format::dense,
+/// format::bitmap_tiles); a format says so by specializing this to false.
+template <class Format>
+struct reencodes_moved_rows : std::true_type {};
+template <class Format>
+inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
+
 /// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
 template <class Format, class = void>
 struct sink_rows_of {

@@ -31,6 +31,7 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/memory/block_table.hpp"
+#include "kvmosaic/memory/compaction_plan.hpp"
 #include "kvmosaic/select/all.hpp"
 #include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
@@ -101,6 +102,7 @@ struct sequence_ref {
   const block_table* pages;   ///< full (encoded) pages, in order
   std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
   std::int32_t slot;          ///< tail slot
+  const std::uint64_t* live = nullptr;  ///< per page, the live rows (`slot_positions::live`); null: every row
 };
 
 /// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
@@ -299,6 +301,71 @@ class engine {
       w.assign(weights, weights + shape_.row_elements());
   }
 
+  /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
+  /// memory/compaction_plan.hpp): every page a move reads or writes is decoded to dense rows, each
+  /// moved row is taken from the decoded sources (so every source is read before any destination
+  /// is written), and the pages written are encoded again with the format's encoder (and the
+  /// sequence's K weights), their key bounds rewritten. `first_page_sinks`: the sequence's first
+  /// page keeps sink rows (it is encoded with them hidden, as at seal). Cost: one decode of each
+  /// page touched and one encode of each page written, O(page_size x head_dim) each, per KV head.
+  void move_slots(std::int32_t slot, const block_table& pages, const detail::compaction_plan& plan, bool first_page_sinks) {
+    if (plan.moves.empty()) return;
+    const page_shape shape = shape_.page();
+    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
+    const std::size_t page_rows = static_cast<std::size_t>(p) * d;  // floats of one page, one head, K or V
+    std::vector<std::int32_t> touched = plan.pages_written;
+    for (const detail::slot_move& m : plan.moves) touched.push_back(static_cast<std::int32_t>(m.from / p));
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    const auto index_of = [&](std::int32_t page) {
+      return static_cast<std::size_t>(std::lower_bound(touched.begin(), touched.end(), page) - touched.begin());
+    };
+    // [touched page][head][K, V][rows]: decoded once, read-only; the written pages' rows are copies.
+    std::vector<float> decoded(touched.size() * heads * 2 * page_rows);
+    const auto rows_of = [&](std::vector<float>& buffer, std::size_t i, int h, int is_v) {
+      return buffer.data() + ((i * heads + h) * 2 + is_v) * page_rows;
+    };
+    for (std::size_t i = 0; i < touched.size(); ++i)
+      for (int h = 0; h < heads; ++h) {
+        const page_id page = pages[static_cast<std::size_t>(touched[i])];
+        traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
+        traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
+      }
+    std::vector<float> written = decoded;
+    for (const detail::slot_move& m : plan.moves) {
+      const std::size_t from = index_of(static_cast<std::int32_t>(m.from / p)), to = index_of(static_cast<std::int32_t>(m.to / p));
+      for (int h = 0; h < heads; ++h)
+        for (int is_v = 0; is_v < 2; ++is_v)
+          std::copy_n(rows_of(decoded, from, h, is_v) + (m.from % p) * d, d, rows_of(written, to, h, is_v) + (m.to % p) * d);
+    }
+    std::vector<float> rows(page_rows);
+    for (const std::int32_t index : plan.pages_written) {
+      const std::size_t i = index_of(index);
+      const page_id page = pages[static_cast<std::size_t>(index)];
+      std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
+      const int sinks = first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+      for (int h = 0; h < heads; ++h) {
+        for (int is_v = 0; is_v < 2; ++is_v) {
+          std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
+          if (is_v == 0)
+            for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
+              detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
+                                       bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+          for (int t = 0; t < sinks; ++t)  // hidden as at seal: the first row after them
+            std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
+          if (is_v == 1) {
+            traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
+          } else if constexpr (has_key_weights_v<Format>) {
+            const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+            traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * d, base + geometry_.k_page_offset(h));
+          } else {
+            traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
+          }
+        }
+      }
+    }
+  }
+
   /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
   /// selection request for `run` (the batch's block tables are read when `run` runs).
   void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
@@ -329,6 +396,8 @@ class engine {
         if (request != nullptr) {
           detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
           select_tokens(*request, b, seq, q, h, keep, chosen);
+          if (seq.live != nullptr)  // evicted tokens are never read
+            for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
           chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
           for (std::size_t i = 0; i < seq.pages->size(); ++i) {
             int tokens = 0;
@@ -345,7 +414,9 @@ class engine {
         const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
         for (std::size_t i = 0; i < seq.pages->size(); ++i) {
           const page_id page = (*seq.pages)[i];
-          const std::uint64_t* page_keep = request != nullptr ? keep.data() + i * mask_words : nullptr;
+          const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
+                                           : seq.live != nullptr ? seq.live + i * mask_words
+                                                                 : nullptr;
           if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
             continue;
           fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);

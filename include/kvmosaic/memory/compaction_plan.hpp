@@ -56,6 +56,61 @@ struct compaction_report {
 
 namespace detail {
 
+/// The position map of one sequence whose cache can evict: per sealed slot the token's logical
+/// position (-1 once evicted), and per page a live-row mask in the host attend's layout
+/// (`words(page_size)` 64-bit words, bit r of word w for row 64 w + r). Kept in step with the
+/// block table by the cache: `seal` when pages are sealed, `evict`, `drop_pages` and compaction.
+struct slot_positions {
+  std::vector<std::int64_t> position;
+  std::vector<std::uint64_t> live;
+  std::int64_t dead = 0;         ///< sealed slots whose token was evicted
+  std::int64_t round_start = 0;  ///< slots at the end of the previous compaction pass
+
+  static int words(int page_size) noexcept { return (page_size + 63) / 64; }
+  /// Room for `pages` sealed pages, so that `seal` cannot throw.
+  void reserve(std::size_t pages, int page_size) {
+    position.reserve(pages * static_cast<std::size_t>(page_size));
+    live.reserve(pages * static_cast<std::size_t>(words(page_size)));
+  }
+  /// `pages` new sealed pages holding positions first, first + 1, ... (within the reserved room).
+  void seal(std::size_t pages, std::int64_t first, int page_size) noexcept {
+    for (std::size_t i = 0; i < pages * static_cast<std::size_t>(page_size); ++i)
+      position.push_back(first + static_cast<std::int64_t>(i));
+    for (std::size_t i = 0; i < pages; ++i)
+      for (int w = 0; w < words(page_size); ++w) {
+        const int rows = page_size - 64 * w;
+        live.push_back(rows >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << rows) - 1);
+      }
+  }
+  /// Marks sealed slot `slot` dead.
+  void evict(std::int64_t slot, int page_size) noexcept {
+    position[static_cast<std::size_t>(slot)] = -1;
+    const std::int64_t page = slot / page_size, row = slot % page_size;
+    live[static_cast<std::size_t>(page * words(page_size) + row / 64)] &= ~(std::uint64_t{1} << (row % 64));
+    ++dead;
+  }
+  /// Removes the listed pages (ascending block-table indices) with their slots.
+  void drop_pages(const std::vector<std::int32_t>& pages, int page_size) noexcept {
+    std::size_t write_slot = 0, write_word = 0;
+    std::size_t next = 0;
+    const auto count = static_cast<std::int32_t>(position.size() / static_cast<std::size_t>(page_size));
+    for (std::int32_t page = 0; page < count; ++page) {
+      const auto first = static_cast<std::size_t>(page) * static_cast<std::size_t>(page_size);
+      if (next < pages.size() && pages[next] == page) {
+        ++next;
+        for (int r = 0; r < page_size; ++r) dead -= position[first + static_cast<std::size_t>(r)] < 0;
+        if (first < static_cast<std::size_t>(round_start)) round_start -= page_size;
+        continue;
+      }
+      for (int r = 0; r < page_size; ++r) position[write_slot++] = position[first + static_cast<std::size_t>(r)];
+      for (int w = 0; w < words(page_size); ++w)
+        live[write_word++] = live[static_cast<std::size_t>(page) * static_cast<std::size_t>(words(page_size)) + static_cast<std::size_t>(w)];
+    }
+    position.resize(write_slot);
+    live.resize(write_word);
+  }
+};
+
 /// One row move of a plan: the token in slot `from` goes to slot `to`.
 struct slot_move {
   std::int64_t from;

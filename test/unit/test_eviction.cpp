@@ -1,0 +1,343 @@
+// SPDX-License-Identifier: Apache-2.0
+// Eviction through the public API (host backend): the eviction notes' block-granular reclaim
+// numbers on the pool gauge, positions and lengths after eviction, attention over the live tokens
+// against the fp64 oracle, and the rejections.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "../support/feed.hpp"
+#include "../support/oracle.hpp"
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/support/synthetic.hpp"
+
+using namespace kvmosaic;
+
+namespace {
+
+using evicting_cache = cache<format::dense, select::all, compact::repack>;
+
+cache_config oracle_config() {
+  cache_config c;
+  c.num_kv_heads = 1;
+  c.group_size = 1;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 1000;
+  c.max_sequences = 2;
+  return c;
+}
+
+/// A sequence of `tokens` synthetic tokens in `kv`.
+sequence_id add(evicting_cache& kv, const cache_config& c, int tokens, synthetic::kv_data& data) {
+  data = synthetic::generate_kv(test::generator_for(c, 11), 0, tokens);
+  const sequence_id seq = kv.add_sequence();
+  kv.prefill(seq, test::k_view(data), test::v_view(data));
+  return seq;
+}
+
+std::vector<std::int64_t> every_but(std::int64_t n, std::int64_t stride) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t t = 0; t < n; ++t)
+    if (t % stride != 0) out.push_back(t);
+  return out;
+}
+
+span<const std::int64_t> view(const std::vector<std::int64_t>& v) { return {v.data(), static_cast<std::int64_t>(v.size())}; }
+
+}  // namespace
+
+TEST_CASE("eviction frees whole pages only: 90% scattered frees 0 of 1,000, an aligned page frees 1, one survivor "
+          "per page frees 0",
+          "[eviction]") {
+  const cache_config c = oracle_config();
+  synthetic::kv_data data;
+  {
+    evicting_cache kv(c);
+    const sequence_id seq = add(kv, c, 16000, data);
+    REQUIRE(kv.pool().used_pages() == 1000);
+    kv.evict(seq, view(every_but(16000, 10)));  // 1,600 survivors, one in every 10
+    CHECK(kv.pool().used_pages() == 1000);
+    CHECK(kv.length(seq) == 16000);
+    CHECK(kv.stored_tokens(seq) == 16000);
+  }
+  {
+    evicting_cache kv(c);
+    const sequence_id seq = add(kv, c, 16000, data);
+    std::vector<std::int64_t> page2;
+    for (std::int64_t t = 32; t < 48; ++t) page2.push_back(t);
+    kv.evict(seq, view(page2));
+    CHECK(kv.pool().used_pages() == 999);
+    CHECK(kv.pages(seq).size() == 999);
+    CHECK(kv.stored_tokens(seq) == 16000 - 16);
+    CHECK(kv.length(seq) == 16000);  // new tokens keep their positions
+    const std::vector<std::int64_t> positions = kv.positions(seq);
+    CHECK(positions.size() == 15984);
+    CHECK(positions[31] == 31);
+    CHECK(positions[32] == 48);
+  }
+  {
+    evicting_cache kv(c);
+    const sequence_id seq = add(kv, c, 16000, data);
+    kv.evict(seq, view(every_but(16000, 16)));  // 93.75% evicted, one survivor per page
+    CHECK(kv.pool().used_pages() == 1000);
+  }
+}
+
+TEST_CASE("after eviction, attention reads exactly the live tokens (fp64 oracle), and appends keep their positions",
+          "[eviction]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  const int tokens = 200;  // 12 pages and a tail of 8
+  synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 5), 0, tokens + 1);
+  synthetic::kv_data first = data;
+  first.num_tokens = tokens;
+  first.k.resize(static_cast<std::size_t>(tokens) * c.num_kv_heads * c.head_dim);
+  first.v.resize(first.k.size());
+  evicting_cache kv(c);
+  const sequence_id seq = kv.add_sequence();
+  kv.prefill(seq, test::k_view(first), test::v_view(first));
+  std::mt19937_64 rng(9);
+  std::vector<std::int64_t> dead;
+  for (std::int64_t t = 0; t < 192; ++t)
+    if (std::bernoulli_distribution(0.6)(rng)) dead.push_back(t);
+  for (std::int64_t t = 64; t < 80; ++t)  // and one whole page
+    if (std::find(dead.begin(), dead.end(), t) == dead.end()) dead.push_back(t);
+  kv.evict(seq, view(dead));
+  CHECK(kv.pages(seq).size() == 11);  // page 4 went back to the pool
+
+  // The next token lands at position 200, after the tail, whatever was evicted.
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const std::vector<float> k_next(data.k.begin() + tokens * row, data.k.end()), v_next(data.v.begin() + tokens * row, data.v.end());
+  const sequence_id one[] = {seq};
+  kv.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(k_next.data(), 1, c.num_kv_heads, c.head_dim),
+            tensor_view<const float, 3>(v_next.data(), 1, c.num_kv_heads, c.head_dim));
+  CHECK(kv.length(seq) == 201);
+  CHECK(kv.positions(seq).back() == 200);
+
+  // Attention over the live tokens only, against fp64 exact attention on them.
+  synthetic::kv_data live = test::rounded(data, c.storage);
+  std::vector<float> k_live, v_live;
+  for (std::int64_t t = 0; t <= tokens; ++t) {
+    if (std::find(dead.begin(), dead.end(), t) != dead.end()) continue;
+    k_live.insert(k_live.end(), live.k.begin() + t * static_cast<std::int64_t>(row), live.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
+    v_live.insert(v_live.end(), live.v.begin() + t * static_cast<std::int64_t>(row), live.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
+  }
+  live.k = k_live;
+  live.v = v_live;
+  live.num_tokens = static_cast<int>(k_live.size() / row);
+  const int hq = c.num_q_heads(), d = c.head_dim;
+  std::vector<float> q(static_cast<std::size_t>(hq) * d);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<float> out(q.size());
+  kv.attend(span<const sequence_id>(one, 1), tensor_view<float, 3>(q.data(), 1, hq, d), tensor_view<float, 3>(out.data(), 1, hq, d));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::vector<double> exact = test::exact(q, live, scale);
+  const test::error_bound bound = test::attention_error_bound(q, live, c.group_size, scale, c.storage, c.page_size, true);
+  for (std::size_t i = 0; i < exact.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(std::abs(out[i] - exact[i]) <= bound.per_element[i]);
+  }
+}
+
+TEST_CASE("eviction rejects what it cannot do, and changes nothing then", "[eviction]") {
+  cache_config c = oracle_config();
+  c.max_pages = 8;
+  synthetic::kv_data data;
+  evicting_cache kv(c);
+  const sequence_id seq = add(kv, c, 40, data);  // 2 pages and a tail of 8 (positions 32-39)
+  const std::vector<std::int64_t> before = kv.positions(seq);
+  const auto bad = [&](std::vector<std::int64_t> p, const char* says) {
+    CHECK_THROWS_WITH(kv.evict(seq, view(p)), Catch::Contains(says));
+    CHECK(kv.positions(seq) == before);
+    CHECK(kv.pool().used_pages() == 2);
+  };
+  bad({40}, "0 to length(seq) - 1");
+  bad({-1}, "0 to length(seq) - 1");
+  bad({3, 35}, "the tail's open rows are not evictable");
+  bad({3, 3}, "distinct positions");
+  kv.evict(seq, view(std::vector<std::int64_t>{3}));
+  CHECK_THROWS_WITH(kv.evict(seq, view(std::vector<std::int64_t>{3})), Catch::Contains("evicted before"));
+  kv.remove_sequence(seq);
+  CHECK_THROWS_WITH(kv.evict(seq, view(std::vector<std::int64_t>{4})), Catch::Contains("not removed"));
+}
+
+namespace {
+
+/// Attention of one fixed query over `seq`.
+template <class Cache>
+std::vector<float> attend_one(Cache& kv, sequence_id seq) {
+  const cache_config& c = kv.config();
+  const int hq = c.num_q_heads(), d = c.head_dim;
+  std::vector<float> q(static_cast<std::size_t>(hq) * d), out(q.size());
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
+  const sequence_id one[] = {seq};
+  kv.attend(span<const sequence_id>(one, 1), tensor_view<float, 3>(q.data(), 1, hq, d), tensor_view<float, 3>(out.data(), 1, hq, d));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("repack through the cache: 90% scattered eviction of 16,000 tokens in pages of 16 gives 900 pages back",
+          "[eviction][compaction]") {
+  const cache_config c = oracle_config();
+  synthetic::kv_data data;
+  evicting_cache kv(c);
+  const sequence_id seq = add(kv, c, 16000, data);
+  kv.evict(seq, view(every_but(16000, 10)));
+  const std::vector<float> before = attend_one(kv, seq);
+  const compaction_report r = kv.compact(seq);
+  CHECK(r.pages_freed == 900);
+  CHECK(r.slot_copies == 1599);  // every survivor but the first moves
+  CHECK(r.tokens_evicted == 14400);
+  CHECK(r.pages_reencoded == 0);  // dense moves rows as they are
+  CHECK(kv.pool().used_pages() == 100);
+  CHECK(kv.stored_tokens(seq) == 1600);
+  CHECK(kv.length(seq) == 16000);
+  const std::vector<std::int64_t> positions = kv.positions(seq);
+  REQUIRE(positions.size() == 1600);
+  for (std::size_t i = 0; i < positions.size(); ++i) REQUIRE(positions[i] == static_cast<std::int64_t>(i) * 10);
+  // The same survivors, now in 100 pages instead of 1,000: the same attention up to fp32
+  // summation order (the bound of fp32 arithmetic over the survivors, for each output).
+  synthetic::kv_data kept = test::rounded(data, c.storage);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  std::vector<float> k_kept, v_kept;
+  for (std::size_t t = 0; t < 16000; t += 10) {
+    k_kept.insert(k_kept.end(), kept.k.begin() + static_cast<std::ptrdiff_t>(t * row), kept.k.begin() + static_cast<std::ptrdiff_t>((t + 1) * row));
+    v_kept.insert(v_kept.end(), kept.v.begin() + static_cast<std::ptrdiff_t>(t * row), kept.v.begin() + static_cast<std::ptrdiff_t>((t + 1) * row));
+  }
+  kept.k = k_kept;
+  kept.v = v_kept;
+  kept.num_tokens = 1600;
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
+  const test::error_bound bound = test::attention_error_bound(q, kept, c.group_size, 1.0 / 8.0, c.storage, 1000, true);
+  const std::vector<float> after = attend_one(kv, seq);
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(std::abs(after[i] - before[i]) <= 2 * bound.per_element[i]);
+  }
+  CHECK(kv.compact(seq).slot_copies == 0);  // a second pass has nothing to do
+}
+
+TEST_CASE("hole filling through the cache: the newest round's survivors drop into the history's holes", "[eviction][compaction]") {
+  cache_config c = oracle_config();
+  c.max_pages = 8;
+  using filling_cache = cache<format::dense, select::all, compact::hole_fill>;
+  synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 4), 0, 96);
+  filling_cache kv(c);
+  const sequence_id seq = kv.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  kv.prefill(seq, tensor_view<const float, 3>(data.k.data(), 80, c.num_kv_heads, c.head_dim),
+             tensor_view<const float, 3>(data.v.data(), 80, c.num_kv_heads, c.head_dim));
+  CHECK(kv.compact(seq).slot_copies == 0);  // the history: 5 pages; the next round starts after them
+  kv.prefill(seq, tensor_view<const float, 3>(data.k.data() + 80 * row, 16, c.num_kv_heads, c.head_dim),
+             tensor_view<const float, 3>(data.v.data() + 80 * row, 16, c.num_kv_heads, c.head_dim));
+  std::vector<std::int64_t> dead = {2, 36, 52};  // three holes in the history
+  for (std::int64_t t = 80; t < 96; ++t)
+    if (t != 80 && t != 86 && t != 95) dead.push_back(t);  // the round keeps 80, 86 and 95
+  kv.evict(seq, view(dead));
+  const compaction_report r = kv.compact(seq);
+  CHECK(r.slot_copies == 3);
+  CHECK(r.pages_freed == 1);
+  CHECK(kv.pool().used_pages() == 5);
+  const std::vector<std::int64_t> positions = kv.positions(seq);
+  CHECK(positions[2] == 80);
+  CHECK(positions[36] == 86);
+  CHECK(positions[52] == 95);
+  std::vector<std::int64_t> sorted = positions;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<std::int64_t> expected;
+  for (std::int64_t t = 0; t < 96; ++t)
+    if (std::find(dead.begin(), dead.end(), t) == dead.end()) expected.push_back(t);
+  CHECK(sorted == expected);  // the same survivor set, in another physical order
+}
+
+TEST_CASE("compacted attention equals attention over a fresh cache of the same survivors (fp32 order aside)",
+          "[eviction][compaction]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  const int tokens = 300;
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 8), 0, tokens);
+  std::mt19937_64 rng(3);
+  std::vector<std::int64_t> dead;
+  for (std::int64_t t = 0; t < 288; ++t)
+    if (std::bernoulli_distribution(0.5)(rng)) dead.push_back(t);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  synthetic::kv_data kept = data;
+  kept.k.clear();
+  kept.v.clear();
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    if (std::find(dead.begin(), dead.end(), t) != dead.end()) continue;
+    kept.k.insert(kept.k.end(), data.k.begin() + t * static_cast<std::int64_t>(row), data.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
+    kept.v.insert(kept.v.end(), data.v.begin() + t * static_cast<std::int64_t>(row), data.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
+  }
+  kept.num_tokens = static_cast<int>(kept.k.size() / row);
+  for (const bool fill : {false, true}) {
+    CAPTURE(fill);
+    std::vector<float> compacted;
+    if (fill) {
+      cache<format::dense, select::all, compact::hole_fill> kv(c);
+      const sequence_id seq = kv.add_sequence();
+      kv.prefill(seq, test::k_view(data), test::v_view(data));
+      kv.evict(seq, view(dead));
+      kv.compact(seq);
+      compacted = attend_one(kv, seq);
+    } else {
+      evicting_cache kv(c);
+      const sequence_id seq = kv.add_sequence();
+      kv.prefill(seq, test::k_view(data), test::v_view(data));
+      kv.evict(seq, view(dead));
+      kv.compact(seq);
+      compacted = attend_one(kv, seq);
+    }
+    cache<format::dense> fresh(c);
+    const sequence_id f = fresh.add_sequence();
+    fresh.prefill(f, test::k_view(kept), test::v_view(kept));
+    const std::vector<float> reference = attend_one(fresh, f);
+    std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
+    const test::error_bound bound = test::attention_error_bound(q, test::rounded(kept, c.storage), c.group_size,
+                                                                1.0 / std::sqrt(64.0), c.storage, c.page_size, true);
+    for (std::size_t i = 0; i < reference.size(); ++i) {
+      INFO("element " << i);
+      REQUIRE(std::abs(compacted[i] - reference[i]) <= 2 * bound.per_element[i]);
+    }
+  }
+}
+
+TEST_CASE("compaction leaves a fork's shared pages alone: the parent reads what it read before", "[eviction][compaction]") {
+  cache_config c = oracle_config();
+  c.max_pages = 16;
+  synthetic::kv_data data;
+  evicting_cache kv(c);
+  const sequence_id parent = add(kv, c, 100, data);  // 6 pages and a tail of 4
+  const std::vector<float> parent_before = attend_one(kv, parent);
+  const sequence_id child = kv.fork_sequence(parent);
+  std::vector<std::int64_t> dead;
+  for (std::int64_t t = 1; t < 96; t += 2) dead.push_back(t);
+  kv.evict(child, view(dead));
+  const compaction_report r = kv.compact(child);
+  CHECK(r.slot_copies == 0);  // every page is shared: nothing may move
+  CHECK(r.pages_freed == 0);
+  CHECK(attend_one(kv, parent) == parent_before);
+  kv.remove_sequence(parent);  // now the child holds its pages alone
+  const compaction_report second = kv.compact(child);
+  CHECK(second.pages_freed == 3);  // 48 survivors in 3 pages
+  CHECK(kv.pool().used_pages() == 3);
+}
