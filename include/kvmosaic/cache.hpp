@@ -354,6 +354,7 @@ class cache
     s.stored += rows;
     s.seen += rows;
     traits::commit(s.selector_state, staged);
+    after_write(seq, rows);
   }
 
  public:
@@ -433,6 +434,7 @@ class cache
       ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
+    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
   }
 
  public:
@@ -578,6 +580,13 @@ class cache
     static_assert(compactor_traits<C>::frees_memory,
                   "kvmosaic::cache::evict: this cache's compactor frees no memory; use compact::repack or "
                   "compact::hole_fill");
+    evict_positions(seq, positions, false);
+  }
+
+ private:
+  /// `evict`; with `skip_evicted`, positions already evicted are passed over instead of rejected
+  /// (a keep-less selector's own evictions after the caller's).
+  void evict_positions(sequence_id seq, span<const std::int64_t> positions, bool skip_evicted) {
     static_assert(!rows_on_device, "kvmosaic::cache::evict: eviction on backend::cuda is not built yet (issue 20)");
     static_assert(selector_traits<Selector>::reads_all_pages || selector_traits<Selector>::evicts,
                   "kvmosaic::cache::evict: eviction with a read-less selector is not built yet (issue 20)");
@@ -601,8 +610,9 @@ class cache
       detail::require(p >= sink_rows(format_), where, "positions", p,
                       "a token after the format's sink tokens (they are kept 16-bit and always read)");
       const auto it = std::lower_bound(by_position.begin(), by_position.end(), std::make_pair(p, std::int64_t{-1}));
-      detail::require(it != by_position.end() && it->first == p, where, "positions", p,
-                      "a live token (this one was evicted before)");
+      const bool found = it != by_position.end() && it->first == p;
+      if (skip_evicted && !found) continue;
+      detail::require(found, where, "positions", p, "a live token (this one was evicted before)");
       slots.push_back(it->second);
     }
     std::vector<std::int64_t> sorted = slots;
@@ -629,6 +639,22 @@ class cache
     s.slots = std::move(next);
     s.stored -= static_cast<std::int64_t>(empty.size()) * page;
   }
+
+  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
+  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
+  /// the written tokens stored and the evictions to the next write.
+  void after_write(sequence_id seq, std::int64_t written) {
+    if constexpr (selector_traits<Selector>::evicts) {
+      static_assert(!rows_on_device, "kvmosaic::cache: keep-less selectors on backend::cuda are not built yet (issue 20)");
+      sequence_state& s = state_of(seq);
+      const std::vector<std::int64_t> dead =
+          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
+      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
+    }
+  }
+
+ public:
 
   /// A compaction pass over `seq` with the cache's compactor (`compact::repack`,
   /// `compact::hole_fill`): survivors move (memory/compaction_plan.hpp), the pages the pass empties

@@ -22,6 +22,7 @@
 #include "kvmosaic/select/all.hpp"
 #include "kvmosaic/select/quest.hpp"
 #include "kvmosaic/select/sentence_chunks.hpp"
+#include "kvmosaic/select/streaming.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
 #include "kvmosaic/compact/hole_fill.hpp"

@@ -341,3 +341,70 @@ TEST_CASE("compaction leaves a fork's shared pages alone: the parent reads what 
   CHECK(second.pages_freed == 3);  // 48 survivors in 3 pages
   CHECK(kv.pool().used_pages() == 3);
 }
+
+TEST_CASE("select::streaming keeps the sinks and the window, evicts the rest as it is sealed, and compacts on cadence",
+          "[eviction][streaming]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 12;  // far below the 240 tokens written: only eviction and compaction make room
+  c.max_sequences = 1;
+  select::streaming s;
+  s.sink_tokens = 4;
+  s.budget.tokens = 64;  // 4 sinks and a window of 60
+  s.compact_every = 32;
+  cache<format::dense, select::streaming, compact::repack> kv(c, {}, s);
+  const int total = 240;
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 21), 0, total);
+  const sequence_id seq = kv.add_sequence();
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  kv.prefill(seq, tensor_view<const float, 3>(data.k.data(), 40, c.num_kv_heads, c.head_dim),
+             tensor_view<const float, 3>(data.v.data(), 40, c.num_kv_heads, c.head_dim));
+  const sequence_id one[] = {seq};
+  for (int t = 40; t < total; ++t) {
+    kv.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(data.k.data() + t * row, 1, c.num_kv_heads, c.head_dim),
+              tensor_view<const float, 3>(data.v.data() + t * row, 1, c.num_kv_heads, c.head_dim));
+    // The live positions: the sinks, and the last 60 (the tail always lies inside the window).
+    std::vector<std::int64_t> live;
+    for (const std::int64_t p : kv.positions(seq))
+      if (p >= 0) live.push_back(p);
+    std::sort(live.begin(), live.end());
+    const std::int64_t n = t + 1;
+    std::vector<std::int64_t> expected = {0, 1, 2, 3};
+    for (std::int64_t p = std::max<std::int64_t>(4, n - 60); p < n; ++p) expected.push_back(p);
+    // Sealed tokens leave once they fall out of the window; tail tokens never do.
+    REQUIRE(live.size() >= expected.size());
+    for (const std::int64_t p : expected) REQUIRE(std::binary_search(live.begin(), live.end(), p));
+    for (const std::int64_t p : live)
+      if (!std::binary_search(expected.begin(), expected.end(), p)) REQUIRE(p >= n - 60 - c.page_size);
+    REQUIRE(kv.pool().used_pages() <= 7);  // bounded by the budget, not by the 240 tokens
+  }
+  CHECK(kv.length(seq) == total);
+
+  // Attention reads exactly the live tokens (fp64 oracle over them).
+  synthetic::kv_data kept = test::rounded(data, c.storage);
+  std::vector<std::int64_t> live;
+  for (const std::int64_t p : kv.positions(seq))
+    if (p >= 0) live.push_back(p);
+  std::sort(live.begin(), live.end());
+  std::vector<float> k_live, v_live;
+  for (const std::int64_t p : live) {
+    k_live.insert(k_live.end(), kept.k.begin() + p * static_cast<std::int64_t>(row), kept.k.begin() + (p + 1) * static_cast<std::int64_t>(row));
+    v_live.insert(v_live.end(), kept.v.begin() + p * static_cast<std::int64_t>(row), kept.v.begin() + (p + 1) * static_cast<std::int64_t>(row));
+  }
+  kept.k = k_live;
+  kept.v = v_live;
+  kept.num_tokens = static_cast<int>(live.size());
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
+  const std::vector<float> out = attend_one(kv, seq);
+  const double scale = 1.0 / std::sqrt(64.0);
+  const std::vector<double> exact = test::exact(q, kept, scale);
+  const test::error_bound bound = test::attention_error_bound(q, kept, c.group_size, scale, c.storage, c.page_size, true);
+  for (std::size_t i = 0; i < exact.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(std::abs(out[i] - exact[i]) <= bound.per_element[i]);
+  }
+}

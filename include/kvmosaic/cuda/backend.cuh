@@ -313,6 +313,8 @@ class engine {
     std::vector<step_sequence> sequences(batch.size());
     std::int32_t longest = 1;
     for (std::size_t b = 0; b < batch.size(); ++b) {
+      kvmosaic::detail::require(batch[b].live == nullptr, "cuda::engine::plan", "a sequence with evicted tokens",
+                                "given", "none: eviction on backend::cuda is not built yet");
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
