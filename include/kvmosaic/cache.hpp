@@ -574,7 +574,8 @@ class cache
   /// granular reclaim; a compaction pass frees the rest). Positions of the other tokens, and
   /// `length(seq)`, do not change. All or nothing: a position outside [0, length), in the open tail
   /// (its rows are not evictable), already evicted or listed twice is an `invalid_argument` and
-  /// nothing changes. Cost: O(slots log slots) on the host (the position lookup); no device work.
+  /// nothing changes. Cost: O(slots log slots) on the host (the position lookup); no device work
+  /// (on backend::cuda each later step stages the sequence's live-row masks with its metadata).
   template <class C = Compactor>
   void evict(sequence_id seq, span<const std::int64_t> positions) {
     static_assert(compactor_traits<C>::frees_memory,
@@ -587,7 +588,6 @@ class cache
   /// `evict`; with `skip_evicted`, positions already evicted are passed over instead of rejected
   /// (a keep-less selector's own evictions after the caller's).
   void evict_positions(sequence_id seq, span<const std::int64_t> positions, bool skip_evicted) {
-    static_assert(!rows_on_device, "kvmosaic::cache::evict: eviction on backend::cuda is not built yet (issue 20)");
     static_assert(selector_traits<Selector>::reads_all_pages || selector_traits<Selector>::evicts,
                   "kvmosaic::cache::evict: eviction with a read-less selector is not built yet (issue 20)");
     const char* where = "cache::evict";

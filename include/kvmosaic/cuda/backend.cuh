@@ -273,13 +273,15 @@ class engine {
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
   /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
   /// is what a captured CUDA graph needs; a larger step grows the layout (re-capture after that).
-  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0) {
+  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0,
+                    bool live_masks = false) {
     const layout_capacity new_capacity{std::max(capacity_.batch, batch),
                                        std::max(capacity_.table_stride, max_pages_per_sequence),
-                                       std::max({capacity_.work, splits, work_capacity(batch)})};
+                                       std::max({capacity_.work, splits, work_capacity(batch)}), capacity_.live_masks || live_masks};
     selection_.reserve(new_capacity.batch, new_capacity.table_stride);
     if (new_capacity.batch == capacity_.batch && new_capacity.table_stride == capacity_.table_stride &&
-        new_capacity.work == capacity_.work && layout_.bytes - layout_.selection >= selection_.staged_bytes())
+        new_capacity.work == capacity_.work && new_capacity.live_masks == capacity_.live_masks &&
+        layout_.bytes - layout_.selection >= selection_.staged_bytes())
       return;
     capacity_ = new_capacity;
     const std::int32_t work = capacity_.work;
@@ -291,7 +293,10 @@ class engine {
     layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
     layout_.read_pages = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
     layout_.tables = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.selection = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    layout_.live_masks = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    layout_.selection = layout_.live_masks + (capacity_.live_masks ? align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride *
+                                                                           live_mask_words() * sizeof(std::uint32_t))
+                                                                     : 0);
     layout_.bytes = layout_.selection + align(selection_.staged_bytes());
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     staging_ = pinned_buffer(layout_.bytes);
@@ -312,9 +317,9 @@ class engine {
     std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
     std::vector<step_sequence> sequences(batch.size());
     std::int32_t longest = 1;
+    bool masked = false;  // a sequence has evicted tokens: the step reads live-row masks
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      kvmosaic::detail::require(batch[b].live == nullptr, "cuda::engine::plan", "a sequence with evicted tokens",
-                                "given", "none: eviction on backend::cuda is not built yet");
+      masked = masked || batch[b].live != nullptr;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
@@ -326,7 +331,10 @@ class engine {
     const split_plan plan =
         make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
-    reserve_step(n, longest, plan.num_splits());
+    kvmosaic::detail::require(!(masked && selection_.planned()), "cuda::engine::plan", "a selected step with evicted tokens",
+                              "given", "eviction with a read-less selector is not built yet on backend::cuda");
+    reserve_step(n, longest, plan.num_splits(), masked);
+    step_masked_ = masked;
     batch_ = n;
     step_splits_ = plan.num_splits();
 
@@ -347,6 +355,19 @@ class engine {
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
+    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted)
+      auto* masks = reinterpret_cast<std::uint32_t*>(host + layout_.live_masks);
+      const int words = live_mask_words(), words64 = (shape_.page_size + 63) / 64;
+      for (std::size_t b = 0; b < batch.size(); ++b)
+        for (std::int32_t i = 0; i < full_pages[b]; ++i)
+          for (int w = 0; w < words; ++w) {
+            const int rows = std::min(32, shape_.page_size - 32 * w);
+            std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
+            if (batch[b].live != nullptr)
+              word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
+            masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
+          }
+    }
   }
 
   /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
@@ -388,6 +409,10 @@ class engine {
     p.block_tables = p.sequence_tables;
     p.planned_pages = reinterpret_cast<const std::int32_t*>(device + layout_.read_pages);
     selection_.bind(p);  // a selected step: the stage's page tables (and row masks)
+    if (step_masked_) {  // evicted tokens: live-row masks per (sequence, entry), every head alike
+      p.token_masks = reinterpret_cast<const std::uint32_t*>(device + layout_.live_masks);
+      p.mask_words = live_mask_words();
+    }
     p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);
     p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
     p.work = reinterpret_cast<const split_work*>(device + layout_.work);
@@ -411,7 +436,7 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks(), f);
+    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks() || step_masked_, f);
   }
 
   /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
@@ -531,12 +556,15 @@ class engine {
   }
   struct layout_capacity {
     std::int32_t batch = 0, table_stride = 0, work = 0;
+    bool live_masks = false;  ///< room for live-row masks (once a step had evicted tokens)
   };
+  /// 32-bit row-mask words per page.
+  int live_mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
   /// [pages to read][tables][the selection stage's inputs].
   struct step_layout {
     std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0, tables = 0,
-                selection = 0, bytes = 0;
+                live_masks = 0, selection = 0, bytes = 0;
   };
   kvmosaic::detail::engine_shape shape_;
   Format format_;
@@ -556,6 +584,7 @@ class engine {
   step_layout layout_;
   std::int32_t batch_ = 0;
   std::int32_t step_splits_ = 0;
+  bool step_masked_ = false;  ///< the planned step reads live-row masks (a sequence has evicted tokens)
   pinned_buffer staging_, extend_staging_;
   device_buffer step_metadata_, extend_metadata_, partials_;
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
