@@ -645,7 +645,6 @@ class cache
   /// the written tokens stored and the evictions to the next write.
   void after_write(sequence_id seq, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
-      static_assert(!rows_on_device, "kvmosaic::cache: keep-less selectors on backend::cuda are not built yet (issue 20)");
       sequence_state& s = state_of(seq);
       const std::vector<std::int64_t> dead =
           selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
@@ -666,7 +665,6 @@ class cache
   template <class C = Compactor>
   compaction_report compact(sequence_id seq) {
     static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
-    static_assert(!rows_on_device, "kvmosaic::cache::compact: compaction on backend::cuda is not built yet (issue 20)");
     sequence_state& s = live(seq, "cache::compact");
     const int page = config_.page_size;
     std::int32_t frozen = 0;

@@ -27,5 +27,6 @@
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/quest.cuh"
 #include "kvmosaic/cuda/select/sentence_chunks.cuh"
+#include "kvmosaic/cuda/select/streaming.cuh"
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
 #include "kvmosaic/cuda/instantiate.cuh"

@@ -1,9 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Eviction on the CUDA backend: after the same evictions, the device attends over exactly the
-// host's live tokens (live-row masks staged with each step), for every format; pages freed by
-// block-granular reclaim agree. Without a GPU every test says so and returns.
+// Eviction and compaction on the CUDA backend: after the same evictions, the device attends over
+// exactly the host's live tokens (live-row masks staged with each step), for every format; pages
+// freed by block-granular reclaim agree. After the same compaction passes (repack, hole fill),
+// the device's block tables, positions, pool and page bytes equal the host's, and it attends as
+// before; a pass captured in a CUDA graph does the same. Without a GPU every test says so and
+// returns.
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 
 #include "../support/feed.hpp"
@@ -15,78 +19,183 @@ using test::gpu_available;
 
 namespace {
 
+/// A host cache and a device cache of the same type fed the same three sequences (9 pages and a
+/// tail each), then the same evictions: none in the first, half of its sealed tokens at random in
+/// the second, 90% and one whole page in the third.
+template <class Format, class Compactor>
+struct evicted_twins {
+  evicted_twins(const Format& f, int page_size) : format(f), config(make_config(page_size)), host(config, format), device(config, format) {
+    std::mt19937_64 rng(17);
+    for (int b = 0; b < 3; ++b) {
+      const int tokens = 9 * page_size + 5 + 7 * b;
+      const auto kv = synthetic::generate_kv(test::generator_for(config, 30 + b), 0, tokens);
+      const sequence_id h = host.add_sequence(), d = device.add_sequence();
+      REQUIRE(h == d);
+      host.prefill(h, test::k_view(kv), test::v_view(kv));
+      device_array<float> k(kv.k), v(kv.v);
+      device.prefill(d, tensor_view<const float, 3>(k.data(), tokens, config.num_kv_heads, config.head_dim),
+                     tensor_view<const float, 3>(v.data(), tokens, config.num_kv_heads, config.head_dim));
+      std::vector<std::int64_t> dead;
+      const std::int64_t sealed = static_cast<std::int64_t>(host.pages(h).size()) * page_size;
+      for (std::int64_t t = sink_rows(format); t < sealed; ++t)
+        if (b > 0 && std::bernoulli_distribution(b == 1 ? 0.5 : 0.9)(rng)) dead.push_back(t);
+      for (std::int64_t t = 2 * page_size; t < 3 * page_size && b == 2; ++t)  // and one whole page
+        if (std::find(dead.begin(), dead.end(), t) == dead.end()) dead.push_back(t);
+      std::sort(dead.begin(), dead.end());
+      const span<const std::int64_t> positions(dead.data(), static_cast<std::int64_t>(dead.size()));
+      host.evict(h, positions);
+      device.evict(d, positions);
+      seqs.push_back(h);
+    }
+    check_bookkeeping();
+  }
+  static cache_config make_config(int page_size) {
+    cache_config c;
+    c.num_kv_heads = 2;
+    c.group_size = 4;
+    c.head_dim = 128;
+    c.page_size = page_size;
+    c.max_pages = 128;
+    c.max_sequences = 3;
+    return c;
+  }
+  /// Block tables, positions and the pool agree.
+  void check_bookkeeping() const {
+    for (const sequence_id s : seqs) {
+      REQUIRE(host.pages(s) == device.pages(s));
+      REQUIRE(host.positions(s) == device.positions(s));
+    }
+    REQUIRE(host.pool().used_pages() == device.pool().used_pages());
+  }
+  /// The device's page bytes of every sequence equal the host's.
+  void check_page_bytes() const {
+    const std::size_t slot = host.engine().page_slot_bytes();
+    std::vector<std::byte> device_slot(slot);
+    for (const sequence_id s : seqs)
+      for (const page_id page : host.pages(s)) {
+        KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_slot.data(), device.engine().pages_data() + page * slot, slot, cudaMemcpyDeviceToHost));
+        INFO("page " << page);
+        REQUIRE(std::memcmp(device_slot.data(), host.engine().k_page(page, 0), slot) == 0);
+      }
+  }
+  std::vector<float> queries() const {
+    std::vector<float> q(3 * static_cast<std::size_t>(config.num_q_heads()) * config.head_dim);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.05f * static_cast<float>(i)) * 1.5f;
+    return q;
+  }
+  std::vector<float> host_attend() {
+    const std::vector<float> q = queries();
+    std::vector<float> out(q.size());
+    const int hq = config.num_q_heads(), d = config.head_dim;
+    host.attend(span<const sequence_id>(seqs.data(), 3), tensor_view<const float, 3>(q.data(), 3, hq, d),
+                tensor_view<float, 3>(out.data(), 3, hq, d));
+    return out;
+  }
+  std::vector<float> device_attend() {
+    const std::vector<float> q = queries();
+    const int hq = config.num_q_heads(), d = config.head_dim;
+    device_array<float> dq(q), dout(q.size());
+    device.attend(span<const sequence_id>(seqs.data(), 3), tensor_view<const float, 3>(dq.data(), 3, hq, d),
+                  tensor_view<float, 3>(dout.data(), 3, hq, d));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.to_host(q.size());
+  }
+  /// The formats' own host-device tolerance: a few fp32 ulps of the outputs' scale for dense and
+  /// bitmap_tiles (order of summation, q and p split in two 16-bit halves on tensor cores), one
+  /// 8-bit rounding step of p for quant2.
+  static double tolerance() { return std::is_same<Format, format::quant2>::value ? 2e-2 : 2e-3; }
+
+  Format format;
+  cache_config config;
+  cache<Format, select::all, Compactor> host;
+  cache<Format, select::all, Compactor, backend::cuda> device;
+  std::vector<sequence_id> seqs;
+};
+
+double largest_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(std::isfinite(a[i]));
+    REQUIRE(std::isfinite(b[i]));
+    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  return worst;
+}
+
 template <class Format>
 void check_eviction(const Format& format, int page_size) {
-  cache_config c;
-  c.num_kv_heads = 2;
-  c.group_size = 4;
-  c.head_dim = 128;
-  c.page_size = page_size;
-  c.max_pages = 128;
-  c.max_sequences = 3;
-  cache<Format, select::all, compact::repack> host(c, format);
-  cache<Format, select::all, compact::repack, backend::cuda> device(c, format);
-  std::vector<sequence_id> seqs;
-  std::mt19937_64 rng(17);
-  for (int b = 0; b < 3; ++b) {
-    const int tokens = 9 * page_size + 5 + 7 * b;
-    const auto kv = synthetic::generate_kv(test::generator_for(c, 30 + b), 0, tokens);
-    const sequence_id h = host.add_sequence(), d = device.add_sequence();
-    REQUIRE(h == d);
-    host.prefill(h, test::k_view(kv), test::v_view(kv));
-    device_array<float> k(kv.k), v(kv.v);
-    device.prefill(d, tensor_view<const float, 3>(k.data(), tokens, c.num_kv_heads, c.head_dim),
-                   tensor_view<const float, 3>(v.data(), tokens, c.num_kv_heads, c.head_dim));
-    std::vector<std::int64_t> dead;
-    const std::int64_t sealed = static_cast<std::int64_t>(host.pages(h).size()) * page_size;
-    for (std::int64_t t = sink_rows(format); t < sealed; ++t)
-      if (b > 0 && std::bernoulli_distribution(b == 1 ? 0.5 : 0.9)(rng)) dead.push_back(t);
-    for (std::int64_t t = 2 * page_size; t < 3 * page_size && b == 2; ++t)  // and one whole page
-      if (std::find(dead.begin(), dead.end(), t) == dead.end()) dead.push_back(t);
-    std::sort(dead.begin(), dead.end());
-    const span<const std::int64_t> positions(dead.data(), static_cast<std::int64_t>(dead.size()));
-    host.evict(h, positions);
-    device.evict(d, positions);
-    REQUIRE(host.pages(h) == device.pages(d));
-    REQUIRE(host.positions(h) == device.positions(d));
-    seqs.push_back(h);
-  }
-  REQUIRE(host.pool().used_pages() == device.pool().used_pages());
-  const int hq = c.num_q_heads(), d = c.head_dim;
-  std::vector<float> q(3 * static_cast<std::size_t>(hq) * d);
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.05f * static_cast<float>(i)) * 1.5f;
-  std::vector<float> host_out(q.size());
-  const span<const sequence_id> batch(seqs.data(), 3);
-  host.attend(batch, tensor_view<const float, 3>(q.data(), 3, hq, d), tensor_view<float, 3>(host_out.data(), 3, hq, d));
-  device_array<float> dq(q), dout(q.size());
-  device.attend(batch, tensor_view<const float, 3>(dq.data(), 3, hq, d), tensor_view<float, 3>(dout.data(), 3, hq, d));
-  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-  const std::vector<float> gpu_out = dout.to_host(q.size());
-  // The host reads exactly the live tokens (test_eviction.cpp); the device must agree with it to
-  // the formats' own host-device tolerance: a few fp32 ulps of the outputs' scale for dense and
-  // bitmap_tiles (order of summation, q and p split in two 16-bit halves on tensor cores), one
-  // 8-bit rounding step of p for quant2.
-  const double tolerance = std::is_same<Format, format::quant2>::value ? 2e-2 : 2e-3;
-  double worst = 0;
-  for (std::size_t i = 0; i < q.size(); ++i) {
-    REQUIRE(std::isfinite(gpu_out[i]));
-    worst = std::max(worst, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
-  }
+  evicted_twins<Format, compact::repack> t(format, page_size);
+  const std::vector<float> host_out = t.host_attend(), gpu_out = t.device_attend();
+  // The host reads exactly the live tokens (test_eviction.cpp); the device must agree with it.
+  const double worst = largest_difference(gpu_out, host_out);
   INFO("largest |gpu - host| " << worst);
-  CHECK(worst <= tolerance);
+  CHECK(worst <= t.tolerance());
   // And evicted tokens are really skipped: attending with them would differ by far more.
-  cache<Format, select::all, compact::repack> unevicted(c, format);
+  cache<Format, select::all, compact::repack> unevicted(t.config, format);
   for (int b = 0; b < 3; ++b) {
     const int tokens = 9 * page_size + 5 + 7 * b;
-    const auto kv = synthetic::generate_kv(test::generator_for(c, 30 + b), 0, tokens);
+    const auto kv = synthetic::generate_kv(test::generator_for(t.config, 30 + b), 0, tokens);
     unevicted.prefill(unevicted.add_sequence(), test::k_view(kv), test::v_view(kv));
   }
-  std::vector<float> all_out(q.size());
-  unevicted.attend(batch, tensor_view<const float, 3>(q.data(), 3, hq, d), tensor_view<float, 3>(all_out.data(), 3, hq, d));
+  std::vector<float> all_out(host_out.size());
+  const std::vector<float> q = t.queries();
+  const int hq = t.config.num_q_heads(), d = t.config.head_dim;
+  unevicted.attend(span<const sequence_id>(t.seqs.data(), 3), tensor_view<const float, 3>(q.data(), 3, hq, d),
+                   tensor_view<float, 3>(all_out.data(), 3, hq, d));
   double moved = 0;
   for (std::size_t i = 2 * static_cast<std::size_t>(hq) * d; i < q.size(); ++i)
     moved = std::max(moved, static_cast<double>(std::abs(all_out[i] - host_out[i])));
   CHECK(moved > 10 * worst);
+}
+
+/// The same compaction pass on both backends: the same reports, block tables, positions, pool and
+/// page bytes, and the device attends as the host does (and, for formats that move token records
+/// as they are, as it did before the pass). `captured`: the device's passes are captured in a
+/// CUDA graph (relaxed mode) and replayed once, after a warm-up pass over a larger sequence has
+/// sized the engine's arenas.
+template <class Compactor, class Format>
+void check_compaction(const Format& format, int page_size, bool captured = false) {
+  evicted_twins<Format, Compactor> t(format, page_size);
+  const std::vector<float> before = t.device_attend();
+  if (captured) {
+    REQUIRE(t.host.compact(t.seqs[1]).pages_freed == t.device.compact(t.seqs[1]).pages_freed);  // the warm-up pass
+    cudaStream_t stream = nullptr;
+    KVMOSAIC_CUDA_CHECK(cudaStreamCreate(&stream));
+    t.device.engine().set_stream(stream);
+    cudaGraph_t graph = nullptr;
+    KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+    const compaction_report d = t.device.compact(t.seqs[2]);
+    KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    const compaction_report h = t.host.compact(t.seqs[2]);
+    CHECK(d.slot_copies == h.slot_copies);
+    CHECK(d.slot_copies > 0);
+    cudaGraphExec_t exec = nullptr;
+    KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    KVMOSAIC_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    KVMOSAIC_CUDA_CHECK(cudaGraphDestroy(graph));
+    t.device.engine().set_stream(nullptr);
+    KVMOSAIC_CUDA_CHECK(cudaStreamDestroy(stream));
+  } else {
+    const compaction_report h = t.host.compact(), d = t.device.compact();
+    CHECK(d.pages_freed == h.pages_freed);
+    CHECK(d.slot_copies == h.slot_copies);
+    CHECK(d.tokens_evicted == h.tokens_evicted);
+    CHECK(d.pages_reencoded == h.pages_reencoded);
+    CHECK(h.pages_freed > 0);
+  }
+  t.check_bookkeeping();
+  t.check_page_bytes();
+  const std::vector<float> host_out = t.host_attend(), gpu_out = t.device_attend();
+  const double worst = largest_difference(gpu_out, host_out);
+  INFO("largest |gpu - host| after the pass " << worst);
+  CHECK(worst <= t.tolerance());
+  if (!detail::reencodes_moved_rows_v<Format>) {
+    const double drift = largest_difference(gpu_out, before);
+    INFO("largest |after - before| on the device " << drift);
+    CHECK(drift <= t.tolerance());
+  }
 }
 
 }  // namespace
@@ -103,4 +212,32 @@ TEST_CASE("GPU eviction: the device attends over the host's live tokens, every f
   q2.partition = 32;
   q2.mode = format::rounding::nearest;
   check_eviction(q2, 32);
+}
+
+TEST_CASE("GPU compaction: repack and hole fill leave the host's tables, pool and page bytes, every format",
+          "[gpu][eviction][compaction][sanitize]") {
+  if (!gpu_available()) return;
+  format::bitmap_tiles b;
+  b.s_k = 0.5f;
+  b.s_v = 0.7f;
+  format::quant2 q2;
+  q2.partition = 32;
+  format::quant2 sinks = q2;  // stochastic rounding at seal; sinks kept dense
+  sinks.sink_tokens = 4;
+  check_compaction<compact::repack>(format::dense{}, 16);
+  check_compaction<compact::hole_fill>(format::dense{}, 16);
+  check_compaction<compact::repack>(format::dense{}, 64);
+  check_compaction<compact::repack>(b, 64);
+  check_compaction<compact::hole_fill>(b, 64);
+  check_compaction<compact::repack>(q2, 32);
+  check_compaction<compact::hole_fill>(q2, 64);
+  check_compaction<compact::repack>(sinks, 64);
+}
+
+TEST_CASE("GPU compaction: a pass captured in a CUDA graph", "[gpu][eviction][compaction]") {
+  if (!gpu_available()) return;
+  check_compaction<compact::repack>(format::dense{}, 16, true);
+  format::quant2 q2;
+  q2.partition = 64;
+  check_compaction<compact::hole_fill>(q2, 64, true);
 }

@@ -36,6 +36,7 @@
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/format/device_format.cuh"
+#include "kvmosaic/cuda/kernel/compact.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
@@ -45,6 +46,7 @@
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/host/backend.hpp"
+#include "kvmosaic/memory/compaction_plan.hpp"
 #include "kvmosaic/select/all.hpp"
 
 namespace kvmosaic {
@@ -227,6 +229,35 @@ class engine {
       }
     }
   }
+
+  /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
+  /// memory/compaction_plan.hpp), on the device with no page bytes through the host:
+  /// `stage_moves` then `launch_moves`. Every page the plan writes gets its rows gathered into
+  /// scratch slots (from its sources' unpacked rows, or from format::dense's pages as they are)
+  /// before any is written back; the selector's per-page metadata of those pages is rewritten
+  /// from the same rows (`selection_stage::seal`); encoded formats encode them again with the
+  /// format's re-encoding mode (`detail::reencoding`) and the sequence's K weights, other formats
+  /// copy them back. `first_page_sinks`: the sequence's first page keeps sink rows, hidden again
+  /// as at seal. The same bytes as the host backend's `move_slots` (the GPU tests compare them).
+  /// Cost: per page written, an unpack of each page it reads from, a gather and an encode.
+  void move_slots(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
+                  bool first_page_sinks) {
+    if (plan.moves.empty()) return;
+    stage_moves(slot, pages, plan, first_page_sinks);
+    launch_moves();
+  }
+
+  /// The host half of `move_slots`: the pass in chunks of at most `encode_chunk_pages` written
+  /// pages (one chunk when a later chunk would read a page an earlier one wrote), each chunk's
+  /// page ids and row map written to page-locked staging. Waits only for the previous copy out of
+  /// the staging. Cost: O(rows of the pages written) on the host.
+  void stage_moves(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
+                   bool first_page_sinks);
+
+  /// The device half of `move_slots`, enqueued on the engine's stream: one copy of the staged
+  /// metadata, then per chunk the unpack, the gather, the selector's seal and the encode (or the
+  /// copy back). Capturable in a CUDA graph; a replay redoes the staged pass.
+  void launch_moves();
 
   /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
   /// [head_dim] in host memory (copied before this returns), or null for plain magnitudes.
@@ -554,6 +585,12 @@ class engine {
                                         cudaMemcpyDeviceToDevice, stream_));
     saved_slot_ = slot;
   }
+  /// One chunk of a staged compaction pass: byte offsets in its metadata of the written pages'
+  /// ids, their scratch ordinals and K weight rows, the pages to unpack, and the row map.
+  struct move_chunk {
+    std::size_t written = 0, ordinals = 0, weight_rows = 0, unpacked = 0, sources_of = 0;
+    std::int32_t pages_written = 0, pages_unpacked = 0;
+  };
   struct layout_capacity {
     std::int32_t batch = 0, table_stride = 0, work = 0;
     bool live_masks = false;  ///< room for live-row masks (once a step had evicted tokens)
@@ -593,9 +630,16 @@ class engine {
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
   std::int32_t scratch_pages_ = 0;
+  pinned_buffer move_staging_;     ///< a compaction pass's metadata (`stage_moves`)
+  device_buffer move_metadata_;
+  std::size_t move_bytes_ = 0;
+  std::vector<move_chunk> move_chunks_;
+  device_buffer unpacked_;         ///< dense rows of the pages a compaction chunk reads (encoded formats)
+  std::int32_t unpacked_pages_ = 0;
   device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
   std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
   typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
+  Format reencoding_ = kvmosaic::detail::reencoding<Format>::format(format_);  ///< what a compaction encodes with
 };
 
 // The members that launch kernels, out of line: an explicit instantiation declaration of the
@@ -646,6 +690,166 @@ const float* engine<Format, Selector, Shapes>::gathered_queries(const query_view
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   });
   return queries_.as<const float>();
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const block_table& pages,
+                                                   const kvmosaic::detail::compaction_plan& plan, bool first_page_sinks) {
+  const int p = shape_.page_size;
+  const std::vector<std::int32_t>& written = plan.pages_written;  // block-table indices, ascending
+  const auto n = static_cast<std::int32_t>(written.size());
+  const auto index_of = [&](std::int64_t page) {
+    return static_cast<std::size_t>(std::lower_bound(written.begin(), written.end(), static_cast<std::int32_t>(page)) - written.begin());
+  };
+  // Row r of written page i takes the token in sealed slot source[i * p + r] (block-table slots).
+  std::vector<std::int64_t> source(static_cast<std::size_t>(n) * p);
+  for (std::int32_t i = 0; i < n; ++i)
+    for (int r = 0; r < p; ++r) source[static_cast<std::size_t>(i) * p + r] = static_cast<std::int64_t>(written[i]) * p + r;
+  for (const kvmosaic::detail::slot_move& m : plan.moves) source[index_of(m.to / p) * p + m.to % p] = m.from;
+  const int sinks = first_page_sinks && n > 0 && written[0] == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+  for (int t = 0; t < sinks; ++t) source[static_cast<std::size_t>(t)] = source[static_cast<std::size_t>(sinks)];  // hidden as at seal
+
+  // Chunks of written pages; the pages a chunk reads (distinct source pages, first-use order).
+  const auto pages_read = [&](std::int32_t first, std::int32_t last) {
+    std::vector<std::int32_t> read;
+    for (std::size_t at = static_cast<std::size_t>(first) * p; at < static_cast<std::size_t>(last) * p; ++at) {
+      const auto page = static_cast<std::int32_t>(source[at] / p);
+      if (std::find(read.begin(), read.end(), page) == read.end()) read.push_back(page);
+    }
+    return read;
+  };
+  std::vector<std::pair<std::int32_t, std::int32_t>> ranges;
+  bool ordered = true;  // no chunk reads a page an earlier chunk wrote
+  for (std::int32_t first = 0; first < n; first += encode_chunk_pages) {
+    const std::int32_t last = std::min(n, first + encode_chunk_pages);
+    for (const std::int32_t page : pages_read(first, last))
+      ordered = ordered && !std::binary_search(written.begin(), written.begin() + first, page);
+    ranges.emplace_back(first, last);
+  }
+  if (!ordered) ranges.assign(1, {0, n});
+
+  if constexpr (!encodes_pages)  // read in place and written back as scratch rows are laid out
+    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes &&
+                                  geometry_.sink_rows == 0,
+                              "cuda::engine::move_slots", "the format's page layout", "not dense rows",
+                              "dense rows [page_size][head_dim] per head (a format without an encoder)");
+  const std::int64_t max_sources = static_cast<std::int64_t>(shape_.max_pages) * p;
+  kvmosaic::detail::require(max_sources <= std::numeric_limits<std::int32_t>::max(), "cache::compact", "max_pages * page_size",
+                            max_sources, "below 2^31 on backend::cuda (the row map is 32-bit)");
+  std::vector<std::vector<std::int32_t>> reads;
+  std::size_t bytes = 0;
+  std::int32_t most_written = 0, most_read = 0;
+  move_chunks_.clear();
+  for (const auto& [first, last] : ranges) {
+    move_chunk c;
+    c.pages_written = last - first;
+    reads.push_back(encodes_pages ? pages_read(first, last) : std::vector<std::int32_t>{});
+    c.pages_unpacked = static_cast<std::int32_t>(reads.back().size());
+    const std::size_t ids = align(static_cast<std::size_t>(c.pages_written) * sizeof(std::int32_t));
+    c.written = bytes;
+    c.ordinals = c.written + ids;
+    c.weight_rows = c.ordinals + ids;
+    c.unpacked = c.weight_rows + ids;
+    c.sources_of = c.unpacked + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
+    bytes = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    most_written = std::max(most_written, c.pages_written);
+    most_read = std::max(most_read, c.pages_unpacked);
+    move_chunks_.push_back(c);
+  }
+  reserve_scratch(most_written);
+  if (most_read > unpacked_pages_) {
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old arena may still be read
+    unpacked_pages_ = std::max(most_read, encode_chunk_pages);
+    unpacked_ = device_buffer(static_cast<std::size_t>(unpacked_pages_) * geometry_.tail_slot_bytes());
+  }
+  KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));  // the previous copy has left the staging
+  move_staging_.reserve(bytes);
+  move_metadata_.reserve(bytes);
+  move_bytes_ = bytes;
+  std::byte* host = move_staging_.as<std::byte>();
+  bool weighted = false;
+  if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(slot)];
+  for (std::size_t k = 0; k < ranges.size(); ++k) {
+    const move_chunk& c = move_chunks_[k];
+    const std::int32_t first = ranges[k].first;
+    const std::vector<std::int32_t>& read = reads[k];
+    auto* ids = reinterpret_cast<std::int32_t*>(host + c.written);
+    auto* ordinals = reinterpret_cast<std::int32_t*>(host + c.ordinals);
+    auto* weight_rows = reinterpret_cast<std::int32_t*>(host + c.weight_rows);
+    auto* unpacked = reinterpret_cast<std::int32_t*>(host + c.unpacked);
+    auto* sources_of = reinterpret_cast<std::int32_t*>(host + c.sources_of);
+    for (std::int32_t i = 0; i < c.pages_written; ++i) {
+      ids[i] = pages[static_cast<std::size_t>(written[static_cast<std::size_t>(first + i)])];
+      ordinals[i] = i;
+      weight_rows[i] = weighted ? slot : -1;
+    }
+    for (std::size_t i = 0; i < read.size(); ++i) unpacked[i] = pages[static_cast<std::size_t>(read[i])];
+    for (std::size_t at = 0; at < static_cast<std::size_t>(c.pages_written) * p; ++at) {
+      const std::int64_t from = source[static_cast<std::size_t>(first) * p + at];
+      const auto page = static_cast<std::int32_t>(from / p);
+      // Encoded formats read unpacked slot (index in `read`), others the page itself.
+      const std::int64_t source_slot = encodes_pages ? static_cast<std::int64_t>(std::find(read.begin(), read.end(), page) - read.begin())
+                                                     : static_cast<std::int64_t>(pages[static_cast<std::size_t>(page)]);
+      sources_of[at] = static_cast<std::int32_t>(source_slot * p + from % p);
+    }
+  }
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::launch_moves() {
+  detail::pull_from_host(move_staging_, move_metadata_.data(), move_bytes_, stream_);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+  if (capturing == cudaStreamCaptureStatusNone) KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  const std::byte* metadata = move_metadata_.as<const std::byte>();
+  const device_context c = context();
+  const auto i32 = [&](std::size_t at) { return reinterpret_cast<const std::int32_t*>(metadata + at); };
+  const auto copy_rows = [&](const kernel::copy_rows_params& params) {
+    const std::int64_t vectors = static_cast<std::int64_t>(params.n) * shape_.page_size * 2 * shape_.num_kv_heads *
+                                 (shape_.head_dim / detail::vector_elements);
+    kernel::copy_rows_kernel<><<<detail::grid_for(vectors, kernel::copy_rows_threads), kernel::copy_rows_threads, 0, stream_>>>(params);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  };
+  const auto tail_slot = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+  const auto tail_head = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  for (const move_chunk& chunk : move_chunks_) {
+    kernel::copy_rows_params gather{};
+    if constexpr (encodes_pages) {
+      device::template unpack_pages<Shapes>(format_state_, format_, unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked});
+      gather = {unpacked_.as<const std::byte>(), tail_slot, tail_head, nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
+    } else {  // the pages are dense rows: read in place
+      gather = {pages_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_slot_bytes()),
+                static_cast<std::int64_t>(geometry_.k_page_bytes), nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
+    }
+    gather.rows = scratch_.as<std::byte>();
+    gather.rows_slot_bytes = tail_slot;
+    gather.rows_head_bytes = tail_head;
+    gather.sources_of = i32(chunk.sources_of);
+    gather.n = chunk.pages_written;
+    gather.num_kv_heads = shape_.num_kv_heads;
+    gather.head_dim = shape_.head_dim;
+    gather.page_size = shape_.page_size;
+    copy_rows(gather);
+    selection_.seal(sealed_pages{scratch_.as<const std::byte>(), tail_slot, tail_head, i32(chunk.ordinals), i32(chunk.written),
+                                 chunk.pages_written},
+                    stream_);
+    if constexpr (encodes_pages) {
+      const encode_context e{&c, scratch_.as<const std::byte>(), i32(chunk.written), i32(chunk.weight_rows),
+                             key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written};
+      device::template encode_pages<Shapes>(format_state_, reencoding_, e);
+    } else {
+      kernel::copy_rows_params back = gather;
+      back.sources = scratch_.as<const std::byte>();
+      back.source_slot_bytes = tail_slot;
+      back.source_head_bytes = tail_head;
+      back.rows = pages_.as<std::byte>();
+      back.rows_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+      back.rows_head_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+      back.sources_of = nullptr;
+      back.slot_ids = i32(chunk.written);
+      copy_rows(back);
+    }
+  }
 }
 
 template <class Format, class Selector, class Shapes>

@@ -89,6 +89,15 @@ struct reencodes_moved_rows : std::true_type {};
 template <class Format>
 inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
 
+/// The format a compaction re-encodes moved rows with, on both backends: the cache's own format
+/// unless its encoder has a mode that suits already-decoded rows better, which a format states by
+/// specializing this (format::quant2: nearest rounding, so that a partition re-encoded with the
+/// same members keeps its codes exactly).
+template <class Format>
+struct reencoding {
+  static Format format(const Format& f) { return f; }
+};
+
 /// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
 template <class Format, class = void>
 struct sink_rows_of {

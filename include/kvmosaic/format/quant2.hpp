@@ -194,7 +194,7 @@ KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed,
 /// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
 /// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
 /// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
-constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+KVMOSAIC_HOST_DEVICE constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
   const int tile = row / 16 * (cols / 32) + col / 32;
   const int r = row % 16, c = col % 32;
   const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
@@ -566,5 +566,20 @@ struct format_traits<format::quant2> {
     }
   }
 };
+
+namespace detail {
+/// A compaction re-encodes quant2 pages from their dequantized rows with nearest rounding whatever
+/// the cache's mode: values already on a partition's grid keep their codes when the partition's
+/// members (so its extent) are unchanged, and a changed partition gains at most half a step of its
+/// new grid per element (docs/eviction.md, "quant2 and re-encoding").
+template <>
+struct reencoding<format::quant2> {
+  static format::quant2 format(const format::quant2& f) {
+    format::quant2 nearest = f;
+    nearest.mode = format::rounding::nearest;
+    return nearest;
+  }
+};
+}  // namespace detail
 
 }  // namespace kvmosaic

@@ -304,9 +304,10 @@ class engine {
   /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
   /// memory/compaction_plan.hpp): every page a move reads or writes is decoded to dense rows, each
   /// moved row is taken from the decoded sources (so every source is read before any destination
-  /// is written), and the pages written are encoded again with the format's encoder (and the
-  /// sequence's K weights), their key bounds rewritten. `first_page_sinks`: the sequence's first
-  /// page keeps sink rows (it is encoded with them hidden, as at seal). Cost: one decode of each
+  /// is written), and the pages written are encoded again from the moved rows rounded to the
+  /// storage dtype, with the format's re-encoding mode (`detail::reencoding`) and the sequence's K
+  /// weights, their key bounds rewritten. `first_page_sinks`: the sequence's first page keeps sink
+  /// rows (they are hidden again, as at seal, before the bounds and the encode). Cost: one decode of each
   /// page touched and one encode of each page written, O(page_size x head_dim) each, per KV head.
   void move_slots(std::int32_t slot, const block_table& pages, const detail::compaction_plan& plan, bool first_page_sinks) {
     if (plan.moves.empty()) return;
@@ -331,6 +332,10 @@ class engine {
         traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
         traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
       }
+    // Pages are encoded from storage-dtype rows, at seal and here alike (the CUDA backend's
+    // scratch rows are 16-bit): a decoded value between two of them is rounded to the nearest.
+    for (float& x : decoded) x = detail::storage_value(detail::storage_bits(x, shape_.storage), shape_.storage);
+    const Format reencoding = detail::reencoding<Format>::format(format_);
     std::vector<float> written = decoded;
     for (const detail::slot_move& m : plan.moves) {
       const std::size_t from = index_of(static_cast<std::int32_t>(m.from / p)), to = index_of(static_cast<std::int32_t>(m.to / p));
@@ -347,19 +352,19 @@ class engine {
       for (int h = 0; h < heads; ++h) {
         for (int is_v = 0; is_v < 2; ++is_v) {
           std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
+          for (int t = 0; t < sinks; ++t)  // hidden as at seal: the first row after them
+            std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
               detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
                                        bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
-          for (int t = 0; t < sinks; ++t)  // hidden as at seal: the first row after them
-            std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 1) {
-            traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
+            traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
           } else if constexpr (has_key_weights_v<Format>) {
             const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
-            traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * d, base + geometry_.k_page_offset(h));
+            traits::encode_k(reencoding, shape, rows.data(), w.empty() ? nullptr : w.data() + h * d, base + geometry_.k_page_offset(h));
           } else {
-            traits::encode_k(format_, shape, rows.data(), base + geometry_.k_page_offset(h));
+            traits::encode_k(reencoding, shape, rows.data(), base + geometry_.k_page_offset(h));
           }
         }
       }

@@ -26,6 +26,8 @@
 ///   static bool splits_p_on_tensor_cores(const state&, const device_context&);
 ///   template <class Shapes>                                              // encoded formats only:
 ///   static void encode_pages(const state&, const format::X&, const encode_context&);
+///   template <class Shapes>                                              // encoded formats only: the
+///   static void unpack_pages(const state&, const format::X&, const unpack_context&);  // inverse
 /// };
 /// ```
 ///
@@ -65,6 +67,18 @@ struct encode_context {
   const std::int32_t* weight_rows;    ///< [n] key-weight row per page or -1 (formats with key weights)
   const float* key_weights;           ///< [max_sequences][num_kv_heads][head_dim] (device), or null
   const std::int32_t* sink_slots;     ///< [n] tail slot keeping a first page's sink rows, or -1
+  std::int32_t n;
+};
+
+/// What an unpack pass is given: `n` pages `page_ids` (device array) whose dense rows, in the
+/// storage dtype, are to be written to scratch slots 0 .. n of `rows` (tail-slot layout: the first
+/// page_size rows of each head's K, then of its V). The rows are what the host's
+/// `format_traits::decode_k/v` give, rounded to the storage dtype; a compaction moves them and
+/// encodes the pages it writes again.
+struct unpack_context {
+  const device_context* engine;
+  std::byte* rows;                    ///< scratch slots (device)
+  const std::int32_t* page_ids;       ///< [n] pages to unpack (device)
   std::int32_t n;
 };
 

@@ -17,6 +17,7 @@
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/decode.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/encode.cuh"
+#include "kvmosaic/cuda/format/bitmap_tiles/unpack.cuh"
 #include "kvmosaic/cuda/format/device_format.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
@@ -120,6 +121,30 @@ struct device_format<format::bitmap_tiles> {
       using S = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       kernel::encode_bitmap_pages_kernel<S, head_dim><<<grid, kernel::encode_threads, mask_bytes, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::bitmap_tiles& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    const kernel::bitmap_unpack_params p{c.rows,
+                                         static_cast<std::int64_t>(g.tail_slot_bytes()),
+                                         static_cast<std::int64_t>(g.tail_head_bytes),
+                                         e.pages,
+                                         static_cast<std::int64_t>(g.page_slot_bytes()),
+                                         static_cast<std::int64_t>(g.k_page_bytes),
+                                         static_cast<std::int64_t>(g.v_page_bytes),
+                                         c.page_ids,
+                                         shape.num_kv_heads,
+                                         shape.page_size,
+                                         traits::k_along_tokens(f) ? 1 : 0};
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::unpack_bitmap_pages_kernel<decltype(dim)::value><<<grid, kernel::bitmap_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }

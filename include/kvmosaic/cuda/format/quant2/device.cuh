@@ -19,6 +19,7 @@
 #include "kvmosaic/cuda/format/device_format.cuh"
 #include "kvmosaic/cuda/format/quant2/decode.cuh"
 #include "kvmosaic/cuda/format/quant2/encode.cuh"
+#include "kvmosaic/cuda/format/quant2/unpack.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/quant2.hpp"
@@ -130,6 +131,30 @@ struct device_format<format::quant2> {
       constexpr int head_dim = decltype(dim)::value;
       const auto encode = kernel::encode_quant2_pages_kernel<S, head_dim>;
       encode<<<grid, kernel::quant2_encode_threads, detail::opted_in_shared(encode, code_bytes), e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::quant2& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    const kernel::quant2_unpack_params p{c.rows,
+                                         static_cast<std::int64_t>(g.tail_slot_bytes()),
+                                         static_cast<std::int64_t>(g.tail_head_bytes),
+                                         e.pages,
+                                         static_cast<std::int64_t>(g.page_slot_bytes()),
+                                         static_cast<std::int64_t>(g.k_page_bytes),
+                                         c.page_ids,
+                                         shape.num_kv_heads,
+                                         shape.page_size,
+                                         f.partition,
+                                         shape.storage};
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::unpack_quant2_pages_kernel<decltype(dim)::value><<<grid, kernel::quant2_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
