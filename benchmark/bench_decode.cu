@@ -16,7 +16,8 @@
 // select::quest rows (`*_quest_decode`) time the whole selected step (scoring, top-k, attention
 // over the chosen pages, merge) as time_us, and the scoring and top-k alone (with the metadata
 // copy) as select_us, in a second graph timed the same way; bytes count the pages read, the tail,
-// every page's key bounds, q and out.
+// every page's key bounds, q and out. select::streaming rows (`*_streaming_decode`) count the
+// bytes the sequences still store after eviction and compaction (counter budget).
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
@@ -34,12 +35,16 @@
 
 #include "kvmosaic/kvmosaic.cuh"
 #include "kvmosaic/support/synthetic.hpp"
+#include "timing.cuh"
 
 namespace {
 
 using namespace kvmosaic;
+using namespace kvmosaic_bench;
+/// Keep-less selectors (select::streaming) compact by hole filling; the others keep everything.
 template <class Format, class Selector = select::all>
-using cuda_cache = cache<Format, Selector, compact::none, backend::cuda>;
+using cuda_cache = cache<Format, Selector, std::conditional_t<selector_traits<Selector>::evicts, compact::hole_fill, compact::none>,
+                         backend::cuda>;
 
 double g_hbm_read_gbps = 0;  // measured by the first benchmark of the run
 
@@ -58,64 +63,6 @@ __global__ void stream_read_kernel(const uint4* __restrict__ data, std::size_t w
     for (int u = 0; u < 4; ++u) acc += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   if (acc == 0x12345678u) *sink = acc;  // practically never: keeps the loads
-}
-
-/// Fills `count` 16-bit values with a deterministic pseudo-random pattern in [-2, 2).
-template <class T>
-__global__ void fill_kernel(T* data, std::size_t count, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9e3779b9u ^ seed;
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    data[i] = T(static_cast<float>(h & 0xffffu) / 16384.0f - 2.0f);
-  }
-}
-
-/// Keeps the GPU busy for about `ns` nanoseconds, so the host enqueues the timed step before the
-/// GPU reaches it: the events then time the GPU's work, not the host's launch latency.
-__global__ void busy_wait_kernel(unsigned long long ns) {
-  const unsigned long long start = clock64();
-  while (clock64() - start < ns * 2) {
-  }
-}
-
-/// Evicts L2 between timed steps: writes a buffer twice the L2 size.
-struct l2_flusher {
-  l2_flusher() {
-    int device = 0, l2 = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
-    bytes = 2 * static_cast<std::size_t>(l2);
-    buffer = kvmosaic::cuda::device_buffer(bytes);
-  }
-  void flush(cudaStream_t stream) { KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(buffer.data(), 0, bytes, stream)); }
-  std::size_t bytes;
-  kvmosaic::cuda::device_buffer buffer;
-};
-
-struct event_timer {
-  event_timer() {
-    KVMOSAIC_CUDA_CHECK(cudaEventCreate(&start));
-    KVMOSAIC_CUDA_CHECK(cudaEventCreate(&stop));
-  }
-  ~event_timer() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-  }
-  double seconds() const {
-    float ms = 0;
-    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(stop));
-    KVMOSAIC_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    return ms * 1e-3;
-  }
-  cudaEvent_t start, stop;
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 void report(benchmark::State& state, const std::vector<double>& times, double bytes) {
@@ -180,7 +127,9 @@ void decode(benchmark::State& state) {
   }
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
   Selector selector{};
-  if constexpr (selects) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
+  constexpr bool evicts = selector_traits<Selector>::evicts;
+  if constexpr (selects || evicts) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
+  if constexpr (evicts) state.counters["budget"] = 1.0 / static_cast<double>(state.range(5));
   constexpr bool chunked = selector_traits<Selector>::needs_token_ids;
   if constexpr (std::is_same<Selector, select::quest>::value) selector.block_tokens = static_cast<int>(state.range(7));
   if constexpr (chunked)
@@ -449,6 +398,23 @@ BENCHMARK(decode<format::quant2, select::quest>)
     ->Name("quant2_quest_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse", "page", "block"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}, {0}, {0}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// select::streaming (4 sinks and a recent window within a budget of 1/8 or 1/4 of the context,
+// evicted as the prefill is sealed and compacted by hole filling): a step reads the live tokens
+// only, through live-row masks. Against dense_decode at the same logical context, in the same run.
+BENCHMARK(decode<format::dense, select::streaming>)
+    ->Name("dense_streaming_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {8, 4}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant2, select::streaming>)
+    ->Name("quant2_streaming_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {8}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -5,8 +5,9 @@
 #   [ <record>, ... ]                  several results
 #   { ..., "<any>": [ <record>, ... ] } several results under some member (e.g. "results")
 # where every <record> is an object with the keys
-#   cache, format, selector, backend, bytes_per_token, compression_ratio, rel_l2_error, cosine, decode_us
-# and the five measurements are JSON numbers (decode_us may also be null: not measured).
+#   cache, format, selector, backend, bytes_per_token, compression_ratio, rel_l2_error, cosine, decode_us,
+#   pages_used, pages_freed
+# and the seven measurements are JSON numbers (decode_us may also be null: not measured).
 # SPDX-License-Identifier: Apache-2.0
 cmake_minimum_required(VERSION 3.21)  # string(JSON) needs 3.19
 
@@ -18,8 +19,9 @@ if(NOT EXISTS "${JSON_FILE}")
 endif()
 file(READ "${JSON_FILE}" _json)
 
-set(_required_keys cache format selector backend bytes_per_token compression_ratio rel_l2_error cosine decode_us)
-set(_number_keys bytes_per_token compression_ratio rel_l2_error cosine decode_us)
+set(_required_keys cache format selector backend bytes_per_token compression_ratio rel_l2_error cosine decode_us pages_used
+    pages_freed)
+set(_number_keys bytes_per_token compression_ratio rel_l2_error cosine decode_us pages_used pages_freed)
 
 string(JSON _root_type ERROR_VARIABLE _error TYPE "${_json}")
 if(_error)

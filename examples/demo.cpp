@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
         cache<format::dense, select::sentence_chunks> c(w.config, {}, selector);
         rows.push_back(demo::run_host(c, w, o.steps));
       }
+      demo::for_each_streaming_cache<backend::host>(w.config, o.seed, [&](auto& c) { rows.push_back(demo::run_host(c, w, o.steps)); });
     }
     demo::print_table(rows, o);
     if (!o.json.empty()) {

@@ -138,6 +138,8 @@ inline workload make_workload(const options& o) {
 struct row {
   std::string cache, format, selector, backend;
   double bytes_per_token = 0, compression_ratio = 0, rel_l2_error = 0, cosine = 0, decode_us = 0;
+  std::int64_t pages_used = 0;   ///< pool pages held after prefill (the pool's gauge)
+  std::int64_t pages_freed = 0;  ///< pages the context's sealed tokens fill, less those held: what eviction gave back
 };
 
 /// Runs one cache configuration: prefill every sequence, time `steps` decode steps (median), and
@@ -179,14 +181,22 @@ row run(Cache& cache, const workload& w, int steps, RowsOf&& rows_of, Timed&& ti
   for (const auto& e : w.exact) exact.insert(exact.end(), e.begin(), e.end());
   const kvmosaic::host::fidelity f = kvmosaic::host::compare(out.data(), exact.data(), exact.size());
 
+  // Bytes against the dense bytes of the whole logical context (what a cache that evicts nothing
+  // would hold as 16-bit rows): for caches that keep everything, the tokens stored.
   kvmosaic::memory_stats m;
+  const kvmosaic::cache_config& c = cache.config();
+  const std::int64_t dense_row_bytes = 2LL * c.num_kv_heads * c.head_dim * static_cast<std::int64_t>(size_of(c.storage));
+  std::int64_t full_pages = 0;
   for (const kvmosaic::sequence_id s : seqs) {
     const kvmosaic::memory_stats one = cache.sequence_memory(s);
-    m.tokens += one.tokens;
+    m.tokens += cache.length(s);
     m.stored_bytes += one.stored_bytes;
-    m.dense_bytes += one.dense_bytes;
+    m.dense_bytes += cache.length(s) * dense_row_bytes;
+    full_pages += cache.length(s) / c.page_size;
   }
   row r;
+  r.pages_used = cache.memory().pages_used;
+  r.pages_freed = full_pages - r.pages_used;
   r.cache = name;
   r.format = kvmosaic::format_traits<typename Cache::format_type>::describe(cache.format());
   r.selector = kvmosaic::selector_traits<typename Cache::selector_type>::describe(cache.selector());
@@ -222,11 +232,12 @@ inline void print_table(const std::vector<row>& rows, const options& o) {
               version_string(), o.kv_heads, o.q_heads, o.head_dim, o.context, o.batch, o.page_size, to_string(o.storage));
   int width = static_cast<int>(std::strlen("configuration"));  // the longest configuration name
   for (const row& r : rows) width = std::max(width, static_cast<int>(r.cache.size()));
-  std::printf("%-*s %12s %12s %13s %12s %14s  %s\n", width, "configuration", "bytes/token", "compression",
-              "rel L2 error", "cosine", "decode (us)", "backend");
+  std::printf("%-*s %12s %12s %13s %12s %14s %11s %11s  %s\n", width, "configuration", "bytes/token", "compression",
+              "rel L2 error", "cosine", "decode (us)", "pages used", "pages freed", "backend");
   for (const row& r : rows) {
-    std::printf("%-*s %12.1f %12.4f %13.3e %12.9f %14.1f  %s\n", width, r.cache.c_str(), r.bytes_per_token,
-                r.compression_ratio, r.rel_l2_error, r.cosine, r.decode_us, r.backend.c_str());
+    std::printf("%-*s %12.1f %12.4f %13.3e %12.9f %14.1f %11lld %11lld  %s\n", width, r.cache.c_str(), r.bytes_per_token,
+                r.compression_ratio, r.rel_l2_error, r.cosine, r.decode_us, static_cast<long long>(r.pages_used),
+                static_cast<long long>(r.pages_freed), r.backend.c_str());
   }
 }
 
@@ -253,7 +264,7 @@ inline void write_json(const std::vector<row>& rows, const std::string& path) {
       << ", \"selector\": " << json_string(r.selector) << ", \"backend\": " << json_string(r.backend)
       << ", \"bytes_per_token\": " << r.bytes_per_token << ", \"compression_ratio\": " << r.compression_ratio
       << ", \"rel_l2_error\": " << r.rel_l2_error << ", \"cosine\": " << r.cosine << ", \"decode_us\": " << r.decode_us
-      << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
+      << ", \"pages_used\": " << r.pages_used << ", \"pages_freed\": " << r.pages_freed << "}" << (i + 1 < rows.size() ? "," : "") << "\n";
   }
   f << "]\n";
 }
@@ -309,6 +320,40 @@ inline std::vector<kvmosaic::select::sentence_chunks> sentence_chunk_variants() 
     v.push_back(s);
   }
   return v;
+}
+
+/// select::streaming at budgets 1/8 and 1/4 of the context (4 sinks and the most recent tokens).
+inline std::vector<kvmosaic::select::streaming> streaming_variants() {
+  std::vector<kvmosaic::select::streaming> v;
+  for (const int inverse : {8, 4}) {
+    kvmosaic::select::streaming s;
+    s.budget.ratio = 1.0 / inverse;
+    v.push_back(s);
+  }
+  return v;
+}
+/// The quant2 format the streaming rows use: Pi = 64, stochastic rounding, the 4 sinks kept 16-bit.
+inline std::pair<kvmosaic::cache_config, kvmosaic::format::quant2> streaming_quant2(const kvmosaic::cache_config& base,
+                                                                                   std::uint64_t seed) {
+  kvmosaic::cache_config config = base;
+  config.page_size = std::max(config.page_size, 64);
+  return {config, kvmosaic::format::quant2{64, kvmosaic::format::rounding::stochastic, seed, kvmosaic::format::key_axis::tokens, 4}};
+}
+
+/// Runs `run_one(cache)` for every streaming row on `Backend`: dense and quant2 at 1/8 and 1/4 with
+/// hole filling, and quant2 at 1/8 with repack (which re-encodes every page it slides).
+template <class Backend, class RunOne>
+void for_each_streaming_cache(const kvmosaic::cache_config& base, std::uint64_t seed, RunOne&& run_one) {
+  using namespace kvmosaic;
+  const auto [q2_config, q2] = streaming_quant2(base, seed);
+  for (const auto& s : streaming_variants()) {
+    cache<format::dense, select::streaming, compact::hole_fill, Backend> dense(base, {}, s);
+    run_one(dense);
+    cache<format::quant2, select::streaming, compact::hole_fill, Backend> quant(q2_config, q2, s);
+    run_one(quant);
+  }
+  cache<format::quant2, select::streaming, compact::repack, Backend> repacked(q2_config, q2, streaming_variants().front());
+  run_one(repacked);
 }
 
 std::vector<row> run_cuda(const workload& w, int steps);

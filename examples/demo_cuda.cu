@@ -69,6 +69,9 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     cache<format::dense, select::sentence_chunks, compact::none, backend::cuda> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
+  // StreamingLLM: evicted as the prefill is sealed, compacted on the device.
+  for_each_streaming_cache<backend::cuda>(w.config, w.generator.seed,
+                                          [&](auto& c) { rows.push_back(run(c, w, steps, rows_of, timed, read_out)); });
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return rows;

@@ -241,3 +241,102 @@ TEST_CASE("GPU compaction: a pass captured in a CUDA graph", "[gpu][eviction][co
   q2.partition = 64;
   check_compaction<compact::hole_fill>(q2, 64, true);
 }
+
+namespace {
+
+/// select::streaming on both backends, fed the same prefill and 200 batched appends: after every
+/// write the same evictions, compaction passes, block tables, positions and pool; at the end the
+/// same page bytes and outputs within the format's host-device tolerance.
+template <class Compactor, class Format>
+void check_streaming(const Format& format, int page_size) {
+  cache_config c = evicted_twins<Format, Compactor>::make_config(page_size);
+  c.max_pages = 64;  // 2 x 500 tokens would need far more without eviction
+  c.max_sequences = 2;
+  select::streaming s;
+  s.sink_tokens = 4;
+  s.budget.tokens = 6 * page_size;
+  s.compact_every = 48;
+  cache<Format, select::streaming, Compactor> host(c, format, s);
+  cache<Format, select::streaming, Compactor, backend::cuda> device(c, format, s);
+  const int prefill = 300, appends = 200, total = prefill + appends;
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  std::vector<synthetic::kv_data> data;
+  std::vector<sequence_id> seqs;
+  for (int b = 0; b < 2; ++b) {
+    data.push_back(synthetic::generate_kv(test::generator_for(c, 50 + b), 0, total));
+    const sequence_id h = host.add_sequence(), d = device.add_sequence();
+    REQUIRE(h == d);
+    seqs.push_back(h);
+    const int n = prefill + 13 * b;
+    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, c.head_dim),
+                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, c.head_dim));
+    device_array<float> k(std::vector<float>(data[b].k.begin(), data[b].k.begin() + n * static_cast<std::ptrdiff_t>(row)));
+    device_array<float> v(std::vector<float>(data[b].v.begin(), data[b].v.begin() + n * static_cast<std::ptrdiff_t>(row)));
+    device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, c.head_dim),
+                   tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, c.head_dim));
+  }
+  const auto check_bookkeeping = [&] {
+    for (const sequence_id seq : seqs) {
+      REQUIRE(host.pages(seq) == device.pages(seq));
+      REQUIRE(host.positions(seq) == device.positions(seq));
+      REQUIRE(host.length(seq) == device.length(seq));
+    }
+    REQUIRE(host.pool().used_pages() == device.pool().used_pages());
+  };
+  check_bookkeeping();
+  for (int t = 0; t < appends - 13; ++t) {
+    std::vector<float> k(2 * row), v(2 * row);
+    for (int b = 0; b < 2; ++b) {
+      const std::size_t at = static_cast<std::size_t>(prefill + 13 * b + t) * row;
+      std::copy_n(data[b].k.begin() + static_cast<std::ptrdiff_t>(at), row, k.begin() + static_cast<std::ptrdiff_t>(b * row));
+      std::copy_n(data[b].v.begin() + static_cast<std::ptrdiff_t>(at), row, v.begin() + static_cast<std::ptrdiff_t>(b * row));
+    }
+    const span<const sequence_id> batch(seqs.data(), 2);
+    host.append(batch, tensor_view<const float, 3>(k.data(), 2, c.num_kv_heads, c.head_dim),
+                tensor_view<const float, 3>(v.data(), 2, c.num_kv_heads, c.head_dim));
+    device_array<float> dk(k), dv(v);
+    device.append(batch, tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, c.head_dim),
+                  tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, c.head_dim));
+    check_bookkeeping();
+  }
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  REQUIRE(host.pool().used_pages() <= 2 * (6 + 2));  // the budget's pages, a partly dead one and the tail's next
+  const std::size_t slot = host.engine().page_slot_bytes();
+  std::vector<std::byte> device_slot(slot);
+  for (const sequence_id seq : seqs)
+    for (const page_id page : host.pages(seq)) {
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_slot.data(), device.engine().pages_data() + page * slot, slot, cudaMemcpyDeviceToHost));
+      INFO("page " << page);
+      REQUIRE(std::memcmp(device_slot.data(), host.engine().k_page(page, 0), slot) == 0);
+    }
+  const int hq = c.num_q_heads(), d = c.head_dim;
+  std::vector<float> q(2 * static_cast<std::size_t>(hq) * d);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.07f * static_cast<float>(i)) * 1.5f;
+  std::vector<float> host_out(q.size());
+  const span<const sequence_id> batch(seqs.data(), 2);
+  host.attend(batch, tensor_view<const float, 3>(q.data(), 2, hq, d), tensor_view<float, 3>(host_out.data(), 2, hq, d));
+  device_array<float> dq(q), dout(q.size());
+  device.attend(batch, tensor_view<const float, 3>(dq.data(), 2, hq, d), tensor_view<float, 3>(dout.data(), 2, hq, d));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const double worst = largest_difference(dout.to_host(q.size()), host_out);
+  INFO("largest |gpu - host| " << worst);
+  CHECK(worst <= evicted_twins<Format, Compactor>::tolerance());
+}
+
+}  // namespace
+
+TEST_CASE("GPU select::streaming: the host's evictions, compactions, tables and page bytes, every format",
+          "[gpu][eviction][streaming][sanitize]") {
+  if (!gpu_available()) return;
+  check_streaming<compact::repack>(format::dense{}, 16);
+  check_streaming<compact::hole_fill>(format::dense{}, 32);
+  format::bitmap_tiles b;
+  b.s_k = 0.5f;
+  b.s_v = 0.7f;
+  check_streaming<compact::repack>(b, 64);
+  format::quant2 q2;
+  q2.partition = 32;
+  q2.sink_tokens = 4;
+  check_streaming<compact::hole_fill>(q2, 32);
+  check_streaming<compact::repack>(q2, 64);
+}

@@ -254,6 +254,20 @@ class engine {
   void stage_moves(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
                    bool first_page_sinks);
 
+  /// Pages the last staged compaction pass writes and unpacks (summed over its chunks): what its
+  /// device work reads and writes, for reports and benchmarks.
+  struct staged_move_pages {
+    std::int64_t written = 0, unpacked = 0;
+  };
+  staged_move_pages staged_moves() const noexcept {
+    staged_move_pages pages;
+    for (const move_chunk& c : move_chunks_) {
+      pages.written += c.pages_written;
+      pages.unpacked += c.pages_unpacked;
+    }
+    return pages;
+  }
+
   /// The device half of `move_slots`, enqueued on the engine's stream: one copy of the staged
   /// metadata, then per chunk the unpack, the gather, the selector's seal and the encode (or the
   /// copy back). Capturable in a CUDA graph; a replay redoes the staged pass.
