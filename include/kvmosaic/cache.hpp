@@ -187,6 +187,9 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
+  static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
+                "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
+                "compaction would move: use it with compact::none");
 
  public:
   using format_type = Format;
@@ -588,8 +591,6 @@ class cache
   /// `evict`; with `skip_evicted`, positions already evicted are passed over instead of rejected
   /// (a keep-less selector's own evictions after the caller's).
   void evict_positions(sequence_id seq, span<const std::int64_t> positions, bool skip_evicted) {
-    static_assert(selector_traits<Selector>::reads_all_pages || selector_traits<Selector>::evicts,
-                  "kvmosaic::cache::evict: eviction with a read-less selector is not built yet (issue 20)");
     const char* where = "cache::evict";
     sequence_state& s = live(seq, where);
     check_view(where, "positions", positions);

@@ -408,3 +408,95 @@ TEST_CASE("select::streaming keeps the sinks and the window, evicts the rest as 
     REQUIRE(std::abs(out[i] - exact[i]) <= bound.per_element[i]);
   }
 }
+
+TEST_CASE("select::quest over evicted tokens reads the chosen rows that are live; compaction rewrites the bounds it moves",
+          "[eviction][compaction][select]") {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  const int tokens = 300;  // 18 pages and a tail of 12
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 9), 0, tokens);
+  const synthetic::kv_data stored = test::rounded(data, c.storage);
+  std::mt19937_64 rng(4);
+  std::vector<std::int64_t> dead;
+  for (std::int64_t t = 0; t < 288; ++t)
+    if (std::bernoulli_distribution(0.5)(rng)) dead.push_back(t);
+  while ((288 - dead.size()) % 16 != 0) dead.pop_back();  // survivors fill whole pages once compacted
+  select::quest quest;
+  quest.budget.ratio = 0.25;
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const double scale = 1.0 / std::sqrt(64.0);
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
+
+  // Each KV head's output against fp64 attention over the tokens it must read: the live tokens of
+  // the slots its selection chose (`positions` maps slots to tokens), and the tail.
+  using quest_cache = cache<format::dense, select::quest, compact::repack>;
+  const auto check_reads_live_selection = [&](quest_cache& kv, sequence_id seq) {
+    const std::vector<float> out = attend_one(kv, seq);
+    const std::vector<std::int64_t> positions = kv.positions(seq);
+    const std::int64_t sealed = kv.stored_tokens(seq) - tokens % c.page_size;
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      std::vector<std::int64_t> read;
+      for (const auto& [first, last] : kv.selected_ranges(seq, h))
+        for (std::int64_t slot = first; slot < last && slot < sealed; ++slot)
+          if (positions[static_cast<std::size_t>(slot)] >= 0) read.push_back(positions[static_cast<std::size_t>(slot)]);
+      for (std::int64_t t = tokens - tokens % c.page_size; t < tokens; ++t) read.push_back(t);
+      std::sort(read.begin(), read.end());
+      REQUIRE(std::adjacent_find(read.begin(), read.end()) == read.end());
+      for (const std::int64_t t : read) REQUIRE(!std::binary_search(dead.begin(), dead.end(), t));
+      CHECK(read.size() < 200);  // a selection, not everything
+      synthetic::kv_data subset = stored;
+      subset.k.clear();
+      subset.v.clear();
+      for (const std::int64_t t : read) {
+        subset.k.insert(subset.k.end(), stored.k.begin() + t * static_cast<std::int64_t>(row), stored.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
+        subset.v.insert(subset.v.end(), stored.v.begin() + t * static_cast<std::int64_t>(row), stored.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
+      }
+      subset.num_tokens = static_cast<int>(read.size());
+      const std::vector<double> exact = test::exact(q, subset, scale);
+      const test::error_bound bound = test::attention_error_bound(q, subset, c.group_size, scale, c.storage, c.page_size, true);
+      for (int i = h * c.group_size * c.head_dim; i < (h + 1) * c.group_size * c.head_dim; ++i) {
+        INFO("head " << h << ", element " << i);
+        REQUIRE(std::abs(out[static_cast<std::size_t>(i)] - exact[static_cast<std::size_t>(i)]) <= bound.per_element[static_cast<std::size_t>(i)]);
+      }
+    }
+    return out;
+  };
+  quest_cache kv(c, {}, quest);
+  const sequence_id seq = kv.add_sequence();
+  kv.prefill(seq, test::k_view(data), test::v_view(data));
+  kv.evict(seq, view(dead));
+  check_reads_live_selection(kv, seq);
+  const compaction_report r = kv.compact(seq);
+  CHECK(r.pages_freed > 0);
+  const std::vector<float> compacted = check_reads_live_selection(kv, seq);
+
+  // The bounds the pass rewrote are those of the rows now in each page: a fresh cache of the
+  // survivors (in the same slots, as repack keeps their order; its tail starts elsewhere) selects
+  // the same ranges and reads the same tokens, up to fp32 summation order.
+  synthetic::kv_data kept = data;
+  kept.k.clear();
+  kept.v.clear();
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    if (std::binary_search(dead.begin(), dead.end(), t)) continue;
+    kept.k.insert(kept.k.end(), data.k.begin() + t * static_cast<std::int64_t>(row), data.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
+    kept.v.insert(kept.v.end(), data.v.begin() + t * static_cast<std::int64_t>(row), data.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
+  }
+  kept.num_tokens = static_cast<int>(kept.k.size() / row);
+  cache<format::dense, select::quest> fresh(c, {}, quest);
+  const sequence_id f = fresh.add_sequence();
+  fresh.prefill(f, test::k_view(kept), test::v_view(kept));
+  const std::vector<float> reference = attend_one(fresh, f);
+  for (int h = 0; h < c.num_kv_heads; ++h) CHECK(kv.selected_ranges(seq, h) == fresh.selected_ranges(f, h));
+  const test::error_bound bound = test::attention_error_bound(q, test::rounded(kept, c.storage), c.group_size, scale, c.storage,
+                                                              c.page_size, true);
+  for (std::size_t i = 0; i < reference.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(std::abs(compacted[i] - reference[i]) <= 2 * bound.per_element[i]);
+  }
+}

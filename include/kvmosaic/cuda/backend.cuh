@@ -323,7 +323,7 @@ class engine {
     const layout_capacity new_capacity{std::max(capacity_.batch, batch),
                                        std::max(capacity_.table_stride, max_pages_per_sequence),
                                        std::max({capacity_.work, splits, work_capacity(batch)}), capacity_.live_masks || live_masks};
-    selection_.reserve(new_capacity.batch, new_capacity.table_stride);
+    selection_.reserve(new_capacity.batch, new_capacity.table_stride, new_capacity.live_masks);
     if (new_capacity.batch == capacity_.batch && new_capacity.table_stride == capacity_.table_stride &&
         new_capacity.work == capacity_.work && new_capacity.live_masks == capacity_.live_masks &&
         layout_.bytes - layout_.selection >= selection_.staged_bytes())
@@ -376,8 +376,6 @@ class engine {
     const split_plan plan =
         make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
-    kvmosaic::detail::require(!(masked && selection_.planned()), "cuda::engine::plan", "a selected step with evicted tokens",
-                              "given", "eviction with a read-less selector is not built yet on backend::cuda");
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
     batch_ = n;
@@ -453,9 +451,13 @@ class engine {
     p.sealed_pages = reinterpret_cast<const std::int32_t*>(device + layout_.sealed);
     p.block_tables = p.sequence_tables;
     p.planned_pages = reinterpret_cast<const std::int32_t*>(device + layout_.read_pages);
+    // Evicted tokens: live-row masks per (sequence, entry). A selected step's stage ANDs them into
+    // the row masks it writes; otherwise the split kernels read them, every head alike.
+    const auto* live = step_masked_ ? reinterpret_cast<const std::uint32_t*>(device + layout_.live_masks) : nullptr;
+    selection_.use_live_masks(selection_.planned() ? live : nullptr);
     selection_.bind(p);  // a selected step: the stage's page tables (and row masks)
-    if (step_masked_) {  // evicted tokens: live-row masks per (sequence, entry), every head alike
-      p.token_masks = reinterpret_cast<const std::uint32_t*>(device + layout_.live_masks);
+    if (live != nullptr && !selection_.planned()) {
+      p.token_masks = live;
       p.mask_words = live_mask_words();
     }
     p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);

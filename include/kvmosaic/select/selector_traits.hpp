@@ -21,6 +21,10 @@
 ///   static void validate(const Selector&, int page_size);  // throws invalid_argument
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
+///   static constexpr bool keeps_token_ranges;       // optional, default false: true when the
+///                                                   // selector's metadata names runs of slots
+///                                                   // (sentence chunks), which a compaction
+///                                                   // would move under it
 ///
 /// and, as behaviour, the host hooks the cache calls for every selector without naming one
 /// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
@@ -76,6 +80,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"
@@ -136,6 +141,13 @@ template <class Selector, class Cache>
 struct selector_cache_members<Selector, Cache, true> {
   using type = typename selector_traits<Selector>::template cache_members<Cache>;
 };
+
+/// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
+template <class Selector, class = void>
+struct keeps_token_ranges : std::false_type {};
+template <class Selector>
+struct keeps_token_ranges<Selector, std::void_t<decltype(selector_traits<Selector>::keeps_token_ranges)>>
+    : std::bool_constant<selector_traits<Selector>::keeps_token_ranges> {};
 }  // namespace detail
 
 }  // namespace kvmosaic

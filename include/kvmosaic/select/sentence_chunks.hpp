@@ -152,6 +152,8 @@ struct selector_traits<select::sentence_chunks> {
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
   static constexpr bool needs_token_ids = true;
+  /// Chunks are runs of slots: a compaction would move tokens out from under them.
+  static constexpr bool keeps_token_ranges = true;
   static std::string describe(const select::sentence_chunks& s) {
     std::string text = "sentence_chunks(";
     text += s.budget.describe();

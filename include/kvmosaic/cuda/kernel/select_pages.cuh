@@ -58,6 +58,12 @@ struct select_params {
   std::uint32_t* marks;               ///< scratch: [batch][num_kv_heads][header[3]][mask_words]
   std::uint32_t* token_masks;         ///< [batch][header[1]] entries of `selected` (head h at h * header[2]) x mask_words
   std::int32_t* table_lengths;        ///< [batch][num_kv_heads] entries written to `selected`
+
+  /// Evicted tokens (null: none): per (sequence, block-table entry), its live rows
+  /// ([batch][header[3]][mask_words]). Both kernels then write each chosen page's row mask ANDed
+  /// with its live rows to `token_masks` (page-granular steps too) and the entries to
+  /// `table_lengths`, and drop a page left with no row.
+  const std::uint32_t* live_masks;
 };
 
 /// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
@@ -201,7 +207,8 @@ inline constexpr int select_threads = 256;
 /// sequences re-read their scores from L2 at each pass.
 inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 * 1024 ? max_pages * 4 : 0; }
 
-/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order.
+/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
+/// each with its live rows as its row mask).
 /// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
@@ -214,7 +221,11 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const int tid = static_cast<int>(threadIdx.x);
   const int n = p.sealed_pages[b];
   const int k = min(p.budget_pages[b], n);
-  if (k <= 0) return;
+  std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
+  if (k <= 0) {
+    if (length != nullptr && tid == 0) *length = 0;
+    return;
+  }
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
@@ -241,11 +252,19 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
     const int chosen = i < n && (k >= n || key > threshold || (is_tie && ties_before + tie_rank < ties_to_take));
     int position = 0, count = 0;
     scan(storage.scan).ExclusiveSum(chosen, position, count);
-    if (chosen) out[written + position] = table[i];
+    if (chosen) {
+      out[written + position] = table[i];
+      if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
+        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + written + position;
+        const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
+        for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
+      }
+    }
     ties_before += ties;
     written += count;
     __syncthreads();
   }
+  if (length != nullptr && tid == 0) *length = written;
 }
 
 namespace detail_select {
@@ -358,7 +377,11 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     const int i = base + tid;
     std::uint32_t any = 0;
     if (i < sealed)
-      for (int w = 0; w < words; ++w) any |= marks[i * words + w];
+      for (int w = 0; w < words; ++w) {
+        if (p.live_masks != nullptr)  // evicted rows are never read
+          marks[i * words + w] &= p.live_masks[(static_cast<std::size_t>(b) * p.step_header[3] + i) * words + w];
+        any |= marks[i * words + w];
+      }
     int position = 0, count = 0;
     scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
     if (any != 0) {

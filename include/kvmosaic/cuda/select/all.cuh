@@ -36,7 +36,8 @@ class selection_stage<select::all, Shapes> {
   }
   std::size_t staged_bytes() const noexcept { return 0; }
   void stage(std::byte*) const noexcept {}
-  void reserve(std::int32_t, std::int32_t) noexcept {}
+  void reserve(std::int32_t, std::int32_t, bool = false) noexcept {}
+  void use_live_masks(const std::uint32_t*) noexcept {}  // the engine's live masks serve every page
   bool planned() const noexcept { return false; }
   bool row_masks() const noexcept { return false; }
   void bind(kernel::decode_params&) const noexcept {}

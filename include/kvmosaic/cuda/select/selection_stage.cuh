@@ -22,9 +22,13 @@
 ///             std::vector<std::int32_t>& read_pages);         // host, per step (see below)
 ///   std::size_t staged_bytes() const;       // bytes of the planned step's inputs to stage
 ///   void stage(std::byte* host) const;      // writes them (the engine copies them with the step's)
-///   void reserve(std::int32_t batch, std::int32_t table_stride);  // outputs for such steps
+///   void reserve(std::int32_t batch, std::int32_t table_stride, bool live_masks);  // outputs for
+///                                           // such steps (live_masks: some may have evicted tokens)
 ///   bool planned() const;                   // the planned step selects
-///   bool row_masks() const;                 // ... and picks blocks smaller than a page
+///   bool row_masks() const;                 // ... and writes row masks (blocks smaller than a page,
+///                                           // or evicted tokens)
+///   void use_live_masks(const std::uint32_t*) noexcept;  // the step's live rows per (sequence,
+///                                           // block-table entry), or null: ANDed into its masks
 ///   void bind(kernel::decode_params&) const;                  // the contract (below)
 ///   void launch(const kernel::decode_params&, const std::byte* staged, const float* q, cudaStream_t);
 /// };
@@ -33,7 +37,9 @@
 /// The contract every format's split kernel reads (`kernel::decode_params`): for a selected step,
 /// per (sequence, KV head) a page table (`block_tables`, rows `step_header[1]` apart, heads
 /// `step_header[2]` apart) and, when `row_masks()`, per listed page a row mask (`token_masks`,
-/// `mask_words` words) and the entries written (`table_lengths`). `plan` fills `read_pages[b]`,
+/// `mask_words` words) and the entries written (`table_lengths`). A step with evicted tokens
+/// gets the live rows of every (sequence, block-table entry) first (`use_live_masks`); a stage
+/// that selects writes row masks then, each ANDed with its page's live rows. `plan` fills `read_pages[b]`,
 /// the pages sequence b's splits cover (`planned_pages`): every sealed page, or fewer when the
 /// selection is known to read fewer whole pages. docs/architecture.md ("Adding a selector") lists
 /// the files a new selector writes.

@@ -68,7 +68,13 @@ class span_selection {
   /// Row-mask words per page: ceil(page_size / 32).
   int mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   bool planned() const noexcept { return planned_; }
-  bool row_masks() const noexcept { return planned_ && row_masks_; }
+  /// Whether the planned step's split kernels read row masks: spans smaller than a page, or
+  /// evicted tokens.
+  bool row_masks() const noexcept { return planned_ && (row_masks_ || live_masks_ != nullptr); }
+  /// The step's live-row masks (device, [batch][table stride][mask_words()]; null: no token of the
+  /// batch is evicted), ANDed into every row mask the step writes. Set by the engine before each
+  /// launch.
+  void use_live_masks(const std::uint32_t* masks) noexcept { live_masks_ = masks; }
   /// Scores per (sequence, KV head): one per span of the longest sequence the layout holds.
   std::int32_t score_stride() const noexcept {
     return source_.own_tables ? std::max(span_table_stride_, 1) * source_.spans_per_entry
@@ -92,14 +98,15 @@ class span_selection {
 
   /// Outputs for steps of up to `batch` sequences of up to `table_stride` pages, and scores for
   /// their spans.
-  void reserve(std::int32_t batch, std::int32_t table_stride) {
+  void reserve(std::int32_t batch, std::int32_t table_stride, bool live_masks = false) {
+    live_masks_possible_ = live_masks_possible_ || live_masks;
     batch_capacity_ = std::max(batch_capacity_, batch);
     table_stride_ = std::max(table_stride_, table_stride);
     const std::size_t rows = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * table_stride_;
     const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride() * sizeof(float);
     if (scores_.size() < score_bytes) scores_ = device_buffer(score_bytes);
     if (selected_.size() < rows * sizeof(std::int32_t)) selected_ = device_buffer(rows * sizeof(std::int32_t));
-    if (row_masks_possible_) {  // and each chosen page's row mask
+    if (row_masks_possible_ || live_masks_possible_) {  // and each chosen page's row mask
       const std::size_t words = rows * static_cast<std::size_t>(mask_words()) * sizeof(std::uint32_t);
       if (marks_.size() < words) {
         marks_ = device_buffer(words);
@@ -113,7 +120,7 @@ class span_selection {
   void bind(kernel::decode_params& p) const noexcept {
     if (!planned_) return;
     p.block_tables = selected_.as<const std::int32_t>();
-    if (row_masks_) {
+    if (row_masks()) {
       p.token_masks = token_masks_.as<const std::uint32_t>();
       p.mask_words = mask_words();
       p.table_lengths = table_lengths_.as<const std::int32_t>();
@@ -155,14 +162,15 @@ class span_selection {
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
     const dim3 select_grid(static_cast<unsigned>(planned_batch_), static_cast<unsigned>(shape_.num_kv_heads));
+    s.live_masks = live_masks_;
+    s.mask_words = mask_words();
+    s.token_masks = token_masks_.as<std::uint32_t>();
+    s.table_lengths = table_lengths_.as<std::int32_t>();
     if (row_masks_) {
       s.budget_tokens = reinterpret_cast<const std::int32_t*>(staged + row);
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
-      s.mask_words = mask_words();
       s.marks = marks_.as<std::uint32_t>();
-      s.token_masks = token_masks_.as<std::uint32_t>();
-      s.table_lengths = table_lengths_.as<std::int32_t>();
       // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
       int bytes = kernel::span_select_shared_bytes(s.score_stride);
       if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
@@ -185,7 +193,7 @@ class span_selection {
                               b, "a batch entry of the last step, which must have been a selected one");
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     std::int32_t count = selected_counts_[static_cast<std::size_t>(b)];
-    if (row_masks_)
+    if (row_masks())
       KVMOSAIC_CUDA_CHECK(cudaMemcpy(&count, table_lengths_.as<const std::int32_t>() + b * shape_.num_kv_heads + head,
                                      sizeof count, cudaMemcpyDeviceToHost));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(count));
@@ -199,8 +207,8 @@ class span_selection {
   /// mask_words() words, bit r of word w for row 32 w + r (synchronizes).
   std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const {
     const std::size_t pages = selected_pages(b, head).size(), words = static_cast<std::size_t>(mask_words());
-    kvmosaic::detail::require(row_masks_, "cuda::engine::selection().selected_rows", "the last step", "page-granular",
-                              "a step with row masks (sub-page spans)");
+    kvmosaic::detail::require(row_masks(), "cuda::engine::selection().selected_rows", "the last step", "page-granular",
+                              "a step with row masks (sub-page spans, or evicted tokens)");
     std::vector<std::uint32_t> masks(pages * words);
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(masks.data(),
                                    token_masks_.as<const std::uint32_t>() +
@@ -261,6 +269,8 @@ class span_selection {
   span_source source_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
   bool row_masks_possible_ = false;
+  bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
+  const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null
   std::int32_t batch_capacity_ = 0, table_stride_ = 0, span_table_stride_ = 0;
   // The planned step.
   bool planned_ = false, row_masks_ = false, combine_sum_ = false;
