@@ -4,8 +4,9 @@
 // 4,096 synthetic tokens loses `evicted` of its sealed tokens at random, then runs `passes`
 // rounds of (repack; evict a further 10% of the live sealed tokens). After each pass, the
 // relative L2 error of one query's attention against fp64 exact attention over the survivors is
-// compared with the error of a fresh cache holding the same survivors (their first encode).
-// Mean over 8 seeds. Host only, not part of the build:
+// compared with the error of a fresh cache holding the same survivors (their first encode), and
+// the pages it holds with the pages the fresh cache holds; at max_reencodes = 1 (the default) and
+// 255 (practically no limit). Mean over 8 seeds. Host only, not part of the build:
 //   g++ -std=c++17 -O2 -I include -I test -isystem /usr/include/eigen3 benchmark/probes/quant2_reencode_error.cpp -o /tmp/q2_probe && /tmp/q2_probe
 #include <algorithm>
 #include <cmath>
@@ -53,16 +54,18 @@ int main() {
   c.max_sequences = 2;
   const int tokens = 4096, trials = 8, passes = 4;
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  std::printf("| seal rounding | evicted | pass | fresh encode of the survivors | after the passes | ratio |\n");
-  std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
+  std::printf("| seal rounding | max_reencodes | evicted | pass | error: fresh encode of the survivors | error: after the passes | ratio | pages: fresh | pages: held |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto rounding : {format::rounding::stochastic, format::rounding::nearest})
+    for (const int limit : {1, 255})
     for (const double fraction : {0.5, 0.9}) {
-      std::vector<double> fresh_error(passes + 1, 0.0), error(passes + 1, 0.0);
+      std::vector<double> fresh_error(passes + 1, 0.0), error(passes + 1, 0.0), fresh_pages(passes + 1, 0.0), pages(passes + 1, 0.0);
       for (int trial = 0; trial < trials; ++trial) {
         const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 100 + trial), 0, tokens);
         format::quant2 f;
         f.partition = 64;
         f.mode = rounding;
+        f.max_reencodes = limit;
         cache<format::quant2, select::all, compact::repack> kv(c, f);
         const sequence_id seq = kv.add_sequence();
         kv.prefill(seq, test::k_view(data), test::v_view(data));
@@ -93,6 +96,8 @@ int main() {
           const sequence_id s = fresh.add_sequence();
           fresh.prefill(s, test::k_view(kept), test::v_view(kept));
           fresh_error[static_cast<std::size_t>(pass)] += relative_error(attend_one(fresh, s, q), exact) / trials;
+          pages[static_cast<std::size_t>(pass)] += static_cast<double>(kv.pool().used_pages()) / trials;
+          fresh_pages[static_cast<std::size_t>(pass)] += static_cast<double>(fresh.pool().used_pages()) / trials;
           if (pass < passes) {  // a further 10% of the live sealed tokens
             const std::int64_t sealed_to = kv.length(seq) - 64;
             std::vector<std::int64_t> more;
@@ -103,8 +108,10 @@ int main() {
         }
       }
       for (int pass = 0; pass <= passes; ++pass)
-        std::printf("| %s | %.0f%% | %d | %.4f | %.4f | %.2f |\n", rounding == format::rounding::stochastic ? "stochastic" : "nearest",
-                    100 * fraction, pass, fresh_error[static_cast<std::size_t>(pass)], error[static_cast<std::size_t>(pass)],
-                    error[static_cast<std::size_t>(pass)] / fresh_error[static_cast<std::size_t>(pass)]);
+        std::printf("| %s | %d | %.0f%% | %d | %.4f | %.4f | %.2f | %.1f | %.1f |\n",
+                    rounding == format::rounding::stochastic ? "stochastic" : "nearest", limit, 100 * fraction, pass,
+                    fresh_error[static_cast<std::size_t>(pass)], error[static_cast<std::size_t>(pass)],
+                    error[static_cast<std::size_t>(pass)] / fresh_error[static_cast<std::size_t>(pass)],
+                    fresh_pages[static_cast<std::size_t>(pass)], pages[static_cast<std::size_t>(pass)]);
     }
 }

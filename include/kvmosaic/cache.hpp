@@ -668,9 +668,20 @@ class cache
     static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
     sequence_state& s = live(seq, "cache::compact");
     const int page = config_.page_size;
+    // Frozen: the leading pages shared with a fork, and, for formats that re-encode what they
+    // move, every page up to the last one re-encoded as often as the format allows.
     std::int32_t frozen = 0;
     while (frozen < static_cast<std::int32_t>(s.pages.size()) && pool_.ref_count(s.pages[static_cast<std::size_t>(frozen)]) > 1)
       ++frozen;
+    constexpr bool reencodes = detail::reencodes_moved_rows_v<Format>;
+    if constexpr (reencodes) {
+      const int limit = detail::reencoding<Format>::limit(format_);
+      for (std::size_t i = s.slots.reencoded.size(); i-- > 0;)
+        if (s.slots.reencoded[i] >= limit) {
+          frozen = std::max(frozen, static_cast<std::int32_t>(i) + 1);
+          break;
+        }
+    }
     const std::int64_t round_start = std::max<std::int64_t>(s.slots.round_start, static_cast<std::int64_t>(frozen) * page);
     const detail::compaction_plan plan = compactor_traits<C>::plan(compactor_, s.slots.position, page, round_start, frozen);
     detail::slot_positions next;  // the map afterwards (allocates: before anything changes)
@@ -681,6 +692,12 @@ class cache
       if (plan.positions[slot] < 0) next.evict(static_cast<std::int64_t>(slot), page);
     }
     next.round_start = static_cast<std::int64_t>(plan.pages_kept) * page;
+    std::copy_n(s.slots.reencoded.begin(), plan.pages_kept, next.reencoded.begin());  // the kept pages stay where they are
+    if (reencodes)
+      for (const std::int32_t i : plan.pages_written) {
+        std::uint8_t& count = next.reencoded[static_cast<std::size_t>(i)];
+        count = static_cast<std::uint8_t>(std::min(count + 1, 255));
+      }
     engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
     // Commit (cannot throw): emptied pages go back to the pool.
     for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);

@@ -500,3 +500,53 @@ TEST_CASE("select::quest over evicted tokens reads the chosen rows that are live
     REQUIRE(std::abs(compacted[i] - reference[i]) <= 2 * bound.per_element[i]);
   }
 }
+
+TEST_CASE("quant2's max_reencodes: no page is re-encoded by more passes than it allows", "[eviction][compaction][quant2]") {
+  cache_config c;
+  c.num_kv_heads = 1;
+  c.group_size = 2;
+  c.head_dim = 64;
+  c.page_size = 32;
+  c.max_pages = 32;
+  c.max_sequences = 1;
+  const int tokens = 20 * 32;
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 12), 0, tokens);
+  std::vector<std::int64_t> first_round, second_round;  // every 3rd token, then every 5th of the rest
+  for (std::int64_t t = 0; t < tokens; ++t) (t % 3 == 1 ? first_round : second_round).push_back(t);
+  std::vector<std::int64_t> second;
+  for (std::size_t i = 0; i < second_round.size(); i += 5) second.push_back(second_round[i]);
+  for (const int limit : {0, 1, 2}) {
+    CAPTURE(limit);
+    format::quant2 f;
+    f.partition = 32;
+    f.mode = format::rounding::nearest;
+    f.max_reencodes = limit;
+    cache<format::quant2, select::all, compact::repack> kv(c, f);
+    const sequence_id seq = kv.add_sequence();
+    kv.prefill(seq, test::k_view(data), test::v_view(data));
+    kv.evict(seq, view(first_round));
+    const compaction_report one = kv.compact(seq);
+    if (limit == 0) {  // nothing may be re-encoded: nothing moves, whole pages only
+      CHECK(one.slot_copies == 0);
+      CHECK(one.pages_reencoded == 0);
+      CHECK(kv.pool().used_pages() == 20);
+    } else {
+      CHECK(one.pages_reencoded > 0);
+      CHECK(kv.pool().used_pages() == 14);  // 427 survivors in pages of 32
+    }
+    kv.evict(seq, view(second));
+    const compaction_report two = kv.compact(seq);
+    if (limit <= 1) {  // every page the first pass wrote is frozen (and, at 0, every page)
+      CHECK(two.slot_copies == 0);
+      CHECK(two.pages_reencoded == 0);
+    } else {
+      CHECK(two.pages_reencoded > 0);
+      CHECK(two.pages_freed > 0);
+    }
+    CHECK(kv.length(seq) == tokens);
+  }
+  format::quant2 bad;
+  bad.partition = 32;
+  bad.max_reencodes = 256;
+  CHECK_THROWS_WITH((cache<format::quant2, select::all, compact::repack>(c, bad)), Catch::Contains("max_reencodes"));
+}

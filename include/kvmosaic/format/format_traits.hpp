@@ -89,13 +89,15 @@ struct reencodes_moved_rows : std::true_type {};
 template <class Format>
 inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
 
-/// The format a compaction re-encodes moved rows with, on both backends: the cache's own format
-/// unless its encoder has a mode that suits already-decoded rows better, which a format states by
-/// specializing this (format::quant2: nearest rounding, so that a partition re-encoded with the
-/// same members keeps its codes exactly).
+/// How a compaction re-encodes a format that `reencodes_moved_rows`, on both backends: `format`,
+/// the format it encodes moved rows with (the cache's own unless its encoder has a mode that suits
+/// already-decoded rows better), and `limit`, the passes that may re-encode one page (the cache
+/// leaves alone every page up to the last one that reached it). A format states its own by
+/// specializing this (format::quant2: nearest rounding, `max_reencodes`).
 template <class Format>
 struct reencoding {
   static Format format(const Format& f) { return f; }
+  static int limit(const Format&) noexcept { return 255; }
 };
 
 /// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.

@@ -96,6 +96,14 @@ struct quant2 {
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
   /// sequence.
   int sink_tokens = 0;
+  /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
+  /// dequantized values again, on the grid of their new partition, which adds error each time a
+  /// partition's members change. A pass leaves alone every page up to the last one re-encoded this
+  /// many times (its dead rows stay masked; pages that empty entirely are still freed at once), so
+  /// no token is re-encoded more than this. 0: compaction never re-encodes (memory comes back by
+  /// whole pages only). Cost of more: more memory freed under scattered eviction, more error
+  /// (docs/eviction.md, "quant2 and re-encoding").
+  int max_reencodes = 1;
 };
 
 }  // namespace format
@@ -409,6 +417,7 @@ struct format_traits<format::quant2> {
     os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
        << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
     if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
+    if (f.max_reencodes != 1) os << ",reencodes" << f.max_reencodes;
     os << ")";
     return os.str();
   }
@@ -425,6 +434,7 @@ struct format_traits<format::quant2> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
                     "0 to 16");
+    detail::require(f.max_reencodes >= 0 && f.max_reencodes <= 255, where, "max_reencodes", f.max_reencodes, "0 to 255");
     // Enumerations arrive from configuration as integers: a value outside the enumerators would
     // otherwise pick a branch silently.
     const int mode = static_cast<int>(f.mode), axis = static_cast<int>(f.k_axis);
@@ -569,9 +579,9 @@ struct format_traits<format::quant2> {
 
 namespace detail {
 /// A compaction re-encodes quant2 pages from their dequantized rows with nearest rounding whatever
-/// the cache's mode: values already on a partition's grid keep their codes when the partition's
-/// members (so its extent) are unchanged, and a changed partition gains at most half a step of its
-/// new grid per element (docs/eviction.md, "quant2 and re-encoding").
+/// the cache's mode (values already on a partition's grid keep their codes when the partition's
+/// members are unchanged; a changed partition gains at most half a step of its new grid per
+/// element), at most `max_reencodes` times per page (docs/eviction.md, "quant2 and re-encoding").
 template <>
 struct reencoding<format::quant2> {
   static format::quant2 format(const format::quant2& f) {
@@ -579,6 +589,7 @@ struct reencoding<format::quant2> {
     nearest.mode = format::rounding::nearest;
     return nearest;
   }
+  static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
 };
 }  // namespace detail
 

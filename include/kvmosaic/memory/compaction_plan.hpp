@@ -63,6 +63,7 @@ namespace detail {
 struct slot_positions {
   std::vector<std::int64_t> position;
   std::vector<std::uint64_t> live;
+  std::vector<std::uint8_t> reencoded;  ///< per page: compaction passes that encoded it again (saturating)
   std::int64_t dead = 0;         ///< sealed slots whose token was evicted
   std::int64_t round_start = 0;  ///< slots at the end of the previous compaction pass
 
@@ -71,11 +72,13 @@ struct slot_positions {
   void reserve(std::size_t pages, int page_size) {
     position.reserve(pages * static_cast<std::size_t>(page_size));
     live.reserve(pages * static_cast<std::size_t>(words(page_size)));
+    reencoded.reserve(pages);
   }
   /// `pages` new sealed pages holding positions first, first + 1, ... (within the reserved room).
   void seal(std::size_t pages, std::int64_t first, int page_size) noexcept {
     for (std::size_t i = 0; i < pages * static_cast<std::size_t>(page_size); ++i)
       position.push_back(first + static_cast<std::int64_t>(i));
+    reencoded.insert(reencoded.end(), pages, std::uint8_t{0});
     for (std::size_t i = 0; i < pages; ++i)
       for (int w = 0; w < words(page_size); ++w) {
         const int rows = page_size - 64 * w;
@@ -91,7 +94,7 @@ struct slot_positions {
   }
   /// Removes the listed pages (ascending block-table indices) with their slots.
   void drop_pages(const std::vector<std::int32_t>& pages, int page_size) noexcept {
-    std::size_t write_slot = 0, write_word = 0;
+    std::size_t write_slot = 0, write_word = 0, write_page = 0;
     std::size_t next = 0;
     const auto count = static_cast<std::int32_t>(position.size() / static_cast<std::size_t>(page_size));
     for (std::int32_t page = 0; page < count; ++page) {
@@ -102,12 +105,14 @@ struct slot_positions {
         if (first < static_cast<std::size_t>(round_start)) round_start -= page_size;
         continue;
       }
+      reencoded[write_page++] = reencoded[static_cast<std::size_t>(page)];
       for (int r = 0; r < page_size; ++r) position[write_slot++] = position[first + static_cast<std::size_t>(r)];
       for (int w = 0; w < words(page_size); ++w)
         live[write_word++] = live[static_cast<std::size_t>(page) * static_cast<std::size_t>(words(page_size)) + static_cast<std::size_t>(w)];
     }
     position.resize(write_slot);
     live.resize(write_word);
+    reencoded.resize(write_page);
   }
 };
 
