@@ -239,12 +239,7 @@ void decode(benchmark::State& state) {
     const auto plan_start = std::chrono::steady_clock::now();
     kv.plan(step_seqs);
     plan_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - plan_start).count());
-    flusher.flush(stream);
-    busy_wait_kernel<<<1, 1, 0, stream>>>(50000);  // ~50 us: the host is ahead when the step starts
-    KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.start, stream));
-    KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(step, stream));
-    KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
-    const double s = timer.seconds();
+    const double s = timed_replay(step, stream, flusher, timer);
     times.push_back(s);
     state.SetIterationTime(s);
   }
@@ -257,14 +252,7 @@ void decode(benchmark::State& state) {
     KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &select_graph));
     KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&select_step, select_graph, 0));
     std::vector<double> select_times;
-    for (int i = 0; i < 30; ++i) {
-      flusher.flush(stream);
-      busy_wait_kernel<<<1, 1, 0, stream>>>(50000);
-      KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.start, stream));
-      KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(select_step, stream));
-      KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
-      select_times.push_back(timer.seconds());
-    }
+    for (int i = 0; i < 30; ++i) select_times.push_back(timed_replay(select_step, stream, flusher, timer));
     state.counters["select_us"] = median(select_times) * 1e6;
     state.counters["budget"] = 1.0 / static_cast<double>(state.range(5));
     state.counters["page"] = c.page_size;

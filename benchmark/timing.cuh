@@ -69,6 +69,18 @@ struct event_timer {
   cudaEvent_t start, stop;
 };
 
+/// Seconds of one replay of `graph` on `stream`, timed cold: L2 flushed first, then a busy-wait of
+/// about 50 us so the host has enqueued the replay before the GPU reaches it, then CUDA events
+/// around the replay alone.
+inline double timed_replay(cudaGraphExec_t graph, cudaStream_t stream, l2_flusher& flusher, event_timer& timer) {
+  flusher.flush(stream);
+  busy_wait_kernel<<<1, 1, 0, stream>>>(50000);
+  KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.start, stream));
+  KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(graph, stream));
+  KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
+  return timer.seconds();
+}
+
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
