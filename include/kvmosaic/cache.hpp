@@ -658,8 +658,10 @@ class cache
 
   /// A compaction pass over `seq` with the cache's compactor (`compact::repack`,
   /// `compact::hole_fill`): survivors move (memory/compaction_plan.hpp), the pages the pass empties
-  /// go back to the pool at once, and the position map follows. Pages shared with a fork (leading
-  /// pages whose reference count is above one) are neither moved nor freed. Returns what the pass
+  /// go back to the pool at once, and the position map follows. Pages shared with another sequence
+  /// (reference count above one), and every page before the last of them, are neither moved nor
+  /// freed; nor, for a format that re-encodes what it moves, is any page up to the last one it has
+  /// re-encoded as often as it allows (format::quant2's `max_reencodes`). Returns what the pass
   /// did. Cost: the plan, O(slots) on the host, and the engine's moves: a decode of every page a
   /// move touches and an encode of every page it writes (formats that encode pages compress the
   /// moved rows again: see the format's docs for what that does to its error).
@@ -668,11 +670,13 @@ class cache
     static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
     sequence_state& s = live(seq, "cache::compact");
     const int page = config_.page_size;
-    // Frozen: the leading pages shared with a fork, and, for formats that re-encode what they
-    // move, every page up to the last one re-encoded as often as the format allows.
+    // Frozen: every page up to the last one another sequence holds too (a fork's shared pages lead
+    // the block table, but an eviction that drops a page can leave a page held alone before them),
+    // and, for formats that re-encode what they move, up to the last one re-encoded as often as the
+    // format allows.
     std::int32_t frozen = 0;
-    while (frozen < static_cast<std::int32_t>(s.pages.size()) && pool_.ref_count(s.pages[static_cast<std::size_t>(frozen)]) > 1)
-      ++frozen;
+    for (std::size_t i = 0; i < s.pages.size(); ++i)
+      if (pool_.ref_count(s.pages[i]) > 1) frozen = static_cast<std::int32_t>(i) + 1;
     constexpr bool reencodes = detail::reencodes_moved_rows_v<Format>;
     if constexpr (reencodes) {
       const int limit = detail::reencoding<Format>::limit(format_);

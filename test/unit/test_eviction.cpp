@@ -550,3 +550,33 @@ TEST_CASE("quant2's max_reencodes: no page is re-encoded by more passes than it 
   bad.max_reencodes = 256;
   CHECK_THROWS_WITH((cache<format::quant2, select::all, compact::repack>(c, bad)), Catch::Contains("max_reencodes"));
 }
+
+TEST_CASE("compaction never writes a page shared with a fork, even when a page held alone comes before it", "[eviction][compaction]") {
+  // The parent evicts its whole first page, which drops its reference: the child then holds that
+  // page alone, ahead of pages it still shares with the parent. A compaction of the child that
+  // took only the leading shared pages as frozen moved survivors into the shared pages (the
+  // parent's output changed). Found by the random eviction sequences (test_random_eviction.cpp).
+  cache_config c = oracle_config();
+  c.max_pages = 16;
+  const auto run = [&](auto kv, std::int64_t copies_once_alone) {
+    synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 11), 0, 52);
+    const sequence_id parent = kv.add_sequence();
+    kv.prefill(parent, test::k_view(data), test::v_view(data));  // 3 pages and a tail of 4
+    const sequence_id child = kv.fork_sequence(parent);
+    std::vector<std::int64_t> first_page;
+    for (std::int64_t t = 0; t < 16; ++t) first_page.push_back(t);
+    kv.evict(parent, view(first_page));
+    CHECK(kv.pool().ref_count(kv.pages(child)[0]) == 1);
+    const std::vector<float> parent_before = attend_one(kv, parent);
+    kv.evict(child, view(std::vector<std::int64_t>{3}));
+    const compaction_report r = kv.compact(child);
+    CHECK(r.pages_freed == 0);
+    CHECK(attend_one(kv, parent) == parent_before);
+    CHECK(kv.pool().used_pages() == 3);
+    kv.remove_sequence(parent);  // the child holds every page alone now
+    CHECK(kv.compact(child).slot_copies == copies_once_alone);
+  };
+  SECTION("repack") { run(evicting_cache(c), 44); }  // the 44 survivors after the hole slide forward
+  // The three pages are hole filling's history now: its hole waits for the next round's survivors.
+  SECTION("hole_fill") { run(cache<format::dense, select::all, compact::hole_fill>(c), 0); }
+}
