@@ -580,3 +580,39 @@ TEST_CASE("compaction never writes a page shared with a fork, even when a page h
   // The three pages are hole filling's history now: its hole waits for the next round's survivors.
   SECTION("hole_fill") { run(cache<format::dense, select::all, compact::hole_fill>(c), 0); }
 }
+
+TEST_CASE("an eviction that drops several history pages at once leaves hole filling's round where it was", "[eviction][compaction]") {
+  // The position map's round start (the slot count the previous pass left) loses a page for each
+  // dropped page below it. Compared with the count as it shrank, the second of two dropped history
+  // pages was missed: here the round start stayed at 16 with no slot left, and the next
+  // compact() threw. Found by the random eviction sequences (test_random_eviction.cpp).
+  cache_config c = oracle_config();
+  c.max_pages = 8;
+  cache<format::dense, select::all, compact::hole_fill> kv(c);
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 1), 0, 65);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const auto feed = [&](sequence_id seq, std::int64_t from, std::int64_t n) {
+    kv.prefill(seq, tensor_view<const float, 3>(data.k.data() + from * static_cast<std::int64_t>(row), n, c.num_kv_heads, c.head_dim),
+               tensor_view<const float, 3>(data.v.data() + from * static_cast<std::int64_t>(row), n, c.num_kv_heads, c.head_dim));
+  };
+  const sequence_id seq = kv.add_sequence();
+  feed(seq, 0, 33);
+  kv.compact(seq);  // the history: 2 pages
+  feed(seq, 33, 16);  // a third page, the newest round
+  SECTION("every page dropped") {
+    std::vector<std::int64_t> all;
+    for (std::int64_t t = 0; t < 48; ++t) all.push_back(t);
+    kv.evict(seq, view(all));
+    CHECK(kv.pages(seq).empty());
+    CHECK_NOTHROW(kv.compact(seq));
+  }
+  SECTION("both history pages dropped: the round's survivors are the next pass's round") {
+    std::vector<std::int64_t> dead;
+    for (std::int64_t t = 0; t < 32; ++t) dead.push_back(t);
+    dead.push_back(40);  // a hole in the round's page
+    kv.evict(seq, view(dead));
+    REQUIRE(kv.pages(seq).size() == 1);
+    // With no history left, the pass slides the round's survivors after the hole forward.
+    CHECK(kv.compact(seq).slot_copies == 7);
+  }
+}

@@ -96,13 +96,14 @@ struct slot_positions {
   void drop_pages(const std::vector<std::int32_t>& pages, int page_size) noexcept {
     std::size_t write_slot = 0, write_word = 0, write_page = 0;
     std::size_t next = 0;
+    const std::int64_t history = round_start;  // each dropped page below it leaves the history
     const auto count = static_cast<std::int32_t>(position.size() / static_cast<std::size_t>(page_size));
     for (std::int32_t page = 0; page < count; ++page) {
       const auto first = static_cast<std::size_t>(page) * static_cast<std::size_t>(page_size);
       if (next < pages.size() && pages[next] == page) {
         ++next;
         for (int r = 0; r < page_size; ++r) dead -= position[first + static_cast<std::size_t>(r)] < 0;
-        if (first < static_cast<std::size_t>(round_start)) round_start -= page_size;
+        if (first < static_cast<std::size_t>(history)) round_start -= page_size;
         continue;
       }
       reencoded[write_page++] = reencoded[static_cast<std::size_t>(page)];
