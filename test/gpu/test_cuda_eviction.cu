@@ -377,3 +377,84 @@ TEST_CASE("GPU eviction with select::quest: live rows ANDed into the selection, 
   check_quest_eviction<compact::repack>(0);
   check_quest_eviction<compact::hole_fill>(16);
 }
+
+namespace {
+
+/// A fork under compaction on both backends: the child shares its parent's pages, both evict
+/// (the parent a whole leading page too), then both compact: the same tables, positions, pool and
+/// page bytes, and each attends as the host does.
+template <class Format>
+void check_fork_compaction(const Format& format, int page_size) {
+  cache_config c = evicted_twins<Format, compact::repack>::make_config(page_size);
+  c.max_sequences = 2;
+  cache<Format, select::all, compact::repack> host(c, format);
+  cache<Format, select::all, compact::repack, backend::cuda> device(c, format);
+  const int tokens = 10 * page_size + 3;
+  const auto kv = synthetic::generate_kv(test::generator_for(c, 61), 0, tokens);
+  const sequence_id parent = host.add_sequence();
+  REQUIRE(device.add_sequence() == parent);
+  host.prefill(parent, test::k_view(kv), test::v_view(kv));
+  device_array<float> k(kv.k), v(kv.v);
+  device.prefill(parent, tensor_view<const float, 3>(k.data(), tokens, c.num_kv_heads, c.head_dim),
+                 tensor_view<const float, 3>(v.data(), tokens, c.num_kv_heads, c.head_dim));
+  const sequence_id child = host.fork_sequence(parent);
+  REQUIRE(device.fork_sequence(parent) == child);
+  std::vector<std::int64_t> child_dead, parent_dead;
+  for (std::int64_t t = sink_rows(format); t < 10 * page_size; ++t)
+    if (t % 3 != 0) child_dead.push_back(t);
+  for (std::int64_t t = page_size; t < 2 * page_size; ++t) parent_dead.push_back(t);  // a whole page
+  for (std::int64_t t = 5 * page_size + 1; t < 10 * page_size; t += 2) parent_dead.push_back(t);
+  const auto evict_both = [&](sequence_id seq, const std::vector<std::int64_t>& dead) {
+    const span<const std::int64_t> positions(dead.data(), static_cast<std::int64_t>(dead.size()));
+    host.evict(seq, positions);
+    device.evict(seq, positions);
+  };
+  evict_both(child, child_dead);
+  evict_both(parent, parent_dead);  // the whole page leaves the parent: the child holds it alone
+  const int hq = c.num_q_heads(), d = c.head_dim;
+  std::vector<float> q(2 * static_cast<std::size_t>(hq) * d);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.09f * static_cast<float>(i));
+  const auto parent_output = [&] {
+    std::vector<float> out(q.size() / 2);
+    host.attend(span<const sequence_id>(&parent, 1), tensor_view<const float, 3>(q.data(), 1, hq, d),
+                tensor_view<float, 3>(out.data(), 1, hq, d));
+    return out;
+  };
+  const std::vector<float> parent_before = parent_output();
+  for (const sequence_id seq : {child, parent}) {
+    const compaction_report h = host.compact(seq), r = device.compact(seq);
+    CHECK(r.slot_copies == h.slot_copies);
+    CHECK(r.pages_freed == h.pages_freed);
+    if (seq == child) CHECK(parent_output() == parent_before);  // nothing the parent reads was written
+  }
+  const std::size_t slot = host.engine().page_slot_bytes();
+  std::vector<std::byte> device_slot(slot);
+  for (const sequence_id seq : {parent, child}) {
+    REQUIRE(host.pages(seq) == device.pages(seq));
+    REQUIRE(host.positions(seq) == device.positions(seq));
+    for (const page_id page : host.pages(seq)) {
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_slot.data(), device.engine().pages_data() + page * slot, slot, cudaMemcpyDeviceToHost));
+      REQUIRE(std::memcmp(device_slot.data(), host.engine().k_page(page, 0), slot) == 0);
+    }
+  }
+  REQUIRE(host.pool().used_pages() == device.pool().used_pages());
+  const sequence_id both[] = {parent, child};
+  std::vector<float> host_out(q.size());
+  host.attend(span<const sequence_id>(both, 2), tensor_view<const float, 3>(q.data(), 2, hq, d), tensor_view<float, 3>(host_out.data(), 2, hq, d));
+  device_array<float> dq(q), dout(q.size());
+  device.attend(span<const sequence_id>(both, 2), tensor_view<const float, 3>(dq.data(), 2, hq, d), tensor_view<float, 3>(dout.data(), 2, hq, d));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const double worst = largest_difference(dout.to_host(q.size()), host_out);
+  INFO("largest |gpu - host| " << worst);
+  CHECK(worst <= evicted_twins<Format, compact::repack>::tolerance());
+}
+
+}  // namespace
+
+TEST_CASE("GPU compaction of forked sequences: shared pages stay, both backends agree", "[gpu][eviction][compaction]") {
+  if (!gpu_available()) return;
+  check_fork_compaction(format::dense{}, 16);
+  format::quant2 q2;
+  q2.partition = 32;
+  check_fork_compaction(q2, 32);
+}
