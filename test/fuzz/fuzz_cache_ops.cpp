@@ -9,8 +9,16 @@
 // or a sanitizer finding. Token values come from a generator seeded by the input, scaled by
 // 2^-6 to 2^6 (finite, within every storage dtype's range).
 //
-// Input layout: byte 0 picks the format and selector, bytes 1-5 the configuration, then one
-// operation per group of 4 bytes (kind, two parameters, a seed byte), at most 64 operations.
+// Caches that evict (select::all with compact::repack or compact::hole_fill, every format) also
+// take evict (a whole page, a random share of the live sealed tokens, one position that may be
+// invalid, a list with a position twice, a removed sequence) and compact (one sequence or all),
+// checked by the harness against its model of slots and compaction passes; their quant2 takes
+// max_reencodes 1, 0, 2 or 255 from the shape byte's bits 5-6.
+//
+// Input layout: byte 0 picks the cache type (0-8: every format and selector with compact::none,
+// as before caches that evict were added, so the committed corpus keeps its meaning; 9-14, then
+// modulo 15: the caches that evict), bytes 1-5 the configuration, then one operation per group of
+// 4 bytes (kind, two parameters, a seed byte), at most 64 operations.
 
 #include <cstdint>
 #include <cstdio>
@@ -116,9 +124,39 @@ select::sentence_chunks selector_of(byte_reader& in, int, select::sentence_chunk
   return s;
 }
 
-template <class F, class S>
+/// The positions an evict operation names for sequence `s` (parameter byte `b`, seed byte `x`).
+std::vector<std::int64_t> eviction_list(const test::ops::shadow_model::sequence& s, int page, int sinks, std::uint8_t b,
+                                        std::uint8_t x, std::uint64_t seed) {
+  std::vector<std::int64_t> out;
+  switch (b % 4) {
+    case 0: {  // every live token of one page
+      const std::size_t pages = s.slots.size() / static_cast<std::size_t>(page);
+      if (pages == 0) break;
+      const std::size_t pg = x % pages;
+      for (int t = 0; t < page; ++t) {
+        const std::int64_t p = s.slots[pg * static_cast<std::size_t>(page) + static_cast<std::size_t>(t)];
+        if (p >= sinks) out.push_back(p);
+      }
+      break;
+    }
+    case 1:  // a random share of the live sealed tokens (1/8 to 7/8)
+    case 3: {  // the same, with its first position listed twice
+      const std::uint64_t share = 1 + (b >> 2) % 7;
+      for (std::int64_t p = sinks; p < s.sealed; ++p)
+        if (!s.evicted[static_cast<std::size_t>(p)] && mix(seed ^ static_cast<std::uint64_t>(p)) % 8 < share) out.push_back(p);
+      if (b % 4 == 3 && !out.empty()) out.push_back(out.front());
+      break;
+    }
+    default:  // one position in [-1, length]: below, in the sealed tokens, the open tail, or beyond
+      out.push_back(static_cast<std::int64_t>(x) % (s.length() + 2) - 1);
+  }
+  return out;
+}
+
+template <class F, class S, class C = compact::none>
 void run(byte_reader& in) {
-  using Cache = cache<F, S>;
+  using Cache = cache<F, S, C>;
+  constexpr bool evicts = compactor_traits<C>::frees_memory;
   cache_config c;
   const std::uint8_t shape = in.next(), pool = in.next();
   c.num_kv_heads = 1 + (shape & 1);
@@ -128,7 +166,11 @@ void run(byte_reader& in) {
   c.storage = (shape >> 4) & 1 ? dtype::f16 : dtype::bf16;
   c.max_pages = 1 + pool % 12;
   c.max_sequences = 1 + (pool >> 4) % 4;
-  const F f = format_of(in, static_cast<F*>(nullptr));
+  F f = format_of(in, static_cast<F*>(nullptr));
+  if constexpr (evicts && std::is_same<F, format::quant2>::value) {  // the shape byte's free bits
+    const int limits[] = {1, 0, 2, 255};
+    f.max_reencodes = limits[(shape >> 5) % 4];
+  }
   const S s = selector_of(in, c.page_size, static_cast<S*>(nullptr));
   // The fp64 oracle costs most with the pruning and decoding references; the fuzzer keeps it for
   // dense (and the one-shot reference for every format), the [random] test runs it everywhere.
@@ -139,15 +181,16 @@ void run(byte_reader& in) {
   const std::size_t row = h.row();
   const auto live = [&] { return h.model().live().size(); };
   for (int op = 0; op < 64 && !in.done(); ++op) {
-    const std::uint8_t kind = in.next(), a = in.next(), b = in.next(), seed_byte = in.next();
+    const std::uint8_t raw_kind = in.next(), a = in.next(), b = in.next(), seed_byte = in.next();
+    const int kind = evicts ? raw_kind % 12 : raw_kind % 10;  // 10: evict, 11: compact
     const std::uint64_t seed = (static_cast<std::uint64_t>(op) << 8) | seed_byte;
     const int scale_exp = static_cast<int>(seed_byte % 13) - 6;
-    if (live() == 0 || kind % 10 == 0) {
+    if (live() == 0 || kind == 0) {
       h.add_sequence();
       continue;
     }
     const std::size_t i = a % live();
-    switch (kind % 10) {
+    switch (kind) {
       case 1:
       case 2: {  // prefill; into a non-empty sequence, a chunk of a chunked prefill
         const std::int64_t sizes[] = {1, P - 1, P, P + 1, 2 * P + 3, 1 + b % (3 * P)};
@@ -171,6 +214,23 @@ void run(byte_reader& in) {
       }
       case 6: h.fork(i); break;
       case 7: h.remove(i); break;
+      case 10:
+        if constexpr (evicts) {
+          if (b % 16 == 15 && !h.model().removed().empty()) {
+            h.evict_stale(a % h.model().removed().size());
+            break;
+          }
+          h.evict(i, eviction_list(h.model().live()[i], P, sink_rows(f), b, seed_byte, seed));
+        }
+        break;
+      case 11:
+        if constexpr (evicts) {
+          if (b & 1)
+            h.compact_all();
+          else
+            h.compact(i);
+        }
+        break;
       case 8: {
         select::token_budget budget = budget_of(b);
         if (a % 8 == 7) budget.ratio = 1.5;  // invalid
@@ -194,7 +254,8 @@ void run(byte_reader& in) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   byte_reader in{data, size};
   try {
-    switch (in.next() % 9) {
+    const std::uint8_t type = in.next();
+    switch (type < 9 ? type : type % 15) {
       case 0: run<format::dense, select::all>(in); break;
       case 1: run<format::dense, select::quest>(in); break;
       case 2: run<format::dense, select::sentence_chunks>(in); break;
@@ -203,7 +264,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       case 5: run<format::bitmap_tiles, select::sentence_chunks>(in); break;
       case 6: run<format::quant2, select::all>(in); break;
       case 7: run<format::quant2, select::quest>(in); break;
-      default: run<format::quant2, select::sentence_chunks>(in); break;
+      case 8: run<format::quant2, select::sentence_chunks>(in); break;
+      case 9: run<format::dense, select::all, compact::repack>(in); break;
+      case 10: run<format::dense, select::all, compact::hole_fill>(in); break;
+      case 11: run<format::bitmap_tiles, select::all, compact::repack>(in); break;
+      case 12: run<format::bitmap_tiles, select::all, compact::hole_fill>(in); break;
+      case 13: run<format::quant2, select::all, compact::repack>(in); break;
+      default: run<format::quant2, select::all, compact::hole_fill>(in); break;
     }
   } catch (const test::ops::failure& e) {
     std::fprintf(stderr, "%s\n", e.what());

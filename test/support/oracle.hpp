@@ -36,16 +36,18 @@ inline double gamma(double n) {
 /// `q_rounding` is the relative error of q inside a kernel that multiplies a rounded q (the
 /// tensor-core path keeps q as hi + lo 16-bit parts: 2^-16 for bf16, 2^-22 for f16); `p_rounding`
 /// the relative error of the softmax weights in a kernel that multiplies p . V that way.
+/// `blocks`: the blocks an implementation folds (pages, sink rows, tail) when more than the
+/// tokens fill (a cache with evicted tokens); 0: ceil(tokens / page_size).
 inline error_bound attention_error_bound(const std::vector<float>& q, const synthetic::kv_data& kv, int group_size,
                                          double softmax_scale, dtype storage, int page_size,
                                          bool exact_storage = false, double q_rounding = 0.0,
-                                         double p_rounding = 0.0) {
+                                         double p_rounding = 0.0, double blocks = 0.0) {
   const double u = exact_storage ? 0.0 : unit_roundoff(storage);
   const double a = exact_storage ? 0.0
                    : storage == dtype::f16 ? dtype_traits<half>::subnormal_half_spacing
                                            : dtype_traits<bfloat16>::subnormal_half_spacing;
   const int d = kv.head_dim, heads = kv.num_kv_heads, n = kv.num_tokens;
-  const double pages = std::ceil(static_cast<double>(n) / page_size);
+  const double pages = std::max(blocks, std::ceil(static_cast<double>(n) / page_size));
   const double gamma_dot = gamma(d + 2);                 // dot product, scale, exp
   const double gamma_sum = gamma(page_size + pages + 4);  // p.v in a page, merges, final divide
   error_bound bound;

@@ -122,4 +122,73 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
   return bounds;
 }
 
+/// `quant2_attention_bounds`' `vs_exact` for a sequence of a cache that evicts: the attended
+/// tokens are the live ones, `decoded` holds every position's values as attended (rows of live
+/// sealed slots decoded from their pages, sink and tail rows as stored), `slots` the sequence's
+/// sealed slots (per slot its position, -1 for a dead one; block-table order), `sealed` the first
+/// tail position. A page's p are quantized after its own softmax over its live rows (dead rows
+/// get p = 0), so the page term takes the maximum over the page's live rows on codes.
+template <class Cache>
+std::vector<double> quant2_live_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
+                                       const synthetic::kv_data& decoded, const std::vector<std::int64_t>& slots,
+                                       std::int64_t sealed, double scale) {
+  using traits = format_traits<format::quant2>;
+  const cache_config& c = cache.config();
+  const int d = c.head_dim, heads = c.num_kv_heads, page = c.page_size, groups = c.group_size;
+  const page_shape shape{page, d, c.storage};
+  const auto& pages = cache.pages(id);
+  const int sinks = pages.empty() ? 0 : cache.format().sink_tokens;
+  struct token {
+    std::int64_t position;
+    std::int64_t slot;  // -1: read as a dense row (a sink or a tail row)
+  };
+  std::vector<token> tokens;
+  for (std::int64_t p = 0; p < sinks; ++p) tokens.push_back({p, -1});
+  for (std::size_t x = 0; x < slots.size(); ++x) {
+    const bool sink_row = x < static_cast<std::size_t>(sinks);  // masked in the page
+    if (slots[x] >= 0 && !sink_row) tokens.push_back({slots[x], static_cast<std::int64_t>(x)});
+  }
+  for (std::int64_t p = sealed; p < decoded.num_tokens; ++p) tokens.push_back({p, -1});
+  const auto k_at = [&](std::int64_t t, int h, int ch) { return decoded.k[(static_cast<std::size_t>(t) * heads + h) * d + ch]; };
+  const auto v_at = [&](std::int64_t t, int h, int ch) { return decoded.v[(static_cast<std::size_t>(t) * heads + h) * d + ch]; };
+  std::vector<double> bound(static_cast<std::size_t>(heads) * groups * d);
+  std::vector<float> scaled(static_cast<std::size_t>(d)), page_logits(pages.size() * static_cast<std::size_t>(page));
+  std::vector<double> logit(tokens.size());
+  for (int j = 0; j < heads * groups; ++j) {
+    const int h = j / groups;
+    for (int ch = 0; ch < d; ++ch)
+      scaled[static_cast<std::size_t>(ch)] = q[static_cast<std::size_t>(j) * d + ch] * static_cast<float>(scale);
+    for (std::size_t pg = 0; pg < pages.size(); ++pg)
+      traits::score(cache.format(), shape, cache.engine().k_page(pages[pg], h), page, scaled.data(), 1,
+                    page_logits.data() + pg * static_cast<std::size_t>(page));
+    double worst = 0, top = -1e300;
+    std::vector<double> page_top(pages.size(), -1e300);  // max exact logit of the page's live rows on codes
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      double exact_logit = 0;
+      for (int ch = 0; ch < d; ++ch)
+        exact_logit += static_cast<double>(scaled[static_cast<std::size_t>(ch)]) * k_at(tokens[i].position, h, ch);
+      logit[i] = exact_logit;
+      top = std::max(top, exact_logit);
+      if (tokens[i].slot >= 0) {
+        const std::size_t pg = static_cast<std::size_t>(tokens[i].slot / page);
+        worst = std::max(worst, std::abs(page_logits[static_cast<std::size_t>(tokens[i].slot)] - exact_logit));
+        page_top[pg] = std::max(page_top[pg], exact_logit);
+      }
+    }
+    double l = 0;
+    for (const double x : logit) l += std::exp(x - top);
+    for (int ch = 0; ch < d; ++ch) {
+      double max_v = 0, p_term = 0;
+      for (std::size_t i = 0; i < tokens.size(); ++i) {
+        const double value = std::abs(static_cast<double>(v_at(tokens[i].position, h, ch)));
+        max_v = std::max(max_v, value);
+        if (tokens[i].slot >= 0) p_term += std::exp(page_top[static_cast<std::size_t>(tokens[i].slot / page)] - top) * value;
+      }
+      bound[static_cast<std::size_t>(j) * d + ch] =
+          (std::exp(2 * worst) - 1) * max_v + std::exp(3 * worst) / 510 * p_term / l + 1e-5 * max_v;
+    }
+  }
+  return bound;
+}
+
 }  // namespace kvmosaic::test
