@@ -783,6 +783,29 @@ template <class Format>
 inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
 
 namespace detail {
+/// Whether a compaction that moves a token into another page compresses it again (the page is
+/// re-encoded, which can change stored values: counted as `compaction_report::pages_reencoded`).
+/// False for formats whose pages hold each token's record as it is (format::dense,
+/// format::bitmap_tiles); a format says so by specializing this to false.
+template <class Format>
+struct reencodes_moved_rows : std::true_type {};
+template <class Format>
+inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
+
+/// How a compaction encodes the pages it writes, on both backends: `format`, the format it
+/// encodes moved rows with (the cache's own unless its encoder has a mode that suits
+/// already-decoded rows better); `key_weights`, whether a format with K weights prunes them with
+/// the sequence's weights (else by plain magnitudes); and `limit`, the passes that may re-encode
+/// one page of a format that `reencodes_moved_rows` (the cache leaves alone every page up to the
+/// last one that reached it). A format states its own by specializing this (format::quant2:
+/// nearest rounding, `max_reencodes`; format::bitmap_tiles: plain magnitudes).
+template <class Format>
+struct reencoding {
+  static Format format(const Format& f) { return f; }
+  static constexpr bool key_weights = true;
+  static int limit(const Format&) noexcept { return 255; }
+};
+
 /// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
 template <class Format, class = void>
 struct sink_rows_of {
@@ -931,6 +954,13 @@ struct format_traits<format::dense> {
         host::const_row_matrix_map(p, groups, n) * host::const_row_matrix_map(values.data(), n, d);
   }
 };
+
+namespace detail {
+/// Compaction moves format::dense's tokens without changing a stored value: a page holds each
+/// token's row as it is.
+template <>
+struct reencodes_moved_rows<format::dense> : std::false_type {};
+}  // namespace detail
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/dense.hpp> ----
@@ -1184,6 +1214,23 @@ struct format_traits<format::bitmap_tiles> {
   }
 };
 
+namespace detail {
+/// Compaction moves format::bitmap_tiles' tokens without changing a stored value: both backends
+/// unpack the pages a pass reads and prune and pack the pages it writes again, by the moved rows'
+/// plain magnitudes. A moved row holds exactly the values its first encode kept (at most `keep`
+/// nonzeros per vector, zeros elsewhere), so the magnitudes keep them all: zeros never outrank
+/// them, whatever K weights the sequence has now. (Pruning with the current weights could drop
+/// kept values where a weight is 0, or where the weights changed since the page was sealed.)
+template <>
+struct reencodes_moved_rows<format::bitmap_tiles> : std::false_type {};
+template <>
+struct reencoding<format::bitmap_tiles> {
+  static format::bitmap_tiles format(const format::bitmap_tiles& f) { return f; }
+  static constexpr bool key_weights = false;
+  static int limit(const format::bitmap_tiles&) noexcept { return 255; }
+};
+}  // namespace detail
+
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/bitmap_tiles.hpp> ----
 
@@ -1271,6 +1318,14 @@ struct quant2 {
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
   /// sequence.
   int sink_tokens = 0;
+  /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
+  /// dequantized values again, on the grid of their new partition, which adds error each time a
+  /// partition's members change. A pass leaves alone every page up to the last one re-encoded this
+  /// many times (its dead rows stay masked; pages that empty entirely are still freed at once), so
+  /// no token is re-encoded more than this. 0: compaction never re-encodes (memory comes back by
+  /// whole pages only). Cost of more: more memory freed under scattered eviction, more error
+  /// (docs/eviction.md, "quant2 and re-encoding").
+  int max_reencodes = 1;
 };
 
 }  // namespace format
@@ -1369,7 +1424,7 @@ KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed,
 /// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
 /// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
 /// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
-constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+KVMOSAIC_HOST_DEVICE constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
   const int tile = row / 16 * (cols / 32) + col / 32;
   const int r = row % 16, c = col % 32;
   const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
@@ -1584,6 +1639,7 @@ struct format_traits<format::quant2> {
     os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
        << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
     if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
+    if (f.max_reencodes != 1) os << ",reencodes" << f.max_reencodes;
     os << ")";
     return os.str();
   }
@@ -1600,6 +1656,7 @@ struct format_traits<format::quant2> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
                     "0 to 16");
+    detail::require(f.max_reencodes >= 0 && f.max_reencodes <= 255, where, "max_reencodes", f.max_reencodes, "0 to 255");
     // Enumerations arrive from configuration as integers: a value outside the enumerators would
     // otherwise pick a branch silently.
     const int mode = static_cast<int>(f.mode), axis = static_cast<int>(f.k_axis);
@@ -1742,6 +1799,22 @@ struct format_traits<format::quant2> {
   }
 };
 
+namespace detail {
+/// A compaction re-encodes quant2 pages from their dequantized rows with nearest rounding whatever
+/// the cache's mode (values already on a partition's grid keep their codes when the partition's
+/// members are unchanged; a changed partition gains at most half a step of its new grid per
+/// element), at most `max_reencodes` times per page (docs/eviction.md, "quant2 and re-encoding").
+template <>
+struct reencoding<format::quant2> {
+  static format::quant2 format(const format::quant2& f) {
+    format::quant2 nearest = f;
+    nearest.mode = format::rounding::nearest;
+    return nearest;
+  }
+  static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
+};
+}  // namespace detail
+
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/quant2.hpp> ----
 
@@ -1766,6 +1839,10 @@ struct format_traits<format::quant2> {
 ///   static void validate(const Selector&, int page_size);  // throws invalid_argument
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
+///   static constexpr bool keeps_token_ranges;       // optional, default false: true when the
+///                                                   // selector's metadata names runs of slots
+///                                                   // (sentence chunks), which a compaction
+///                                                   // would move under it
 ///
 /// and, as behaviour, the host hooks the cache calls for every selector without naming one
 /// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
@@ -2052,6 +2129,13 @@ template <class Selector, class Cache>
 struct selector_cache_members<Selector, Cache, true> {
   using type = typename selector_traits<Selector>::template cache_members<Cache>;
 };
+
+/// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
+template <class Selector, class = void>
+struct keeps_token_ranges : std::false_type {};
+template <class Selector>
+struct keeps_token_ranges<Selector, std::void_t<decltype(selector_traits<Selector>::keeps_token_ranges)>>
+    : std::bool_constant<selector_traits<Selector>::keeps_token_ranges> {};
 }  // namespace detail
 
 }  // namespace kvmosaic
@@ -2315,6 +2399,8 @@ struct selector_traits<select::sentence_chunks> {
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
   static constexpr bool needs_token_ids = true;
+  /// Chunks are runs of slots: a compaction would move tokens out from under them.
+  static constexpr bool keeps_token_ranges = true;
   static std::string describe(const select::sentence_chunks& s) {
     std::string text = "sentence_chunks(";
     text += s.budget.describe();
@@ -2468,6 +2554,99 @@ struct selector_traits<select::sentence_chunks> {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/sentence_chunks.hpp> ----
 
+// ---- begin <kvmosaic/select/streaming.hpp> ----
+/// \file
+/// `select::streaming`: attention sinks plus a recent window (StreamingLLM, Xiao et al., ICLR
+/// 2024; "sink plus recency" in the eviction and compaction notes), the rest evicted for good.
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Keeps the first `sink_tokens` tokens and the most recent ones within a token budget (the
+/// window is the budget less the sinks); every other token is evicted once it is sealed in a
+/// page (the dense tail is never evicted), and every `compact_every` tokens written the cache runs
+/// its compactor over the sequence. Needs a compactor that frees memory
+/// (`cache<F, select::streaming, compact::repack>`).
+///
+/// What it computes: attention over the sinks, the window and the tail; no scores are read, so the
+/// attention kernels are the plain ones. Cost: eviction bookkeeping per write (O(tokens evicted));
+/// a compaction pass per `compact_every` tokens; memory bounded by the budget plus a page per
+/// partially dead page and the tail, once compacted.
+struct streaming {
+  using policy_category = selector_tag;
+
+  int sink_tokens = 4;           ///< tokens kept from the start (StreamingLLM's attention sinks)
+  token_budget budget{};         ///< tokens kept: sinks plus window (tokens, or a ratio of the length)
+  int compact_every = 128;       ///< tokens written between compaction passes (TriAttention: 128)
+};
+
+/// Per sequence: the first position not yet evicted past the sinks, and tokens written since the
+/// last compaction.
+struct streaming_state {
+  std::int64_t evicted_to = 0;
+  std::int64_t since_compaction = 0;
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::streaming> : stateless_selector_hooks {
+  static constexpr const char* name = "streaming";
+  static constexpr bool reads_all_pages = true;  // every live token: eviction already dropped the rest
+  static constexpr bool evicts = true;
+  static constexpr bool needs_token_ids = false;
+  static std::string describe(const select::streaming& s) {
+    return "streaming(" + std::to_string(s.sink_tokens) + " sinks, " + s.budget.describe() + ", compact every " +
+           std::to_string(s.compact_every) + ")";
+  }
+  static void validate(const select::streaming& s, int /*page_size*/) {
+    const char* where = "select::streaming";
+    s.budget.validate(where);
+    detail::require(s.sink_tokens >= 0 && s.sink_tokens <= 1024, where, "sink_tokens", s.sink_tokens, "0 to 1024");
+    detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
+  }
+  static int bounds_block_tokens(const select::streaming&, int) noexcept { return 0; }
+
+  using sequence_state = select::streaming_state;
+  using update = stateless_selector_hooks::update;
+  // Writes stage nothing: the cache asks for evictions after each write (`evictions`).
+  template <bool OnDevice, class T>
+  static update stage(const select::streaming&, const selector_shape&, const sequence_state&, const tensor_view<const T, 3>&,
+                      span<const std::int32_t>, std::int64_t, std::int64_t) noexcept {
+    return {};
+  }
+  static void reserve(sequence_state&, const update&) noexcept {}
+  static void commit(sequence_state&, update&) noexcept {}
+  static std::int64_t extra_bytes(const selector_shape&, const sequence_state&) noexcept { return 0; }
+  static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
+
+  /// The positions to evict now from a sequence of `length` tokens whose tokens before `open_from`
+  /// are sealed: those past the sinks and before the window, not evicted yet. Cost: O(result).
+  static std::vector<std::int64_t> evictions(const select::streaming& s, sequence_state& state, std::int64_t length,
+                                             std::int64_t open_from) {
+    const std::int64_t keep = std::max<std::int64_t>(s.budget.resolve(length), s.sink_tokens);
+    const std::int64_t window_from = length - (keep - s.sink_tokens);
+    const std::int64_t from = std::max<std::int64_t>(state.evicted_to, s.sink_tokens);
+    const std::int64_t to = std::min(window_from, open_from);
+    std::vector<std::int64_t> out;
+    for (std::int64_t p = from; p < to; ++p) out.push_back(p);
+    state.evicted_to = std::max(state.evicted_to, to);
+    return out;
+  }
+  /// Whether `written` more tokens bring the sequence to its next compaction pass.
+  static bool compaction_due(const select::streaming& s, sequence_state& state, std::int64_t written) noexcept {
+    state.since_compaction += written;
+    if (state.since_compaction < s.compact_every) return false;
+    state.since_compaction = 0;
+    return true;
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/streaming.hpp> ----
+
 // ---- begin <kvmosaic/compact/compactor_traits.hpp> ----
 /// \file
 /// What a compactor is, and what it must provide.
@@ -2497,6 +2676,294 @@ struct compactor_traits {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/compact/compactor_traits.hpp> ----
 
+// ---- begin <kvmosaic/compact/hole_fill.hpp> ----
+/// \file
+/// `compact::hole_fill`: hole-filling compaction (TriAttention's second shape, in the eviction and
+/// compaction notes).
+
+
+// ---- begin <kvmosaic/memory/compaction_plan.hpp> ----
+/// \file
+/// What a compaction pass does to one sequence, planned on the host from its slots alone: which
+/// surviving tokens move to which slots, which pages empty out, and the logical position each slot
+/// holds afterwards. Both backends execute the same plan (the host by copying rows, the CUDA
+/// engine by one gather-then-scatter pass on the device), so their block tables, positions and
+/// page bytes agree. Source: the eviction and compaction notes (TriAttention's two compaction
+/// shapes, and the numpy oracle whose counts the tests reproduce).
+///
+/// A sequence's *slots* are its sealed pages' rows in block-table order: slot s is row
+/// s % page_size of page s / page_size. `positions[s]` is the logical position (the token's index
+/// in the sequence as the model saw it, what RoPE used) of the token in slot s, or -1 when that
+/// token was evicted. Pages shared with another sequence (reference count above one: a forked
+/// prefix) lead the block table and are *frozen*: nothing moves out of or into them and they are
+/// never freed by this sequence, so their dead slots stay dead (masked) until their other holders
+/// let go.
+///
+///   - **repack** (order-preserving): every survivor after the frozen pages slides forward, in
+///     logical order, so the sequence's slots are dense again; all survivors are read before any
+///     is written (the moves may overlap). Most data movement, no position bookkeeping needed
+///     beyond what eviction already keeps.
+///   - **hole fill**: survivors before `round_start` (the history) stay where they are; the
+///     survivors of the newest round (slots from `round_start` on) drop into the history's holes,
+///     in order; those that find no hole slide forward behind the history. Far fewer copies, but
+///     the physical order of positions is scrambled, so the position map is what RoPE and prefix
+///     hashing must read.
+///
+/// Cost: O(slots) time and memory on the host, per sequence and pass.
+
+
+
+namespace kvmosaic {
+
+/// What one compaction pass did (summed over the sequences it compacted): the evidence that
+/// eviction returns memory.
+struct compaction_report {
+  std::int32_t pages_freed = 0;      ///< pages returned to the pool
+  std::int64_t slot_copies = 0;      ///< token rows moved between slots
+  std::int64_t tokens_evicted = 0;   ///< dead tokens whose slots the pass reclaimed or left as holes
+  std::int32_t pages_reencoded = 0;  ///< pages written whole again (formats that encode pages)
+
+  compaction_report& operator+=(const compaction_report& r) noexcept {
+    pages_freed += r.pages_freed;
+    slot_copies += r.slot_copies;
+    tokens_evicted += r.tokens_evicted;
+    pages_reencoded += r.pages_reencoded;
+    return *this;
+  }
+};
+
+namespace detail {
+
+/// The position map of one sequence whose cache can evict: per sealed slot the token's logical
+/// position (-1 once evicted), and per page a live-row mask in the host attend's layout
+/// (`words(page_size)` 64-bit words, bit r of word w for row 64 w + r). Kept in step with the
+/// block table by the cache: `seal` when pages are sealed, `evict`, `drop_pages` and compaction.
+struct slot_positions {
+  std::vector<std::int64_t> position;
+  std::vector<std::uint64_t> live;
+  std::vector<std::uint8_t> reencoded;  ///< per page: compaction passes that encoded it again (saturating)
+  std::int64_t dead = 0;         ///< sealed slots whose token was evicted
+  std::int64_t round_start = 0;  ///< slots at the end of the previous compaction pass
+
+  static int words(int page_size) noexcept { return (page_size + 63) / 64; }
+  /// Room for `pages` sealed pages, so that `seal` cannot throw.
+  void reserve(std::size_t pages, int page_size) {
+    position.reserve(pages * static_cast<std::size_t>(page_size));
+    live.reserve(pages * static_cast<std::size_t>(words(page_size)));
+    reencoded.reserve(pages);
+  }
+  /// `pages` new sealed pages holding positions first, first + 1, ... (within the reserved room).
+  void seal(std::size_t pages, std::int64_t first, int page_size) noexcept {
+    for (std::size_t i = 0; i < pages * static_cast<std::size_t>(page_size); ++i)
+      position.push_back(first + static_cast<std::int64_t>(i));
+    reencoded.insert(reencoded.end(), pages, std::uint8_t{0});
+    for (std::size_t i = 0; i < pages; ++i)
+      for (int w = 0; w < words(page_size); ++w) {
+        const int rows = page_size - 64 * w;
+        live.push_back(rows >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << rows) - 1);
+      }
+  }
+  /// Marks sealed slot `slot` dead.
+  void evict(std::int64_t slot, int page_size) noexcept {
+    position[static_cast<std::size_t>(slot)] = -1;
+    const std::int64_t page = slot / page_size, row = slot % page_size;
+    live[static_cast<std::size_t>(page * words(page_size) + row / 64)] &= ~(std::uint64_t{1} << (row % 64));
+    ++dead;
+  }
+  /// Removes the listed pages (ascending block-table indices) with their slots.
+  void drop_pages(const std::vector<std::int32_t>& pages, int page_size) noexcept {
+    std::size_t write_slot = 0, write_word = 0, write_page = 0;
+    std::size_t next = 0;
+    const std::int64_t history = round_start;  // each dropped page below it leaves the history
+    const auto count = static_cast<std::int32_t>(position.size() / static_cast<std::size_t>(page_size));
+    for (std::int32_t page = 0; page < count; ++page) {
+      const auto first = static_cast<std::size_t>(page) * static_cast<std::size_t>(page_size);
+      if (next < pages.size() && pages[next] == page) {
+        ++next;
+        for (int r = 0; r < page_size; ++r) dead -= position[first + static_cast<std::size_t>(r)] < 0;
+        if (first < static_cast<std::size_t>(history)) round_start -= page_size;
+        continue;
+      }
+      reencoded[write_page++] = reencoded[static_cast<std::size_t>(page)];
+      for (int r = 0; r < page_size; ++r) position[write_slot++] = position[first + static_cast<std::size_t>(r)];
+      for (int w = 0; w < words(page_size); ++w)
+        live[write_word++] = live[static_cast<std::size_t>(page) * static_cast<std::size_t>(words(page_size)) + static_cast<std::size_t>(w)];
+    }
+    position.resize(write_slot);
+    live.resize(write_word);
+    reencoded.resize(write_page);
+  }
+};
+
+/// One row move of a plan: the token in slot `from` goes to slot `to`.
+struct slot_move {
+  std::int64_t from;
+  std::int64_t to;
+};
+
+/// A compaction pass over one sequence (see the file comment).
+struct compaction_plan {
+  std::vector<slot_move> moves;              ///< every survivor that changes slot; read all, then write all
+  std::vector<std::int64_t> positions;       ///< per slot kept afterwards: its logical position, -1 for a hole
+  std::int32_t pages_kept = 0;               ///< leading pages of the block table kept; the rest are freed
+  std::int32_t pages_freed = 0;
+  std::vector<std::int32_t> pages_written;   ///< indices (in the block table) of kept pages a move writes, ascending
+  std::int64_t tokens_evicted = 0;           ///< dead slots before the pass
+
+  /// The pass's report (`reencoded`: whether the format rewrites whole pages it changes).
+  compaction_report report(bool reencoded) const noexcept {
+    compaction_report r;
+    r.pages_freed = pages_freed;
+    r.slot_copies = static_cast<std::int64_t>(moves.size());
+    r.tokens_evicted = tokens_evicted;
+    r.pages_reencoded = reencoded ? static_cast<std::int32_t>(pages_written.size()) : 0;
+    return r;
+  }
+};
+
+namespace detail_compaction {
+
+inline void check(const std::vector<std::int64_t>& positions, int page_size, std::int32_t frozen_pages, const char* where) {
+  require(page_size >= 1, where, "page_size", page_size, ">= 1");
+  require(positions.size() % static_cast<std::size_t>(page_size) == 0, where, "positions.size()", positions.size(),
+          "whole pages (a multiple of page_size)");
+  const auto pages = static_cast<std::int64_t>(positions.size()) / page_size;
+  require(frozen_pages >= 0 && frozen_pages <= pages, where, "frozen_pages", frozen_pages,
+          "0 to the number of pages");
+}
+
+/// Fills `plan.positions`, `pages_kept`, `pages_freed` and `pages_written` once `layout` (the slots
+/// kept, by position) and the moves are known. Trailing dead slots free their pages, down to the
+/// first `first` slots (the frozen pages, never freed).
+inline void finish(compaction_plan& plan, std::vector<std::int64_t> layout, std::int64_t total_pages, int page_size,
+                   std::int64_t first) {
+  std::int64_t used = static_cast<std::int64_t>(layout.size());
+  while (used > first && layout[static_cast<std::size_t>(used - 1)] < 0) --used;
+  const std::int64_t kept = (used + page_size - 1) / page_size;
+  layout.resize(static_cast<std::size_t>(kept * page_size), -1);
+  plan.positions = std::move(layout);
+  plan.pages_kept = static_cast<std::int32_t>(kept);
+  plan.pages_freed = static_cast<std::int32_t>(total_pages - kept);
+  for (const slot_move& m : plan.moves) {
+    const auto page = static_cast<std::int32_t>(m.to / page_size);
+    if (plan.pages_written.empty() || plan.pages_written.back() != page) plan.pages_written.push_back(page);
+  }
+  std::sort(plan.pages_written.begin(), plan.pages_written.end());
+  plan.pages_written.erase(std::unique(plan.pages_written.begin(), plan.pages_written.end()), plan.pages_written.end());
+}
+
+}  // namespace detail_compaction
+
+/// Order-preserving repack: the survivors after the frozen pages, in slot order, move to the
+/// first slots after them. Cost: O(slots).
+inline compaction_plan plan_repack(const std::vector<std::int64_t>& positions, int page_size, std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "compact::repack");
+  compaction_plan plan;
+  const std::int64_t first = static_cast<std::int64_t>(frozen_pages) * page_size;
+  std::vector<std::int64_t> layout(positions.begin(), positions.begin() + first);
+  for (std::int64_t s = 0; s < static_cast<std::int64_t>(positions.size()); ++s) {
+    const std::int64_t p = positions[static_cast<std::size_t>(s)];
+    if (p < 0) {
+      ++plan.tokens_evicted;
+      continue;
+    }
+    if (s < first) continue;
+    const auto to = static_cast<std::int64_t>(layout.size());
+    if (to != s) plan.moves.push_back(slot_move{s, to});
+    layout.push_back(p);
+  }
+  detail_compaction::finish(plan, std::move(layout), static_cast<std::int64_t>(positions.size()) / page_size, page_size, first);
+  return plan;
+}
+
+/// Hole filling: slots before `round_start` keep their survivors; the survivors from
+/// `round_start` on fill the history's holes after the frozen pages, in order, and those left over
+/// slide forward behind the history. `round_start`: a slot index from the end of the frozen pages
+/// to the number of slots. Cost: O(slots).
+inline compaction_plan plan_hole_fill(const std::vector<std::int64_t>& positions, int page_size, std::int64_t round_start,
+                                      std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "compact::hole_fill");
+  const std::int64_t first = static_cast<std::int64_t>(frozen_pages) * page_size;
+  const auto slots = static_cast<std::int64_t>(positions.size());
+  require(round_start >= first && round_start <= slots, "compact::hole_fill", "round_start", round_start,
+          "a slot from the end of the shared pages to the sequence's slots");
+  compaction_plan plan;
+  std::vector<std::int64_t> layout(positions.begin(), positions.begin() + round_start);
+  std::vector<std::int64_t> holes;
+  for (std::int64_t s = 0; s < round_start; ++s)
+    if (positions[static_cast<std::size_t>(s)] < 0) {
+      ++plan.tokens_evicted;
+      if (s >= first) holes.push_back(s);
+    }
+  std::size_t next_hole = 0;
+  for (std::int64_t s = round_start; s < slots; ++s) {
+    const std::int64_t p = positions[static_cast<std::size_t>(s)];
+    if (p < 0) {
+      ++plan.tokens_evicted;
+      continue;
+    }
+    std::int64_t to;
+    if (next_hole < holes.size()) {
+      to = holes[next_hole++];
+      layout[static_cast<std::size_t>(to)] = p;
+    } else {
+      to = static_cast<std::int64_t>(layout.size());
+      layout.push_back(p);
+    }
+    if (to != s) plan.moves.push_back(slot_move{s, to});
+  }
+  detail_compaction::finish(plan, std::move(layout), slots / page_size, page_size, first);
+  return plan;
+}
+
+/// Pages whose every slot is dead, which eviction alone returns (block-granular reclaim, no
+/// compaction): their indices in the block table, ascending. Frozen pages are never listed.
+inline std::vector<std::int32_t> empty_pages(const std::vector<std::int64_t>& positions, int page_size,
+                                             std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "cache::evict");
+  std::vector<std::int32_t> pages;
+  const auto count = static_cast<std::int32_t>(positions.size() / static_cast<std::size_t>(page_size));
+  for (std::int32_t page = frozen_pages; page < count; ++page) {
+    const auto begin = positions.begin() + static_cast<std::ptrdiff_t>(page) * page_size;
+    if (std::all_of(begin, begin + page_size, [](std::int64_t p) { return p < 0; })) pages.push_back(page);
+  }
+  return pages;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/memory/compaction_plan.hpp> ----
+
+namespace kvmosaic {
+namespace compact {
+
+/// The survivors written since a sequence's previous pass (the newest round) drop into the holes
+/// eviction opened before it; the rest stays where it is. Far fewer copies than `repack`, but a
+/// sequence's physical order of positions is scrambled: its position map (`cache::positions`) is
+/// what position-dependent code (RoPE indices, prefix hashing) must read. Pages shared with a fork
+/// are left as they are. Cost per pass: one row copy per survivor of the newest round.
+struct hole_fill {
+  using policy_category = compactor_tag;
+};
+
+}  // namespace compact
+
+template <>
+struct compactor_traits<compact::hole_fill> {
+  static constexpr const char* name = "hole_fill";
+  static constexpr bool frees_memory = true;
+  static std::string describe(const compact::hole_fill&) { return "hole_fill"; }
+  /// The pass over one sequence's slots (`detail::plan_hole_fill`): the round starts at the slot
+  /// count the previous pass left.
+  static detail::compaction_plan plan(const compact::hole_fill&, const std::vector<std::int64_t>& positions, int page_size,
+                                      std::int64_t round_start, std::int32_t frozen_pages) {
+    return detail::plan_hole_fill(positions, page_size, round_start, frozen_pages);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/hole_fill.hpp> ----
+
 // ---- begin <kvmosaic/compact/none.hpp> ----
 /// \file
 /// `compact::none`: no compaction. The right choice with a read-less selector, which evicts nothing.
@@ -2522,6 +2989,42 @@ struct compactor_traits<compact::none> {
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/compact/none.hpp> ----
+
+// ---- begin <kvmosaic/compact/repack.hpp> ----
+/// \file
+/// `compact::repack`: order-preserving compaction (TriAttention's first shape, in the eviction and
+/// compaction notes).
+
+
+
+namespace kvmosaic {
+namespace compact {
+
+/// Every survivor slides forward, in logical order, so a sequence's slots are dense again and its
+/// emptied tail pages go back to the pool; all survivors are read before any is written. Pages
+/// shared with a fork are left as they are. Cost per pass: one row copy per survivor behind the
+/// first hole (the most data movement of the two compactors), no position bookkeeping beyond the
+/// cache's position map.
+struct repack {
+  using policy_category = compactor_tag;
+};
+
+}  // namespace compact
+
+template <>
+struct compactor_traits<compact::repack> {
+  static constexpr const char* name = "repack";
+  static constexpr bool frees_memory = true;
+  static std::string describe(const compact::repack&) { return "repack"; }
+  /// The pass over one sequence's slots (`detail::plan_repack`; `round_start` is unused).
+  static detail::compaction_plan plan(const compact::repack&, const std::vector<std::int64_t>& positions, int page_size,
+                                      std::int64_t /*round_start*/, std::int32_t frozen_pages) {
+    return detail::plan_repack(positions, page_size, frozen_pages);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/repack.hpp> ----
 
 // ---- begin <kvmosaic/memory/page_pool.hpp> ----
 /// \file
@@ -2716,6 +3219,7 @@ struct sequence_ref {
   const block_table* pages;   ///< full (encoded) pages, in order
   std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
   std::int32_t slot;          ///< tail slot
+  const std::uint64_t* live = nullptr;  ///< per page, the live rows (`slot_positions::live`); null: every row
 };
 
 /// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
@@ -2914,6 +3418,78 @@ class engine {
       w.assign(weights, weights + shape_.row_elements());
   }
 
+  /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
+  /// memory/compaction_plan.hpp): every page a move reads or writes is decoded to dense rows, each
+  /// moved row is taken from the decoded sources (so every source is read before any destination
+  /// is written), and the pages written are encoded again from the moved rows rounded to the
+  /// storage dtype, with the format's re-encoding mode (`detail::reencoding`: its format, and the
+  /// sequence's K weights where it uses them), their key bounds rewritten. `first_page_sinks`: the
+  /// sequence's first page keeps sink rows (they are hidden again, as at seal, before the bounds
+  /// and the encode). Cost: one decode of each page touched and one encode of each page written,
+  /// O(page_size x head_dim) each, per KV head.
+  void move_slots(std::int32_t slot, const block_table& pages, const detail::compaction_plan& plan, bool first_page_sinks) {
+    if (plan.moves.empty()) return;
+    const page_shape shape = shape_.page();
+    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
+    const std::size_t page_rows = static_cast<std::size_t>(p) * d;  // floats of one page, one head, K or V
+    std::vector<std::int32_t> touched = plan.pages_written;
+    for (const detail::slot_move& m : plan.moves) touched.push_back(static_cast<std::int32_t>(m.from / p));
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    const auto index_of = [&](std::int32_t page) {
+      return static_cast<std::size_t>(std::lower_bound(touched.begin(), touched.end(), page) - touched.begin());
+    };
+    // [touched page][head][K, V][rows]: decoded once, read-only; the written pages' rows are copies.
+    std::vector<float> decoded(touched.size() * heads * 2 * page_rows);
+    const auto rows_of = [&](std::vector<float>& buffer, std::size_t i, int h, int is_v) {
+      return buffer.data() + ((i * heads + h) * 2 + is_v) * page_rows;
+    };
+    for (std::size_t i = 0; i < touched.size(); ++i)
+      for (int h = 0; h < heads; ++h) {
+        const page_id page = pages[static_cast<std::size_t>(touched[i])];
+        traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
+        traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
+      }
+    // Pages are encoded from storage-dtype rows, at seal and here alike (the CUDA backend's
+    // scratch rows are 16-bit): a decoded value between two of them is rounded to the nearest.
+    for (float& x : decoded) x = detail::storage_value(detail::storage_bits(x, shape_.storage), shape_.storage);
+    const Format reencoding = detail::reencoding<Format>::format(format_);
+    std::vector<float> written = decoded;
+    for (const detail::slot_move& m : plan.moves) {
+      const std::size_t from = index_of(static_cast<std::int32_t>(m.from / p)), to = index_of(static_cast<std::int32_t>(m.to / p));
+      for (int h = 0; h < heads; ++h)
+        for (int is_v = 0; is_v < 2; ++is_v)
+          std::copy_n(rows_of(decoded, from, h, is_v) + (m.from % p) * d, d, rows_of(written, to, h, is_v) + (m.to % p) * d);
+    }
+    std::vector<float> rows(page_rows);
+    for (const std::int32_t index : plan.pages_written) {
+      const std::size_t i = index_of(index);
+      const page_id page = pages[static_cast<std::size_t>(index)];
+      std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
+      const int sinks = first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+      for (int h = 0; h < heads; ++h) {
+        for (int is_v = 0; is_v < 2; ++is_v) {
+          std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
+          for (int t = 0; t < sinks; ++t)  // hidden as at seal: the first row after them
+            std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
+          if (is_v == 0)
+            for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
+              detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
+                                       bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+          if (is_v == 1) {
+            traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
+          } else if constexpr (has_key_weights_v<Format>) {
+            const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+            const bool weighted = detail::reencoding<Format>::key_weights && !w.empty();
+            traits::encode_k(reencoding, shape, rows.data(), weighted ? w.data() + h * d : nullptr, base + geometry_.k_page_offset(h));
+          } else {
+            traits::encode_k(reencoding, shape, rows.data(), base + geometry_.k_page_offset(h));
+          }
+        }
+      }
+    }
+  }
+
   /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
   /// selection request for `run` (the batch's block tables are read when `run` runs).
   void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
@@ -2944,6 +3520,8 @@ class engine {
         if (request != nullptr) {
           detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
           select_tokens(*request, b, seq, q, h, keep, chosen);
+          if (seq.live != nullptr)  // evicted tokens are never read
+            for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
           chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
           for (std::size_t i = 0; i < seq.pages->size(); ++i) {
             int tokens = 0;
@@ -2960,7 +3538,9 @@ class engine {
         const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
         for (std::size_t i = 0; i < seq.pages->size(); ++i) {
           const page_id page = (*seq.pages)[i];
-          const std::uint64_t* page_keep = request != nullptr ? keep.data() + i * mask_words : nullptr;
+          const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
+                                           : seq.live != nullptr ? seq.live + i * mask_words
+                                                                 : nullptr;
           if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
             continue;
           fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
@@ -3444,6 +4024,9 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
+  static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
+                "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
+                "compaction would move: use it with compact::none");
 
  public:
   using format_type = Format;
@@ -3506,7 +4089,9 @@ class cache
     const std::int32_t slot = free_slot("cache::fork_sequence");
     sequence_state child;  // copies (may throw): nothing changed yet
     child.pages = parent.pages;
-    child.length = parent.length;
+    child.stored = parent.stored;
+    child.seen = parent.seen;
+    child.slots = parent.slots;
     child.selector_state = parent.selector_state;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
@@ -3600,12 +4185,16 @@ class cache
       staged = traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, 0, rows);
       traits::reserve(s.selector_state, staged);
       s.pages.reserve(s.pages.size() + fresh.size());
+      if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + fresh.size(), config_.page_size);
       engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
       traits::template write<rows_on_device>(engine_, slot, staged, k, 0, rows);
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
-    s.length += rows;
+    if constexpr (evicts_tokens) s.slots.seal(fresh.size(), s.seen - tail, config_.page_size);  // reserved
+    s.stored += rows;
+    s.seen += rows;
     traits::commit(s.selector_state, staged);
+    after_write(seq, rows);
   }
 
  public:
@@ -3655,7 +4244,10 @@ class cache
       staged[static_cast<std::size_t>(b)] =
           traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, b, 1);
       traits::reserve(s.selector_state, staged[static_cast<std::size_t>(b)]);
-      if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
+      if (tail_rows(s) + 1 == config_.page_size) {
+        s.pages.reserve(s.pages.size() + 1);
+        if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + 1, config_.page_size);
+      }
     }
     std::vector<detail::append_item> items;
     items.reserve(static_cast<std::size_t>(seqs.size()));
@@ -3674,10 +4266,15 @@ class cache
     });
     for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
       sequence_state& s = state_of(seqs(b));
-      if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
-      ++s.length;
+      if (items[static_cast<std::size_t>(b)].new_page >= 0) {
+        s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
+        if constexpr (evicts_tokens) s.slots.seal(1, s.seen - (config_.page_size - 1), config_.page_size);
+      }
+      ++s.stored;
+      ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
+    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
   }
 
  public:
@@ -3706,9 +4303,11 @@ class cache
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       const sequence_state& s = live(seqs(b), where);
-      detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
+      detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
-      batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
+      const std::uint64_t* live_rows = nullptr;
+      if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
+      batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
     }
     planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
@@ -3720,7 +4319,7 @@ class cache
       detail::selection_request request = selector_traits<Selector>::start_request(selector_, shape);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
-        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.length, tail_rows(s), request);
+        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
       }
       engine_.plan(batch, scale, &request);
     }
@@ -3810,7 +4409,174 @@ class cache
   }
 
   /// Tokens stored for a sequence.
-  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").length; }
+  /// Evicts the tokens at logical `positions` (host memory) of `seq`: attention skips them from
+  /// this call on, and every page left with no live token goes back to the pool at once (block-
+  /// granular reclaim; a compaction pass frees the rest). Positions of the other tokens, and
+  /// `length(seq)`, do not change. All or nothing: a position outside [0, length), in the open tail
+  /// (its rows are not evictable), already evicted or listed twice is an `invalid_argument` and
+  /// nothing changes. Cost: O(slots log slots) on the host (the position lookup); no device work
+  /// (on backend::cuda each later step stages the sequence's live-row masks with its metadata).
+  template <class C = Compactor>
+  void evict(sequence_id seq, span<const std::int64_t> positions) {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::evict: this cache's compactor frees no memory; use compact::repack or "
+                  "compact::hole_fill");
+    evict_positions(seq, positions, false);
+  }
+
+ private:
+  /// `evict`; with `skip_evicted`, positions already evicted are passed over instead of rejected
+  /// (a keep-less selector's own evictions after the caller's).
+  void evict_positions(sequence_id seq, span<const std::int64_t> positions, bool skip_evicted) {
+    const char* where = "cache::evict";
+    sequence_state& s = live(seq, where);
+    check_view(where, "positions", positions);
+    const int page = config_.page_size;
+    const std::int64_t open_from = s.seen - tail_rows(s);  // the tail's first position
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_position;  // (position, slot) of live sealed slots
+    by_position.reserve(s.slots.position.size() - static_cast<std::size_t>(s.slots.dead));
+    for (std::size_t slot = 0; slot < s.slots.position.size(); ++slot)
+      if (s.slots.position[slot] >= 0) by_position.emplace_back(s.slots.position[slot], static_cast<std::int64_t>(slot));
+    std::sort(by_position.begin(), by_position.end());
+    std::vector<std::int64_t> slots;
+    slots.reserve(static_cast<std::size_t>(positions.size()));
+    for (std::int64_t i = 0; i < positions.size(); ++i) {
+      const std::int64_t p = positions(i);
+      detail::require(p >= 0 && p < s.seen, where, "positions", p, "0 to length(seq) - 1");
+      detail::require(p < open_from, where, "positions", p,
+                      ("a sealed token: below " + std::to_string(open_from) + " (the tail's open rows are not evictable)").c_str());
+      detail::require(p >= sink_rows(format_), where, "positions", p,
+                      "a token after the format's sink tokens (they are kept 16-bit and always read)");
+      const auto it = std::lower_bound(by_position.begin(), by_position.end(), std::make_pair(p, std::int64_t{-1}));
+      const bool found = it != by_position.end() && it->first == p;
+      if (skip_evicted && !found) continue;
+      detail::require(found, where, "positions", p, "a live token (this one was evicted before)");
+      slots.push_back(it->second);
+    }
+    std::vector<std::int64_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    detail::require(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), where, "positions", "a repeated position",
+                    "distinct positions");
+    // Nothing below allocates past this point but the empty-page list: compute it on a copy first.
+    detail::slot_positions next = s.slots;
+    for (const std::int64_t slot : slots) next.evict(slot, page);
+    const std::vector<std::int32_t> empty = detail::empty_pages(next.position, page);
+    block_table pages;
+    pages.reserve(s.pages.size() - empty.size());
+    for (std::size_t i = 0, e = 0; i < s.pages.size(); ++i) {
+      if (e < empty.size() && empty[e] == static_cast<std::int32_t>(i)) {
+        ++e;
+        continue;
+      }
+      pages.push_back(s.pages[i]);
+    }
+    next.drop_pages(empty, page);
+    // Commit (cannot throw): the freed pages go back to the pool.
+    for (const std::int32_t i : empty) pool_.release(s.pages[static_cast<std::size_t>(i)]);
+    s.pages.swap(pages);
+    s.slots = std::move(next);
+    s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+  }
+
+  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
+  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
+  /// the written tokens stored and the evictions to the next write.
+  void after_write(sequence_id seq, std::int64_t written) {
+    if constexpr (selector_traits<Selector>::evicts) {
+      sequence_state& s = state_of(seq);
+      const std::vector<std::int64_t> dead =
+          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
+      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
+    }
+  }
+
+ public:
+
+  /// A compaction pass over `seq` with the cache's compactor (`compact::repack`,
+  /// `compact::hole_fill`): survivors move (memory/compaction_plan.hpp), the pages the pass empties
+  /// go back to the pool at once, and the position map follows. Pages shared with another sequence
+  /// (reference count above one), and every page before the last of them, are neither moved nor
+  /// freed; nor, for a format that re-encodes what it moves, is any page up to the last one it has
+  /// re-encoded as often as it allows (format::quant2's `max_reencodes`). Returns what the pass
+  /// did. Cost: the plan, O(slots) on the host, and the engine's moves: a decode of every page a
+  /// move touches and an encode of every page it writes (formats that encode pages compress the
+  /// moved rows again: see the format's docs for what that does to its error).
+  template <class C = Compactor>
+  compaction_report compact(sequence_id seq) {
+    static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
+    sequence_state& s = live(seq, "cache::compact");
+    const int page = config_.page_size;
+    // Frozen: every page up to the last one another sequence holds too (a fork's shared pages lead
+    // the block table, but an eviction that drops a page can leave a page held alone before them),
+    // and, for formats that re-encode what they move, up to the last one re-encoded as often as the
+    // format allows.
+    std::int32_t frozen = 0;
+    for (std::size_t i = 0; i < s.pages.size(); ++i)
+      if (pool_.ref_count(s.pages[i]) > 1) frozen = static_cast<std::int32_t>(i) + 1;
+    constexpr bool reencodes = detail::reencodes_moved_rows_v<Format>;
+    if constexpr (reencodes) {
+      const int limit = detail::reencoding<Format>::limit(format_);
+      for (std::size_t i = s.slots.reencoded.size(); i-- > 0;)
+        if (s.slots.reencoded[i] >= limit) {
+          frozen = std::max(frozen, static_cast<std::int32_t>(i) + 1);
+          break;
+        }
+    }
+    const std::int64_t round_start = std::max<std::int64_t>(s.slots.round_start, static_cast<std::int64_t>(frozen) * page);
+    const detail::compaction_plan plan = compactor_traits<C>::plan(compactor_, s.slots.position, page, round_start, frozen);
+    detail::slot_positions next;  // the map afterwards (allocates: before anything changes)
+    next.reserve(static_cast<std::size_t>(plan.pages_kept), page);
+    next.seal(static_cast<std::size_t>(plan.pages_kept), 0, page);
+    for (std::size_t slot = 0; slot < plan.positions.size(); ++slot) {
+      next.position[slot] = plan.positions[slot];
+      if (plan.positions[slot] < 0) next.evict(static_cast<std::int64_t>(slot), page);
+    }
+    next.round_start = static_cast<std::int64_t>(plan.pages_kept) * page;
+    std::copy_n(s.slots.reencoded.begin(), plan.pages_kept, next.reencoded.begin());  // the kept pages stay where they are
+    if (reencodes)
+      for (const std::int32_t i : plan.pages_written) {
+        std::uint8_t& count = next.reencoded[static_cast<std::size_t>(i)];
+        count = static_cast<std::uint8_t>(std::min(count + 1, 255));
+      }
+    engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    // Commit (cannot throw): emptied pages go back to the pool.
+    for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
+    s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
+    s.stored -= static_cast<std::int64_t>(plan.pages_freed) * page;
+    s.slots = std::move(next);
+    return plan.report(detail::reencodes_moved_rows_v<Format>);
+  }
+  /// `compact(seq)` for every live sequence; the reports summed.
+  template <class C = Compactor>
+  compaction_report compact() {
+    compaction_report total;
+    for (std::size_t i = 0; i < sequences_.size(); ++i)
+      if (sequences_[i].live)
+        total += compact<C>(static_cast<sequence_id>(static_cast<std::int64_t>(sequences_[i].generation) * config_.max_sequences +
+                                                     static_cast<std::int64_t>(i)));
+    return total;
+  }
+
+  /// The logical position of each sealed slot of `seq` (block-table order, -1 for an evicted
+  /// token), then its tail rows' positions: what position-dependent code (RoPE, prefix hashing)
+  /// reads once a compaction has moved tokens.
+  template <class C = Compactor>
+  std::vector<std::int64_t> positions(sequence_id seq) const {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::positions: without a compactor that frees memory, slot i holds position i");
+    const sequence_state& s = live(seq, "cache::positions");
+    std::vector<std::int64_t> out = s.slots.position;
+    for (std::int64_t p = s.seen - tail_rows(s); p < s.seen; ++p) out.push_back(p);
+    return out;
+  }
+
+  /// Tokens the sequence has been given: the position of its next token. Eviction and compaction
+  /// do not change it.
+  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").seen; }
+  /// Tokens the sequence holds in its slots (its sealed pages' rows, dead ones included until a
+  /// compaction reclaims them, and its tail rows); `length` when nothing was evicted.
+  std::int64_t stored_tokens(sequence_id seq) const { return live(seq, "cache::stored_tokens").stored; }
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -3818,10 +4584,10 @@ class cache
   memory_stats sequence_memory(sequence_id seq) const {
     const sequence_state& s = live(seq, "cache::sequence_memory");
     memory_stats m = pool_gauge();
-    m.tokens = s.length;
+    m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
                      (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-    m.dense_bytes = s.length * tail_row_bytes();
+    m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
 
@@ -3831,9 +4597,9 @@ class cache
     m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * page_bytes();
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
-      m.tokens += s.length;
+      m.tokens += s.stored;
       m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-      m.dense_bytes += s.length * tail_row_bytes();
+      m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
   }
@@ -3842,8 +4608,10 @@ class cache
   struct sequence_state {
     bool live = false;
     std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
-    std::int64_t length = 0;
+    std::int64_t stored = 0;  ///< slots in use: the sealed pages' rows and the tail rows
+    std::int64_t seen = 0;    ///< tokens given: the next token's position
     block_table pages;
+    detail::slot_positions slots;  ///< caches whose compactor frees memory: per sealed slot, its position
     typename selector_traits<Selector>::sequence_state selector_state;  ///< the selector's, per sequence
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
@@ -3865,6 +4633,8 @@ class cache
   /// The backend keeps K and V rows in device memory (backend::cuda): the selector's hooks then
   /// leave work on the keys to the engine.
   static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
+  /// The compactor frees memory: the cache keeps each sequence's position map and can evict.
+  static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -3988,7 +4758,7 @@ class cache
   }
 
   int tail_rows(const sequence_state& s) const {
-    return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+    return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
   /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
   std::int64_t sink_rows_of(const sequence_state& s) const {
@@ -6054,6 +6824,8 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   static bool splits_p_on_tensor_cores(const state&, const device_context&);
 ///   template <class Shapes>                                              // encoded formats only:
 ///   static void encode_pages(const state&, const format::X&, const encode_context&);
+///   template <class Shapes>                                              // encoded formats only: the
+///   static void unpack_pages(const state&, const format::X&, const unpack_context&);  // inverse
 /// };
 /// ```
 ///
@@ -6086,6 +6858,18 @@ struct encode_context {
   const std::int32_t* weight_rows;    ///< [n] key-weight row per page or -1 (formats with key weights)
   const float* key_weights;           ///< [max_sequences][num_kv_heads][head_dim] (device), or null
   const std::int32_t* sink_slots;     ///< [n] tail slot keeping a first page's sink rows, or -1
+  std::int32_t n;
+};
+
+/// What an unpack pass is given: `n` pages `page_ids` (device array) whose dense rows, in the
+/// storage dtype, are to be written to scratch slots 0 .. n of `rows` (tail-slot layout: the first
+/// page_size rows of each head's K, then of its V). The rows are what the host's
+/// `format_traits::decode_k/v` give, rounded to the storage dtype; a compaction moves them and
+/// encodes the pages it writes again.
+struct unpack_context {
+  const device_context* engine;
+  std::byte* rows;                    ///< scratch slots (device)
+  const std::int32_t* page_ids;       ///< [n] pages to unpack (device)
   std::int32_t n;
 };
 
@@ -6141,6 +6925,70 @@ struct device_format {
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/device_format.cuh> ----
+
+// ---- begin <kvmosaic/cuda/kernel/compact.cuh> ----
+/// \file
+/// The row copies of a compaction pass (`cuda::engine::move_slots`), for every format: dense 16-bit
+/// rows gathered from source slots (a format's unpacked pages, or format::dense's pages as they
+/// are) into destination slots, by a map staged with the pass. A pass gathers every page it
+/// writes into scratch slots before anything is written back, so every source is read before any
+/// destination changes (the order-preserving contract of `compact::repack`).
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Destination slot i, row r takes source row `sources_of[i * page_size + r]` (= source slot x
+/// page_size + row; null: row r of source slot i). Slots on both sides are laid out [K heads]
+/// [V heads] x head bytes, rows of head_dim 16-bit values; destination slot i is `slot_ids[i]`
+/// of `rows` (null: i).
+struct copy_rows_params {
+  const std::byte* sources;
+  std::int64_t source_slot_bytes;
+  std::int64_t source_head_bytes;
+  std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::int32_t* sources_of;
+  const std::int32_t* slot_ids;
+  std::int32_t n;
+  int num_kv_heads;
+  int head_dim;
+  int page_size;
+};
+
+constexpr int copy_rows_threads = 256;
+
+/// Grid-stride over destination slots x rows x (K, V) x heads x 16-byte vectors; one 16-byte load
+/// and store each. Cost: the bytes of the destination slots, read once and written once. (A
+/// template, so that every translation unit may define it.)
+template <class Vector = uint4>
+__global__ void __launch_bounds__(copy_rows_threads) copy_rows_kernel(const copy_rows_params p) {
+  static_assert(sizeof(Vector) == detail::vector_elements * 2, "a vector of 16-bit values");
+  const int vectors_per_row = p.head_dim / detail::vector_elements;
+  const std::int64_t per_row = static_cast<std::int64_t>(2) * p.num_kv_heads * vectors_per_row;
+  const std::int64_t total = static_cast<std::int64_t>(p.n) * p.page_size * per_row;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const int vector = static_cast<int>(i % vectors_per_row);
+    const std::int64_t rest = i / vectors_per_row;
+    const int head_index = static_cast<int>(rest % (2 * p.num_kv_heads));  // [K heads][V heads]
+    const std::int64_t row = rest / (2 * p.num_kv_heads);                  // slot * page_size + r
+    const std::int64_t source = p.sources_of != nullptr ? p.sources_of[row] : row;
+    const std::int64_t slot = row / p.page_size, r = row % p.page_size;
+    const std::int64_t destination_slot = p.slot_ids != nullptr ? p.slot_ids[slot] : slot;
+    const std::int64_t row_bytes = static_cast<std::int64_t>(p.head_dim) * 2, vector_bytes = detail::vector_elements * 2;
+    const auto* from = reinterpret_cast<const Vector*>(p.sources + source / p.page_size * p.source_slot_bytes +
+                                                      head_index * p.source_head_bytes + source % p.page_size * row_bytes +
+                                                      vector * vector_bytes);
+    auto* to = reinterpret_cast<Vector*>(p.rows + destination_slot * p.rows_slot_bytes + head_index * p.rows_head_bytes +
+                                        r * row_bytes + vector * vector_bytes);
+    *to = *from;
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/kernel/compact.cuh> ----
 
 // ---- begin <kvmosaic/cuda/kernel/queries.cuh> ----
 /// \file
@@ -6207,9 +7055,13 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 ///             std::vector<std::int32_t>& read_pages);         // host, per step (see below)
 ///   std::size_t staged_bytes() const;       // bytes of the planned step's inputs to stage
 ///   void stage(std::byte* host) const;      // writes them (the engine copies them with the step's)
-///   void reserve(std::int32_t batch, std::int32_t table_stride);  // outputs for such steps
+///   void reserve(std::int32_t batch, std::int32_t table_stride, bool live_masks);  // outputs for
+///                                           // such steps (live_masks: some may have evicted tokens)
 ///   bool planned() const;                   // the planned step selects
-///   bool row_masks() const;                 // ... and picks blocks smaller than a page
+///   bool row_masks() const;                 // ... and writes row masks (blocks smaller than a page,
+///                                           // or evicted tokens)
+///   void use_live_masks(const std::uint32_t*) noexcept;  // the step's live rows per (sequence,
+///                                           // block-table entry), or null: ANDed into its masks
 ///   void bind(kernel::decode_params&) const;                  // the contract (below)
 ///   void launch(const kernel::decode_params&, const std::byte* staged, const float* q, cudaStream_t);
 /// };
@@ -6218,7 +7070,9 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 /// The contract every format's split kernel reads (`kernel::decode_params`): for a selected step,
 /// per (sequence, KV head) a page table (`block_tables`, rows `step_header[1]` apart, heads
 /// `step_header[2]` apart) and, when `row_masks()`, per listed page a row mask (`token_masks`,
-/// `mask_words` words) and the entries written (`table_lengths`). `plan` fills `read_pages[b]`,
+/// `mask_words` words) and the entries written (`table_lengths`). A step with evicted tokens
+/// gets the live rows of every (sequence, block-table entry) first (`use_live_masks`); a stage
+/// that selects writes row masks then, each ANDed with its page's live rows. `plan` fills `read_pages[b]`,
 /// the pages sequence b's splits cover (`planned_pages`): every sealed page, or fewer when the
 /// selection is known to read fewer whole pages. docs/architecture.md ("Adding a selector") lists
 /// the files a new selector writes.
@@ -6279,7 +7133,8 @@ class selection_stage<select::all, Shapes> {
   }
   std::size_t staged_bytes() const noexcept { return 0; }
   void stage(std::byte*) const noexcept {}
-  void reserve(std::int32_t, std::int32_t) noexcept {}
+  void reserve(std::int32_t, std::int32_t, bool = false) noexcept {}
+  void use_live_masks(const std::uint32_t*) noexcept {}  // the engine's live masks serve every page
   bool planned() const noexcept { return false; }
   bool row_masks() const noexcept { return false; }
   void bind(kernel::decode_params&) const noexcept {}
@@ -6470,6 +7325,50 @@ class engine {
     }
   }
 
+  /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
+  /// memory/compaction_plan.hpp), on the device with no page bytes through the host:
+  /// `stage_moves` then `launch_moves`. Every page the plan writes gets its rows gathered into
+  /// scratch slots (from its sources' unpacked rows, or from format::dense's pages as they are)
+  /// before any is written back; the selector's per-page metadata of those pages is rewritten
+  /// from the same rows (`selection_stage::seal`); encoded formats encode them again with the
+  /// format's re-encoding mode (`detail::reencoding`: its format, and the sequence's K weights
+  /// where it uses them), other formats copy them back. `first_page_sinks`: the sequence's first
+  /// page keeps sink rows, hidden again as at seal. The same bytes as the host backend's
+  /// `move_slots` (the GPU tests compare them).
+  /// Cost: per page written, an unpack of each page it reads from, a gather and an encode.
+  void move_slots(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
+                  bool first_page_sinks) {
+    if (plan.moves.empty()) return;
+    stage_moves(slot, pages, plan, first_page_sinks);
+    launch_moves();
+  }
+
+  /// The host half of `move_slots`: the pass in chunks of at most `encode_chunk_pages` written
+  /// pages (one chunk when a later chunk would read a page an earlier one wrote), each chunk's
+  /// page ids and row map written to page-locked staging. Waits only for the previous copy out of
+  /// the staging. Cost: O(rows of the pages written) on the host.
+  void stage_moves(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
+                   bool first_page_sinks);
+
+  /// Pages the last staged compaction pass writes and unpacks (summed over its chunks): what its
+  /// device work reads and writes, for reports and benchmarks.
+  struct staged_move_pages {
+    std::int64_t written = 0, unpacked = 0;
+  };
+  staged_move_pages staged_moves() const noexcept {
+    staged_move_pages pages;
+    for (const move_chunk& c : move_chunks_) {
+      pages.written += c.pages_written;
+      pages.unpacked += c.pages_unpacked;
+    }
+    return pages;
+  }
+
+  /// The device half of `move_slots`, enqueued on the engine's stream: one copy of the staged
+  /// metadata, then per chunk the unpack, the gather, the selector's seal and the encode (or the
+  /// copy back). Capturable in a CUDA graph; a replay redoes the staged pass.
+  void launch_moves();
+
   /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
   /// [head_dim] in host memory (copied before this returns), or null for plain magnitudes.
   template <class F = Format>  // a template: only formats with K weights instantiate it
@@ -6515,13 +7414,15 @@ class engine {
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
   /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
   /// is what a captured CUDA graph needs; a larger step grows the layout (re-capture after that).
-  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0) {
+  void reserve_step(std::int32_t batch, std::int32_t max_pages_per_sequence, std::int32_t splits = 0,
+                    bool live_masks = false) {
     const layout_capacity new_capacity{std::max(capacity_.batch, batch),
                                        std::max(capacity_.table_stride, max_pages_per_sequence),
-                                       std::max({capacity_.work, splits, work_capacity(batch)})};
-    selection_.reserve(new_capacity.batch, new_capacity.table_stride);
+                                       std::max({capacity_.work, splits, work_capacity(batch)}), capacity_.live_masks || live_masks};
+    selection_.reserve(new_capacity.batch, new_capacity.table_stride, new_capacity.live_masks);
     if (new_capacity.batch == capacity_.batch && new_capacity.table_stride == capacity_.table_stride &&
-        new_capacity.work == capacity_.work && layout_.bytes - layout_.selection >= selection_.staged_bytes())
+        new_capacity.work == capacity_.work && new_capacity.live_masks == capacity_.live_masks &&
+        layout_.bytes - layout_.selection >= selection_.staged_bytes())
       return;
     capacity_ = new_capacity;
     const std::int32_t work = capacity_.work;
@@ -6533,7 +7434,10 @@ class engine {
     layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
     layout_.read_pages = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
     layout_.tables = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.selection = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    layout_.live_masks = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
+    layout_.selection = layout_.live_masks + (capacity_.live_masks ? align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride *
+                                                                           live_mask_words() * sizeof(std::uint32_t))
+                                                                     : 0);
     layout_.bytes = layout_.selection + align(selection_.staged_bytes());
     KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
     staging_ = pinned_buffer(layout_.bytes);
@@ -6554,7 +7458,9 @@ class engine {
     std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
     std::vector<step_sequence> sequences(batch.size());
     std::int32_t longest = 1;
+    bool masked = false;  // a sequence has evicted tokens: the step reads live-row masks
     for (std::size_t b = 0; b < batch.size(); ++b) {
+      masked = masked || batch[b].live != nullptr;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
@@ -6566,7 +7472,8 @@ class engine {
     const split_plan plan =
         make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
-    reserve_step(n, longest, plan.num_splits());
+    reserve_step(n, longest, plan.num_splits(), masked);
+    step_masked_ = masked;
     batch_ = n;
     step_splits_ = plan.num_splits();
 
@@ -6587,6 +7494,19 @@ class engine {
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
+    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted)
+      auto* masks = reinterpret_cast<std::uint32_t*>(host + layout_.live_masks);
+      const int words = live_mask_words(), words64 = (shape_.page_size + 63) / 64;
+      for (std::size_t b = 0; b < batch.size(); ++b)
+        for (std::int32_t i = 0; i < full_pages[b]; ++i)
+          for (int w = 0; w < words; ++w) {
+            const int rows = std::min(32, shape_.page_size - 32 * w);
+            std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
+            if (batch[b].live != nullptr)
+              word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
+            masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
+          }
+    }
   }
 
   /// The selection part of a planned selected step alone (the metadata copy, scoring and top-k),
@@ -6627,7 +7547,15 @@ class engine {
     p.sealed_pages = reinterpret_cast<const std::int32_t*>(device + layout_.sealed);
     p.block_tables = p.sequence_tables;
     p.planned_pages = reinterpret_cast<const std::int32_t*>(device + layout_.read_pages);
+    // Evicted tokens: live-row masks per (sequence, entry). A selected step's stage ANDs them into
+    // the row masks it writes; otherwise the split kernels read them, every head alike.
+    const auto* live = step_masked_ ? reinterpret_cast<const std::uint32_t*>(device + layout_.live_masks) : nullptr;
+    selection_.use_live_masks(selection_.planned() ? live : nullptr);
     selection_.bind(p);  // a selected step: the stage's page tables (and row masks)
+    if (live != nullptr && !selection_.planned()) {
+      p.token_masks = live;
+      p.mask_words = live_mask_words();
+    }
     p.tail_slots = reinterpret_cast<const std::int32_t*>(device + layout_.slots);
     p.tail_rows = reinterpret_cast<const std::int32_t*>(device + layout_.tail_rows);
     p.work = reinterpret_cast<const split_work*>(device + layout_.work);
@@ -6651,7 +7579,7 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks(), f);
+    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks() || step_masked_, f);
   }
 
   /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
@@ -6769,14 +7697,23 @@ class engine {
                                         cudaMemcpyDeviceToDevice, stream_));
     saved_slot_ = slot;
   }
+  /// One chunk of a staged compaction pass: byte offsets in its metadata of the written pages'
+  /// ids, their scratch ordinals and K weight rows, the pages to unpack, and the row map.
+  struct move_chunk {
+    std::size_t written = 0, ordinals = 0, weight_rows = 0, unpacked = 0, sources_of = 0;
+    std::int32_t pages_written = 0, pages_unpacked = 0;
+  };
   struct layout_capacity {
     std::int32_t batch = 0, table_stride = 0, work = 0;
+    bool live_masks = false;  ///< room for live-row masks (once a step had evicted tokens)
   };
+  /// 32-bit row-mask words per page.
+  int live_mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
   /// [pages to read][tables][the selection stage's inputs].
   struct step_layout {
     std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0, tables = 0,
-                selection = 0, bytes = 0;
+                live_masks = 0, selection = 0, bytes = 0;
   };
   kvmosaic::detail::engine_shape shape_;
   Format format_;
@@ -6796,6 +7733,7 @@ class engine {
   step_layout layout_;
   std::int32_t batch_ = 0;
   std::int32_t step_splits_ = 0;
+  bool step_masked_ = false;  ///< the planned step reads live-row masks (a sequence has evicted tokens)
   pinned_buffer staging_, extend_staging_;
   device_buffer step_metadata_, extend_metadata_, partials_;
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
@@ -6804,9 +7742,16 @@ class engine {
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
   std::int32_t scratch_pages_ = 0;
+  pinned_buffer move_staging_;     ///< a compaction pass's metadata (`stage_moves`)
+  device_buffer move_metadata_;
+  std::size_t move_bytes_ = 0;
+  std::vector<move_chunk> move_chunks_;
+  device_buffer unpacked_;         ///< dense rows of the pages a compaction chunk reads (encoded formats)
+  std::int32_t unpacked_pages_ = 0;
   device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
   std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
   typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
+  Format reencoding_ = kvmosaic::detail::reencoding<Format>::format(format_);  ///< what a compaction encodes with
 };
 
 // The members that launch kernels, out of line: an explicit instantiation declaration of the
@@ -6857,6 +7802,167 @@ const float* engine<Format, Selector, Shapes>::gathered_queries(const query_view
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   });
   return queries_.as<const float>();
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const block_table& pages,
+                                                   const kvmosaic::detail::compaction_plan& plan, bool first_page_sinks) {
+  const int p = shape_.page_size;
+  const std::vector<std::int32_t>& written = plan.pages_written;  // block-table indices, ascending
+  const auto n = static_cast<std::int32_t>(written.size());
+  const auto index_of = [&](std::int64_t page) {
+    return static_cast<std::size_t>(std::lower_bound(written.begin(), written.end(), static_cast<std::int32_t>(page)) - written.begin());
+  };
+  // Row r of written page i takes the token in sealed slot source[i * p + r] (block-table slots).
+  std::vector<std::int64_t> source(static_cast<std::size_t>(n) * p);
+  for (std::int32_t i = 0; i < n; ++i)
+    for (int r = 0; r < p; ++r) source[static_cast<std::size_t>(i) * p + r] = static_cast<std::int64_t>(written[i]) * p + r;
+  for (const kvmosaic::detail::slot_move& m : plan.moves) source[index_of(m.to / p) * p + m.to % p] = m.from;
+  const int sinks = first_page_sinks && n > 0 && written[0] == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+  for (int t = 0; t < sinks; ++t) source[static_cast<std::size_t>(t)] = source[static_cast<std::size_t>(sinks)];  // hidden as at seal
+
+  // Chunks of written pages; the pages a chunk reads (distinct source pages, first-use order).
+  const auto pages_read = [&](std::int32_t first, std::int32_t last) {
+    std::vector<std::int32_t> read;
+    for (std::size_t at = static_cast<std::size_t>(first) * p; at < static_cast<std::size_t>(last) * p; ++at) {
+      const auto page = static_cast<std::int32_t>(source[at] / p);
+      if (std::find(read.begin(), read.end(), page) == read.end()) read.push_back(page);
+    }
+    return read;
+  };
+  std::vector<std::pair<std::int32_t, std::int32_t>> ranges;
+  bool ordered = true;  // no chunk reads a page an earlier chunk wrote
+  for (std::int32_t first = 0; first < n; first += encode_chunk_pages) {
+    const std::int32_t last = std::min(n, first + encode_chunk_pages);
+    for (const std::int32_t page : pages_read(first, last))
+      ordered = ordered && !std::binary_search(written.begin(), written.begin() + first, page);
+    ranges.emplace_back(first, last);
+  }
+  if (!ordered) ranges.assign(1, {0, n});
+
+  if constexpr (!encodes_pages)  // read in place and written back as scratch rows are laid out
+    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes &&
+                                  geometry_.sink_rows == 0,
+                              "cuda::engine::move_slots", "the format's page layout", "not dense rows",
+                              "dense rows [page_size][head_dim] per head (a format without an encoder)");
+  const std::int64_t max_sources = static_cast<std::int64_t>(shape_.max_pages) * p;
+  kvmosaic::detail::require(max_sources <= std::numeric_limits<std::int32_t>::max(), "cache::compact", "max_pages * page_size",
+                            max_sources, "below 2^31 on backend::cuda (the row map is 32-bit)");
+  std::vector<std::vector<std::int32_t>> reads;
+  std::size_t bytes = 0;
+  std::int32_t most_written = 0, most_read = 0;
+  move_chunks_.clear();
+  for (const auto& [first, last] : ranges) {
+    move_chunk c;
+    c.pages_written = last - first;
+    reads.push_back(encodes_pages ? pages_read(first, last) : std::vector<std::int32_t>{});
+    c.pages_unpacked = static_cast<std::int32_t>(reads.back().size());
+    const std::size_t ids = align(static_cast<std::size_t>(c.pages_written) * sizeof(std::int32_t));
+    c.written = bytes;
+    c.ordinals = c.written + ids;
+    c.weight_rows = c.ordinals + ids;
+    c.unpacked = c.weight_rows + ids;
+    c.sources_of = c.unpacked + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
+    bytes = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    most_written = std::max(most_written, c.pages_written);
+    most_read = std::max(most_read, c.pages_unpacked);
+    move_chunks_.push_back(c);
+  }
+  reserve_scratch(most_written);
+  if (most_read > unpacked_pages_) {
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old arena may still be read
+    unpacked_pages_ = std::max(most_read, encode_chunk_pages);
+    unpacked_ = device_buffer(static_cast<std::size_t>(unpacked_pages_) * geometry_.tail_slot_bytes());
+  }
+  KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));  // the previous copy has left the staging
+  move_staging_.reserve(bytes);
+  move_metadata_.reserve(bytes);
+  move_bytes_ = bytes;
+  std::byte* host = move_staging_.as<std::byte>();
+  bool weighted = false;
+  if constexpr (has_key_weights_v<Format>)
+    weighted = kvmosaic::detail::reencoding<Format>::key_weights && has_key_weights_[static_cast<std::size_t>(slot)];
+  for (std::size_t k = 0; k < ranges.size(); ++k) {
+    const move_chunk& c = move_chunks_[k];
+    const std::int32_t first = ranges[k].first;
+    const std::vector<std::int32_t>& read = reads[k];
+    auto* ids = reinterpret_cast<std::int32_t*>(host + c.written);
+    auto* ordinals = reinterpret_cast<std::int32_t*>(host + c.ordinals);
+    auto* weight_rows = reinterpret_cast<std::int32_t*>(host + c.weight_rows);
+    auto* unpacked = reinterpret_cast<std::int32_t*>(host + c.unpacked);
+    auto* sources_of = reinterpret_cast<std::int32_t*>(host + c.sources_of);
+    for (std::int32_t i = 0; i < c.pages_written; ++i) {
+      ids[i] = pages[static_cast<std::size_t>(written[static_cast<std::size_t>(first + i)])];
+      ordinals[i] = i;
+      weight_rows[i] = weighted ? slot : -1;
+    }
+    for (std::size_t i = 0; i < read.size(); ++i) unpacked[i] = pages[static_cast<std::size_t>(read[i])];
+    for (std::size_t at = 0; at < static_cast<std::size_t>(c.pages_written) * p; ++at) {
+      const std::int64_t from = source[static_cast<std::size_t>(first) * p + at];
+      const auto page = static_cast<std::int32_t>(from / p);
+      // Encoded formats read unpacked slot (index in `read`), others the page itself.
+      const std::int64_t source_slot = encodes_pages ? static_cast<std::int64_t>(std::find(read.begin(), read.end(), page) - read.begin())
+                                                     : static_cast<std::int64_t>(pages[static_cast<std::size_t>(page)]);
+      sources_of[at] = static_cast<std::int32_t>(source_slot * p + from % p);
+    }
+  }
+}
+
+template <class Format, class Selector, class Shapes>
+void engine<Format, Selector, Shapes>::launch_moves() {
+  detail::pull_from_host(move_staging_, move_metadata_.data(), move_bytes_, stream_);
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+  if (capturing == cudaStreamCaptureStatusNone) KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  const std::byte* metadata = move_metadata_.as<const std::byte>();
+  const device_context c = context();
+  const auto i32 = [&](std::size_t at) { return reinterpret_cast<const std::int32_t*>(metadata + at); };
+  const auto copy_rows = [&](const kernel::copy_rows_params& params) {
+    const std::int64_t vectors = static_cast<std::int64_t>(params.n) * shape_.page_size * 2 * shape_.num_kv_heads *
+                                 (shape_.head_dim / detail::vector_elements);
+    kernel::copy_rows_kernel<><<<detail::grid_for(vectors, kernel::copy_rows_threads), kernel::copy_rows_threads, 0, stream_>>>(params);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  };
+  const auto tail_slot = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+  const auto tail_head = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  for (const move_chunk& chunk : move_chunks_) {
+    kernel::copy_rows_params gather{};
+    if constexpr (encodes_pages) {
+      device::template unpack_pages<Shapes>(format_state_, format_, unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked});
+      gather = {unpacked_.as<const std::byte>(), tail_slot, tail_head, nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
+    } else {  // the pages are dense rows: read in place
+      gather = {pages_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_slot_bytes()),
+                static_cast<std::int64_t>(geometry_.k_page_bytes), nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
+    }
+    gather.rows = scratch_.as<std::byte>();
+    gather.rows_slot_bytes = tail_slot;
+    gather.rows_head_bytes = tail_head;
+    gather.sources_of = i32(chunk.sources_of);
+    gather.n = chunk.pages_written;
+    gather.num_kv_heads = shape_.num_kv_heads;
+    gather.head_dim = shape_.head_dim;
+    gather.page_size = shape_.page_size;
+    copy_rows(gather);
+    selection_.seal(sealed_pages{scratch_.as<const std::byte>(), tail_slot, tail_head, i32(chunk.ordinals), i32(chunk.written),
+                                 chunk.pages_written},
+                    stream_);
+    if constexpr (encodes_pages) {
+      const encode_context e{&c, scratch_.as<const std::byte>(), i32(chunk.written), i32(chunk.weight_rows),
+                             key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written};
+      device::template encode_pages<Shapes>(format_state_, reencoding_, e);
+    } else {
+      kernel::copy_rows_params back = gather;
+      back.sources = scratch_.as<const std::byte>();
+      back.source_slot_bytes = tail_slot;
+      back.source_head_bytes = tail_head;
+      back.rows = pages_.as<std::byte>();
+      back.rows_slot_bytes = static_cast<std::int64_t>(geometry_.page_slot_bytes());
+      back.rows_head_bytes = static_cast<std::int64_t>(geometry_.k_page_bytes);
+      back.sources_of = nullptr;
+      back.slot_ids = i32(chunk.written);
+      copy_rows(back);
+    }
+  }
 }
 
 template <class Format, class Selector, class Shapes>
@@ -8220,6 +9326,72 @@ __global__ void __launch_bounds__(encode_threads) encode_bitmap_pages_kernel(con
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/bitmap_tiles/encode.cuh> ----
 
+// ---- begin <kvmosaic/cuda/format/bitmap_tiles/unpack.cuh> ----
+/// \file
+/// Device unpack of `format::bitmap_tiles` pages, the inverse of `encode_bitmap_pages_kernel`:
+/// every kept value back at its (token, channel), zeros elsewhere, exactly the host's
+/// `format_traits<bitmap_tiles>::decode_k/v`. A compaction unpacks the pages it touches, moves
+/// rows and encodes the pages it writes again, which keeps the same values (a token keeps as many
+/// values as it had, and the pruned zeros never outrank them).
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages `page_ids[i]` of the page arena unpacked to dense rows in `rows` (slot i = [K: heads]
+/// [V: heads] x rows_head_bytes, the first page_size rows 16-bit).
+struct bitmap_unpack_params {
+  std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t k_page_bytes;
+  std::int64_t v_page_bytes;
+  const std::int32_t* page_ids;
+  int num_kv_heads;
+  int page_size;
+  int k_along_tokens;  ///< K tiled along tokens (a channel's 64 tokens per tile), not along channels
+};
+
+constexpr int bitmap_unpack_threads = 128;
+
+/// Grid (pages, num_kv_heads, 2: K then V): the CTA clears its page's rows, then each thread
+/// scatters the kept values of its tiles ([bitmaps: tiles x u64][offsets: tiles x u32][values]).
+/// Cost per page: one read of the page, one write of its rows.
+template <int HeadDim>
+__global__ void __launch_bounds__(bitmap_unpack_threads) unpack_bitmap_pages_kernel(const bitmap_unpack_params u) {
+  constexpr int tile = kvmosaic::detail::tile_length;
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const bool is_key = blockIdx.z == 0;
+  const bool along_tokens = is_key && u.k_along_tokens != 0;
+  const std::int64_t page_at = is_key ? head * u.k_page_bytes : u.num_kv_heads * u.k_page_bytes + head * u.v_page_bytes;
+  const std::byte* page = u.pages + static_cast<std::int64_t>(u.page_ids[page_index]) * u.page_slot_bytes + page_at;
+  auto* rows = reinterpret_cast<std::uint16_t*>(u.rows + page_index * u.rows_slot_bytes +
+                                                ((is_key ? 0 : u.num_kv_heads) + head) * u.rows_head_bytes);
+  const int elements = u.page_size * HeadDim, tiles = elements / tile;
+  for (int i = static_cast<int>(threadIdx.x); i < elements; i += bitmap_unpack_threads) rows[i] = 0;
+  __syncthreads();
+  const auto* bitmaps = reinterpret_cast<const std::uint64_t*>(page);
+  const auto* offsets = reinterpret_cast<const std::uint32_t*>(page + tiles * 8);
+  const auto* values = reinterpret_cast<const std::uint16_t*>(page + tiles * 12);
+  const int tiles_per_line = along_tokens ? u.page_size / tile : HeadDim / tile;
+  for (int t = static_cast<int>(threadIdx.x); t < tiles; t += bitmap_unpack_threads) {
+    std::uint64_t bits = bitmaps[t];
+    std::uint32_t offset = offsets[t];
+    const int line = t / tiles_per_line, part = t % tiles_per_line;
+    while (bits != 0) {
+      const int b = __ffsll(static_cast<long long>(bits)) - 1;
+      bits &= bits - 1;
+      const int token = along_tokens ? part * tile + b : line, channel = along_tokens ? line : part * tile + b;
+      rows[token * HeadDim + channel] = values[offset++];
+    }
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/bitmap_tiles/unpack.cuh> ----
+
 namespace kvmosaic::cuda {
 
 template <>
@@ -8318,6 +9490,30 @@ struct device_format<format::bitmap_tiles> {
       using S = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       kernel::encode_bitmap_pages_kernel<S, head_dim><<<grid, kernel::encode_threads, mask_bytes, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::bitmap_tiles& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    const kernel::bitmap_unpack_params p{c.rows,
+                                         static_cast<std::int64_t>(g.tail_slot_bytes()),
+                                         static_cast<std::int64_t>(g.tail_head_bytes),
+                                         e.pages,
+                                         static_cast<std::int64_t>(g.page_slot_bytes()),
+                                         static_cast<std::int64_t>(g.k_page_bytes),
+                                         static_cast<std::int64_t>(g.v_page_bytes),
+                                         c.page_ids,
+                                         shape.num_kv_heads,
+                                         shape.page_size,
+                                         traits::k_along_tokens(f) ? 1 : 0};
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::unpack_bitmap_pages_kernel<decltype(dim)::value><<<grid, kernel::bitmap_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
@@ -9168,6 +10364,66 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/quant2/encode.cuh> ----
 
+// ---- begin <kvmosaic/cuda/format/quant2/unpack.cuh> ----
+/// \file
+/// Device unpack of `format::quant2` pages, the inverse of `encode_quant2_pages_kernel`: every
+/// element x = min + scale * code of its partition, rounded to the storage dtype, exactly what the
+/// host's `format_traits<quant2>::decode_k/v` give rounded the same way (the product of a 2-bit code
+/// and a 16-bit scale is exact in fp32, so a fused multiply-add rounds as the host's two operations
+/// do). A compaction unpacks the pages it touches, moves rows and encodes the pages it writes.
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages `page_ids[i]` of the page arena unpacked to dense rows in `rows` (slot i = [K: heads]
+/// [V: heads] x rows_head_bytes, the first page_size rows 16-bit).
+struct quant2_unpack_params {
+  std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t page_bytes;  ///< one K (= one V) page
+  const std::int32_t* page_ids;
+  int num_kv_heads;
+  int page_size;
+  int partition;
+  dtype storage;
+};
+
+constexpr int quant2_unpack_threads = 128;
+
+/// Grid (pages, num_kv_heads, 2: K then V). Partition = (channel, token block of Pi) for K and V
+/// alike, as the encoder writes them. Cost per page: one read of the page, one write of its rows.
+template <int HeadDim>
+__global__ void __launch_bounds__(quant2_unpack_threads) unpack_quant2_pages_kernel(const quant2_unpack_params u) {
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const bool is_key = blockIdx.z == 0;
+  const int pi = u.partition, page_size = u.page_size, per_channel = page_size / pi;
+  const int partitions = page_size * HeadDim / pi;
+  const int sum_bytes = pi * 3 > 255 ? 2 : 1;
+  const int head_index = (is_key ? 0 : u.num_kv_heads) + head;
+  const std::byte* page = u.pages + static_cast<std::int64_t>(u.page_ids[page_index]) * u.page_slot_bytes + head_index * u.page_bytes;
+  auto* rows = reinterpret_cast<std::uint16_t*>(u.rows + page_index * u.rows_slot_bytes + head_index * u.rows_head_bytes);
+  const auto* mins = reinterpret_cast<const std::uint16_t*>(page);
+  const auto* scales = reinterpret_cast<const std::uint16_t*>(page + partitions * 2);
+  const std::byte* codes = page + partitions * (4 + sum_bytes);
+  for (int index = static_cast<int>(threadIdx.x); index < page_size * HeadDim; index += quant2_unpack_threads) {
+    const int token = index / HeadDim, channel = index % HeadDim;
+    const int part = channel * per_channel + token / pi;
+    const std::size_t bit = is_key ? kvmosaic::detail::quant2_code_bit(HeadDim, token, channel)
+                                   : kvmosaic::detail::quant2_code_bit(page_size, channel, token);
+    const int code = (static_cast<int>(codes[bit / 8]) >> (bit % 8)) & 3;
+    const float x = kvmosaic::detail::storage_value(mins[part], u.storage) +
+                    kvmosaic::detail::storage_value(scales[part], u.storage) * static_cast<float>(code);
+    rows[index] = kvmosaic::detail::storage_bits(x, u.storage);
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/quant2/unpack.cuh> ----
+
 namespace kvmosaic::cuda {
 
 template <>
@@ -9279,6 +10535,30 @@ struct device_format<format::quant2> {
     });
   }
 
+  /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::quant2& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    const kernel::quant2_unpack_params p{c.rows,
+                                         static_cast<std::int64_t>(g.tail_slot_bytes()),
+                                         static_cast<std::int64_t>(g.tail_head_bytes),
+                                         e.pages,
+                                         static_cast<std::int64_t>(g.page_slot_bytes()),
+                                         static_cast<std::int64_t>(g.k_page_bytes),
+                                         c.page_ids,
+                                         shape.num_kv_heads,
+                                         shape.page_size,
+                                         f.partition,
+                                         shape.storage};
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::unpack_quant2_pages_kernel<decltype(dim)::value><<<grid, kernel::quant2_unpack_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
  private:
   /// Calls f(partition constant) for Pi at most HeadDim.
   template <int HeadDim, class F>
@@ -9386,6 +10666,12 @@ struct select_params {
   std::uint32_t* marks;               ///< scratch: [batch][num_kv_heads][header[3]][mask_words]
   std::uint32_t* token_masks;         ///< [batch][header[1]] entries of `selected` (head h at h * header[2]) x mask_words
   std::int32_t* table_lengths;        ///< [batch][num_kv_heads] entries written to `selected`
+
+  /// Evicted tokens (null: none): per (sequence, block-table entry), its live rows
+  /// ([batch][header[3]][mask_words]). Both kernels then write each chosen page's row mask ANDed
+  /// with its live rows to `token_masks` (page-granular steps too) and the entries to
+  /// `table_lengths`, and drop a page left with no row.
+  const std::uint32_t* live_masks;
 };
 
 /// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
@@ -9529,7 +10815,8 @@ inline constexpr int select_threads = 256;
 /// sequences re-read their scores from L2 at each pass.
 inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 * 1024 ? max_pages * 4 : 0; }
 
-/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order.
+/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
+/// each with its live rows as its row mask).
 /// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
@@ -9542,7 +10829,11 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const int tid = static_cast<int>(threadIdx.x);
   const int n = p.sealed_pages[b];
   const int k = min(p.budget_pages[b], n);
-  if (k <= 0) return;
+  std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
+  if (k <= 0) {
+    if (length != nullptr && tid == 0) *length = 0;
+    return;
+  }
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
@@ -9569,11 +10860,19 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
     const int chosen = i < n && (k >= n || key > threshold || (is_tie && ties_before + tie_rank < ties_to_take));
     int position = 0, count = 0;
     scan(storage.scan).ExclusiveSum(chosen, position, count);
-    if (chosen) out[written + position] = table[i];
+    if (chosen) {
+      out[written + position] = table[i];
+      if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
+        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + written + position;
+        const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
+        for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
+      }
+    }
     ties_before += ties;
     written += count;
     __syncthreads();
   }
+  if (length != nullptr && tid == 0) *length = written;
 }
 
 namespace detail_select {
@@ -9686,7 +10985,11 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     const int i = base + tid;
     std::uint32_t any = 0;
     if (i < sealed)
-      for (int w = 0; w < words; ++w) any |= marks[i * words + w];
+      for (int w = 0; w < words; ++w) {
+        if (p.live_masks != nullptr)  // evicted rows are never read
+          marks[i * words + w] &= p.live_masks[(static_cast<std::size_t>(b) * p.step_header[3] + i) * words + w];
+        any |= marks[i * words + w];
+      }
     int position = 0, count = 0;
     scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
     if (any != 0) {
@@ -9791,7 +11094,13 @@ class span_selection {
   /// Row-mask words per page: ceil(page_size / 32).
   int mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   bool planned() const noexcept { return planned_; }
-  bool row_masks() const noexcept { return planned_ && row_masks_; }
+  /// Whether the planned step's split kernels read row masks: spans smaller than a page, or
+  /// evicted tokens.
+  bool row_masks() const noexcept { return planned_ && (row_masks_ || live_masks_ != nullptr); }
+  /// The step's live-row masks (device, [batch][table stride][mask_words()]; null: no token of the
+  /// batch is evicted), ANDed into every row mask the step writes. Set by the engine before each
+  /// launch.
+  void use_live_masks(const std::uint32_t* masks) noexcept { live_masks_ = masks; }
   /// Scores per (sequence, KV head): one per span of the longest sequence the layout holds.
   std::int32_t score_stride() const noexcept {
     return source_.own_tables ? std::max(span_table_stride_, 1) * source_.spans_per_entry
@@ -9815,14 +11124,15 @@ class span_selection {
 
   /// Outputs for steps of up to `batch` sequences of up to `table_stride` pages, and scores for
   /// their spans.
-  void reserve(std::int32_t batch, std::int32_t table_stride) {
+  void reserve(std::int32_t batch, std::int32_t table_stride, bool live_masks = false) {
+    live_masks_possible_ = live_masks_possible_ || live_masks;
     batch_capacity_ = std::max(batch_capacity_, batch);
     table_stride_ = std::max(table_stride_, table_stride);
     const std::size_t rows = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * table_stride_;
     const std::size_t score_bytes = static_cast<std::size_t>(batch_capacity_) * shape_.num_kv_heads * score_stride() * sizeof(float);
     if (scores_.size() < score_bytes) scores_ = device_buffer(score_bytes);
     if (selected_.size() < rows * sizeof(std::int32_t)) selected_ = device_buffer(rows * sizeof(std::int32_t));
-    if (row_masks_possible_) {  // and each chosen page's row mask
+    if (row_masks_possible_ || live_masks_possible_) {  // and each chosen page's row mask
       const std::size_t words = rows * static_cast<std::size_t>(mask_words()) * sizeof(std::uint32_t);
       if (marks_.size() < words) {
         marks_ = device_buffer(words);
@@ -9836,7 +11146,7 @@ class span_selection {
   void bind(kernel::decode_params& p) const noexcept {
     if (!planned_) return;
     p.block_tables = selected_.as<const std::int32_t>();
-    if (row_masks_) {
+    if (row_masks()) {
       p.token_masks = token_masks_.as<const std::uint32_t>();
       p.mask_words = mask_words();
       p.table_lengths = table_lengths_.as<const std::int32_t>();
@@ -9878,14 +11188,15 @@ class span_selection {
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
     const dim3 select_grid(static_cast<unsigned>(planned_batch_), static_cast<unsigned>(shape_.num_kv_heads));
+    s.live_masks = live_masks_;
+    s.mask_words = mask_words();
+    s.token_masks = token_masks_.as<std::uint32_t>();
+    s.table_lengths = table_lengths_.as<std::int32_t>();
     if (row_masks_) {
       s.budget_tokens = reinterpret_cast<const std::int32_t*>(staged + row);
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
-      s.mask_words = mask_words();
       s.marks = marks_.as<std::uint32_t>();
-      s.token_masks = token_masks_.as<std::uint32_t>();
-      s.table_lengths = table_lengths_.as<std::int32_t>();
       // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
       int bytes = kernel::span_select_shared_bytes(s.score_stride);
       if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
@@ -9908,7 +11219,7 @@ class span_selection {
                               b, "a batch entry of the last step, which must have been a selected one");
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     std::int32_t count = selected_counts_[static_cast<std::size_t>(b)];
-    if (row_masks_)
+    if (row_masks())
       KVMOSAIC_CUDA_CHECK(cudaMemcpy(&count, table_lengths_.as<const std::int32_t>() + b * shape_.num_kv_heads + head,
                                      sizeof count, cudaMemcpyDeviceToHost));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(count));
@@ -9922,8 +11233,8 @@ class span_selection {
   /// mask_words() words, bit r of word w for row 32 w + r (synchronizes).
   std::vector<std::uint32_t> selected_rows(std::int32_t b, int head) const {
     const std::size_t pages = selected_pages(b, head).size(), words = static_cast<std::size_t>(mask_words());
-    kvmosaic::detail::require(row_masks_, "cuda::engine::selection().selected_rows", "the last step", "page-granular",
-                              "a step with row masks (sub-page spans)");
+    kvmosaic::detail::require(row_masks(), "cuda::engine::selection().selected_rows", "the last step", "page-granular",
+                              "a step with row masks (sub-page spans, or evicted tokens)");
     std::vector<std::uint32_t> masks(pages * words);
     KVMOSAIC_CUDA_CHECK(cudaMemcpy(masks.data(),
                                    token_masks_.as<const std::uint32_t>() +
@@ -9984,6 +11295,8 @@ class span_selection {
   span_source source_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
   bool row_masks_possible_ = false;
+  bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
+  const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null
   std::int32_t batch_capacity_ = 0, table_stride_ = 0, span_table_stride_ = 0;
   // The planned step.
   bool planned_ = false, row_masks_ = false, combine_sum_ = false;
@@ -10409,6 +11722,26 @@ void selection_stage<select::sentence_chunks, Shapes>::add_chunk_rows(std::int32
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/select/sentence_chunks.cuh> ----
+
+// ---- begin <kvmosaic/cuda/select/streaming.cuh> ----
+/// \file
+/// `select::streaming` on the CUDA backend: no selection stage. Its evictions are the cache's
+/// (host bookkeeping, live-row masks staged with each step, compaction passes on the device), so
+/// every step reads every live row of every page, as `select::all` does.
+
+
+namespace kvmosaic::cuda {
+
+/// Reads every live row. Cost: none beyond the cache's eviction and compaction.
+template <class Shapes>
+class selection_stage<select::streaming, Shapes> : public selection_stage<select::all, Shapes> {
+ public:
+  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::streaming&) noexcept
+      : selection_stage<select::all, Shapes>(shape, select::all{}) {}
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/select/streaming.cuh> ----
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
 
 // ---- begin <kvmosaic/cuda/instantiate.cuh> ----

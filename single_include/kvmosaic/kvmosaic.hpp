@@ -773,6 +773,29 @@ template <class Format>
 inline constexpr bool has_key_weights_v = detail::key_weights_of<format_traits<Format>>::value;
 
 namespace detail {
+/// Whether a compaction that moves a token into another page compresses it again (the page is
+/// re-encoded, which can change stored values: counted as `compaction_report::pages_reencoded`).
+/// False for formats whose pages hold each token's record as it is (format::dense,
+/// format::bitmap_tiles); a format says so by specializing this to false.
+template <class Format>
+struct reencodes_moved_rows : std::true_type {};
+template <class Format>
+inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
+
+/// How a compaction encodes the pages it writes, on both backends: `format`, the format it
+/// encodes moved rows with (the cache's own unless its encoder has a mode that suits
+/// already-decoded rows better); `key_weights`, whether a format with K weights prunes them with
+/// the sequence's weights (else by plain magnitudes); and `limit`, the passes that may re-encode
+/// one page of a format that `reencodes_moved_rows` (the cache leaves alone every page up to the
+/// last one that reached it). A format states its own by specializing this (format::quant2:
+/// nearest rounding, `max_reencodes`; format::bitmap_tiles: plain magnitudes).
+template <class Format>
+struct reencoding {
+  static Format format(const Format& f) { return f; }
+  static constexpr bool key_weights = true;
+  static int limit(const Format&) noexcept { return 255; }
+};
+
 /// format_traits<Format>::sink_rows(format), 0 when a format does not declare it.
 template <class Format, class = void>
 struct sink_rows_of {
@@ -921,6 +944,13 @@ struct format_traits<format::dense> {
         host::const_row_matrix_map(p, groups, n) * host::const_row_matrix_map(values.data(), n, d);
   }
 };
+
+namespace detail {
+/// Compaction moves format::dense's tokens without changing a stored value: a page holds each
+/// token's row as it is.
+template <>
+struct reencodes_moved_rows<format::dense> : std::false_type {};
+}  // namespace detail
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/dense.hpp> ----
@@ -1174,6 +1204,23 @@ struct format_traits<format::bitmap_tiles> {
   }
 };
 
+namespace detail {
+/// Compaction moves format::bitmap_tiles' tokens without changing a stored value: both backends
+/// unpack the pages a pass reads and prune and pack the pages it writes again, by the moved rows'
+/// plain magnitudes. A moved row holds exactly the values its first encode kept (at most `keep`
+/// nonzeros per vector, zeros elsewhere), so the magnitudes keep them all: zeros never outrank
+/// them, whatever K weights the sequence has now. (Pruning with the current weights could drop
+/// kept values where a weight is 0, or where the weights changed since the page was sealed.)
+template <>
+struct reencodes_moved_rows<format::bitmap_tiles> : std::false_type {};
+template <>
+struct reencoding<format::bitmap_tiles> {
+  static format::bitmap_tiles format(const format::bitmap_tiles& f) { return f; }
+  static constexpr bool key_weights = false;
+  static int limit(const format::bitmap_tiles&) noexcept { return 255; }
+};
+}  // namespace detail
+
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/bitmap_tiles.hpp> ----
 
@@ -1261,6 +1308,14 @@ struct quant2 {
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
   /// sequence.
   int sink_tokens = 0;
+  /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
+  /// dequantized values again, on the grid of their new partition, which adds error each time a
+  /// partition's members change. A pass leaves alone every page up to the last one re-encoded this
+  /// many times (its dead rows stay masked; pages that empty entirely are still freed at once), so
+  /// no token is re-encoded more than this. 0: compaction never re-encodes (memory comes back by
+  /// whole pages only). Cost of more: more memory freed under scattered eviction, more error
+  /// (docs/eviction.md, "quant2 and re-encoding").
+  int max_reencodes = 1;
 };
 
 }  // namespace format
@@ -1359,7 +1414,7 @@ KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed,
 /// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
 /// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
 /// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
-constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+KVMOSAIC_HOST_DEVICE constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
   const int tile = row / 16 * (cols / 32) + col / 32;
   const int r = row % 16, c = col % 32;
   const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
@@ -1574,6 +1629,7 @@ struct format_traits<format::quant2> {
     os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
        << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
     if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
+    if (f.max_reencodes != 1) os << ",reencodes" << f.max_reencodes;
     os << ")";
     return os.str();
   }
@@ -1590,6 +1646,7 @@ struct format_traits<format::quant2> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
                     "0 to 16");
+    detail::require(f.max_reencodes >= 0 && f.max_reencodes <= 255, where, "max_reencodes", f.max_reencodes, "0 to 255");
     // Enumerations arrive from configuration as integers: a value outside the enumerators would
     // otherwise pick a branch silently.
     const int mode = static_cast<int>(f.mode), axis = static_cast<int>(f.k_axis);
@@ -1732,6 +1789,22 @@ struct format_traits<format::quant2> {
   }
 };
 
+namespace detail {
+/// A compaction re-encodes quant2 pages from their dequantized rows with nearest rounding whatever
+/// the cache's mode (values already on a partition's grid keep their codes when the partition's
+/// members are unchanged; a changed partition gains at most half a step of its new grid per
+/// element), at most `max_reencodes` times per page (docs/eviction.md, "quant2 and re-encoding").
+template <>
+struct reencoding<format::quant2> {
+  static format::quant2 format(const format::quant2& f) {
+    format::quant2 nearest = f;
+    nearest.mode = format::rounding::nearest;
+    return nearest;
+  }
+  static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
+};
+}  // namespace detail
+
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/quant2.hpp> ----
 
@@ -1756,6 +1829,10 @@ struct format_traits<format::quant2> {
 ///   static void validate(const Selector&, int page_size);  // throws invalid_argument
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
+///   static constexpr bool keeps_token_ranges;       // optional, default false: true when the
+///                                                   // selector's metadata names runs of slots
+///                                                   // (sentence chunks), which a compaction
+///                                                   // would move under it
 ///
 /// and, as behaviour, the host hooks the cache calls for every selector without naming one
 /// (`stateless_selector_hooks` below is the set for a selector that keeps nothing per sequence;
@@ -2042,6 +2119,13 @@ template <class Selector, class Cache>
 struct selector_cache_members<Selector, Cache, true> {
   using type = typename selector_traits<Selector>::template cache_members<Cache>;
 };
+
+/// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
+template <class Selector, class = void>
+struct keeps_token_ranges : std::false_type {};
+template <class Selector>
+struct keeps_token_ranges<Selector, std::void_t<decltype(selector_traits<Selector>::keeps_token_ranges)>>
+    : std::bool_constant<selector_traits<Selector>::keeps_token_ranges> {};
 }  // namespace detail
 
 }  // namespace kvmosaic
@@ -2305,6 +2389,8 @@ struct selector_traits<select::sentence_chunks> {
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
   static constexpr bool needs_token_ids = true;
+  /// Chunks are runs of slots: a compaction would move tokens out from under them.
+  static constexpr bool keeps_token_ranges = true;
   static std::string describe(const select::sentence_chunks& s) {
     std::string text = "sentence_chunks(";
     text += s.budget.describe();
@@ -2458,6 +2544,99 @@ struct selector_traits<select::sentence_chunks> {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/sentence_chunks.hpp> ----
 
+// ---- begin <kvmosaic/select/streaming.hpp> ----
+/// \file
+/// `select::streaming`: attention sinks plus a recent window (StreamingLLM, Xiao et al., ICLR
+/// 2024; "sink plus recency" in the eviction and compaction notes), the rest evicted for good.
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Keeps the first `sink_tokens` tokens and the most recent ones within a token budget (the
+/// window is the budget less the sinks); every other token is evicted once it is sealed in a
+/// page (the dense tail is never evicted), and every `compact_every` tokens written the cache runs
+/// its compactor over the sequence. Needs a compactor that frees memory
+/// (`cache<F, select::streaming, compact::repack>`).
+///
+/// What it computes: attention over the sinks, the window and the tail; no scores are read, so the
+/// attention kernels are the plain ones. Cost: eviction bookkeeping per write (O(tokens evicted));
+/// a compaction pass per `compact_every` tokens; memory bounded by the budget plus a page per
+/// partially dead page and the tail, once compacted.
+struct streaming {
+  using policy_category = selector_tag;
+
+  int sink_tokens = 4;           ///< tokens kept from the start (StreamingLLM's attention sinks)
+  token_budget budget{};         ///< tokens kept: sinks plus window (tokens, or a ratio of the length)
+  int compact_every = 128;       ///< tokens written between compaction passes (TriAttention: 128)
+};
+
+/// Per sequence: the first position not yet evicted past the sinks, and tokens written since the
+/// last compaction.
+struct streaming_state {
+  std::int64_t evicted_to = 0;
+  std::int64_t since_compaction = 0;
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::streaming> : stateless_selector_hooks {
+  static constexpr const char* name = "streaming";
+  static constexpr bool reads_all_pages = true;  // every live token: eviction already dropped the rest
+  static constexpr bool evicts = true;
+  static constexpr bool needs_token_ids = false;
+  static std::string describe(const select::streaming& s) {
+    return "streaming(" + std::to_string(s.sink_tokens) + " sinks, " + s.budget.describe() + ", compact every " +
+           std::to_string(s.compact_every) + ")";
+  }
+  static void validate(const select::streaming& s, int /*page_size*/) {
+    const char* where = "select::streaming";
+    s.budget.validate(where);
+    detail::require(s.sink_tokens >= 0 && s.sink_tokens <= 1024, where, "sink_tokens", s.sink_tokens, "0 to 1024");
+    detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
+  }
+  static int bounds_block_tokens(const select::streaming&, int) noexcept { return 0; }
+
+  using sequence_state = select::streaming_state;
+  using update = stateless_selector_hooks::update;
+  // Writes stage nothing: the cache asks for evictions after each write (`evictions`).
+  template <bool OnDevice, class T>
+  static update stage(const select::streaming&, const selector_shape&, const sequence_state&, const tensor_view<const T, 3>&,
+                      span<const std::int32_t>, std::int64_t, std::int64_t) noexcept {
+    return {};
+  }
+  static void reserve(sequence_state&, const update&) noexcept {}
+  static void commit(sequence_state&, update&) noexcept {}
+  static std::int64_t extra_bytes(const selector_shape&, const sequence_state&) noexcept { return 0; }
+  static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
+
+  /// The positions to evict now from a sequence of `length` tokens whose tokens before `open_from`
+  /// are sealed: those past the sinks and before the window, not evicted yet. Cost: O(result).
+  static std::vector<std::int64_t> evictions(const select::streaming& s, sequence_state& state, std::int64_t length,
+                                             std::int64_t open_from) {
+    const std::int64_t keep = std::max<std::int64_t>(s.budget.resolve(length), s.sink_tokens);
+    const std::int64_t window_from = length - (keep - s.sink_tokens);
+    const std::int64_t from = std::max<std::int64_t>(state.evicted_to, s.sink_tokens);
+    const std::int64_t to = std::min(window_from, open_from);
+    std::vector<std::int64_t> out;
+    for (std::int64_t p = from; p < to; ++p) out.push_back(p);
+    state.evicted_to = std::max(state.evicted_to, to);
+    return out;
+  }
+  /// Whether `written` more tokens bring the sequence to its next compaction pass.
+  static bool compaction_due(const select::streaming& s, sequence_state& state, std::int64_t written) noexcept {
+    state.since_compaction += written;
+    if (state.since_compaction < s.compact_every) return false;
+    state.since_compaction = 0;
+    return true;
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/streaming.hpp> ----
+
 // ---- begin <kvmosaic/compact/compactor_traits.hpp> ----
 /// \file
 /// What a compactor is, and what it must provide.
@@ -2487,6 +2666,294 @@ struct compactor_traits {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/compact/compactor_traits.hpp> ----
 
+// ---- begin <kvmosaic/compact/hole_fill.hpp> ----
+/// \file
+/// `compact::hole_fill`: hole-filling compaction (TriAttention's second shape, in the eviction and
+/// compaction notes).
+
+
+// ---- begin <kvmosaic/memory/compaction_plan.hpp> ----
+/// \file
+/// What a compaction pass does to one sequence, planned on the host from its slots alone: which
+/// surviving tokens move to which slots, which pages empty out, and the logical position each slot
+/// holds afterwards. Both backends execute the same plan (the host by copying rows, the CUDA
+/// engine by one gather-then-scatter pass on the device), so their block tables, positions and
+/// page bytes agree. Source: the eviction and compaction notes (TriAttention's two compaction
+/// shapes, and the numpy oracle whose counts the tests reproduce).
+///
+/// A sequence's *slots* are its sealed pages' rows in block-table order: slot s is row
+/// s % page_size of page s / page_size. `positions[s]` is the logical position (the token's index
+/// in the sequence as the model saw it, what RoPE used) of the token in slot s, or -1 when that
+/// token was evicted. Pages shared with another sequence (reference count above one: a forked
+/// prefix) lead the block table and are *frozen*: nothing moves out of or into them and they are
+/// never freed by this sequence, so their dead slots stay dead (masked) until their other holders
+/// let go.
+///
+///   - **repack** (order-preserving): every survivor after the frozen pages slides forward, in
+///     logical order, so the sequence's slots are dense again; all survivors are read before any
+///     is written (the moves may overlap). Most data movement, no position bookkeeping needed
+///     beyond what eviction already keeps.
+///   - **hole fill**: survivors before `round_start` (the history) stay where they are; the
+///     survivors of the newest round (slots from `round_start` on) drop into the history's holes,
+///     in order; those that find no hole slide forward behind the history. Far fewer copies, but
+///     the physical order of positions is scrambled, so the position map is what RoPE and prefix
+///     hashing must read.
+///
+/// Cost: O(slots) time and memory on the host, per sequence and pass.
+
+
+
+namespace kvmosaic {
+
+/// What one compaction pass did (summed over the sequences it compacted): the evidence that
+/// eviction returns memory.
+struct compaction_report {
+  std::int32_t pages_freed = 0;      ///< pages returned to the pool
+  std::int64_t slot_copies = 0;      ///< token rows moved between slots
+  std::int64_t tokens_evicted = 0;   ///< dead tokens whose slots the pass reclaimed or left as holes
+  std::int32_t pages_reencoded = 0;  ///< pages written whole again (formats that encode pages)
+
+  compaction_report& operator+=(const compaction_report& r) noexcept {
+    pages_freed += r.pages_freed;
+    slot_copies += r.slot_copies;
+    tokens_evicted += r.tokens_evicted;
+    pages_reencoded += r.pages_reencoded;
+    return *this;
+  }
+};
+
+namespace detail {
+
+/// The position map of one sequence whose cache can evict: per sealed slot the token's logical
+/// position (-1 once evicted), and per page a live-row mask in the host attend's layout
+/// (`words(page_size)` 64-bit words, bit r of word w for row 64 w + r). Kept in step with the
+/// block table by the cache: `seal` when pages are sealed, `evict`, `drop_pages` and compaction.
+struct slot_positions {
+  std::vector<std::int64_t> position;
+  std::vector<std::uint64_t> live;
+  std::vector<std::uint8_t> reencoded;  ///< per page: compaction passes that encoded it again (saturating)
+  std::int64_t dead = 0;         ///< sealed slots whose token was evicted
+  std::int64_t round_start = 0;  ///< slots at the end of the previous compaction pass
+
+  static int words(int page_size) noexcept { return (page_size + 63) / 64; }
+  /// Room for `pages` sealed pages, so that `seal` cannot throw.
+  void reserve(std::size_t pages, int page_size) {
+    position.reserve(pages * static_cast<std::size_t>(page_size));
+    live.reserve(pages * static_cast<std::size_t>(words(page_size)));
+    reencoded.reserve(pages);
+  }
+  /// `pages` new sealed pages holding positions first, first + 1, ... (within the reserved room).
+  void seal(std::size_t pages, std::int64_t first, int page_size) noexcept {
+    for (std::size_t i = 0; i < pages * static_cast<std::size_t>(page_size); ++i)
+      position.push_back(first + static_cast<std::int64_t>(i));
+    reencoded.insert(reencoded.end(), pages, std::uint8_t{0});
+    for (std::size_t i = 0; i < pages; ++i)
+      for (int w = 0; w < words(page_size); ++w) {
+        const int rows = page_size - 64 * w;
+        live.push_back(rows >= 64 ? ~std::uint64_t{0} : (std::uint64_t{1} << rows) - 1);
+      }
+  }
+  /// Marks sealed slot `slot` dead.
+  void evict(std::int64_t slot, int page_size) noexcept {
+    position[static_cast<std::size_t>(slot)] = -1;
+    const std::int64_t page = slot / page_size, row = slot % page_size;
+    live[static_cast<std::size_t>(page * words(page_size) + row / 64)] &= ~(std::uint64_t{1} << (row % 64));
+    ++dead;
+  }
+  /// Removes the listed pages (ascending block-table indices) with their slots.
+  void drop_pages(const std::vector<std::int32_t>& pages, int page_size) noexcept {
+    std::size_t write_slot = 0, write_word = 0, write_page = 0;
+    std::size_t next = 0;
+    const std::int64_t history = round_start;  // each dropped page below it leaves the history
+    const auto count = static_cast<std::int32_t>(position.size() / static_cast<std::size_t>(page_size));
+    for (std::int32_t page = 0; page < count; ++page) {
+      const auto first = static_cast<std::size_t>(page) * static_cast<std::size_t>(page_size);
+      if (next < pages.size() && pages[next] == page) {
+        ++next;
+        for (int r = 0; r < page_size; ++r) dead -= position[first + static_cast<std::size_t>(r)] < 0;
+        if (first < static_cast<std::size_t>(history)) round_start -= page_size;
+        continue;
+      }
+      reencoded[write_page++] = reencoded[static_cast<std::size_t>(page)];
+      for (int r = 0; r < page_size; ++r) position[write_slot++] = position[first + static_cast<std::size_t>(r)];
+      for (int w = 0; w < words(page_size); ++w)
+        live[write_word++] = live[static_cast<std::size_t>(page) * static_cast<std::size_t>(words(page_size)) + static_cast<std::size_t>(w)];
+    }
+    position.resize(write_slot);
+    live.resize(write_word);
+    reencoded.resize(write_page);
+  }
+};
+
+/// One row move of a plan: the token in slot `from` goes to slot `to`.
+struct slot_move {
+  std::int64_t from;
+  std::int64_t to;
+};
+
+/// A compaction pass over one sequence (see the file comment).
+struct compaction_plan {
+  std::vector<slot_move> moves;              ///< every survivor that changes slot; read all, then write all
+  std::vector<std::int64_t> positions;       ///< per slot kept afterwards: its logical position, -1 for a hole
+  std::int32_t pages_kept = 0;               ///< leading pages of the block table kept; the rest are freed
+  std::int32_t pages_freed = 0;
+  std::vector<std::int32_t> pages_written;   ///< indices (in the block table) of kept pages a move writes, ascending
+  std::int64_t tokens_evicted = 0;           ///< dead slots before the pass
+
+  /// The pass's report (`reencoded`: whether the format rewrites whole pages it changes).
+  compaction_report report(bool reencoded) const noexcept {
+    compaction_report r;
+    r.pages_freed = pages_freed;
+    r.slot_copies = static_cast<std::int64_t>(moves.size());
+    r.tokens_evicted = tokens_evicted;
+    r.pages_reencoded = reencoded ? static_cast<std::int32_t>(pages_written.size()) : 0;
+    return r;
+  }
+};
+
+namespace detail_compaction {
+
+inline void check(const std::vector<std::int64_t>& positions, int page_size, std::int32_t frozen_pages, const char* where) {
+  require(page_size >= 1, where, "page_size", page_size, ">= 1");
+  require(positions.size() % static_cast<std::size_t>(page_size) == 0, where, "positions.size()", positions.size(),
+          "whole pages (a multiple of page_size)");
+  const auto pages = static_cast<std::int64_t>(positions.size()) / page_size;
+  require(frozen_pages >= 0 && frozen_pages <= pages, where, "frozen_pages", frozen_pages,
+          "0 to the number of pages");
+}
+
+/// Fills `plan.positions`, `pages_kept`, `pages_freed` and `pages_written` once `layout` (the slots
+/// kept, by position) and the moves are known. Trailing dead slots free their pages, down to the
+/// first `first` slots (the frozen pages, never freed).
+inline void finish(compaction_plan& plan, std::vector<std::int64_t> layout, std::int64_t total_pages, int page_size,
+                   std::int64_t first) {
+  std::int64_t used = static_cast<std::int64_t>(layout.size());
+  while (used > first && layout[static_cast<std::size_t>(used - 1)] < 0) --used;
+  const std::int64_t kept = (used + page_size - 1) / page_size;
+  layout.resize(static_cast<std::size_t>(kept * page_size), -1);
+  plan.positions = std::move(layout);
+  plan.pages_kept = static_cast<std::int32_t>(kept);
+  plan.pages_freed = static_cast<std::int32_t>(total_pages - kept);
+  for (const slot_move& m : plan.moves) {
+    const auto page = static_cast<std::int32_t>(m.to / page_size);
+    if (plan.pages_written.empty() || plan.pages_written.back() != page) plan.pages_written.push_back(page);
+  }
+  std::sort(plan.pages_written.begin(), plan.pages_written.end());
+  plan.pages_written.erase(std::unique(plan.pages_written.begin(), plan.pages_written.end()), plan.pages_written.end());
+}
+
+}  // namespace detail_compaction
+
+/// Order-preserving repack: the survivors after the frozen pages, in slot order, move to the
+/// first slots after them. Cost: O(slots).
+inline compaction_plan plan_repack(const std::vector<std::int64_t>& positions, int page_size, std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "compact::repack");
+  compaction_plan plan;
+  const std::int64_t first = static_cast<std::int64_t>(frozen_pages) * page_size;
+  std::vector<std::int64_t> layout(positions.begin(), positions.begin() + first);
+  for (std::int64_t s = 0; s < static_cast<std::int64_t>(positions.size()); ++s) {
+    const std::int64_t p = positions[static_cast<std::size_t>(s)];
+    if (p < 0) {
+      ++plan.tokens_evicted;
+      continue;
+    }
+    if (s < first) continue;
+    const auto to = static_cast<std::int64_t>(layout.size());
+    if (to != s) plan.moves.push_back(slot_move{s, to});
+    layout.push_back(p);
+  }
+  detail_compaction::finish(plan, std::move(layout), static_cast<std::int64_t>(positions.size()) / page_size, page_size, first);
+  return plan;
+}
+
+/// Hole filling: slots before `round_start` keep their survivors; the survivors from
+/// `round_start` on fill the history's holes after the frozen pages, in order, and those left over
+/// slide forward behind the history. `round_start`: a slot index from the end of the frozen pages
+/// to the number of slots. Cost: O(slots).
+inline compaction_plan plan_hole_fill(const std::vector<std::int64_t>& positions, int page_size, std::int64_t round_start,
+                                      std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "compact::hole_fill");
+  const std::int64_t first = static_cast<std::int64_t>(frozen_pages) * page_size;
+  const auto slots = static_cast<std::int64_t>(positions.size());
+  require(round_start >= first && round_start <= slots, "compact::hole_fill", "round_start", round_start,
+          "a slot from the end of the shared pages to the sequence's slots");
+  compaction_plan plan;
+  std::vector<std::int64_t> layout(positions.begin(), positions.begin() + round_start);
+  std::vector<std::int64_t> holes;
+  for (std::int64_t s = 0; s < round_start; ++s)
+    if (positions[static_cast<std::size_t>(s)] < 0) {
+      ++plan.tokens_evicted;
+      if (s >= first) holes.push_back(s);
+    }
+  std::size_t next_hole = 0;
+  for (std::int64_t s = round_start; s < slots; ++s) {
+    const std::int64_t p = positions[static_cast<std::size_t>(s)];
+    if (p < 0) {
+      ++plan.tokens_evicted;
+      continue;
+    }
+    std::int64_t to;
+    if (next_hole < holes.size()) {
+      to = holes[next_hole++];
+      layout[static_cast<std::size_t>(to)] = p;
+    } else {
+      to = static_cast<std::int64_t>(layout.size());
+      layout.push_back(p);
+    }
+    if (to != s) plan.moves.push_back(slot_move{s, to});
+  }
+  detail_compaction::finish(plan, std::move(layout), slots / page_size, page_size, first);
+  return plan;
+}
+
+/// Pages whose every slot is dead, which eviction alone returns (block-granular reclaim, no
+/// compaction): their indices in the block table, ascending. Frozen pages are never listed.
+inline std::vector<std::int32_t> empty_pages(const std::vector<std::int64_t>& positions, int page_size,
+                                             std::int32_t frozen_pages = 0) {
+  detail_compaction::check(positions, page_size, frozen_pages, "cache::evict");
+  std::vector<std::int32_t> pages;
+  const auto count = static_cast<std::int32_t>(positions.size() / static_cast<std::size_t>(page_size));
+  for (std::int32_t page = frozen_pages; page < count; ++page) {
+    const auto begin = positions.begin() + static_cast<std::ptrdiff_t>(page) * page_size;
+    if (std::all_of(begin, begin + page_size, [](std::int64_t p) { return p < 0; })) pages.push_back(page);
+  }
+  return pages;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/memory/compaction_plan.hpp> ----
+
+namespace kvmosaic {
+namespace compact {
+
+/// The survivors written since a sequence's previous pass (the newest round) drop into the holes
+/// eviction opened before it; the rest stays where it is. Far fewer copies than `repack`, but a
+/// sequence's physical order of positions is scrambled: its position map (`cache::positions`) is
+/// what position-dependent code (RoPE indices, prefix hashing) must read. Pages shared with a fork
+/// are left as they are. Cost per pass: one row copy per survivor of the newest round.
+struct hole_fill {
+  using policy_category = compactor_tag;
+};
+
+}  // namespace compact
+
+template <>
+struct compactor_traits<compact::hole_fill> {
+  static constexpr const char* name = "hole_fill";
+  static constexpr bool frees_memory = true;
+  static std::string describe(const compact::hole_fill&) { return "hole_fill"; }
+  /// The pass over one sequence's slots (`detail::plan_hole_fill`): the round starts at the slot
+  /// count the previous pass left.
+  static detail::compaction_plan plan(const compact::hole_fill&, const std::vector<std::int64_t>& positions, int page_size,
+                                      std::int64_t round_start, std::int32_t frozen_pages) {
+    return detail::plan_hole_fill(positions, page_size, round_start, frozen_pages);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/hole_fill.hpp> ----
+
 // ---- begin <kvmosaic/compact/none.hpp> ----
 /// \file
 /// `compact::none`: no compaction. The right choice with a read-less selector, which evicts nothing.
@@ -2512,6 +2979,42 @@ struct compactor_traits<compact::none> {
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/compact/none.hpp> ----
+
+// ---- begin <kvmosaic/compact/repack.hpp> ----
+/// \file
+/// `compact::repack`: order-preserving compaction (TriAttention's first shape, in the eviction and
+/// compaction notes).
+
+
+
+namespace kvmosaic {
+namespace compact {
+
+/// Every survivor slides forward, in logical order, so a sequence's slots are dense again and its
+/// emptied tail pages go back to the pool; all survivors are read before any is written. Pages
+/// shared with a fork are left as they are. Cost per pass: one row copy per survivor behind the
+/// first hole (the most data movement of the two compactors), no position bookkeeping beyond the
+/// cache's position map.
+struct repack {
+  using policy_category = compactor_tag;
+};
+
+}  // namespace compact
+
+template <>
+struct compactor_traits<compact::repack> {
+  static constexpr const char* name = "repack";
+  static constexpr bool frees_memory = true;
+  static std::string describe(const compact::repack&) { return "repack"; }
+  /// The pass over one sequence's slots (`detail::plan_repack`; `round_start` is unused).
+  static detail::compaction_plan plan(const compact::repack&, const std::vector<std::int64_t>& positions, int page_size,
+                                      std::int64_t /*round_start*/, std::int32_t frozen_pages) {
+    return detail::plan_repack(positions, page_size, frozen_pages);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/compact/repack.hpp> ----
 
 // ---- begin <kvmosaic/memory/page_pool.hpp> ----
 /// \file
@@ -2706,6 +3209,7 @@ struct sequence_ref {
   const block_table* pages;   ///< full (encoded) pages, in order
   std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
   std::int32_t slot;          ///< tail slot
+  const std::uint64_t* live = nullptr;  ///< per page, the live rows (`slot_positions::live`); null: every row
 };
 
 /// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
@@ -2904,6 +3408,78 @@ class engine {
       w.assign(weights, weights + shape_.row_elements());
   }
 
+  /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
+  /// memory/compaction_plan.hpp): every page a move reads or writes is decoded to dense rows, each
+  /// moved row is taken from the decoded sources (so every source is read before any destination
+  /// is written), and the pages written are encoded again from the moved rows rounded to the
+  /// storage dtype, with the format's re-encoding mode (`detail::reencoding`: its format, and the
+  /// sequence's K weights where it uses them), their key bounds rewritten. `first_page_sinks`: the
+  /// sequence's first page keeps sink rows (they are hidden again, as at seal, before the bounds
+  /// and the encode). Cost: one decode of each page touched and one encode of each page written,
+  /// O(page_size x head_dim) each, per KV head.
+  void move_slots(std::int32_t slot, const block_table& pages, const detail::compaction_plan& plan, bool first_page_sinks) {
+    if (plan.moves.empty()) return;
+    const page_shape shape = shape_.page();
+    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
+    const std::size_t page_rows = static_cast<std::size_t>(p) * d;  // floats of one page, one head, K or V
+    std::vector<std::int32_t> touched = plan.pages_written;
+    for (const detail::slot_move& m : plan.moves) touched.push_back(static_cast<std::int32_t>(m.from / p));
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    const auto index_of = [&](std::int32_t page) {
+      return static_cast<std::size_t>(std::lower_bound(touched.begin(), touched.end(), page) - touched.begin());
+    };
+    // [touched page][head][K, V][rows]: decoded once, read-only; the written pages' rows are copies.
+    std::vector<float> decoded(touched.size() * heads * 2 * page_rows);
+    const auto rows_of = [&](std::vector<float>& buffer, std::size_t i, int h, int is_v) {
+      return buffer.data() + ((i * heads + h) * 2 + is_v) * page_rows;
+    };
+    for (std::size_t i = 0; i < touched.size(); ++i)
+      for (int h = 0; h < heads; ++h) {
+        const page_id page = pages[static_cast<std::size_t>(touched[i])];
+        traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
+        traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
+      }
+    // Pages are encoded from storage-dtype rows, at seal and here alike (the CUDA backend's
+    // scratch rows are 16-bit): a decoded value between two of them is rounded to the nearest.
+    for (float& x : decoded) x = detail::storage_value(detail::storage_bits(x, shape_.storage), shape_.storage);
+    const Format reencoding = detail::reencoding<Format>::format(format_);
+    std::vector<float> written = decoded;
+    for (const detail::slot_move& m : plan.moves) {
+      const std::size_t from = index_of(static_cast<std::int32_t>(m.from / p)), to = index_of(static_cast<std::int32_t>(m.to / p));
+      for (int h = 0; h < heads; ++h)
+        for (int is_v = 0; is_v < 2; ++is_v)
+          std::copy_n(rows_of(decoded, from, h, is_v) + (m.from % p) * d, d, rows_of(written, to, h, is_v) + (m.to % p) * d);
+    }
+    std::vector<float> rows(page_rows);
+    for (const std::int32_t index : plan.pages_written) {
+      const std::size_t i = index_of(index);
+      const page_id page = pages[static_cast<std::size_t>(index)];
+      std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
+      const int sinks = first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+      for (int h = 0; h < heads; ++h) {
+        for (int is_v = 0; is_v < 2; ++is_v) {
+          std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
+          for (int t = 0; t < sinks; ++t)  // hidden as at seal: the first row after them
+            std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
+          if (is_v == 0)
+            for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
+              detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
+                                       bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+          if (is_v == 1) {
+            traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
+          } else if constexpr (has_key_weights_v<Format>) {
+            const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
+            const bool weighted = detail::reencoding<Format>::key_weights && !w.empty();
+            traits::encode_k(reencoding, shape, rows.data(), weighted ? w.data() + h * d : nullptr, base + geometry_.k_page_offset(h));
+          } else {
+            traits::encode_k(reencoding, shape, rows.data(), base + geometry_.k_page_offset(h));
+          }
+        }
+      }
+    }
+  }
+
   /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
   /// selection request for `run` (the batch's block tables are read when `run` runs).
   void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
@@ -2934,6 +3510,8 @@ class engine {
         if (request != nullptr) {
           detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
           select_tokens(*request, b, seq, q, h, keep, chosen);
+          if (seq.live != nullptr)  // evicted tokens are never read
+            for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
           chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
           for (std::size_t i = 0; i < seq.pages->size(); ++i) {
             int tokens = 0;
@@ -2950,7 +3528,9 @@ class engine {
         const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
         for (std::size_t i = 0; i < seq.pages->size(); ++i) {
           const page_id page = (*seq.pages)[i];
-          const std::uint64_t* page_keep = request != nullptr ? keep.data() + i * mask_words : nullptr;
+          const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
+                                           : seq.live != nullptr ? seq.live + i * mask_words
+                                                                 : nullptr;
           if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
             continue;
           fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
@@ -3434,6 +4014,9 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
+  static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
+                "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
+                "compaction would move: use it with compact::none");
 
  public:
   using format_type = Format;
@@ -3496,7 +4079,9 @@ class cache
     const std::int32_t slot = free_slot("cache::fork_sequence");
     sequence_state child;  // copies (may throw): nothing changed yet
     child.pages = parent.pages;
-    child.length = parent.length;
+    child.stored = parent.stored;
+    child.seen = parent.seen;
+    child.slots = parent.slots;
     child.selector_state = parent.selector_state;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
@@ -3590,12 +4175,16 @@ class cache
       staged = traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, 0, rows);
       traits::reserve(s.selector_state, staged);
       s.pages.reserve(s.pages.size() + fresh.size());
+      if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + fresh.size(), config_.page_size);
       engine_.extend(slot, tail, k, v, fresh.data(), static_cast<std::int64_t>(s.pages.size()));
       traits::template write<rows_on_device>(engine_, slot, staged, k, 0, rows);
     });
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());  // within the reserved capacity
-    s.length += rows;
+    if constexpr (evicts_tokens) s.slots.seal(fresh.size(), s.seen - tail, config_.page_size);  // reserved
+    s.stored += rows;
+    s.seen += rows;
     traits::commit(s.selector_state, staged);
+    after_write(seq, rows);
   }
 
  public:
@@ -3645,7 +4234,10 @@ class cache
       staged[static_cast<std::size_t>(b)] =
           traits::template stage<rows_on_device>(selector_, selector_shape_of(), s.selector_state, k, token_ids, b, 1);
       traits::reserve(s.selector_state, staged[static_cast<std::size_t>(b)]);
-      if (tail_rows(s) + 1 == config_.page_size) s.pages.reserve(s.pages.size() + 1);
+      if (tail_rows(s) + 1 == config_.page_size) {
+        s.pages.reserve(s.pages.size() + 1);
+        if constexpr (evicts_tokens) s.slots.reserve(s.pages.size() + 1, config_.page_size);
+      }
     }
     std::vector<detail::append_item> items;
     items.reserve(static_cast<std::size_t>(seqs.size()));
@@ -3664,10 +4256,15 @@ class cache
     });
     for (std::int64_t b = 0; b < seqs.size(); ++b) {  // cannot throw: capacities reserved above
       sequence_state& s = state_of(seqs(b));
-      if (items[static_cast<std::size_t>(b)].new_page >= 0) s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
-      ++s.length;
+      if (items[static_cast<std::size_t>(b)].new_page >= 0) {
+        s.pages.push_back(items[static_cast<std::size_t>(b)].new_page);
+        if constexpr (evicts_tokens) s.slots.seal(1, s.seen - (config_.page_size - 1), config_.page_size);
+      }
+      ++s.stored;
+      ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
+    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
   }
 
  public:
@@ -3696,9 +4293,11 @@ class cache
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
       const sequence_state& s = live(seqs(b), where);
-      detail::require(s.length >= 1, where, "seqs (an empty sequence)", seqs(b),
+      detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
-      batch.push_back(detail::sequence_ref{&s.pages, s.length, slot_of(seqs(b))});
+      const std::uint64_t* live_rows = nullptr;
+      if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
+      batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
     }
     planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
@@ -3710,7 +4309,7 @@ class cache
       detail::selection_request request = selector_traits<Selector>::start_request(selector_, shape);
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
-        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.length, tail_rows(s), request);
+        selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
       }
       engine_.plan(batch, scale, &request);
     }
@@ -3800,7 +4399,174 @@ class cache
   }
 
   /// Tokens stored for a sequence.
-  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").length; }
+  /// Evicts the tokens at logical `positions` (host memory) of `seq`: attention skips them from
+  /// this call on, and every page left with no live token goes back to the pool at once (block-
+  /// granular reclaim; a compaction pass frees the rest). Positions of the other tokens, and
+  /// `length(seq)`, do not change. All or nothing: a position outside [0, length), in the open tail
+  /// (its rows are not evictable), already evicted or listed twice is an `invalid_argument` and
+  /// nothing changes. Cost: O(slots log slots) on the host (the position lookup); no device work
+  /// (on backend::cuda each later step stages the sequence's live-row masks with its metadata).
+  template <class C = Compactor>
+  void evict(sequence_id seq, span<const std::int64_t> positions) {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::evict: this cache's compactor frees no memory; use compact::repack or "
+                  "compact::hole_fill");
+    evict_positions(seq, positions, false);
+  }
+
+ private:
+  /// `evict`; with `skip_evicted`, positions already evicted are passed over instead of rejected
+  /// (a keep-less selector's own evictions after the caller's).
+  void evict_positions(sequence_id seq, span<const std::int64_t> positions, bool skip_evicted) {
+    const char* where = "cache::evict";
+    sequence_state& s = live(seq, where);
+    check_view(where, "positions", positions);
+    const int page = config_.page_size;
+    const std::int64_t open_from = s.seen - tail_rows(s);  // the tail's first position
+    std::vector<std::pair<std::int64_t, std::int64_t>> by_position;  // (position, slot) of live sealed slots
+    by_position.reserve(s.slots.position.size() - static_cast<std::size_t>(s.slots.dead));
+    for (std::size_t slot = 0; slot < s.slots.position.size(); ++slot)
+      if (s.slots.position[slot] >= 0) by_position.emplace_back(s.slots.position[slot], static_cast<std::int64_t>(slot));
+    std::sort(by_position.begin(), by_position.end());
+    std::vector<std::int64_t> slots;
+    slots.reserve(static_cast<std::size_t>(positions.size()));
+    for (std::int64_t i = 0; i < positions.size(); ++i) {
+      const std::int64_t p = positions(i);
+      detail::require(p >= 0 && p < s.seen, where, "positions", p, "0 to length(seq) - 1");
+      detail::require(p < open_from, where, "positions", p,
+                      ("a sealed token: below " + std::to_string(open_from) + " (the tail's open rows are not evictable)").c_str());
+      detail::require(p >= sink_rows(format_), where, "positions", p,
+                      "a token after the format's sink tokens (they are kept 16-bit and always read)");
+      const auto it = std::lower_bound(by_position.begin(), by_position.end(), std::make_pair(p, std::int64_t{-1}));
+      const bool found = it != by_position.end() && it->first == p;
+      if (skip_evicted && !found) continue;
+      detail::require(found, where, "positions", p, "a live token (this one was evicted before)");
+      slots.push_back(it->second);
+    }
+    std::vector<std::int64_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    detail::require(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), where, "positions", "a repeated position",
+                    "distinct positions");
+    // Nothing below allocates past this point but the empty-page list: compute it on a copy first.
+    detail::slot_positions next = s.slots;
+    for (const std::int64_t slot : slots) next.evict(slot, page);
+    const std::vector<std::int32_t> empty = detail::empty_pages(next.position, page);
+    block_table pages;
+    pages.reserve(s.pages.size() - empty.size());
+    for (std::size_t i = 0, e = 0; i < s.pages.size(); ++i) {
+      if (e < empty.size() && empty[e] == static_cast<std::int32_t>(i)) {
+        ++e;
+        continue;
+      }
+      pages.push_back(s.pages[i]);
+    }
+    next.drop_pages(empty, page);
+    // Commit (cannot throw): the freed pages go back to the pool.
+    for (const std::int32_t i : empty) pool_.release(s.pages[static_cast<std::size_t>(i)]);
+    s.pages.swap(pages);
+    s.slots = std::move(next);
+    s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+  }
+
+  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
+  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
+  /// the written tokens stored and the evictions to the next write.
+  void after_write(sequence_id seq, std::int64_t written) {
+    if constexpr (selector_traits<Selector>::evicts) {
+      sequence_state& s = state_of(seq);
+      const std::vector<std::int64_t> dead =
+          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
+      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
+    }
+  }
+
+ public:
+
+  /// A compaction pass over `seq` with the cache's compactor (`compact::repack`,
+  /// `compact::hole_fill`): survivors move (memory/compaction_plan.hpp), the pages the pass empties
+  /// go back to the pool at once, and the position map follows. Pages shared with another sequence
+  /// (reference count above one), and every page before the last of them, are neither moved nor
+  /// freed; nor, for a format that re-encodes what it moves, is any page up to the last one it has
+  /// re-encoded as often as it allows (format::quant2's `max_reencodes`). Returns what the pass
+  /// did. Cost: the plan, O(slots) on the host, and the engine's moves: a decode of every page a
+  /// move touches and an encode of every page it writes (formats that encode pages compress the
+  /// moved rows again: see the format's docs for what that does to its error).
+  template <class C = Compactor>
+  compaction_report compact(sequence_id seq) {
+    static_assert(compactor_traits<C>::frees_memory, "kvmosaic::cache::compact: compact::none frees nothing");
+    sequence_state& s = live(seq, "cache::compact");
+    const int page = config_.page_size;
+    // Frozen: every page up to the last one another sequence holds too (a fork's shared pages lead
+    // the block table, but an eviction that drops a page can leave a page held alone before them),
+    // and, for formats that re-encode what they move, up to the last one re-encoded as often as the
+    // format allows.
+    std::int32_t frozen = 0;
+    for (std::size_t i = 0; i < s.pages.size(); ++i)
+      if (pool_.ref_count(s.pages[i]) > 1) frozen = static_cast<std::int32_t>(i) + 1;
+    constexpr bool reencodes = detail::reencodes_moved_rows_v<Format>;
+    if constexpr (reencodes) {
+      const int limit = detail::reencoding<Format>::limit(format_);
+      for (std::size_t i = s.slots.reencoded.size(); i-- > 0;)
+        if (s.slots.reencoded[i] >= limit) {
+          frozen = std::max(frozen, static_cast<std::int32_t>(i) + 1);
+          break;
+        }
+    }
+    const std::int64_t round_start = std::max<std::int64_t>(s.slots.round_start, static_cast<std::int64_t>(frozen) * page);
+    const detail::compaction_plan plan = compactor_traits<C>::plan(compactor_, s.slots.position, page, round_start, frozen);
+    detail::slot_positions next;  // the map afterwards (allocates: before anything changes)
+    next.reserve(static_cast<std::size_t>(plan.pages_kept), page);
+    next.seal(static_cast<std::size_t>(plan.pages_kept), 0, page);
+    for (std::size_t slot = 0; slot < plan.positions.size(); ++slot) {
+      next.position[slot] = plan.positions[slot];
+      if (plan.positions[slot] < 0) next.evict(static_cast<std::int64_t>(slot), page);
+    }
+    next.round_start = static_cast<std::int64_t>(plan.pages_kept) * page;
+    std::copy_n(s.slots.reencoded.begin(), plan.pages_kept, next.reencoded.begin());  // the kept pages stay where they are
+    if (reencodes)
+      for (const std::int32_t i : plan.pages_written) {
+        std::uint8_t& count = next.reencoded[static_cast<std::size_t>(i)];
+        count = static_cast<std::uint8_t>(std::min(count + 1, 255));
+      }
+    engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    // Commit (cannot throw): emptied pages go back to the pool.
+    for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
+    s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
+    s.stored -= static_cast<std::int64_t>(plan.pages_freed) * page;
+    s.slots = std::move(next);
+    return plan.report(detail::reencodes_moved_rows_v<Format>);
+  }
+  /// `compact(seq)` for every live sequence; the reports summed.
+  template <class C = Compactor>
+  compaction_report compact() {
+    compaction_report total;
+    for (std::size_t i = 0; i < sequences_.size(); ++i)
+      if (sequences_[i].live)
+        total += compact<C>(static_cast<sequence_id>(static_cast<std::int64_t>(sequences_[i].generation) * config_.max_sequences +
+                                                     static_cast<std::int64_t>(i)));
+    return total;
+  }
+
+  /// The logical position of each sealed slot of `seq` (block-table order, -1 for an evicted
+  /// token), then its tail rows' positions: what position-dependent code (RoPE, prefix hashing)
+  /// reads once a compaction has moved tokens.
+  template <class C = Compactor>
+  std::vector<std::int64_t> positions(sequence_id seq) const {
+    static_assert(compactor_traits<C>::frees_memory,
+                  "kvmosaic::cache::positions: without a compactor that frees memory, slot i holds position i");
+    const sequence_state& s = live(seq, "cache::positions");
+    std::vector<std::int64_t> out = s.slots.position;
+    for (std::int64_t p = s.seen - tail_rows(s); p < s.seen; ++p) out.push_back(p);
+    return out;
+  }
+
+  /// Tokens the sequence has been given: the position of its next token. Eviction and compaction
+  /// do not change it.
+  std::int64_t length(sequence_id seq) const { return live(seq, "cache::length").seen; }
+  /// Tokens the sequence holds in its slots (its sealed pages' rows, dead ones included until a
+  /// compaction reclaims them, and its tail rows); `length` when nothing was evicted.
+  std::int64_t stored_tokens(sequence_id seq) const { return live(seq, "cache::stored_tokens").stored; }
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -3808,10 +4574,10 @@ class cache
   memory_stats sequence_memory(sequence_id seq) const {
     const sequence_state& s = live(seq, "cache::sequence_memory");
     memory_stats m = pool_gauge();
-    m.tokens = s.length;
+    m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
                      (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-    m.dense_bytes = s.length * tail_row_bytes();
+    m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
 
@@ -3821,9 +4587,9 @@ class cache
     m.stored_bytes = static_cast<std::int64_t>(m.pages_used) * page_bytes();
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
-      m.tokens += s.length;
+      m.tokens += s.stored;
       m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
-      m.dense_bytes += s.length * tail_row_bytes();
+      m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
   }
@@ -3832,8 +4598,10 @@ class cache
   struct sequence_state {
     bool live = false;
     std::uint32_t generation = 0;  ///< of the slot: bumped by each removal (stale handles)
-    std::int64_t length = 0;
+    std::int64_t stored = 0;  ///< slots in use: the sealed pages' rows and the tail rows
+    std::int64_t seen = 0;    ///< tokens given: the next token's position
     block_table pages;
+    detail::slot_positions slots;  ///< caches whose compactor frees memory: per sealed slot, its position
     typename selector_traits<Selector>::sequence_state selector_state;  ///< the selector's, per sequence
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
@@ -3855,6 +4623,8 @@ class cache
   /// The backend keeps K and V rows in device memory (backend::cuda): the selector's hooks then
   /// leave work on the keys to the engine.
   static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
+  /// The compactor frees memory: the cache keeps each sequence's position map and can evict.
+  static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -3978,7 +4748,7 @@ class cache
   }
 
   int tail_rows(const sequence_state& s) const {
-    return static_cast<int>(s.length - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
+    return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
   /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
   std::int64_t sink_rows_of(const sequence_state& s) const {

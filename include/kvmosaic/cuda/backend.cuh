@@ -236,9 +236,10 @@ class engine {
   /// scratch slots (from its sources' unpacked rows, or from format::dense's pages as they are)
   /// before any is written back; the selector's per-page metadata of those pages is rewritten
   /// from the same rows (`selection_stage::seal`); encoded formats encode them again with the
-  /// format's re-encoding mode (`detail::reencoding`) and the sequence's K weights, other formats
-  /// copy them back. `first_page_sinks`: the sequence's first page keeps sink rows, hidden again
-  /// as at seal. The same bytes as the host backend's `move_slots` (the GPU tests compare them).
+  /// format's re-encoding mode (`detail::reencoding`: its format, and the sequence's K weights
+  /// where it uses them), other formats copy them back. `first_page_sinks`: the sequence's first
+  /// page keeps sink rows, hidden again as at seal. The same bytes as the host backend's
+  /// `move_slots` (the GPU tests compare them).
   /// Cost: per page written, an unpack of each page it reads from, a gather and an encode.
   void move_slots(std::int32_t slot, const block_table& pages, const kvmosaic::detail::compaction_plan& plan,
                   bool first_page_sinks) {
@@ -784,7 +785,8 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
   move_bytes_ = bytes;
   std::byte* host = move_staging_.as<std::byte>();
   bool weighted = false;
-  if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(slot)];
+  if constexpr (has_key_weights_v<Format>)
+    weighted = kvmosaic::detail::reencoding<Format>::key_weights && has_key_weights_[static_cast<std::size_t>(slot)];
   for (std::size_t k = 0; k < ranges.size(); ++k) {
     const move_chunk& c = move_chunks_[k];
     const std::int32_t first = ranges[k].first;

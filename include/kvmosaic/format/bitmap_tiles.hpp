@@ -262,12 +262,20 @@ struct format_traits<format::bitmap_tiles> {
 };
 
 namespace detail {
-/// Compaction moves format::bitmap_tiles' tokens without changing a stored value: every token keeps
-/// the same count of values, so its tile bits and values move as a record. (The host path decodes
-/// and prunes the moved rows again, which keeps the same values when the sequence's K weights are
-/// those its pages were sealed with.)
+/// Compaction moves format::bitmap_tiles' tokens without changing a stored value: both backends
+/// unpack the pages a pass reads and prune and pack the pages it writes again, by the moved rows'
+/// plain magnitudes. A moved row holds exactly the values its first encode kept (at most `keep`
+/// nonzeros per vector, zeros elsewhere), so the magnitudes keep them all: zeros never outrank
+/// them, whatever K weights the sequence has now. (Pruning with the current weights could drop
+/// kept values where a weight is 0, or where the weights changed since the page was sealed.)
 template <>
 struct reencodes_moved_rows<format::bitmap_tiles> : std::false_type {};
+template <>
+struct reencoding<format::bitmap_tiles> {
+  static format::bitmap_tiles format(const format::bitmap_tiles& f) { return f; }
+  static constexpr bool key_weights = false;
+  static int limit(const format::bitmap_tiles&) noexcept { return 255; }
+};
 }  // namespace detail
 
 }  // namespace kvmosaic

@@ -89,14 +89,17 @@ struct reencodes_moved_rows : std::true_type {};
 template <class Format>
 inline constexpr bool reencodes_moved_rows_v = reencodes_moved_rows<Format>::value;
 
-/// How a compaction re-encodes a format that `reencodes_moved_rows`, on both backends: `format`,
-/// the format it encodes moved rows with (the cache's own unless its encoder has a mode that suits
-/// already-decoded rows better), and `limit`, the passes that may re-encode one page (the cache
-/// leaves alone every page up to the last one that reached it). A format states its own by
-/// specializing this (format::quant2: nearest rounding, `max_reencodes`).
+/// How a compaction encodes the pages it writes, on both backends: `format`, the format it
+/// encodes moved rows with (the cache's own unless its encoder has a mode that suits
+/// already-decoded rows better); `key_weights`, whether a format with K weights prunes them with
+/// the sequence's weights (else by plain magnitudes); and `limit`, the passes that may re-encode
+/// one page of a format that `reencodes_moved_rows` (the cache leaves alone every page up to the
+/// last one that reached it). A format states its own by specializing this (format::quant2:
+/// nearest rounding, `max_reencodes`; format::bitmap_tiles: plain magnitudes).
 template <class Format>
 struct reencoding {
   static Format format(const Format& f) { return f; }
+  static constexpr bool key_weights = true;
   static int limit(const Format&) noexcept { return 255; }
 };
 

@@ -305,10 +305,11 @@ class engine {
   /// memory/compaction_plan.hpp): every page a move reads or writes is decoded to dense rows, each
   /// moved row is taken from the decoded sources (so every source is read before any destination
   /// is written), and the pages written are encoded again from the moved rows rounded to the
-  /// storage dtype, with the format's re-encoding mode (`detail::reencoding`) and the sequence's K
-  /// weights, their key bounds rewritten. `first_page_sinks`: the sequence's first page keeps sink
-  /// rows (they are hidden again, as at seal, before the bounds and the encode). Cost: one decode of each
-  /// page touched and one encode of each page written, O(page_size x head_dim) each, per KV head.
+  /// storage dtype, with the format's re-encoding mode (`detail::reencoding`: its format, and the
+  /// sequence's K weights where it uses them), their key bounds rewritten. `first_page_sinks`: the
+  /// sequence's first page keeps sink rows (they are hidden again, as at seal, before the bounds
+  /// and the encode). Cost: one decode of each page touched and one encode of each page written,
+  /// O(page_size x head_dim) each, per KV head.
   void move_slots(std::int32_t slot, const block_table& pages, const detail::compaction_plan& plan, bool first_page_sinks) {
     if (plan.moves.empty()) return;
     const page_shape shape = shape_.page();
@@ -362,7 +363,8 @@ class engine {
             traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
           } else if constexpr (has_key_weights_v<Format>) {
             const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
-            traits::encode_k(reencoding, shape, rows.data(), w.empty() ? nullptr : w.data() + h * d, base + geometry_.k_page_offset(h));
+            const bool weighted = detail::reencoding<Format>::key_weights && !w.empty();
+            traits::encode_k(reencoding, shape, rows.data(), weighted ? w.data() + h * d : nullptr, base + geometry_.k_page_offset(h));
           } else {
             traits::encode_k(reencoding, shape, rows.data(), base + geometry_.k_page_offset(h));
           }
