@@ -91,6 +91,21 @@ inline synthetic::kv_data rounded(const synthetic::kv_data& kv, dtype storage) {
   return r;
 }
 
+/// The tokens `tokens` of `kv` (in the order given), as a kv_data of their own: what a cache that
+/// evicted the others holds.
+inline synthetic::kv_data tokens_of(const synthetic::kv_data& kv, const std::vector<std::int64_t>& tokens) {
+  synthetic::kv_data out = kv;
+  const auto row = static_cast<std::int64_t>(kv.num_kv_heads) * kv.head_dim;
+  out.k.clear();
+  out.v.clear();
+  for (const std::int64_t t : tokens) {
+    out.k.insert(out.k.end(), kv.k.begin() + t * row, kv.k.begin() + (t + 1) * row);
+    out.v.insert(out.v.end(), kv.v.begin() + t * row, kv.v.begin() + (t + 1) * row);
+  }
+  out.num_tokens = static_cast<int>(tokens.size());
+  return out;
+}
+
 /// Views of a kv_data's K and V as [tokens][kv_heads][head_dim].
 inline tensor_view<const float, 3> k_view(const synthetic::kv_data& kv) {
   return tensor_view<const float, 3>(kv.k.data(), kv.num_tokens, kv.num_kv_heads, kv.head_dim);

@@ -126,16 +126,10 @@ TEST_CASE("after eviction, attention reads exactly the live tokens (fp64 oracle)
   CHECK(kv.positions(seq).back() == 200);
 
   // Attention over the live tokens only, against fp64 exact attention on them.
-  synthetic::kv_data live = test::rounded(data, c.storage);
-  std::vector<float> k_live, v_live;
-  for (std::int64_t t = 0; t <= tokens; ++t) {
-    if (std::find(dead.begin(), dead.end(), t) != dead.end()) continue;
-    k_live.insert(k_live.end(), live.k.begin() + t * static_cast<std::int64_t>(row), live.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
-    v_live.insert(v_live.end(), live.v.begin() + t * static_cast<std::int64_t>(row), live.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
-  }
-  live.k = k_live;
-  live.v = v_live;
-  live.num_tokens = static_cast<int>(k_live.size() / row);
+  std::vector<std::int64_t> survivors;
+  for (std::int64_t t = 0; t <= tokens; ++t)
+    if (std::find(dead.begin(), dead.end(), t) == dead.end()) survivors.push_back(t);
+  const synthetic::kv_data live = test::tokens_of(test::rounded(data, c.storage), survivors);
   const int hq = c.num_q_heads(), d = c.head_dim;
   std::vector<float> q(static_cast<std::size_t>(hq) * d);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * static_cast<float>(i));
@@ -209,16 +203,9 @@ TEST_CASE("repack through the cache: 90% scattered eviction of 16,000 tokens in 
   for (std::size_t i = 0; i < positions.size(); ++i) REQUIRE(positions[i] == static_cast<std::int64_t>(i) * 10);
   // The same survivors, now in 100 pages instead of 1,000: the same attention up to fp32
   // summation order (the bound of fp32 arithmetic over the survivors, for each output).
-  synthetic::kv_data kept = test::rounded(data, c.storage);
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  std::vector<float> k_kept, v_kept;
-  for (std::size_t t = 0; t < 16000; t += 10) {
-    k_kept.insert(k_kept.end(), kept.k.begin() + static_cast<std::ptrdiff_t>(t * row), kept.k.begin() + static_cast<std::ptrdiff_t>((t + 1) * row));
-    v_kept.insert(v_kept.end(), kept.v.begin() + static_cast<std::ptrdiff_t>(t * row), kept.v.begin() + static_cast<std::ptrdiff_t>((t + 1) * row));
-  }
-  kept.k = k_kept;
-  kept.v = v_kept;
-  kept.num_tokens = 1600;
+  std::vector<std::int64_t> survivors;
+  for (std::int64_t t = 0; t < 16000; t += 10) survivors.push_back(t);
+  const synthetic::kv_data kept = test::tokens_of(test::rounded(data, c.storage), survivors);
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
   const test::error_bound bound = test::attention_error_bound(q, kept, c.group_size, 1.0 / 8.0, c.storage, 1000, true);
@@ -278,16 +265,10 @@ TEST_CASE("compacted attention equals attention over a fresh cache of the same s
   std::vector<std::int64_t> dead;
   for (std::int64_t t = 0; t < 288; ++t)
     if (std::bernoulli_distribution(0.5)(rng)) dead.push_back(t);
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  synthetic::kv_data kept = data;
-  kept.k.clear();
-  kept.v.clear();
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    if (std::find(dead.begin(), dead.end(), t) != dead.end()) continue;
-    kept.k.insert(kept.k.end(), data.k.begin() + t * static_cast<std::int64_t>(row), data.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
-    kept.v.insert(kept.v.end(), data.v.begin() + t * static_cast<std::int64_t>(row), data.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
-  }
-  kept.num_tokens = static_cast<int>(kept.k.size() / row);
+  std::vector<std::int64_t> survivors;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    if (std::find(dead.begin(), dead.end(), t) == dead.end()) survivors.push_back(t);
+  const synthetic::kv_data kept = test::tokens_of(data, survivors);
   for (const bool fill : {false, true}) {
     CAPTURE(fill);
     std::vector<float> compacted;
@@ -384,19 +365,11 @@ TEST_CASE("select::streaming keeps the sinks and the window, evicts the rest as 
   CHECK(kv.length(seq) == total);
 
   // Attention reads exactly the live tokens (fp64 oracle over them).
-  synthetic::kv_data kept = test::rounded(data, c.storage);
   std::vector<std::int64_t> live;
   for (const std::int64_t p : kv.positions(seq))
     if (p >= 0) live.push_back(p);
   std::sort(live.begin(), live.end());
-  std::vector<float> k_live, v_live;
-  for (const std::int64_t p : live) {
-    k_live.insert(k_live.end(), kept.k.begin() + p * static_cast<std::int64_t>(row), kept.k.begin() + (p + 1) * static_cast<std::int64_t>(row));
-    v_live.insert(v_live.end(), kept.v.begin() + p * static_cast<std::int64_t>(row), kept.v.begin() + (p + 1) * static_cast<std::int64_t>(row));
-  }
-  kept.k = k_live;
-  kept.v = v_live;
-  kept.num_tokens = static_cast<int>(live.size());
+  const synthetic::kv_data kept = test::tokens_of(test::rounded(data, c.storage), live);
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
   const std::vector<float> out = attend_one(kv, seq);
@@ -428,7 +401,6 @@ TEST_CASE("select::quest over evicted tokens reads the chosen rows that are live
   while ((288 - dead.size()) % 16 != 0) dead.pop_back();  // survivors fill whole pages once compacted
   select::quest quest;
   quest.budget.ratio = 0.25;
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
   const double scale = 1.0 / std::sqrt(64.0);
   std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
   for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * static_cast<float>(i));
@@ -450,14 +422,7 @@ TEST_CASE("select::quest over evicted tokens reads the chosen rows that are live
       REQUIRE(std::adjacent_find(read.begin(), read.end()) == read.end());
       for (const std::int64_t t : read) REQUIRE(!std::binary_search(dead.begin(), dead.end(), t));
       CHECK(read.size() < 200);  // a selection, not everything
-      synthetic::kv_data subset = stored;
-      subset.k.clear();
-      subset.v.clear();
-      for (const std::int64_t t : read) {
-        subset.k.insert(subset.k.end(), stored.k.begin() + t * static_cast<std::int64_t>(row), stored.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
-        subset.v.insert(subset.v.end(), stored.v.begin() + t * static_cast<std::int64_t>(row), stored.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
-      }
-      subset.num_tokens = static_cast<int>(read.size());
+      const synthetic::kv_data subset = test::tokens_of(stored, read);
       const std::vector<double> exact = test::exact(q, subset, scale);
       const test::error_bound bound = test::attention_error_bound(q, subset, c.group_size, scale, c.storage, c.page_size, true);
       for (int i = h * c.group_size * c.head_dim; i < (h + 1) * c.group_size * c.head_dim; ++i) {
@@ -479,15 +444,10 @@ TEST_CASE("select::quest over evicted tokens reads the chosen rows that are live
   // The bounds the pass rewrote are those of the rows now in each page: a fresh cache of the
   // survivors (in the same slots, as repack keeps their order; its tail starts elsewhere) selects
   // the same ranges and reads the same tokens, up to fp32 summation order.
-  synthetic::kv_data kept = data;
-  kept.k.clear();
-  kept.v.clear();
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    if (std::binary_search(dead.begin(), dead.end(), t)) continue;
-    kept.k.insert(kept.k.end(), data.k.begin() + t * static_cast<std::int64_t>(row), data.k.begin() + (t + 1) * static_cast<std::int64_t>(row));
-    kept.v.insert(kept.v.end(), data.v.begin() + t * static_cast<std::int64_t>(row), data.v.begin() + (t + 1) * static_cast<std::int64_t>(row));
-  }
-  kept.num_tokens = static_cast<int>(kept.k.size() / row);
+  std::vector<std::int64_t> survivors;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    if (!std::binary_search(dead.begin(), dead.end(), t)) survivors.push_back(t);
+  const synthetic::kv_data kept = test::tokens_of(data, survivors);
   cache<format::dense, select::quest> fresh(c, {}, quest);
   const sequence_id f = fresh.add_sequence();
   fresh.prefill(f, test::k_view(kept), test::v_view(kept));
