@@ -5,7 +5,8 @@
 #      with float-cast-overflow, every finding fatal): builds the unit tests and the libFuzzer
 #      targets only, runs the unit tests (the [random] test at a tenth of its iterations) and each
 #      fuzzer for KVMOSAIC_FUZZ_SECONDS from its seed corpus.
-# Environment: KVMOSAIC_ENABLE_CUDA=ON|OFF overrides the CUDA auto-detection of step 1 (default: ON
+# Environment: KVMOSAIC_TORCH_TESTS=OFF skips the PyTorch example's tests (and the Python
+# environment they need, scripts/install-python-deps.sh); KVMOSAIC_ENABLE_CUDA=ON|OFF overrides the CUDA auto-detection of step 1 (default: ON
 # when nvcc is found); JOBS overrides the parallelism (default: nproc); KVMOSAIC_SANITIZE_TESTS=OFF
 # skips step 2; KVMOSAIC_FUZZ_SECONDS (default 60) sets each fuzzer's time in step 2.
 # docs/testing.md lists what runs and how long it takes.
@@ -18,6 +19,12 @@ sanitize_dir="${repo_root}/build-test-sanitize"
 jobs="${JOBS:-$(nproc)}"
 
 bash "${repo_root}/scripts/install-deps.sh"
+# The PyTorch example's tests (examples/pytorch/): a virtual environment with PyTorch and
+# transformers; KVMOSAIC_TORCH_TESTS=OFF skips them.
+python_args=()
+if [[ "${KVMOSAIC_TORCH_TESTS:-ON}" != "OFF" ]]; then
+  python_args+=("-DKVMOSAIC_PYTHON=$(bash "${repo_root}/scripts/install-python-deps.sh")")
+fi
 
 # nvcc often lives in /usr/local/cuda/bin without being on PATH.
 if [[ -z "${CUDACXX:-}" ]] && ! command -v nvcc >/dev/null 2>&1 && [[ -x /usr/local/cuda/bin/nvcc ]]; then
@@ -29,7 +36,7 @@ if [[ -n "${KVMOSAIC_ENABLE_CUDA:-}" ]]; then
   cmake_args+=("-DKVMOSAIC_ENABLE_CUDA=${KVMOSAIC_ENABLE_CUDA}")
 fi
 
-cmake -S "${repo_root}" -B "${build_dir}" "${cmake_args[@]}"
+cmake -S "${repo_root}" -B "${build_dir}" "${cmake_args[@]}" "${python_args[@]}"
 cmake --build "${build_dir}" -j "${jobs}"
 ctest --test-dir "${build_dir}" --output-on-failure -j "${jobs}"
 

@@ -1,0 +1,32 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The CUDA layer maker's definition and the kernel shapes the extension compiles: SmolLM2's
+/// attention (head_dim 64, 3 query heads per KV head) and Llama-3-8B's (head_dim 128, group 4),
+/// each with bf16 and f16 storage. A cache of another shape is rejected by its constructor with
+/// the list of compiled shapes; add a `kernel_shape` here to serve it.
+
+#include "kvmosaic/kvmosaic.cuh"
+#include "../layer_factory.hpp"
+
+namespace kvmosaic_torch {
+
+using cuda_backend = kvmosaic::backend::cuda_for<kvmosaic::kernel_shape<kvmosaic::dtype::bf16, 64, 3>,
+                                                 kvmosaic::kernel_shape<kvmosaic::dtype::f16, 64, 3>,
+                                                 kvmosaic::kernel_shape<kvmosaic::dtype::bf16, 128, 4>,
+                                                 kvmosaic::kernel_shape<kvmosaic::dtype::f16, 128, 4>>;
+
+template <class F, class S, class C>
+std::unique_ptr<kvmosaic::layer_cache> cuda_layer_maker::operator()(const F& format, const S& selector,
+                                                                     const C& compactor) const {
+  return kvmosaic::make_layer<kvmosaic::cache<F, S, C, cuda_backend>>(config, format, selector, compactor);
+}
+
+}  // namespace kvmosaic_torch
+
+/// Instantiates the CUDA maker (and so the kernels) of one configuration.
+#define KVMOSAIC_TORCH_CUDA_LAYER(F, S, C)                                                         \
+  template std::unique_ptr<kvmosaic::layer_cache> kvmosaic_torch::cuda_layer_maker::operator()<   \
+      kvmosaic::format::F, kvmosaic::select::S, kvmosaic::compact::C>(                             \
+      const kvmosaic::format::F&, const kvmosaic::select::S&, const kvmosaic::compact::C&) const;

@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A layer's cache type and policy settings as one string, so that Python (or a config file) can
+/// choose them per layer at run time:
+///
+///     format[:key=value,...]/selector[:key=value,...]/compactor
+///
+/// e.g. `quant2:partition=64,rounding=nearest,sinks=4/quest:budget=0.125,block=16/none`. Every key
+/// is checked: an unknown key, a bad value or an unsupported combination throws
+/// `kvmosaic::invalid_argument` naming it and the allowed values. `with_layer_policies` turns a
+/// parsed spec into the policy objects and calls a generic function with them, so the caller picks
+/// the backend and never repeats the list of supported combinations.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvmosaic/kvmosaic.hpp"
+
+namespace kvmosaic_torch {
+
+/// Throws `kvmosaic::invalid_argument` naming the spec's `parameter`, its `value` and what is allowed.
+[[noreturn]] inline void reject(const std::string& parameter, const std::string& value, const std::string& allowed) {
+  throw kvmosaic::invalid_argument(
+      parameter, kvmosaic::detail::describe("kvmosaic_torch layer spec", parameter.c_str(), value, allowed.c_str()));
+}
+inline void require(bool ok, const std::string& parameter, const std::string& value, const std::string& allowed) {
+  if (!ok) reject(parameter, value, allowed);
+}
+
+/// The `key=value` pairs of one policy; each read marks its key used, and `finish` rejects the rest.
+class policy_args {
+ public:
+  policy_args(std::string policy, std::map<std::string, std::string> values)
+      : policy_(std::move(policy)), values_(std::move(values)) {}
+
+  bool has(const std::string& key) const { return values_.count(key) != 0; }
+
+  std::string text(const std::string& key, const std::string& fallback, const std::string& allowed) {
+    allowed_.push_back(key + " (" + allowed + ")");
+    auto it = values_.find(key);
+    if (it == values_.end()) return fallback;
+    std::string value = it->second;
+    values_.erase(it);
+    return value;
+  }
+  double number(const std::string& key, double fallback, const std::string& allowed) {
+    const std::string raw = text(key, "", allowed);
+    if (raw.empty()) return fallback;
+    char* end = nullptr;
+    const double value = std::strtod(raw.c_str(), &end);
+    if (end == raw.c_str() || *end != '\0') fail(key, raw, "a number: " + allowed);
+    return value;
+  }
+  std::int64_t integer(const std::string& key, std::int64_t fallback, const std::string& allowed) {
+    const double value = number(key, static_cast<double>(fallback), allowed);
+    if (value != static_cast<double>(static_cast<std::int64_t>(value))) fail(key, std::to_string(value), "an integer: " + allowed);
+    return static_cast<std::int64_t>(value);
+  }
+  template <class Enum>
+  Enum choice(const std::string& key, Enum fallback, const std::vector<std::pair<std::string, Enum>>& names) {
+    std::string allowed;
+    for (const auto& n : names) allowed += (allowed.empty() ? "" : " or ") + n.first;
+    const std::string raw = text(key, "", allowed);
+    if (raw.empty()) return fallback;
+    for (const auto& n : names)
+      if (n.first == raw) return n.second;
+    fail(key, raw, allowed);
+  }
+  /// Throws for the first key nobody read.
+  void finish() const {
+    if (values_.empty()) return;
+    std::string allowed;
+    for (const std::string& a : allowed_) allowed += (allowed.empty() ? "" : ", ") + a;
+    reject(policy_ + " key", values_.begin()->first, allowed.empty() ? std::string("no keys") : allowed);
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& key, const std::string& value, const std::string& allowed) const {
+    reject(policy_ + "." + key, value, allowed);
+  }
+
+  std::string policy_;
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> allowed_;
+};
+
+/// One part of a spec: `name[:key=value,...]`.
+struct policy_spec {
+  std::string name;
+  std::map<std::string, std::string> values;
+};
+
+/// A parsed `format/selector/compactor` string.
+struct layer_spec {
+  policy_spec format, selector, compactor;
+};
+
+namespace detail {
+
+inline std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> parts(1);
+  for (char c : text) {
+    if (c == sep) parts.emplace_back();
+    else if (c != ' ') parts.back() += c;
+  }
+  return parts;
+}
+
+inline policy_spec parse_policy(const std::string& text, const char* part) {
+  policy_spec spec;
+  const std::size_t colon = text.find(':');
+  spec.name = text.substr(0, colon);
+  require(!spec.name.empty(), part, "empty", "a policy name");
+  if (colon == std::string::npos) return spec;
+  for (const std::string& pair : split(text.substr(colon + 1), ',')) {
+    const std::size_t eq = pair.find('=');
+    require(eq != std::string::npos && eq > 0, part, pair, "key=value pairs");
+    spec.values[pair.substr(0, eq)] = pair.substr(eq + 1);
+  }
+  return spec;
+}
+
+inline kvmosaic::select::token_budget read_budget(policy_args& args, double fallback_ratio) {
+  kvmosaic::select::token_budget budget;
+  budget.ratio = args.number("budget", fallback_ratio, "fraction of the context in [0, 1]");
+  budget.tokens = args.integer("tokens", -1, "absolute budget in tokens; overrides budget");
+  return budget;
+}
+
+inline kvmosaic::group_combine read_combine(policy_args& args) {
+  return args.choice("combine", kvmosaic::group_combine::max,
+                     {{"max", kvmosaic::group_combine::max}, {"sum", kvmosaic::group_combine::sum}});
+}
+
+}  // namespace detail
+
+/// Parses `format/selector/compactor`; the compactor may be left out (`none`).
+inline layer_spec parse_layer_spec(const std::string& text) {
+  const std::vector<std::string> parts = detail::split(text, '/');
+  require(parts.size() == 2 || parts.size() == 3, "spec", text,
+          "format[:k=v,...]/selector[:k=v,...][/compactor], e.g. quant2:partition=64/quest:budget=0.125");
+  layer_spec spec;
+  spec.format = detail::parse_policy(parts[0], "format");
+  spec.selector = detail::parse_policy(parts[1], "selector");
+  spec.compactor = detail::parse_policy(parts.size() == 3 ? parts[2] : std::string("none"), "compactor");
+  return spec;
+}
+
+/// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
+/// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
+/// sentence_chunks (with compactor none) and streaming (with hole_fill or repack).
+template <class Make>
+auto with_layer_policies(const layer_spec& spec, Make&& make) {
+  namespace kv = kvmosaic;
+  auto with_selector = [&](const auto& format) {
+    policy_args args(spec.selector.name, spec.selector.values);
+    const std::string& compactor = spec.compactor.name;
+    require(spec.compactor.values.empty(), "compactor", compactor, "a compactor without keys");
+    if (spec.selector.name == "all" || spec.selector.name == "quest" || spec.selector.name == "sentence_chunks")
+      require(compactor == "none", "compactor", compactor,
+                          "none with selector " + spec.selector.name + " (this extension compiles no other)");
+    if (spec.selector.name == "all") {
+      args.finish();
+      return make(format, kv::select::all{}, kv::compact::none{});
+    }
+    if (spec.selector.name == "quest") {
+      kv::select::quest s;
+      s.budget = detail::read_budget(args, s.budget.ratio);
+      s.block_tokens = static_cast<int>(args.integer("block", s.block_tokens, "0 (the page) or a multiple of 8"));
+      s.combine = detail::read_combine(args);
+      args.finish();
+      return make(format, s, kv::compact::none{});
+    }
+    if (spec.selector.name == "sentence_chunks") {
+      kv::select::sentence_chunks s;
+      s.budget = detail::read_budget(args, s.budget.ratio);
+      s.target_length = static_cast<int>(args.integer("length", s.target_length, "L, the ideal chunk length"));
+      s.window = static_cast<int>(args.integer("window", s.window, "Delta, how far a split may move"));
+      s.combine = detail::read_combine(args);
+      // boundaries=id:weight|id:weight (the tokenizer's sentence-ending tokens)
+      for (const std::string& item : detail::split(args.text("boundaries", "", "id:weight|id:weight"), '|')) {
+        if (item.empty()) continue;
+        const std::size_t colon = item.find(':');
+        require(colon != std::string::npos, "sentence_chunks.boundaries", item, "id:weight");
+        s.boundaries.push_back({static_cast<std::int32_t>(std::stol(item.substr(0, colon))),
+                                std::stof(item.substr(colon + 1))});
+      }
+      args.finish();
+      return make(format, s, kv::compact::none{});
+    }
+    if (spec.selector.name == "streaming") {
+      kv::select::streaming s;
+      s.budget = detail::read_budget(args, s.budget.ratio);
+      s.sink_tokens = static_cast<int>(args.integer("sinks", s.sink_tokens, "tokens kept from the start"));
+      s.compact_every = static_cast<int>(args.integer("compact_every", s.compact_every, "tokens between passes"));
+      args.finish();
+      if (compactor == "repack") return make(format, s, kv::compact::repack{});
+      require(compactor == "hole_fill", "compactor", compactor,
+                          "hole_fill or repack with selector streaming");
+      return make(format, s, kv::compact::hole_fill{});
+    }
+    reject("selector", spec.selector.name, "all, quest, sentence_chunks or streaming");
+  };
+
+  policy_args args(spec.format.name, spec.format.values);
+  if (spec.format.name == "dense") {
+    args.finish();
+    return with_selector(kv::format::dense{});
+  }
+  if (spec.format.name == "bitmap_tiles") {
+    kv::format::bitmap_tiles f;
+    f.s_k = static_cast<float>(args.number("s_k", f.s_k, "K sparsity in [0, 0.95]"));
+    f.s_v = static_cast<float>(args.number("s_v", f.s_v, "V sparsity in [0, 0.95]"));
+    f.k_layout = args.choice("k_layout", f.k_layout,
+                             {{"channels", kv::format::bitmap_k_layout::along_channels},
+                              {"tokens", kv::format::bitmap_k_layout::along_tokens}});
+    args.finish();
+    return with_selector(f);
+  }
+  if (spec.format.name == "quant2") {
+    kv::format::quant2 f;
+    f.partition = static_cast<int>(args.integer("partition", f.partition, "32, 64 or 128"));
+    f.mode = args.choice("rounding", f.mode,
+                         {{"stochastic", kv::format::rounding::stochastic}, {"nearest", kv::format::rounding::nearest}});
+    f.seed = static_cast<std::uint64_t>(args.integer("seed", static_cast<std::int64_t>(f.seed), "any integer >= 0"));
+    f.k_axis = args.choice("k_axis", f.k_axis,
+                           {{"tokens", kv::format::key_axis::tokens}, {"head_dim", kv::format::key_axis::head_dim}});
+    f.sink_tokens = static_cast<int>(args.integer("sinks", f.sink_tokens, "0 to 16"));
+    f.max_reencodes = static_cast<int>(args.integer("max_reencodes", f.max_reencodes, ">= 0"));
+    args.finish();
+    return with_selector(f);
+  }
+  reject("format", spec.format.name, "dense, bitmap_tiles or quant2");
+}
+
+}  // namespace kvmosaic_torch

