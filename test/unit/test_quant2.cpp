@@ -280,7 +280,9 @@ TEST_CASE("quant2 rejects bad partitions and shapes, naming the parameter", "[qu
   };
   CHECK(message(48, 128, 64) == "kvmosaic: format::quant2: partition = 48; allowed: 32, 64 or 128");
   CHECK(message(128, 64, 128) ==
-        "kvmosaic: format::quant2: head_dim = 64; allowed: a multiple of partition (K partitions run along head_dim)");
+        "kvmosaic: format::quant2: partition = 128; allowed: 32 or 64 at head_dim = 64 (a divisor of head_dim with "
+        "either k_axis: q.k sums channels in groups of partition; K per channel stores per-token code sums of "
+        "partition channels)");
   CHECK(message(128, 128, 64) ==
         "kvmosaic: format::quant2: page_size = 64; allowed: a multiple of partition (a sealed page holds whole V partitions)");
   CHECK(message(64, 128, 64) == "accepted");
@@ -293,6 +295,47 @@ TEST_CASE("quant2 rejects bad partitions and shapes, naming the parameter", "[qu
       CHECK(std::string(e.what()) ==
             "kvmosaic: format::quant2: sink_tokens = " + std::to_string(sinks) + "; allowed: 0 to 16");
     }
+  }
+}
+
+TEST_CASE("quant2 needs a partition dividing head_dim with either key axis, and says so", "[quant2][errors]") {
+  // K per channel (the default) partitions K along tokens, but q.k still runs over channels in
+  // groups of Pi: q' = q s is quantized to 8 bits per Pi channels and each token's code sums of Pi
+  // channels fill the partitions' sum slots. Pi = 128 at head_dim 64 is rejected for both axes,
+  // naming partition and the values allowed at that head_dim; the CUDA engine compiles Pi <=
+  // head_dim only and rejects the same (cuda/format/quant2/device.cuh).
+  const std::string expected =
+      "kvmosaic: format::quant2: partition = 128; allowed: 32 or 64 at head_dim = 64 (a divisor of head_dim with "
+      "either k_axis: q.k sums channels in groups of partition; K per channel stores per-token code sums of "
+      "partition channels)";
+  for (const auto axis : {format::key_axis::tokens, format::key_axis::head_dim}) {
+    CAPTURE(axis == format::key_axis::tokens);
+    cache_config c;
+    c.num_kv_heads = 3;
+    c.group_size = 3;
+    c.head_dim = 64;
+    c.page_size = 128;
+    try {
+      cache<format::quant2> bad(c, format::quant2{128, format::rounding::nearest, 0, axis});
+      FAIL("accepted");
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()) == expected);
+      CHECK(std::string(e.parameter()) == "partition");
+    }
+    // the values it names are accepted at that shape
+    for (const int pi : {32, 64}) CHECK_NOTHROW(cache<format::quant2>(c, format::quant2{pi, format::rounding::nearest, 0, axis}));
+  }
+  // Pi = 128 is accepted where it divides head_dim (256 here), with pages of 128
+  cache_config wide;
+  wide.head_dim = 256;
+  wide.page_size = 128;
+  CHECK_NOTHROW(cache<format::quant2>(wide, format::quant2{128}));
+  const page_shape narrow{64, 32, dtype::bf16};  // below every cache_config head_dim: the traits alone
+  try {
+    format_traits<format::quant2>::validate(format::quant2{64}, narrow);
+    FAIL("accepted");
+  } catch (const invalid_argument& e) {
+    CHECK(std::string(e.what()).rfind("kvmosaic: format::quant2: partition = 64; allowed: 32 at head_dim = 32 (", 0) == 0);
   }
 }
 

@@ -147,14 +147,29 @@ inline void encode_bitmap_page(float sparsity, const page_shape& shape, const fl
   store_dense_rows(shape.storage, values.data(), values.size(), value_bytes);
 }
 
+/// Index of the lowest set bit of a non-zero word.
+inline int lowest_set_bit(std::uint64_t x) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  return __builtin_ctzll(x);
+#else
+  int i = 0;
+  for (; (x & 1u) == 0; x >>= 1) ++i;
+  return i;
+#endif
+}
+
 /// Unpacks the first n tokens of a page into dense rows [n][head_dim] (pruned elements are 0).
+/// The page's values are widened to float in one pass (`load_dense_rows`, vectorized), then each
+/// tile's set bits place them. Cost: O(n x head_dim) to clear the rows, then one step per kept
+/// value; no allocation once the per-thread scratch has grown to a page's values.
 inline void decode_bitmap_page(float sparsity, const page_shape& shape, const std::byte* page, int n,
                                bool along_tokens, float* rows) {
   const int p = shape.page_size, d = shape.head_dim;
   const bitmap_page_layout layout = bitmap_layout(sparsity, shape);
   std::fill(rows, rows + static_cast<std::size_t>(n) * d, 0.0f);
-  std::vector<float> values(static_cast<std::size_t>(layout.values));
-  load_dense_rows(shape.storage, page + layout.values_at(), values.size(), values.data());
+  thread_local std::vector<float> values;
+  if (values.size() < static_cast<std::size_t>(layout.values)) values.resize(static_cast<std::size_t>(layout.values));
+  load_dense_rows(shape.storage, page + layout.values_at(), static_cast<std::size_t>(layout.values), values.data());
   const int tiles_per_line = along_tokens ? p / tile_length : d / tile_length;
   for (int tile = 0; tile < layout.tiles; ++tile) {
     std::uint64_t bits;
@@ -162,12 +177,12 @@ inline void decode_bitmap_page(float sparsity, const page_shape& shape, const st
     std::uint32_t offset;
     std::memcpy(&offset, page + layout.offsets_at() + static_cast<std::size_t>(tile) * 4, sizeof offset);
     const int line = tile / tiles_per_line, part = tile % tiles_per_line;
-    for (int b = 0; b < tile_length; ++b) {
-      if (!((bits >> b) & 1u)) continue;
+    if (!along_tokens && line >= n) continue;  // a token's tiles: past the rows asked for
+    for (; bits != 0; bits &= bits - 1, ++offset) {
+      const int b = lowest_set_bit(bits);
       const int t = along_tokens ? part * tile_length + b : line;
       const int c = along_tokens ? line : part * tile_length + b;
-      const float value = values[offset++];
-      if (t < n) rows[static_cast<std::size_t>(t) * d + c] = value;
+      if (t < n) rows[static_cast<std::size_t>(t) * d + c] = values[offset];
     }
   }
 }

@@ -406,6 +406,80 @@ inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, 
   return length * m_a * m_b + m_a * s_b * sum_b + s_a * m_b * sum_a + s_a * s_b * dot;
 }
 
+/// Unpacks every code of a page into a byte matrix, row-major: K as [page_size][head_dim]
+/// (tokens x channels), V as [head_dim][page_size] (channels x tokens), the code matrix of
+/// `quant2_code_bit`. Each 32-bit word of a tile holds, in its byte b, four codes of one row
+/// (one per bit pair s), so one shift and mask gives four adjacent codes of a row. Cost: one
+/// load, four shifts and four 4-byte stores per 16 codes; no allocation.
+inline void quant2_unpack_codes(const quant2_layout& layout, const std::byte* page, std::uint8_t* out) {
+  const int rows = layout.is_key ? layout.page_size : layout.head_dim;
+  const int cols = layout.is_key ? layout.head_dim : layout.page_size;
+  const int tiles_per_row = cols / 32, tiles = rows / 16 * tiles_per_row;
+  const std::byte* codes = page + layout.codes_at();
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int r0 = tile / tiles_per_row * 16, c0 = tile % tiles_per_row * 32;
+    for (int lane = 0; lane < 32; ++lane) {
+      std::uint32_t word;
+      std::memcpy(&word, codes + static_cast<std::size_t>(tile) * 128 + static_cast<std::size_t>(lane) * 4, 4);
+      const int g = lane / 4, q = lane % 4;
+      for (int s = 0; s < 4; ++s) {
+        const std::uint32_t four = (word >> (2 * s)) & 0x03030303u;  // bytes b = 0..3: columns 4 q + b
+        std::memcpy(out + static_cast<std::size_t>(r0 + g + 8 * (s % 2)) * cols + c0 + 16 * (s / 2) + 4 * q, &four, 4);
+      }
+    }
+  }
+}
+
+/// sum_i a[i] b[i] over `count` bytes: the integer dot product of Eq. 4 (8-bit q or p codes
+/// times 2-bit codes; at most 255 x 3 x 256, exact in int). Written for the vectorizer.
+inline int byte_dot(const std::uint8_t* a, const std::uint8_t* b, int count) noexcept {
+  int dot = 0;
+  for (int i = 0; i < count; ++i) dot += static_cast<int>(a[i]) * static_cast<int>(b[i]);
+  return dot;
+}
+
+/// Per-thread working memory of the host attend on codes, reused across pages and calls (no
+/// allocation once it has grown to a page's size).
+struct quant2_host_scratch {
+  std::vector<std::uint8_t> codes;  ///< the page's code matrix (`quant2_unpack_codes`)
+  std::vector<float> mins, scales;  ///< every partition's stored min and scale, as floats
+  std::vector<int> a;               ///< 8-bit codes of q, q' or p, as quantize8 writes them
+  std::vector<std::uint8_t> a8;     ///< the same as bytes, for `byte_dot`
+  std::vector<float> folded, m_a, s_a;
+  std::vector<unsigned> sum_a;
+
+  /// Unpacks the codes, mins and scales of `page`.
+  void load(const quant2_page_view& view) {
+    const quant2_layout& l = view.layout;
+    codes.resize(static_cast<std::size_t>(l.page_size) * l.head_dim);
+    quant2_unpack_codes(l, view.page, codes.data());
+    mins.resize(static_cast<std::size_t>(l.partitions));
+    scales.resize(mins.size());
+    for (int part = 0; part < l.partitions; ++part) {
+      mins[static_cast<std::size_t>(part)] = view.min(part);
+      scales[static_cast<std::size_t>(part)] = view.scale(part);
+    }
+  }
+  /// Sizes the 8-bit operand buffers for `count` values and `parts` partitions of them.
+  void size_operands(int count, int parts) {
+    a.resize(static_cast<std::size_t>(count));
+    a8.resize(a.size());
+    folded.resize(a.size());
+    m_a.resize(static_cast<std::size_t>(parts));
+    s_a.resize(m_a.size());
+    sum_a.resize(m_a.size());
+  }
+  /// Copies a[from, from + count) into a8 (every code is 0..255).
+  void to_bytes(int from, int count) {
+    for (int i = from; i < from + count; ++i) a8[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(a[static_cast<std::size_t>(i)]);
+  }
+};
+
+inline quant2_host_scratch& quant2_scratch() {
+  thread_local quant2_host_scratch scratch;
+  return scratch;
+}
+
 }  // namespace detail
 
 template <>
@@ -426,8 +500,21 @@ struct format_traits<format::quant2> {
     const char* where = "format::quant2";
     detail::require(f.partition == 32 || f.partition == 64 || f.partition == 128, where, "partition", f.partition,
                     "32, 64 or 128");
-    detail::require(shape.head_dim % f.partition == 0, where, "head_dim", shape.head_dim,
-                    "a multiple of partition (K partitions run along head_dim)");
+    // q.k runs over channels in groups of Pi with either key axis: K per token partitions them,
+    // and K per channel quantizes q' = q s per Pi channels and keeps per-token code sums of Pi
+    // channels in the partitions' sum slots (page_size x head_dim / Pi of them). So Pi divides
+    // head_dim whatever k_axis is; the CUDA kernels are compiled for Pi <= head_dim alone.
+    if (shape.head_dim % f.partition != 0) {
+      std::string allowed;
+      for (const int pi : {32, 64, 128})
+        if (shape.head_dim % pi == 0) allowed += (allowed.empty() ? "" : ", ") + std::to_string(pi);
+      const std::size_t last = allowed.rfind(", ");
+      if (last != std::string::npos) allowed.replace(last, 2, " or ");
+      allowed = (allowed.empty() ? std::string("none") : allowed) + " at head_dim = " + std::to_string(shape.head_dim) +
+                " (a divisor of head_dim with either k_axis: q.k sums channels in groups of partition; K per channel "
+                "stores per-token code sums of partition channels)";
+      detail::require(false, where, "partition", f.partition, allowed.c_str());
+    }
     detail::require(shape.page_size % f.partition == 0, where, "page_size", shape.page_size,
                     "a multiple of partition (a sealed page holds whole V partitions)");
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
@@ -468,8 +555,9 @@ struct format_traits<format::quant2> {
   }
 
   /// logits[g][t] = q[g] . k[t] on the codes (Eq. 4): q quantized to 8 bits per partition, one
-  /// integer dot product per (token, partition) plus the correction terms. Cost: n G D integer
-  /// multiply-adds, 4 n G D / Pi floating-point operations.
+  /// integer dot product per (token, partition) plus the correction terms. The page's codes are
+  /// unpacked once for all G query heads. Cost: page_size x head_dim code unpacks, n G D integer
+  /// multiply-adds, 4 n G D / Pi floating-point operations; no allocation.
   static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
                     int groups, float* logits) {
     if (f.k_axis == format::key_axis::tokens) {
@@ -478,23 +566,24 @@ struct format_traits<format::quant2> {
     }
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
-    std::vector<int> a(static_cast<std::size_t>(d));
-    std::vector<float> m_a(static_cast<std::size_t>(per_token)), s_a(m_a.size());
-    std::vector<unsigned> sum_a(m_a.size());
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(d, per_token);
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < per_token; ++j)
-        sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
-                                                               m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
-                                                               a.data() + static_cast<std::size_t>(j) * pi);
+        s.sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
+                                                                 s.m_a[static_cast<std::size_t>(j)], s.s_a[static_cast<std::size_t>(j)],
+                                                                 s.a.data() + static_cast<std::size_t>(j) * pi);
+      s.to_bytes(0, d);
       for (int t = 0; t < n; ++t) {
+        const std::uint8_t* codes = s.codes.data() + static_cast<std::size_t>(t) * d;
         double logit = 0;
         for (int j = 0; j < per_token; ++j) {
           const int part = t * per_token + j;
-          std::int64_t dot = 0;
-          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(j * pi + i)] * view.code(part, i);
-          logit += detail::homomorphic_dot(pi, m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
-                                           sum_a[static_cast<std::size_t>(j)], view.min(part), view.scale(part),
-                                           view.code_sum(part), static_cast<double>(dot));
+          const int dot = detail::byte_dot(s.a8.data() + static_cast<std::size_t>(j) * pi, codes + static_cast<std::size_t>(j) * pi, pi);
+          logit += detail::homomorphic_dot(pi, s.m_a[static_cast<std::size_t>(j)], s.s_a[static_cast<std::size_t>(j)],
+                                           s.sum_a[static_cast<std::size_t>(j)], s.mins[static_cast<std::size_t>(part)],
+                                           s.scales[static_cast<std::size_t>(part)], view.code_sum(part), static_cast<double>(dot));
         }
         logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
       }
@@ -502,23 +591,27 @@ struct format_traits<format::quant2> {
   }
 
   /// o[g] += sum_t p[g][t] v[t] on the codes (Eq. 4): p quantized to 8 bits per partition of Pi
-  /// tokens. Pages are full (n = page_size): tails are dense. Cost as `score`.
+  /// tokens. Pages are full (n = page_size): tails are dense. The page's codes are unpacked once
+  /// for all G query heads. Cost as `score`.
   static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
                          const float* p, int groups, float* o) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), v_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
     detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
-    std::vector<int> a(static_cast<std::size_t>(n));
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(pi, 1);
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < per_channel; ++j) {
         float m_p = 0, s_p = 0;
-        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, a.data());
+        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, s.a.data());
+        s.to_bytes(0, pi);
         for (int c = 0; c < d; ++c) {
           const int part = c * per_channel + j;
-          std::int64_t dot = 0;
-          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(i)] * view.code(part, i);
+          const int dot = detail::byte_dot(s.a8.data(), s.codes.data() + static_cast<std::size_t>(c) * n + static_cast<std::size_t>(j) * pi, pi);
           o[static_cast<std::size_t>(g) * d + c] += static_cast<float>(detail::homomorphic_dot(
-              pi, m_p, s_p, sum_p, view.min(part), view.scale(part), view.code_sum(part), static_cast<double>(dot)));
+              pi, m_p, s_p, sum_p, s.mins[static_cast<std::size_t>(part)], s.scales[static_cast<std::size_t>(part)],
+              view.code_sum(part), static_cast<double>(dot)));
         }
       }
     }
@@ -533,29 +626,29 @@ struct format_traits<format::quant2> {
                                         const float* q, int groups, float* logits) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
-    std::vector<float> folded(static_cast<std::size_t>(d));
-    std::vector<int> a(static_cast<std::size_t>(d));
-    std::vector<float> m_a(static_cast<std::size_t>(groups_of_channels)), s_a(m_a.size());
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(d, groups_of_channels);
     for (int g = 0; g < groups; ++g) {
       const float* q_g = q + static_cast<std::size_t>(g) * d;
       for (int j = 0; j < per_channel && j * pi < n; ++j) {
         double base = 0;
         for (int c = 0; c < d; ++c) {
           const int part = c * per_channel + j;
-          base += static_cast<double>(q_g[c]) * view.min(part);
-          folded[static_cast<std::size_t>(c)] = q_g[c] * view.scale(part);
+          base += static_cast<double>(q_g[c]) * s.mins[static_cast<std::size_t>(part)];
+          s.folded[static_cast<std::size_t>(c)] = q_g[c] * s.scales[static_cast<std::size_t>(part)];
         }
         for (int p = 0; p < groups_of_channels; ++p)
-          detail::quantize8(folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, m_a[static_cast<std::size_t>(p)],
-                            s_a[static_cast<std::size_t>(p)], a.data() + static_cast<std::size_t>(p) * pi);
+          detail::quantize8(s.folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, s.m_a[static_cast<std::size_t>(p)],
+                            s.s_a[static_cast<std::size_t>(p)], s.a.data() + static_cast<std::size_t>(p) * pi);
+        s.to_bytes(0, d);
         for (int t = j * pi; t < std::min(n, (j + 1) * pi); ++t) {
+          const std::uint8_t* codes = s.codes.data() + static_cast<std::size_t>(t) * d;
           double logit = base;
           for (int p = 0; p < groups_of_channels; ++p) {
-            std::int64_t dot = 0;
-            for (int c = p * pi; c < (p + 1) * pi; ++c)
-              dot += a[static_cast<std::size_t>(c)] * view.code_at(t, c);
-            logit += static_cast<double>(m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
-                     static_cast<double>(s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
+            const int dot = detail::byte_dot(s.a8.data() + static_cast<std::size_t>(p) * pi, codes + static_cast<std::size_t>(p) * pi, pi);
+            logit += static_cast<double>(s.m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
+                     static_cast<double>(s.s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
           }
           logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
         }
@@ -563,17 +656,22 @@ struct format_traits<format::quant2> {
     }
   }
 
+  /// Dequantizes the first n tokens: x = m + s c for every element, from the unpacked codes.
   static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
                      float* rows) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, is_key), page};
-    const int d = shape.head_dim, pi = f.partition;
-    for (int part = 0; part < view.layout.partitions; ++part) {
-      for (int i = 0; i < pi; ++i) {
-        int t = 0, c = 0;
-        view.layout.element(part, i, t, c);
-        if (t < n) rows[static_cast<std::size_t>(t) * d + c] = view.min(part) + view.scale(part) * static_cast<float>(view.code(part, i));
+    const detail::quant2_layout& layout = view.layout;
+    const int d = shape.head_dim, p = shape.page_size;
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < d; ++c) {
+        // the partition of (t, c) (`quant2_layout::element`'s inverse) and the code matrix entry
+        const int part = layout.along_tokens ? c * (p / f.partition) + t / f.partition : t * (d / f.partition) + c / f.partition;
+        const int code = s.codes[is_key ? static_cast<std::size_t>(t) * d + c : static_cast<std::size_t>(c) * p + t];
+        rows[static_cast<std::size_t>(t) * d + c] =
+            s.mins[static_cast<std::size_t>(part)] + s.scales[static_cast<std::size_t>(part)] * static_cast<float>(code);
       }
-    }
   }
 };
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <new>
@@ -386,63 +387,49 @@ class engine {
   /// stored token of sequence b, or, with a selection request, over the tokens the selection
   /// reads (docs/selectors.md); lse[b][j] (optional, extent 0: not written) its log-sum-exp.
   /// q, out: [batch][num_kv_heads * group_size][head_dim], float, half or bfloat16, any strides.
+  ///
+  /// Each (sequence, KV head) is computed alone, from its own pages, into its own outputs, with
+  /// the same operations in the same order whichever thread runs it: the outputs are the same
+  /// bits for any thread count. Compiled with OpenMP (`_OPENMP`: the consumer builds with
+  /// -fopenmp), the pairs are spread over OpenMP's threads (`OMP_NUM_THREADS`); otherwise, and
+  /// for a single pair, they run on the calling thread. Cost: per pair, one score and one
+  /// accumulate per page read plus the tail and sinks; working memory per thread, no allocation
+  /// per page or token.
   template <class Q, class O>
   void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
-    const std::vector<detail::sequence_ref>& batch = planned_batch_;
-    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
-    const float softmax_scale = planned_scale_;
-    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
-    attend_scratch s(groups, d, p);
-    if (request != nullptr) last_selection_.assign(batch.size() * static_cast<std::size_t>(shape_.num_kv_heads), {});
-    std::vector<std::uint64_t> keep;
-    const int mask_words = (p + 63) / 64;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const detail::sequence_ref& seq = batch[b];
-      const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
-      for (int h = 0; h < shape_.num_kv_heads; ++h) {
-        if (request != nullptr) {
-          detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
-          select_tokens(*request, b, seq, q, h, keep, chosen);
-          if (seq.live != nullptr)  // evicted tokens are never read
-            for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
-          chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
-          for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-            int tokens = 0;
-            for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
-            chosen.tokens_read += tokens;
-            chosen.pages_read += tokens > 0;
+    const std::int64_t heads = shape_.num_kv_heads;
+    const std::int64_t items = static_cast<std::int64_t>(planned_batch_.size()) * heads;
+    if (planned_selects_) last_selection_.assign(static_cast<std::size_t>(items), {});
+#if defined(_OPENMP)
+    if (items > 1) {
+      std::exception_ptr error;       // the failure of the lowest pair, as the serial loop would throw
+      std::int64_t error_item = items;
+#pragma omp parallel
+      {
+        std::unique_ptr<attend_scratch> s;
+        std::vector<std::uint64_t> keep;
+#pragma omp for schedule(dynamic, 1)
+        for (std::int64_t i = 0; i < items; ++i) {
+          try {
+            if (!s) s = std::make_unique<attend_scratch>(shape_.group_size, shape_.head_dim, shape_.page_size);
+            attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), *s, keep);
+          } catch (...) {
+#pragma omp critical(kvmosaic_host_attend_error)
+            if (i < error_item) {
+              error_item = i;
+              error = std::current_exception();
+            }
           }
         }
-        for (int g = 0; g < groups; ++g)
-          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(b, h * groups + g, c)) * softmax_scale;
-        std::fill(s.o.begin(), s.o.end(), 0.0f);
-        std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
-        const page_shape shape = shape_.page();
-        const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
-        for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-          const page_id page = (*seq.pages)[i];
-          const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
-                                           : seq.live != nullptr ? seq.live + i * mask_words
-                                                                 : nullptr;
-          if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
-            continue;
-          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
-        }
-        if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
-          const std::size_t at = geometry_.sink_offset(shape_);
-          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
-                                   tail_head(seq.slot, true, h) + at, sinks, s);
-        }
-        if (tail_rows > 0) {
-          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
-                                   tail_rows, s);
-        }
-        for (int g = 0; g < groups; ++g) {
-          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
-          if (lse.extent(0) > 0) lse(b, h * groups + g) = s.state[g].log_sum_exp();
-        }
       }
+      if (error) std::rethrow_exception(error);
+      return;
     }
+#endif
+    attend_scratch s(shape_.group_size, shape_.head_dim, shape_.page_size);
+    std::vector<std::uint64_t> keep;
+    for (std::int64_t i = 0; i < items; ++i)
+      attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), s, keep);
   }
 
   const std::byte* k_page(page_id page, int head) const {
@@ -465,6 +452,61 @@ class engine {
     std::vector<float> q_group, logits, o, o_block;
     std::vector<softmax_state<float>> state, block;
   };
+
+  /// One (sequence, KV head) of the planned step: its selection (read-less selectors), every page
+  /// it reads, the sinks and the tail folded in order, the outputs of its G query heads written.
+  template <class Q, class O>
+  void attend_head(const tensor_view<const Q, 3>& q, const tensor_view<O, 3>& out, const tensor_view<float, 2>& lse,
+                   std::size_t b, int h, attend_scratch& s, std::vector<std::uint64_t>& keep) {
+    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
+    const float softmax_scale = planned_scale_;
+    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
+    const int mask_words = (p + 63) / 64;
+    const detail::sequence_ref& seq = planned_batch_[b];
+    const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
+    const auto row = static_cast<std::int64_t>(b);
+    if (request != nullptr) {
+      detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
+      select_tokens(*request, b, seq, q, h, keep, chosen);
+      if (seq.live != nullptr)  // evicted tokens are never read
+        for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
+      chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
+      for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+        int tokens = 0;
+        for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
+        chosen.tokens_read += tokens;
+        chosen.pages_read += tokens > 0;
+      }
+    }
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(row, h * groups + g, c)) * softmax_scale;
+    std::fill(s.o.begin(), s.o.end(), 0.0f);
+    std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+    const page_shape shape = shape_.page();
+    const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
+    for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+      const page_id page = (*seq.pages)[i];
+      const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
+                                       : seq.live != nullptr ? seq.live + i * mask_words
+                                                             : nullptr;
+      if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
+        continue;
+      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
+    }
+    if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
+      const std::size_t at = geometry_.sink_offset(shape_);
+      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
+                               tail_head(seq.slot, true, h) + at, sinks, s);
+    }
+    if (tail_rows > 0) {
+      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
+                               tail_rows, s);
+    }
+    for (int g = 0; g < groups; ++g) {
+      for (int c = 0; c < d; ++c) out(row, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
+      if (lse.extent(0) > 0) lse(row, h * groups + g) = s.state[g].log_sum_exp();
+    }
+  }
 
   /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
   /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
