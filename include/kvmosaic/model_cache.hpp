@@ -164,6 +164,13 @@ class layer_cache {
   /// `cache::attend` (plan, then run): q, out [batch][num_q_heads][head_dim], each of any of the
   /// three dtypes.
   virtual void attend(span<const sequence_id> seqs, tensor_ref<3> q, tensor_ref<3> out, const attend_params& params = {}) = 0;
+  /// `cache::plan`: the host half of a decode step over `seqs` (attend = plan, then run).
+  virtual void plan(span<const sequence_id> seqs, const attend_params& params = {}) = 0;
+  /// `cache::run`: the planned step. q, out as `attend`'s; `lse` ([batch][num_q_heads], f32;
+  /// extent 0: not written) each head's log-sum-exp. On backend::cuda: capturable in a CUDA graph.
+  virtual void run(tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) = 0;
+  /// `cache::reserve_step`: step buffers for batches up to `batch` of up to `max_tokens` tokens.
+  virtual void reserve_step(std::int32_t batch, std::int64_t max_tokens) = 0;
   /// `cache::read`: k, v [stored_tokens(seq)][num_kv_heads][head_dim] in host memory on every
   /// backend, both of one dtype.
   virtual void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const = 0;
@@ -176,8 +183,9 @@ class layer_cache {
 /// The adapter: a `layer_cache` that owns a `Cache` (any `kvmosaic::cache<...>`, built in place
 /// from the constructor's arguments) and forwards every call to it, the `tensor_ref`s turned into
 /// typed views by their dtype. `get()` gives the typed cache back (for what `layer_cache` does not
-/// carry: evict, compact, plan and run, selection statistics). On backend::cuda this compiles only
-/// where the cache's engine is complete (a `.cu` file with <kvmosaic/kvmosaic.cuh>).
+/// carry: set_key_weights, evict, compact, positions, selection statistics, the engine). On
+/// backend::cuda this compiles only where the cache's engine is complete (a `.cu` file with
+/// <kvmosaic/kvmosaic.cuh>).
 template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
@@ -246,6 +254,22 @@ class layer_cache_of final : public layer_cache {
       });
     });
   }
+
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) override { cache_.plan(seqs, params); }
+
+  void run(tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) override {
+    const char* where = "layer_cache::run";
+    detail::require(lse.type == dtype::f32, where, "lse.type", to_string(lse.type), "f32");
+    detail::with_io_type(q.type, where, "q.type", [&](auto q_tag) {
+      using Q = typename decltype(q_tag)::type;
+      detail::with_io_type(out.type, where, "out.type", [&](auto out_tag) {
+        using O = typename decltype(out_tag)::type;
+        cache_.run(q.as<const Q>(), out.as<O>(), lse.as<float>());
+      });
+    });
+  }
+
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) override { cache_.reserve_step(batch, max_tokens); }
 
   void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const override {
     const char* where = "layer_cache::read";
@@ -352,6 +376,21 @@ class model_cache {
     const std::size_t i = index(layer, where);
     const std::vector<sequence_id> ids = layer_ids(i, seqs, where);
     layers_[i]->attend(span<const sequence_id>(ids.data(), seqs.size()), q, out, params);
+  }
+  /// `layer_cache::plan` of layer `layer`, with model sequence ids; `run(layer, ...)` runs it.
+  void plan(int layer, span<const sequence_id> seqs, const attend_params& params = {}) {
+    const char* where = "model_cache::plan";
+    const std::size_t i = index(layer, where);
+    const std::vector<sequence_id> ids = layer_ids(i, seqs, where);
+    layers_[i]->plan(span<const sequence_id>(ids.data(), seqs.size()), params);
+  }
+  /// `layer_cache::run` of layer `layer`: its last plan's step.
+  void run(int layer, tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) {
+    layers_[index(layer, "model_cache::run")]->run(q, out, lse);
+  }
+  /// `layer_cache::reserve_step` of every layer.
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    for (const auto& layer : layers_) layer->reserve_step(batch, max_tokens);
   }
   /// `layer_cache::read` of layer `layer` (host memory), with a model sequence id.
   void read(int layer, sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const {

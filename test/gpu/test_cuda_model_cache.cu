@@ -349,6 +349,26 @@ TEST_CASE("GPU model_cache: three CUDA layers read back, attend and fan out as t
     }
   };
   for (const sequence_id id : seqs) same_rows(id);
+  // plan then run on a CUDA graph-sized step (reserve_step) is attend, bit for bit, with the
+  // log-sum-exp written.
+  device.reserve_step(static_cast<std::int32_t>(batch), 1024);
+  for (int layer = 0; layer < 3; ++layer) {
+    std::vector<float> q;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const auto one = synthetic::generate_query(test::generator_for(c, 200 + static_cast<std::uint64_t>(layer)),
+                                                 static_cast<std::uint64_t>(b), 400);
+      q.insert(q.end(), one.begin(), one.end());
+    }
+    device_array<float> dq(q), by_attend(q.size()), by_run(q.size()), lse(static_cast<std::size_t>(batch) * hq);
+    device.attend(layer, ids, ref(dq.data(), batch, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_attend.data(), batch, hq, d)));
+    device.plan(layer, ids);
+    device.run(layer, ref(dq.data(), batch, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_run.data(), batch, hq, d)),
+               tensor_ref<2>::of(tensor_view<float, 2>(lse.data(), batch, hq)));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+    const std::vector<float> a = by_attend.to_host(q.size()), r = by_run.to_host(q.size());
+    REQUIRE(std::memcmp(a.data(), r.data(), a.size() * sizeof(float)) == 0);
+    for (const float x : lse.to_host(static_cast<std::size_t>(batch) * hq)) REQUIRE(std::isfinite(x));
+  }
   // Fork and remove fan out alike; the fork reads its parent's rows.
   const sequence_id child = host.fork_sequence(seqs[0]);
   REQUIRE(device.fork_sequence(seqs[0]) == child);

@@ -387,3 +387,47 @@ TEST_CASE("model_cache rejects bad layers and layer indices, naming the paramete
   auto& typed = dynamic_cast<layer_cache_of<dense_layer>&>(t.model.layer(0));
   REQUIRE(typed.get().length(t.model.layer_sequence(0, seq)) == 0);
 }
+
+TEST_CASE("model_cache: plan then run (with log-sum-exp) is attend; reserve_step reaches every layer", "[model_cache]") {
+  const cache_config c = layer_config();
+  direct_and_model t(c);
+  const int h = c.num_kv_heads, d = c.head_dim, hq = c.num_q_heads();
+  std::vector<sequence_id> seqs;
+  for (const int length : {130, 20}) {
+    const sequence_id id = t.model.add_sequence();
+    for (int layer = 0; layer < 3; ++layer) {
+      const auto kv = layer_rows(c, layer, seqs.size(), 0, length);
+      t.model.prefill(layer, id, ref_of(kv.k, length, h, d), ref_of(kv.v, length, h, d));
+    }
+    seqs.push_back(id);
+  }
+  t.model.reserve_step(2, 1024);
+  const span<const sequence_id> ids(seqs.data(), 2);
+  for (int layer = 0; layer < 3; ++layer) {
+    CAPTURE(layer);
+    std::vector<float> q;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const auto one = synthetic::generate_query(test::generator_for(c, 100 + static_cast<std::uint64_t>(layer)), b, 200);
+      q.insert(q.end(), one.begin(), one.end());
+    }
+    std::vector<float> by_attend(q.size()), by_run(q.size()), lse(2 * static_cast<std::size_t>(hq), std::nanf(""));
+    t.model.attend(layer, ids, ref_of(q, 2, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_attend.data(), 2, hq, d)));
+    t.model.plan(layer, ids);
+    t.model.run(layer, ref_of(q, 2, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_run.data(), 2, hq, d)),
+                tensor_ref<2>::of(tensor_view<float, 2>(lse.data(), 2, hq)));
+    REQUIRE(by_run == by_attend);
+    for (const float x : lse) REQUIRE(std::isfinite(x));
+    // Without lse (its default), and an lse of the wrong dtype.
+    t.model.run(layer, ref_of(q, 2, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_run.data(), 2, hq, d)));
+    REQUIRE(by_run == by_attend);
+    std::vector<half> lse16(lse.size());
+    try {
+      t.model.run(layer, ref_of(q, 2, hq, d), tensor_ref<3>::of(tensor_view<float, 3>(by_run.data(), 2, hq, d)),
+                  tensor_ref<2>::of(tensor_view<half, 2>(lse16.data(), 2, hq)));
+      FAIL("accepted");
+    } catch (const invalid_argument& e) {
+      REQUIRE(e.parameter() == "lse.type");
+    }
+  }
+  REQUIRE_THROWS_AS(t.model.run(3, tensor_ref<3>{}, tensor_ref<3>{}), invalid_argument);
+}
