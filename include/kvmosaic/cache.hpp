@@ -740,6 +740,88 @@ class cache
   /// Tokens the sequence holds in its slots (its sealed pages' rows, dead ones included until a
   /// compaction reclaims them, and its tail rows); `length` when nothing was evicted.
   std::int64_t stored_tokens(sequence_id seq) const { return live(seq, "cache::stored_tokens").stored; }
+
+  /// Reads back the K and V a sequence holds, decoded, for inspection and tests: `k`, `v` are
+  /// [stored_tokens(seq)][num_kv_heads][head_dim] in host memory, float, half or bfloat16 with any
+  /// strides (on every backend). Row i is slot i of the sequence (its sealed pages' rows in
+  /// block-table order, then its tail rows) as attention reads it: the format's host decode of
+  /// each page (`format_traits::decode_k/v`: format::dense the stored rows, format::bitmap_tiles
+  /// the pruned rows with zeros where pruned, format::quant2 the dequantized codes, min + scale *
+  /// code), the sink rows of formats that keep them from their exact 16-bit copies, the tail rows
+  /// as stored. Evicted slots hold whatever their page decodes to (`positions(seq)` maps slots to
+  /// positions). Values are converted to T (exact unless T is narrower than the storage dtype or
+  /// the decode). On backend::cuda the page and tail bytes are copied to the host after the work
+  /// on the engine's stream (which this synchronizes: not inside a graph capture) and decoded
+  /// there with the same host decode, so both backends read the same values from the same bytes.
+  /// Cost: one copy and one decode of each page of the sequence (in chunks of 64 pages), plus its
+  /// tail slot; O(stored_tokens x num_kv_heads x head_dim). Throws `invalid_argument` for a
+  /// dead handle or views of the wrong extents; writes nothing then.
+  template <class T>
+  void read(sequence_id seq, tensor_view<T, 3> k, tensor_view<T, 3> v) const {
+    static_assert(detail::is_io_type<T>::value,
+                  "kvmosaic::cache::read: k and v hold float, kvmosaic::half or kvmosaic::bfloat16 (not const)");
+    const char* where = "cache::read";
+    const sequence_state& s = live(seq, where);
+    detail::require(k.extent(0) == s.stored, where, "k.extent(0) (tokens)", k.extent(0), "stored_tokens(seq)");
+    detail::require(k.extent(1) == config_.num_kv_heads, where, "k.extent(1) (kv heads)", k.extent(1),
+                    "cache_config::num_kv_heads");
+    detail::require(k.extent(2) == config_.head_dim, where, "k.extent(2) (head_dim)", k.extent(2), "cache_config::head_dim");
+    detail::require(v.extent(0) == k.extent(0) && v.extent(1) == k.extent(1) && v.extent(2) == k.extent(2), where,
+                    "v.extents", "mismatch", "the extents of k");
+    check_view(where, "k", k);
+    check_view(where, "v", v);
+    detail::require(!detail::views_overlap(k, v), where, "v", "overlapping k", "an array that shares no element with k");
+    if (s.stored == 0) return;
+    using dense_traits = format_traits<format::dense>;
+    const detail::arena_geometry& g = engine_.geometry();
+    const page_shape shape{config_.page_size, config_.head_dim, config_.storage};
+    const int p = config_.page_size, d = config_.head_dim;
+    std::vector<float> rows(static_cast<std::size_t>(p) * d);
+    // Rows [from, to) of `rows` into out[first + t][h].
+    const auto put = [&](const tensor_view<T, 3>& out, std::int64_t first, int h, int from, int to) {
+      for (int t = from; t < to; ++t)
+        for (int c = 0; c < d; ++c) out(first + t, h, c) = T(rows[static_cast<std::size_t>(t) * d + c]);
+    };
+    const std::size_t sinks = s.pages.empty() ? 0 : static_cast<std::size_t>(sink_rows(format_));
+    const std::size_t chunk = std::min<std::size_t>(64, s.pages.size());
+    if (chunk > 0) {
+      detail::host_buffer bytes(chunk * engine_.page_slot_bytes());
+      for (std::size_t first = 0; first < s.pages.size(); first += chunk) {
+        const std::size_t n = std::min(chunk, s.pages.size() - first);
+        engine_.copy_pages_out(s.pages.data() + first, n, bytes.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::byte* slot = bytes.data() + i * engine_.page_slot_bytes();
+          const auto row0 = static_cast<std::int64_t>(first + i) * p;
+          const int from = first + i == 0 ? static_cast<int>(sinks) : 0;  // sink rows: their copies, below
+          for (int h = 0; h < config_.num_kv_heads; ++h) {
+            format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+            put(k, row0, h, from, p);
+            format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
+            put(v, row0, h, from, p);
+          }
+        }
+      }
+    }
+    const int tail = tail_rows(s);
+    if (tail == 0 && sinks == 0) return;
+    detail::host_buffer tail_bytes(g.tail_slot_bytes());
+    engine_.copy_tail_out(slot_of(seq), tail_bytes.data());
+    const std::int64_t tail_row0 = static_cast<std::int64_t>(s.pages.size()) * p;
+    for (int h = 0; h < config_.num_kv_heads; ++h)
+      for (const bool is_v : {false, true}) {
+        const std::byte* head = tail_bytes.data() + g.tail_offset(is_v, h);
+        const tensor_view<T, 3>& out = is_v ? v : k;
+        if (sinks > 0) {  // kept after the page_size tail rows
+          dense_traits::decode_k(format::dense{}, shape, head + static_cast<std::size_t>(p) * g.row_bytes, static_cast<int>(sinks),
+                                 rows.data());
+          put(out, 0, h, 0, static_cast<int>(sinks));
+        }
+        if (tail > 0) {
+          dense_traits::decode_k(format::dense{}, shape, head, tail, rows.data());
+          put(out, tail_row0, h, 0, tail);
+        }
+      }
+  }
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 

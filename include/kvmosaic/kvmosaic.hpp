@@ -36,3 +36,4 @@
 #include "kvmosaic/host/exact.hpp"
 
 #include "kvmosaic/cache.hpp"
+#include "kvmosaic/model_cache.hpp"

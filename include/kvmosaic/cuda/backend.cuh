@@ -216,6 +216,30 @@ class engine {
     selection_.commit();
   }
 
+  /// Copies the page slots `pages[0 .. n)` (`page_slot_bytes()` each, in that order) into host
+  /// memory at `out`, after the work already on the engine's stream: the bytes `cache::read`
+  /// decodes on the host. Runs of consecutive page ids go in one copy; returns when the copies
+  /// are done (synchronizes the stream, so not inside a graph capture).
+  void copy_pages_out(const page_id* pages, std::size_t n, std::byte* out) const {
+    const std::size_t bytes = page_slot_bytes();
+    for (std::size_t i = 0; i < n;) {
+      std::size_t run = 1;
+      while (i + run < n && pages[i + run] == pages[i] + static_cast<page_id>(run)) ++run;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out + i * bytes, pages_.as<const std::byte>() + static_cast<std::size_t>(pages[i]) * bytes,
+                                          run * bytes, cudaMemcpyDeviceToHost, stream_));
+      i += run;
+    }
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Copies the tail slot of `slot` (`geometry().tail_slot_bytes()`) into host memory at `out`,
+  /// after the work already on the stream; synchronizes the stream, as `copy_pages_out`.
+  void copy_tail_out(std::int32_t slot, std::byte* out) const {
+    const std::size_t bytes = geometry_.tail_slot_bytes();
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out, tails_.as<const std::byte>() + static_cast<std::size_t>(slot) * bytes, bytes,
+                                        cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
     const std::size_t bytes = geometry_.tail_slot_bytes();
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * bytes, tails_.as<std::byte>() + from * bytes, bytes,

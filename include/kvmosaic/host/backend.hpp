@@ -282,6 +282,19 @@ class engine {
   /// Makes the writes since the last `commit` final.
   void commit() noexcept { saved_slot_ = -1; }
 
+  /// Copies the page slots `pages[0 .. n)` (`page_slot_bytes()` each, in that order) into host
+  /// memory at `out`: the bytes `cache::read` decodes. Cost: n slot copies.
+  void copy_pages_out(const page_id* pages, std::size_t n, std::byte* out) const {
+    for (std::size_t i = 0; i < n; ++i)
+      std::memcpy(out + i * page_slot_bytes(), pages_.data() + static_cast<std::size_t>(pages[i]) * page_slot_bytes(),
+                  page_slot_bytes());
+  }
+  /// Copies the tail slot of `slot` (`geometry().tail_slot_bytes()`: its tail rows, then its sink
+  /// rows, per KV head, K then V) into host memory at `out`. Cost: one slot copy.
+  void copy_tail_out(std::int32_t slot, std::byte* out) const {
+    std::memcpy(out, tail_slot(slot), geometry_.tail_slot_bytes());
+  }
+
   /// Copies the first `rows` tail rows of one slot to another (fork); the K weights go along.
   void copy_tail(std::int32_t from, std::int32_t to, int rows) {
     (void)rows;  // whole slot: simpler, and the bytes past `rows` are never read
