@@ -9,9 +9,11 @@
 /// cache exactly as it was (no token half-stored, no page leaked). Device code never throws;
 /// everything a kernel relies on is checked on the host first.
 
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace kvmosaic {
@@ -41,11 +43,36 @@ class capacity_error : public error {
 
 namespace detail {
 
+/// A value as text for a message: integers and strings as they are, floating-point values as
+/// `%g` prints them (what a default `std::ostream` prints). Numbers and strings are formatted
+/// without iostreams, so messages are the same, and building them is safe, in a process whose
+/// other libraries install their own locale facets (seen with PyTorch extensions); other types
+/// fall back to `operator<<`.
+inline std::string to_text(const std::string& value) { return value; }
+inline std::string to_text(const char* value) { return value != nullptr ? std::string(value) : std::string("(null)"); }
+inline std::string to_text(bool value) { return value ? "1" : "0"; }
+inline std::string to_text(char value) { return std::string(1, value); }
+template <class Value>
+std::enable_if_t<std::is_integral<Value>::value, std::string> to_text(Value value) {
+  return std::to_string(value);
+}
+template <class Value>
+std::enable_if_t<std::is_floating_point<Value>::value, std::string> to_text(Value value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", static_cast<double>(value));
+  return text;
+}
+template <class Value>
+std::enable_if_t<!std::is_arithmetic<Value>::value && !std::is_convertible<const Value&, std::string>::value, std::string>
+to_text(const Value& value) {
+  std::ostringstream os;
+  os << value;
+  return os.str();
+}
+
 template <class Value>
 std::string describe(const char* where, const char* parameter, const Value& value, const char* allowed) {
-  std::ostringstream os;
-  os << "kvmosaic: " << where << ": " << parameter << " = " << value << "; allowed: " << allowed;
-  return os.str();
+  return std::string("kvmosaic: ") + where + ": " + parameter + " = " + to_text(value) + "; allowed: " + allowed;
 }
 
 /// Throws `invalid_argument` naming `parameter`, its `value` and the `allowed` values unless `ok`.

@@ -43,7 +43,6 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -210,10 +209,8 @@ struct format_traits<format::bitmap_tiles> {
   static constexpr bool has_key_weights = true;
 
   static std::string describe(const format::bitmap_tiles& f) {
-    std::ostringstream os;
-    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "")
-       << ")";
-    return os.str();
+    return "bitmap_tiles(k" + detail::to_text(f.s_k) + ",v" + detail::to_text(f.s_v) +
+           (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "") + ")";
   }
 
   static void validate(const format::bitmap_tiles& f, const page_shape& shape) {

@@ -57,7 +57,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -487,13 +486,12 @@ struct format_traits<format::quant2> {
   static constexpr const char* name = "quant2";
 
   static std::string describe(const format::quant2& f) {
-    std::ostringstream os;
-    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
-       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
-    if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
-    if (f.max_reencodes != 1) os << ",reencodes" << f.max_reencodes;
-    os << ")";
-    return os.str();
+    std::string text = "quant2(pi" + std::to_string(f.partition) + "," +
+                       (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") +
+                       (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
+    if (f.sink_tokens > 0) text += ",sinks" + std::to_string(f.sink_tokens);
+    if (f.max_reencodes != 1) text += ",reencodes" + std::to_string(f.max_reencodes);
+    return text + ")";
   }
 
   static void validate(const format::quant2& f, const page_shape& shape) {

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -72,9 +71,7 @@ struct token_budget {
       const double n = std::floor(1.0 / ratio + 0.5);  // infinite for a tiny ratio: then no n
       if (n <= 2147483647.0 && std::abs(ratio * n - 1.0) <= 1e-12) return "1/" + std::to_string(static_cast<long>(n));
     }
-    std::ostringstream os;
-    os << "ratio " << ratio;
-    return os.str();
+    return "ratio " + detail::to_text(ratio);
   }
 };
 
