@@ -123,7 +123,7 @@ struct attend_params {
 struct memory_stats {
   std::int64_t tokens = 0;          ///< tokens stored
   std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
-                                    ///< + sink rows (formats that keep sinks dense)
+                                    ///< + the exact sink and recent-window rows the tail slot holds
   std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
   std::int32_t pages_used = 0;      ///< pool pages held
   std::int32_t pages_free = 0;      ///< the free-page gauge
@@ -483,6 +483,10 @@ class cache
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
         selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
+        // The recent window is read from its exact rows: its spans are no candidates.
+        const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+        request.candidates_before.push_back(window_rows(format_) > 0 ? sealed - window_rows(format_)
+                                                                     : std::numeric_limits<std::int64_t>::max());
       }
       engine_.plan(batch, scale, &request);
     }
@@ -749,7 +753,7 @@ class cache
     memory_stats m = pool_gauge();
     m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
     m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
@@ -761,7 +765,7 @@ class cache
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.stored;
-      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
       m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
@@ -830,6 +834,7 @@ class cache
       const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
       const std::int64_t always_from = selector_traits<Selector>::always_from(s.selector_state, sealed);
       const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+      const std::int64_t window_from = sealed - window_rows(format_);
       std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
       for (int h = 0; h < num_heads; ++h) {
         const detail::head_selection& e = heads[static_cast<std::size_t>(b * num_heads + h)];
@@ -840,7 +845,7 @@ class cache
         if (s.selected.empty()) continue;
         std::vector<std::pair<std::int64_t, std::int64_t>> read = e.selected;
         if (sinks > 0) read.emplace_back(0, sinks);
-        read.emplace_back(always_from, std::numeric_limits<std::int64_t>::max());
+        read.emplace_back(std::min(always_from, window_from), std::numeric_limits<std::int64_t>::max());
         for (const auto& [from, to] : s.selected[static_cast<std::size_t>(h)]) {
           previous += static_cast<double>(to - from);
           reused += static_cast<double>(overlap(from, to, read));
@@ -855,6 +860,10 @@ class cache
   static cache_config validated(const cache_config& config, const Format& format, const Selector& selector) {
     config.validate();
     format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    // The recent window's ring is indexed by position, which a compaction's moves break.
+    detail::require(!compactor_traits<Compactor>::frees_memory || window_rows(format) == 0,
+                    (std::string(format_traits<Format>::name) + " with compact::" + compactor_traits<Compactor>::name).c_str(),
+                    "recent_tokens", window_rows(format), "0 with a compactor that frees memory (evicted caches keep no exact window)");
     selector_traits<Selector>::validate(selector, config.page_size);
     return config;
   }
@@ -923,9 +932,11 @@ class cache
   int tail_rows(const sequence_state& s) const {
     return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
-  /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
-  std::int64_t sink_rows_of(const sequence_state& s) const {
-    return s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+  /// Exact rows the format keeps besides the pages: the sinks and the recent window's ring, as far
+  /// as the sealed tokens fill them (min(S + W, sealed tokens); none before the first seal).
+  std::int64_t exact_rows_of(const sequence_state& s) const {
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+    return s.pages.empty() ? 0 : std::min<std::int64_t>(exact_rows(format_), sealed);
   }
   /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
   std::int64_t tail_row_bytes() const {
