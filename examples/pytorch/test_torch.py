@@ -29,6 +29,8 @@ SPECS = [
     "quant2:partition=64,rounding=nearest,sinks=4/all",
     "dense/quest:budget=0.25,block=16",
     "quant2:partition=32,rounding=nearest/streaming:budget=0.5,sinks=4,compact_every=64/hole_fill",
+    "bitmap_tiles:s_k=0.7,s_v=0.7,sinks=4,recent=64/all",
+    "quant2:partition=64,rounding=nearest,sinks=4,recent=128/quest:budget=0.25,block=16",
 ]
 
 

@@ -123,7 +123,7 @@ struct attend_params {
 struct memory_stats {
   std::int64_t tokens = 0;          ///< tokens stored
   std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
-                                    ///< + sink rows (formats that keep sinks dense)
+                                    ///< + the exact sink and recent-window rows the tail slot holds
   std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
   std::int32_t pages_used = 0;      ///< pool pages held
   std::int32_t pages_free = 0;      ///< the free-page gauge
@@ -483,6 +483,10 @@ class cache
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
         selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
+        // The recent window is read from its exact rows: its spans are no candidates.
+        const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+        request.candidates_before.push_back(window_rows(format_) > 0 ? sealed - window_rows(format_)
+                                                                     : std::numeric_limits<std::int64_t>::max());
       }
       engine_.plan(batch, scale, &request);
     }
@@ -747,9 +751,9 @@ class cache
   /// block-table order, then its tail rows) as attention reads it: the format's host decode of
   /// each page (`format_traits::decode_k/v`: format::dense the stored rows, format::bitmap_tiles
   /// the pruned rows with zeros where pruned, format::quant2 the dequantized codes, min + scale *
-  /// code), the sink rows of formats that keep them from their exact 16-bit copies, the tail rows
-  /// as stored. Evicted slots hold whatever their page decodes to (`positions(seq)` maps slots to
-  /// positions). Values are converted to T (exact unless T is narrower than the storage dtype or
+  /// code), the exact rows (sink tokens and the recent window, `sink_tokens` / `recent_tokens`)
+  /// from their 16-bit copies, the tail rows as stored. Evicted slots hold whatever their page
+  /// decodes to (`positions(seq)` maps slots to positions). Values are converted to T (exact unless T is narrower than the storage dtype or
   /// the decode). On backend::cuda the page and tail bytes are copied to the host after the work
   /// on the engine's stream (which this synchronizes: not inside a graph capture) and decoded
   /// there with the same host decode, so both backends read the same values from the same bytes.
@@ -782,7 +786,8 @@ class cache
       for (int t = from; t < to; ++t)
         for (int c = 0; c < d; ++c) out(first + t, h, c) = T(rows[static_cast<std::size_t>(t) * d + c]);
     };
-    const std::size_t sinks = s.pages.empty() ? 0 : static_cast<std::size_t>(sink_rows(format_));
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * p;
+    const std::int64_t exact = g.exact_rows_held(sealed);  // sinks and window: read from their copies
     const std::size_t chunk = std::min<std::size_t>(64, s.pages.size());
     if (chunk > 0) {
       detail::host_buffer bytes(chunk * engine_.page_slot_bytes());
@@ -792,33 +797,32 @@ class cache
         for (std::size_t i = 0; i < n; ++i) {
           const std::byte* slot = bytes.data() + i * engine_.page_slot_bytes();
           const auto row0 = static_cast<std::int64_t>(first + i) * p;
-          const int from = first + i == 0 ? static_cast<int>(sinks) : 0;  // sink rows: their copies, below
-          for (int h = 0; h < config_.num_kv_heads; ++h) {
-            format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
-            put(k, row0, h, from, p);
-            format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
-            put(v, row0, h, from, p);
-          }
+          for (int h = 0; h < config_.num_kv_heads; ++h)
+            for (const bool is_v : {false, true}) {
+              if (is_v) format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
+              else format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              for (int t = 0; t < p; ++t)
+                if (exact == 0 || !g.exact_position(row0 + t, sealed)) put(is_v ? v : k, row0, h, t, t + 1);
+            }
         }
       }
     }
     const int tail = tail_rows(s);
-    if (tail == 0 && sinks == 0) return;
+    if (tail == 0 && exact == 0) return;
     detail::host_buffer tail_bytes(g.tail_slot_bytes());
     engine_.copy_tail_out(slot_of(seq), tail_bytes.data());
-    const std::int64_t tail_row0 = static_cast<std::int64_t>(s.pages.size()) * p;
     for (int h = 0; h < config_.num_kv_heads; ++h)
       for (const bool is_v : {false, true}) {
         const std::byte* head = tail_bytes.data() + g.tail_offset(is_v, h);
         const tensor_view<T, 3>& out = is_v ? v : k;
-        if (sinks > 0) {  // kept after the page_size tail rows
-          dense_traits::decode_k(format::dense{}, shape, head + static_cast<std::size_t>(p) * g.row_bytes, static_cast<int>(sinks),
-                                 rows.data());
-          put(out, 0, h, 0, static_cast<int>(sinks));
+        for (std::int64_t t = 0; t < sealed && exact > 0; ++t) {
+          if (!g.exact_position(t, sealed)) continue;
+          dense_traits::decode_k(format::dense{}, shape, head + g.exact_row_of(t) * g.row_bytes, 1, rows.data());
+          put(out, t, h, 0, 1);
         }
         if (tail > 0) {
-          dense_traits::decode_k(format::dense{}, shape, head, tail, rows.data());
-          put(out, tail_row0, h, 0, tail);
+          dense_traits::decode_k(format::dense{}, shape, head + g.tail_row_offset(), tail, rows.data());
+          put(out, sealed, h, 0, tail);
         }
       }
   }
@@ -831,7 +835,7 @@ class cache
     memory_stats m = pool_gauge();
     m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
     m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
@@ -843,7 +847,7 @@ class cache
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.stored;
-      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
       m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
@@ -912,6 +916,7 @@ class cache
       const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
       const std::int64_t always_from = selector_traits<Selector>::always_from(s.selector_state, sealed);
       const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+      const std::int64_t window_from = sealed - window_rows(format_);
       std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
       for (int h = 0; h < num_heads; ++h) {
         const detail::head_selection& e = heads[static_cast<std::size_t>(b * num_heads + h)];
@@ -922,7 +927,7 @@ class cache
         if (s.selected.empty()) continue;
         std::vector<std::pair<std::int64_t, std::int64_t>> read = e.selected;
         if (sinks > 0) read.emplace_back(0, sinks);
-        read.emplace_back(always_from, std::numeric_limits<std::int64_t>::max());
+        read.emplace_back(std::min(always_from, window_from), std::numeric_limits<std::int64_t>::max());
         for (const auto& [from, to] : s.selected[static_cast<std::size_t>(h)]) {
           previous += static_cast<double>(to - from);
           reused += static_cast<double>(overlap(from, to, read));
@@ -937,6 +942,10 @@ class cache
   static cache_config validated(const cache_config& config, const Format& format, const Selector& selector) {
     config.validate();
     format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    // The recent window's ring is indexed by position, which a compaction's moves break.
+    detail::require(!compactor_traits<Compactor>::frees_memory || window_rows(format) == 0,
+                    (std::string(format_traits<Format>::name) + " with compact::" + compactor_traits<Compactor>::name).c_str(),
+                    "recent_tokens", window_rows(format), "0 with a compactor that frees memory (evicted caches keep no exact window)");
     selector_traits<Selector>::validate(selector, config.page_size);
     return config;
   }
@@ -1005,9 +1014,11 @@ class cache
   int tail_rows(const sequence_state& s) const {
     return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
-  /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
-  std::int64_t sink_rows_of(const sequence_state& s) const {
-    return s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+  /// Exact rows the format keeps besides the pages: the sinks and the recent window's ring, as far
+  /// as the sealed tokens fill them (min(S + W, sealed tokens); none before the first seal).
+  std::int64_t exact_rows_of(const sequence_state& s) const {
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+    return s.pages.empty() ? 0 : std::min<std::int64_t>(exact_rows(format_), sealed);
   }
   /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
   std::int64_t tail_row_bytes() const {

@@ -402,6 +402,7 @@ constexpr double unit_roundoff(dtype t) noexcept {
 /// cache exactly as it was (no token half-stored, no page leaked). Device code never throws;
 /// everything a kernel relies on is checked on the host first.
 
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -434,11 +435,36 @@ class capacity_error : public error {
 
 namespace detail {
 
+/// A value as text for a message: integers and strings as they are, floating-point values as
+/// `%g` prints them (what a default `std::ostream` prints). Numbers and strings are formatted
+/// without iostreams, so messages are the same, and building them is safe, in a process whose
+/// other libraries install their own locale facets (seen with PyTorch extensions); other types
+/// fall back to `operator<<`.
+inline std::string to_text(const std::string& value) { return value; }
+inline std::string to_text(const char* value) { return value != nullptr ? std::string(value) : std::string("(null)"); }
+inline std::string to_text(bool value) { return value ? "1" : "0"; }
+inline std::string to_text(char value) { return std::string(1, value); }
+template <class Value>
+std::enable_if_t<std::is_integral<Value>::value, std::string> to_text(Value value) {
+  return std::to_string(value);
+}
+template <class Value>
+std::enable_if_t<std::is_floating_point<Value>::value, std::string> to_text(Value value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", static_cast<double>(value));
+  return text;
+}
+template <class Value>
+std::enable_if_t<!std::is_arithmetic<Value>::value && !std::is_convertible<const Value&, std::string>::value, std::string>
+to_text(const Value& value) {
+  std::ostringstream os;
+  os << value;
+  return os.str();
+}
+
 template <class Value>
 std::string describe(const char* where, const char* parameter, const Value& value, const char* allowed) {
-  std::ostringstream os;
-  os << "kvmosaic: " << where << ": " << parameter << " = " << value << "; allowed: " << allowed;
-  return os.str();
+  return std::string("kvmosaic: ") + where + ": " + parameter + " = " + to_text(value) + "; allowed: " + allowed;
 }
 
 /// Throws `invalid_argument` naming `parameter`, its `value` and the `allowed` values unless `ok`.
@@ -815,15 +841,68 @@ template <class Format>
 struct sink_rows_of<Format, std::void_t<decltype(format_traits<Format>::sink_rows(std::declval<const Format&>()))>> {
   static int get(const Format& f) { return format_traits<Format>::sink_rows(f); }
 };
+/// format_traits<Format>::window_rows(format), 0 when a format does not declare it.
+template <class Format, class = void>
+struct window_rows_of {
+  static int get(const Format&) { return 0; }
+};
+template <class Format>
+struct window_rows_of<Format, std::void_t<decltype(format_traits<Format>::window_rows(std::declval<const Format&>()))>> {
+  static int get(const Format& f) { return format_traits<Format>::window_rows(f); }
+};
+
+/// Whether a format's encoder must not see the sink rows (their copies in the first page are
+/// replaced by the first row after them before encoding): true for a format whose records span
+/// several tokens, where one sink's large values would stretch its neighbours' ranges
+/// (format::quant2's partitions). False by default: a per-token record of a sink is masked and
+/// harms nobody.
+template <class Format>
+struct hides_sink_rows : std::false_type {};
+template <class Format>
+inline constexpr bool hides_sink_rows_v = hides_sink_rows<Format>::value;
 }  // namespace detail
 
-/// The leading tokens of every sequence a format keeps as dense 16-bit rows besides its pages
-/// (attention sinks): stored after the tail rows of the sequence's tail slot once its first page
-/// is sealed, masked out of that page, and attended exactly.
+/// Most sink tokens a format keeps exact (`sink_tokens` of every built-in format).
+inline constexpr int max_sink_tokens = 16;
+/// Most recent-window tokens a format keeps exact (`recent_tokens` of every built-in format).
+inline constexpr int max_recent_tokens = 1024;
+
+/// The leading tokens of every sequence a format keeps as exact 16-bit rows besides its pages
+/// (attention sinks, `sink_tokens`): copied into the sequence's tail slot when its first page is
+/// sealed, masked out of that page, and always attended.
 template <class Format>
 int sink_rows(const Format& format) {
   return detail::sink_rows_of<Format>::get(format);
 }
+
+/// The most recent sealed tokens a format keeps as exact 16-bit rows besides its pages (the
+/// recent window, `recent_tokens`, the dense tail not counted): a ring of that many rows in the
+/// sequence's tail slot, written as pages are sealed; their page copies are masked.
+template <class Format>
+int window_rows(const Format& format) {
+  return detail::window_rows_of<Format>::get(format);
+}
+
+/// Every exact row a sequence's tail slot can hold besides its tail: sinks plus the window.
+template <class Format>
+int exact_rows(const Format& format) {
+  return sink_rows(format) + window_rows(format);
+}
+
+namespace detail {
+/// Checks a format's `sink_tokens` and `recent_tokens` (throws `invalid_argument` naming them).
+inline void validate_exact_tokens(const char* where, int sink_tokens, int recent_tokens) {
+  require(sink_tokens >= 0 && sink_tokens <= max_sink_tokens, where, "sink_tokens", sink_tokens, "0 to 16");
+  require(recent_tokens >= 0 && recent_tokens <= max_recent_tokens, where, "recent_tokens", recent_tokens, "0 to 1024");
+}
+/// ", sinks S, recent W" for a format's `describe` (empty for zeros).
+inline std::string describe_exact_tokens(int sink_tokens, int recent_tokens) {
+  std::string text;
+  if (sink_tokens > 0) text += ",sinks" + std::to_string(sink_tokens);
+  if (recent_tokens > 0) text += ",recent" + std::to_string(recent_tokens);
+  return text;
+}
+}  // namespace detail
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/format_traits.hpp> ----
@@ -838,6 +917,10 @@ int sink_rows(const Format& format) {
 /// head's page is one contiguous run of memory. The dense tail of every format uses this layout too.
 
 #include <vector>
+
+#if defined(__SSE2__)
+#  include <emmintrin.h>
+#endif
 
 // ---- begin <kvmosaic/host/eigen.hpp> ----
 /// \file
@@ -863,8 +946,17 @@ namespace kvmosaic {
 namespace format {
 
 /// Uncompressed 16-bit K and V rows. Compression ratio 1 by definition. Source: the baseline.
+///
+/// `sink_tokens` and `recent_tokens` work as in every format (docs/architecture.md, "Exact
+/// tokens"): the rows are kept again, exactly, in the sequence's tail slot and their page copies
+/// masked. A dense page is exact already, so attention equals plain dense attention; the copies
+/// exist so that every format and selector shares one mechanism (a read-less selector never
+/// spends its budget on them and always reads them). Cost: sink_tokens + recent_tokens rows per
+/// sequence.
 struct dense {
   using policy_category = format_tag;
+  int sink_tokens = 0;    ///< leading tokens always read (0 to 16)
+  int recent_tokens = 0;  ///< latest sealed tokens always read (0 to 1024), besides the tail
 };
 
 }  // namespace format
@@ -878,10 +970,65 @@ void store_rows(const float* rows, std::size_t count, std::byte* out) {
   for (std::size_t i = 0; i < count; ++i) typed[i] = T(rows[i]);
 }
 
+/// binary16 bits -> float, the same bits as `half_bits_to_float` for every input (NaN payloads
+/// kept), with masks instead of branches so that a loop of it vectorizes: normal values rebias
+/// the exponent, infinities and NaN rebias it twice (to 255), subnormals are mantissa x 2^-24
+/// (an exact integer conversion and product). Host only; the device converts with __half2float.
+inline float half_bits_to_float_select(std::uint16_t h) noexcept {
+  const std::uint32_t magnitude = h & 0x7fffu;
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t normal = (magnitude << 13) + 0x38000000u;  // exponent + 112
+  const std::uint32_t special = normal + 0x38000000u;             // exponent 31 + 224 = 255
+  const std::uint32_t subnormal = float_bits(static_cast<float>(static_cast<std::int32_t>(magnitude)) * 5.9604644775390625e-08f);
+  const std::uint32_t is_subnormal = 0u - static_cast<std::uint32_t>(magnitude < 0x0400u);  // all ones or 0
+  const std::uint32_t is_special = 0u - static_cast<std::uint32_t>(magnitude >= 0x7c00u);
+  const std::uint32_t bits = (subnormal & is_subnormal) | (((special & is_special) | (normal & ~is_special)) & ~is_subnormal);
+  return bits_float(bits | sign);
+}
+
 template <class T>
 void load_rows(const std::byte* in, std::size_t count, float* rows) {
   const T* typed = reinterpret_cast<const T*>(in);
   for (std::size_t i = 0; i < count; ++i) rows[i] = to_float(typed[i]);
+}
+/// f16 rows. With SSE2 (every x86-64), eight values at a time in 16-bit lanes: a normal value or
+/// a zero has the float bits sign | (exponent + 112) << 23 | mantissa << 13 (no exponent added for
+/// a zero), whose high half is one add and the low half one shift; a group of eight holding a
+/// subnormal, an infinity or a NaN takes the scalar form above. Elsewhere the scalar form, which
+/// the compiler vectorizes. Both give `to_float`'s bits.
+template <>
+inline void load_rows<half>(const std::byte* in, std::size_t count, float* rows) {
+  std::size_t i = 0;
+#if defined(__SSE2__)
+  const __m128i magnitude_mask = _mm_set1_epi16(0x7fff), exponent_mask = _mm_set1_epi16(0x7c00);
+  const __m128i sign_mask = _mm_set1_epi16(static_cast<short>(0x8000)), rebias = _mm_set1_epi16(112 << 7);
+  const __m128i zero = _mm_setzero_si128();
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 2 * i));
+    const __m128i magnitude = _mm_and_si128(h, magnitude_mask), exponent = _mm_and_si128(h, exponent_mask);
+    const __m128i is_zero = _mm_cmpeq_epi16(magnitude, zero);
+    const __m128i special = _mm_or_si128(_mm_andnot_si128(is_zero, _mm_cmpeq_epi16(exponent, zero)),
+                                         _mm_cmpeq_epi16(exponent, exponent_mask));
+    if (_mm_movemask_epi8(special) != 0) {
+      for (std::size_t j = i; j < i + 8; ++j) {
+        std::uint16_t bits;
+        std::memcpy(&bits, in + 2 * j, 2);
+        rows[j] = half_bits_to_float_select(bits);
+      }
+      continue;
+    }
+    const __m128i high = _mm_or_si128(_mm_add_epi16(_mm_srli_epi16(magnitude, 3), _mm_andnot_si128(is_zero, rebias)),
+                                      _mm_and_si128(h, sign_mask));
+    const __m128i low = _mm_slli_epi16(h, 13);  // the mantissa's 3 low bits, at the top of the low half
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows + i), _mm_unpacklo_epi16(low, high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(rows + i + 4), _mm_unpackhi_epi16(low, high));
+  }
+#endif
+  for (; i < count; ++i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, in + 2 * i, 2);
+    rows[i] = half_bits_to_float_select(bits);
+  }
 }
 
 /// Row-major 16-bit rows <-> float rows, dispatched on the run-time storage dtype.
@@ -907,12 +1054,18 @@ template <>
 struct format_traits<format::dense> {
   static constexpr const char* name = "dense";
 
-  static std::string describe(const format::dense&) { return "dense"; }
+  static std::string describe(const format::dense& f) {
+    const std::string exact = detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens);
+    return exact.empty() ? "dense" : "dense(" + exact.substr(1) + ")";
+  }
 
-  static void validate(const format::dense&, const page_shape& shape) {
+  static void validate(const format::dense& f, const page_shape& shape) {
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, "format::dense",
                     "storage", to_string(shape.storage), "f16 or bf16");
+    detail::validate_exact_tokens("format::dense", f.sink_tokens, f.recent_tokens);
   }
+  static int sink_rows(const format::dense& f) { return f.sink_tokens; }
+  static int window_rows(const format::dense& f) { return f.recent_tokens; }
 
   static std::size_t k_page_bytes(const format::dense&, const page_shape& shape) {
     return static_cast<std::size_t>(shape.page_size) * shape.head_dim * size_of(shape.storage);
@@ -1023,6 +1176,15 @@ struct bitmap_tiles {
   float s_k = 0.5f;  ///< fraction of each K vector pruned
   float s_v = 0.5f;  ///< fraction of each V vector pruned
   bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
+  /// Attention sinks kept unpruned: the first `sink_tokens` (0 to 16) tokens of every sequence are
+  /// also kept as dense 16-bit rows once its first page is sealed, attended exactly, and masked in
+  /// that page. Cost: sink_tokens dense rows per sequence.
+  int sink_tokens = 0;
+  /// The recent window kept unpruned (0 to 1024; MUSTAFAR keeps 32): the last `recent_tokens`
+  /// sealed tokens are also kept as dense rows (a ring in the tail slot) and attended in place of
+  /// their masked page copies. Cost: recent_tokens dense rows per sequence, written at seal. Not
+  /// with a compactor that frees memory (the cache rejects it).
+  int recent_tokens = 0;
 };
 
 }  // namespace format
@@ -1100,14 +1262,29 @@ inline void encode_bitmap_page(float sparsity, const page_shape& shape, const fl
   store_dense_rows(shape.storage, values.data(), values.size(), value_bytes);
 }
 
+/// Index of the lowest set bit of a non-zero word.
+inline int lowest_set_bit(std::uint64_t x) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  return __builtin_ctzll(x);
+#else
+  int i = 0;
+  for (; (x & 1u) == 0; x >>= 1) ++i;
+  return i;
+#endif
+}
+
 /// Unpacks the first n tokens of a page into dense rows [n][head_dim] (pruned elements are 0).
+/// The page's values are widened to float in one pass (`load_dense_rows`, vectorized), then each
+/// tile's set bits place them. Cost: O(n x head_dim) to clear the rows, then one step per kept
+/// value; no allocation once the per-thread scratch has grown to a page's values.
 inline void decode_bitmap_page(float sparsity, const page_shape& shape, const std::byte* page, int n,
                                bool along_tokens, float* rows) {
   const int p = shape.page_size, d = shape.head_dim;
   const bitmap_page_layout layout = bitmap_layout(sparsity, shape);
   std::fill(rows, rows + static_cast<std::size_t>(n) * d, 0.0f);
-  std::vector<float> values(static_cast<std::size_t>(layout.values));
-  load_dense_rows(shape.storage, page + layout.values_at(), values.size(), values.data());
+  thread_local std::vector<float> values;
+  if (values.size() < static_cast<std::size_t>(layout.values)) values.resize(static_cast<std::size_t>(layout.values));
+  load_dense_rows(shape.storage, page + layout.values_at(), static_cast<std::size_t>(layout.values), values.data());
   const int tiles_per_line = along_tokens ? p / tile_length : d / tile_length;
   for (int tile = 0; tile < layout.tiles; ++tile) {
     std::uint64_t bits;
@@ -1115,12 +1292,12 @@ inline void decode_bitmap_page(float sparsity, const page_shape& shape, const st
     std::uint32_t offset;
     std::memcpy(&offset, page + layout.offsets_at() + static_cast<std::size_t>(tile) * 4, sizeof offset);
     const int line = tile / tiles_per_line, part = tile % tiles_per_line;
-    for (int b = 0; b < tile_length; ++b) {
-      if (!((bits >> b) & 1u)) continue;
+    if (!along_tokens && line >= n) continue;  // a token's tiles: past the rows asked for
+    for (; bits != 0; bits &= bits - 1, ++offset) {
+      const int b = lowest_set_bit(bits);
       const int t = along_tokens ? part * tile_length + b : line;
       const int c = along_tokens ? line : part * tile_length + b;
-      const float value = values[offset++];
-      if (t < n) rows[static_cast<std::size_t>(t) * d + c] = value;
+      if (t < n) rows[static_cast<std::size_t>(t) * d + c] = values[offset];
     }
   }
 }
@@ -1148,10 +1325,9 @@ struct format_traits<format::bitmap_tiles> {
   static constexpr bool has_key_weights = true;
 
   static std::string describe(const format::bitmap_tiles& f) {
-    std::ostringstream os;
-    os << "bitmap_tiles(k" << f.s_k << ",v" << f.s_v << (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "")
-       << ")";
-    return os.str();
+    return "bitmap_tiles(k" + detail::to_text(f.s_k) + ",v" + detail::to_text(f.s_v) +
+           (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "") +
+           detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens) + ")";
   }
 
   static void validate(const format::bitmap_tiles& f, const page_shape& shape) {
@@ -1165,7 +1341,10 @@ struct format_traits<format::bitmap_tiles> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.k_layout == format::bitmap_k_layout::along_tokens || f.k_layout == format::bitmap_k_layout::along_channels,
                     where, "k_layout", static_cast<int>(f.k_layout), "bitmap_k_layout::along_tokens or along_channels");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
   }
+  static int sink_rows(const format::bitmap_tiles& f) { return f.sink_tokens; }
+  static int window_rows(const format::bitmap_tiles& f) { return f.recent_tokens; }
   static bool k_along_tokens(const format::bitmap_tiles& f) { return f.k_layout == format::bitmap_k_layout::along_tokens; }
 
   static std::size_t k_page_bytes(const format::bitmap_tiles& f, const page_shape& shape) {
@@ -1318,6 +1497,13 @@ struct quant2 {
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
   /// sequence.
   int sink_tokens = 0;
+  /// The recent window kept 16-bit (0 to 1024; 0: only the dense tail): the last `recent_tokens`
+  /// sealed tokens of every sequence are also kept as dense rows in a ring in its tail slot and
+  /// attended exactly in place of their masked page copies, so the latest page_size - 1 +
+  /// recent_tokens tokens or more are exact (KIVI keeps 128, MUSTAFAR 32). Cost: recent_tokens
+  /// dense rows per sequence, written when a page is sealed. Not with a compactor that frees
+  /// memory (the cache rejects it).
+  int recent_tokens = 0;
   /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
   /// dequantized values again, on the grid of their new partition, which adds error each time a
   /// partition's members change. A pass leaves alone every page up to the last one re-encoded this
@@ -1628,6 +1814,80 @@ inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, 
   return length * m_a * m_b + m_a * s_b * sum_b + s_a * m_b * sum_a + s_a * s_b * dot;
 }
 
+/// Unpacks every code of a page into a byte matrix, row-major: K as [page_size][head_dim]
+/// (tokens x channels), V as [head_dim][page_size] (channels x tokens), the code matrix of
+/// `quant2_code_bit`. Each 32-bit word of a tile holds, in its byte b, four codes of one row
+/// (one per bit pair s), so one shift and mask gives four adjacent codes of a row. Cost: one
+/// load, four shifts and four 4-byte stores per 16 codes; no allocation.
+inline void quant2_unpack_codes(const quant2_layout& layout, const std::byte* page, std::uint8_t* out) {
+  const int rows = layout.is_key ? layout.page_size : layout.head_dim;
+  const int cols = layout.is_key ? layout.head_dim : layout.page_size;
+  const int tiles_per_row = cols / 32, tiles = rows / 16 * tiles_per_row;
+  const std::byte* codes = page + layout.codes_at();
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int r0 = tile / tiles_per_row * 16, c0 = tile % tiles_per_row * 32;
+    for (int lane = 0; lane < 32; ++lane) {
+      std::uint32_t word;
+      std::memcpy(&word, codes + static_cast<std::size_t>(tile) * 128 + static_cast<std::size_t>(lane) * 4, 4);
+      const int g = lane / 4, q = lane % 4;
+      for (int s = 0; s < 4; ++s) {
+        const std::uint32_t four = (word >> (2 * s)) & 0x03030303u;  // bytes b = 0..3: columns 4 q + b
+        std::memcpy(out + static_cast<std::size_t>(r0 + g + 8 * (s % 2)) * cols + c0 + 16 * (s / 2) + 4 * q, &four, 4);
+      }
+    }
+  }
+}
+
+/// sum_i a[i] b[i] over `count` bytes: the integer dot product of Eq. 4 (8-bit q or p codes
+/// times 2-bit codes; at most 255 x 3 x 256, exact in int). Written for the vectorizer.
+inline int byte_dot(const std::uint8_t* a, const std::uint8_t* b, int count) noexcept {
+  int dot = 0;
+  for (int i = 0; i < count; ++i) dot += static_cast<int>(a[i]) * static_cast<int>(b[i]);
+  return dot;
+}
+
+/// Per-thread working memory of the host attend on codes, reused across pages and calls (no
+/// allocation once it has grown to a page's size).
+struct quant2_host_scratch {
+  std::vector<std::uint8_t> codes;  ///< the page's code matrix (`quant2_unpack_codes`)
+  std::vector<float> mins, scales;  ///< every partition's stored min and scale, as floats
+  std::vector<int> a;               ///< 8-bit codes of q, q' or p, as quantize8 writes them
+  std::vector<std::uint8_t> a8;     ///< the same as bytes, for `byte_dot`
+  std::vector<float> folded, m_a, s_a;
+  std::vector<unsigned> sum_a;
+
+  /// Unpacks the codes, mins and scales of `page`.
+  void load(const quant2_page_view& view) {
+    const quant2_layout& l = view.layout;
+    codes.resize(static_cast<std::size_t>(l.page_size) * l.head_dim);
+    quant2_unpack_codes(l, view.page, codes.data());
+    mins.resize(static_cast<std::size_t>(l.partitions));
+    scales.resize(mins.size());
+    for (int part = 0; part < l.partitions; ++part) {
+      mins[static_cast<std::size_t>(part)] = view.min(part);
+      scales[static_cast<std::size_t>(part)] = view.scale(part);
+    }
+  }
+  /// Sizes the 8-bit operand buffers for `count` values and `parts` partitions of them.
+  void size_operands(int count, int parts) {
+    a.resize(static_cast<std::size_t>(count));
+    a8.resize(a.size());
+    folded.resize(a.size());
+    m_a.resize(static_cast<std::size_t>(parts));
+    s_a.resize(m_a.size());
+    sum_a.resize(m_a.size());
+  }
+  /// Copies a[from, from + count) into a8 (every code is 0..255).
+  void to_bytes(int from, int count) {
+    for (int i = from; i < from + count; ++i) a8[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(a[static_cast<std::size_t>(i)]);
+  }
+};
+
+inline quant2_host_scratch& quant2_scratch() {
+  thread_local quant2_host_scratch scratch;
+  return scratch;
+}
+
 }  // namespace detail
 
 template <>
@@ -1635,27 +1895,38 @@ struct format_traits<format::quant2> {
   static constexpr const char* name = "quant2";
 
   static std::string describe(const format::quant2& f) {
-    std::ostringstream os;
-    os << "quant2(pi" << f.partition << "," << (f.mode == format::rounding::stochastic ? "stochastic" : "nearest")
-       << (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
-    if (f.sink_tokens > 0) os << ",sinks" << f.sink_tokens;
-    if (f.max_reencodes != 1) os << ",reencodes" << f.max_reencodes;
-    os << ")";
-    return os.str();
+    std::string text = "quant2(pi" + std::to_string(f.partition) + "," +
+                       (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") +
+                       (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token") +
+                       detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens);
+    if (f.max_reencodes != 1) text += ",reencodes" + std::to_string(f.max_reencodes);
+    return text + ")";
   }
 
   static void validate(const format::quant2& f, const page_shape& shape) {
     const char* where = "format::quant2";
     detail::require(f.partition == 32 || f.partition == 64 || f.partition == 128, where, "partition", f.partition,
                     "32, 64 or 128");
-    detail::require(shape.head_dim % f.partition == 0, where, "head_dim", shape.head_dim,
-                    "a multiple of partition (K partitions run along head_dim)");
+    // q.k runs over channels in groups of Pi with either key axis: K per token partitions them,
+    // and K per channel quantizes q' = q s per Pi channels and keeps per-token code sums of Pi
+    // channels in the partitions' sum slots (page_size x head_dim / Pi of them). So Pi divides
+    // head_dim whatever k_axis is; the CUDA kernels are compiled for Pi <= head_dim alone.
+    if (shape.head_dim % f.partition != 0) {
+      std::string allowed;
+      for (const int pi : {32, 64, 128})
+        if (shape.head_dim % pi == 0) allowed += (allowed.empty() ? "" : ", ") + std::to_string(pi);
+      const std::size_t last = allowed.rfind(", ");
+      if (last != std::string::npos) allowed.replace(last, 2, " or ");
+      allowed = (allowed.empty() ? std::string("none") : allowed) + " at head_dim = " + std::to_string(shape.head_dim) +
+                " (a divisor of head_dim with either k_axis: q.k sums channels in groups of partition; K per channel "
+                "stores per-token code sums of partition channels)";
+      detail::require(false, where, "partition", f.partition, allowed.c_str());
+    }
     detail::require(shape.page_size % f.partition == 0, where, "page_size", shape.page_size,
                     "a multiple of partition (a sealed page holds whole V partitions)");
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
                     to_string(shape.storage), "f16 or bf16");
-    detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
-                    "0 to 16");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
     detail::require(f.max_reencodes >= 0 && f.max_reencodes <= 255, where, "max_reencodes", f.max_reencodes, "0 to 255");
     // Enumerations arrive from configuration as integers: a value outside the enumerators would
     // otherwise pick a branch silently.
@@ -1667,8 +1938,9 @@ struct format_traits<format::quant2> {
   }
 
   /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.
-  static constexpr int max_sink_tokens = 16;
+  static constexpr int max_sink_tokens = kvmosaic::max_sink_tokens;
   static int sink_rows(const format::quant2& f) { return f.sink_tokens; }
+  static int window_rows(const format::quant2& f) { return f.recent_tokens; }
 
   static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
     return detail::quant2_layout_of(f, shape, true).bytes();
@@ -1690,8 +1962,9 @@ struct format_traits<format::quant2> {
   }
 
   /// logits[g][t] = q[g] . k[t] on the codes (Eq. 4): q quantized to 8 bits per partition, one
-  /// integer dot product per (token, partition) plus the correction terms. Cost: n G D integer
-  /// multiply-adds, 4 n G D / Pi floating-point operations.
+  /// integer dot product per (token, partition) plus the correction terms. The page's codes are
+  /// unpacked once for all G query heads. Cost: page_size x head_dim code unpacks, n G D integer
+  /// multiply-adds, 4 n G D / Pi floating-point operations; no allocation.
   static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
                     int groups, float* logits) {
     if (f.k_axis == format::key_axis::tokens) {
@@ -1700,23 +1973,24 @@ struct format_traits<format::quant2> {
     }
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
-    std::vector<int> a(static_cast<std::size_t>(d));
-    std::vector<float> m_a(static_cast<std::size_t>(per_token)), s_a(m_a.size());
-    std::vector<unsigned> sum_a(m_a.size());
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(d, per_token);
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < per_token; ++j)
-        sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
-                                                               m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
-                                                               a.data() + static_cast<std::size_t>(j) * pi);
+        s.sum_a[static_cast<std::size_t>(j)] = detail::quantize8(q + static_cast<std::size_t>(g) * d + j * pi, pi, 1,
+                                                                 s.m_a[static_cast<std::size_t>(j)], s.s_a[static_cast<std::size_t>(j)],
+                                                                 s.a.data() + static_cast<std::size_t>(j) * pi);
+      s.to_bytes(0, d);
       for (int t = 0; t < n; ++t) {
+        const std::uint8_t* codes = s.codes.data() + static_cast<std::size_t>(t) * d;
         double logit = 0;
         for (int j = 0; j < per_token; ++j) {
           const int part = t * per_token + j;
-          std::int64_t dot = 0;
-          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(j * pi + i)] * view.code(part, i);
-          logit += detail::homomorphic_dot(pi, m_a[static_cast<std::size_t>(j)], s_a[static_cast<std::size_t>(j)],
-                                           sum_a[static_cast<std::size_t>(j)], view.min(part), view.scale(part),
-                                           view.code_sum(part), static_cast<double>(dot));
+          const int dot = detail::byte_dot(s.a8.data() + static_cast<std::size_t>(j) * pi, codes + static_cast<std::size_t>(j) * pi, pi);
+          logit += detail::homomorphic_dot(pi, s.m_a[static_cast<std::size_t>(j)], s.s_a[static_cast<std::size_t>(j)],
+                                           s.sum_a[static_cast<std::size_t>(j)], s.mins[static_cast<std::size_t>(part)],
+                                           s.scales[static_cast<std::size_t>(part)], view.code_sum(part), static_cast<double>(dot));
         }
         logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
       }
@@ -1724,23 +1998,27 @@ struct format_traits<format::quant2> {
   }
 
   /// o[g] += sum_t p[g][t] v[t] on the codes (Eq. 4): p quantized to 8 bits per partition of Pi
-  /// tokens. Pages are full (n = page_size): tails are dense. Cost as `score`.
+  /// tokens. Pages are full (n = page_size): tails are dense. The page's codes are unpacked once
+  /// for all G query heads. Cost as `score`.
   static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
                          const float* p, int groups, float* o) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), v_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
     detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
-    std::vector<int> a(static_cast<std::size_t>(n));
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(pi, 1);
     for (int g = 0; g < groups; ++g) {
       for (int j = 0; j < per_channel; ++j) {
         float m_p = 0, s_p = 0;
-        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, a.data());
+        const unsigned sum_p = detail::quantize8(p + static_cast<std::size_t>(g) * n + j * pi, pi, 1, m_p, s_p, s.a.data());
+        s.to_bytes(0, pi);
         for (int c = 0; c < d; ++c) {
           const int part = c * per_channel + j;
-          std::int64_t dot = 0;
-          for (int i = 0; i < pi; ++i) dot += a[static_cast<std::size_t>(i)] * view.code(part, i);
+          const int dot = detail::byte_dot(s.a8.data(), s.codes.data() + static_cast<std::size_t>(c) * n + static_cast<std::size_t>(j) * pi, pi);
           o[static_cast<std::size_t>(g) * d + c] += static_cast<float>(detail::homomorphic_dot(
-              pi, m_p, s_p, sum_p, view.min(part), view.scale(part), view.code_sum(part), static_cast<double>(dot)));
+              pi, m_p, s_p, sum_p, s.mins[static_cast<std::size_t>(part)], s.scales[static_cast<std::size_t>(part)],
+              view.code_sum(part), static_cast<double>(dot)));
         }
       }
     }
@@ -1755,29 +2033,29 @@ struct format_traits<format::quant2> {
                                         const float* q, int groups, float* logits) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
-    std::vector<float> folded(static_cast<std::size_t>(d));
-    std::vector<int> a(static_cast<std::size_t>(d));
-    std::vector<float> m_a(static_cast<std::size_t>(groups_of_channels)), s_a(m_a.size());
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    s.size_operands(d, groups_of_channels);
     for (int g = 0; g < groups; ++g) {
       const float* q_g = q + static_cast<std::size_t>(g) * d;
       for (int j = 0; j < per_channel && j * pi < n; ++j) {
         double base = 0;
         for (int c = 0; c < d; ++c) {
           const int part = c * per_channel + j;
-          base += static_cast<double>(q_g[c]) * view.min(part);
-          folded[static_cast<std::size_t>(c)] = q_g[c] * view.scale(part);
+          base += static_cast<double>(q_g[c]) * s.mins[static_cast<std::size_t>(part)];
+          s.folded[static_cast<std::size_t>(c)] = q_g[c] * s.scales[static_cast<std::size_t>(part)];
         }
         for (int p = 0; p < groups_of_channels; ++p)
-          detail::quantize8(folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, m_a[static_cast<std::size_t>(p)],
-                            s_a[static_cast<std::size_t>(p)], a.data() + static_cast<std::size_t>(p) * pi);
+          detail::quantize8(s.folded.data() + static_cast<std::size_t>(p) * pi, pi, 1, s.m_a[static_cast<std::size_t>(p)],
+                            s.s_a[static_cast<std::size_t>(p)], s.a.data() + static_cast<std::size_t>(p) * pi);
+        s.to_bytes(0, d);
         for (int t = j * pi; t < std::min(n, (j + 1) * pi); ++t) {
+          const std::uint8_t* codes = s.codes.data() + static_cast<std::size_t>(t) * d;
           double logit = base;
           for (int p = 0; p < groups_of_channels; ++p) {
-            std::int64_t dot = 0;
-            for (int c = p * pi; c < (p + 1) * pi; ++c)
-              dot += a[static_cast<std::size_t>(c)] * view.code_at(t, c);
-            logit += static_cast<double>(m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
-                     static_cast<double>(s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
+            const int dot = detail::byte_dot(s.a8.data() + static_cast<std::size_t>(p) * pi, codes + static_cast<std::size_t>(p) * pi, pi);
+            logit += static_cast<double>(s.m_a[static_cast<std::size_t>(p)]) * view.code_sum(t * groups_of_channels + p) +
+                     static_cast<double>(s.s_a[static_cast<std::size_t>(p)]) * static_cast<double>(dot);
           }
           logits[static_cast<std::size_t>(g) * n + t] = static_cast<float>(logit);
         }
@@ -1785,17 +2063,22 @@ struct format_traits<format::quant2> {
     }
   }
 
+  /// Dequantizes the first n tokens: x = m + s c for every element, from the unpacked codes.
   static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
                      float* rows) {
     const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, is_key), page};
-    const int d = shape.head_dim, pi = f.partition;
-    for (int part = 0; part < view.layout.partitions; ++part) {
-      for (int i = 0; i < pi; ++i) {
-        int t = 0, c = 0;
-        view.layout.element(part, i, t, c);
-        if (t < n) rows[static_cast<std::size_t>(t) * d + c] = view.min(part) + view.scale(part) * static_cast<float>(view.code(part, i));
+    const detail::quant2_layout& layout = view.layout;
+    const int d = shape.head_dim, p = shape.page_size;
+    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    s.load(view);
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < d; ++c) {
+        // the partition of (t, c) (`quant2_layout::element`'s inverse) and the code matrix entry
+        const int part = layout.along_tokens ? c * (p / f.partition) + t / f.partition : t * (d / f.partition) + c / f.partition;
+        const int code = s.codes[is_key ? static_cast<std::size_t>(t) * d + c : static_cast<std::size_t>(c) * p + t];
+        rows[static_cast<std::size_t>(t) * d + c] =
+            s.mins[static_cast<std::size_t>(part)] + s.scales[static_cast<std::size_t>(part)] * static_cast<float>(code);
       }
-    }
   }
 };
 
@@ -1813,6 +2096,10 @@ struct reencoding<format::quant2> {
   }
   static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
 };
+/// quant2's first page is encoded with its sinks replaced by the first row after them: a sink's
+/// large values would stretch the range of every partition it falls in.
+template <>
+struct hides_sink_rows<format::quant2> : std::true_type {};
 }  // namespace detail
 
 }  // namespace kvmosaic
@@ -1894,7 +2181,7 @@ struct reencoding<format::quant2> {
 /// max of their keys, see select/span_score.hpp), scores them and picks some within a token
 /// budget. What the attend path consumes is the same for every such selector: per (sequence, KV
 /// head), the pages holding a selected token and, per page, which of its tokens are selected
-/// (docs/selectors.md). The dense tail (and a format's sink rows) is always read.
+/// (docs/selectors.md). The dense tail (and a format's exact sink and window rows) is always read.
 
 
 // ---- begin <kvmosaic/select/selection_request.hpp> ----
@@ -1940,7 +2227,7 @@ inline const char* to_string(group_combine c) noexcept { return c == group_combi
 namespace select {
 
 /// The tokens a read-less selector may pick per (sequence, KV head) and step: `tokens` when it is
-/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, sink rows and (for sentence
+/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, exact sink and window rows and (for sentence
 /// chunks) the open chunk are read on top of it. A budget of 0 reads only those; a budget of the
 /// whole context or more reads every token.
 struct token_budget {
@@ -1969,9 +2256,7 @@ struct token_budget {
       const double n = std::floor(1.0 / ratio + 0.5);  // infinite for a tiny ratio: then no n
       if (n <= 2147483647.0 && std::abs(ratio * n - 1.0) <= 1e-12) return "1/" + std::to_string(static_cast<long>(n));
     }
-    std::ostringstream os;
-    os << "ratio " << ratio;
-    return os.str();
+    return "ratio " + detail::to_text(ratio);
   }
 };
 
@@ -2068,6 +2353,10 @@ struct selection_request {
   int block_tokens = 0;
   std::vector<std::int64_t> budget;        ///< [batch] tokens
   std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
+  /// [batch] spans starting here or later are not scored or picked (the format's recent window,
+  /// read from its exact rows: set by the cache, not the selector); spans come in token order, so
+  /// the candidates are a prefix.
+  std::vector<std::int64_t> candidates_before;
   std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
 };
 
@@ -3148,8 +3437,13 @@ inline std::int32_t pack_block_tables(const std::vector<const block_table*>& tab
 ///
 /// Layouts (all row-major, bytes):
 ///   page slot  = [K: num_kv_heads x k_page_bytes][V: num_kv_heads x v_page_bytes]
-///   tail slot  = [K: num_kv_heads x page_size x head_dim][V: same], storage dtype (format::dense)
+///   tail slot  = [K: num_kv_heads x tail head][V: same], storage dtype (format::dense), a tail head
+///                = [recent window ring: W rows][sinks: S rows][tail: page_size rows] (W, S: the
+///                format's `window_rows` and `sink_rows`, usually 0). Ring entry j (the sealed
+///                position S + j modulo W) is row W - 1 - j, so a sequence's exact rows, however
+///                many it holds yet, and its tail rows are one contiguous run ending at the tail.
 
+#include <exception>
 #include <memory>
 #include <new>
 
@@ -3188,23 +3482,41 @@ struct arena_geometry {
         k_page_bytes(format_traits<Format>::k_page_bytes(format, shape.page())),
         v_page_bytes(format_traits<Format>::v_page_bytes(format, shape.page())),
         sink_rows(kvmosaic::sink_rows(format)),
+        window_rows(kvmosaic::window_rows(format)),
+        exact_rows(sink_rows + window_rows),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + sink_rows) * row_bytes) {}
+        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + exact_rows) * row_bytes) {}
 
   std::size_t num_kv_heads;
   std::size_t k_page_bytes;     ///< one page of K of one head, by the format's accounting
   std::size_t v_page_bytes;     ///< one page of V of one head
-  std::size_t sink_rows;        ///< dense sink rows kept after the tail rows (formats with sinks)
+  std::size_t sink_rows;        ///< S: exact sink rows a tail head keeps (format's `sink_rows`)
+  std::size_t window_rows;      ///< W: exact recent-window rows a tail head keeps (`window_rows`)
+  std::size_t exact_rows;       ///< S + W
   std::size_t row_bytes;        ///< one dense row of one head
-  std::size_t tail_head_bytes;  ///< page_size tail rows, then the sink rows, of one head (K or V)
+  std::size_t tail_head_bytes;  ///< the window ring, the sinks, then page_size tail rows, of one head (K or V)
 
   /// One pool slot: a page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return num_kv_heads * (k_page_bytes + v_page_bytes); }
-  /// One tail slot: page_size dense rows (and the sink rows) of K and of V for every KV head.
+  /// One tail slot: the exact rows and page_size tail rows of K and of V for every KV head.
   std::size_t tail_slot_bytes() const noexcept { return 2 * num_kv_heads * tail_head_bytes; }
-  /// Offset of the first sink row inside a tail slot's head.
-  std::size_t sink_offset(const engine_shape& shape) const noexcept {
-    return static_cast<std::size_t>(shape.page_size) * row_bytes;
+  /// Offset of tail row 0 inside a tail head (after the exact rows).
+  std::size_t tail_row_offset() const noexcept { return exact_rows * row_bytes; }
+  /// Exact rows a sequence with `sealed` sealed tokens holds (just before its tail rows):
+  /// min(S + W, sealed), 0 before its first page is sealed.
+  std::int64_t exact_rows_held(std::int64_t sealed) const noexcept {
+    return sealed > 0 ? std::min(static_cast<std::int64_t>(exact_rows), sealed) : 0;
+  }
+  /// The row of a tail head (from its start) that keeps the exact copy of sealed position `t`
+  /// (a sink, or a window position >= S).
+  std::size_t exact_row_of(std::int64_t t) const noexcept {
+    if (t < static_cast<std::int64_t>(sink_rows)) return window_rows + static_cast<std::size_t>(t);
+    return window_rows - 1 - static_cast<std::size_t>((t - static_cast<std::int64_t>(sink_rows)) % static_cast<std::int64_t>(window_rows));
+  }
+  /// Whether sealed position `t` of a sequence with `sealed` sealed tokens is attended from its
+  /// exact copy (its page copy is masked): a sink, or one of the last W sealed tokens.
+  bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
+    return t < static_cast<std::int64_t>(sink_rows) || t >= sealed - static_cast<std::int64_t>(window_rows);
   }
   /// Offsets inside a page slot and a tail slot.
   std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
@@ -3354,7 +3666,10 @@ class engine {
               const page_id* new_pages, std::int64_t sealed_pages) {
     const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
     std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
-    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot, tail_rows);
+    // Rows after a sealed page land on the old tail rows, and a seal rewrites the exact rows.
+    if ((tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) ||
+        (geometry_.exact_rows > 0 && tail_rows + k.extent(0) >= shape_.page_size))
+      save_tail(slot, tail_rows);
     const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
       for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float(src(t, h, c));
       detail::store_dense_rows(shape_.storage, row.data(), row.size(), tail_head(slot, is_v, h) + tail_rows * row_bytes);
@@ -3365,7 +3680,7 @@ class engine {
         store(v, true, t, h);
       }
       if (++tail_rows == shape_.page_size) {
-        seal_tail(slot, *new_pages++, sealed_pages++ == 0);
+        seal_tail(slot, *new_pages++, sealed_pages++);
         tail_rows = 0;
       }
     }
@@ -3382,21 +3697,39 @@ class engine {
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
-  /// overwrote. (Rows written past a tail's committed length, and fresh pages, are never read.)
+  /// overwrote and the exact rows its seals rewrote, of every slot it saved (latest first). (Rows
+  /// written past a tail's committed length, and fresh pages, are never read.)
   void rollback() noexcept {
-    if (saved_slot_ >= 0) {
-      const std::size_t bytes = static_cast<std::size_t>(saved_rows_) * geometry_.row_bytes;
-      std::size_t at = 0;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      const std::size_t bytes = (geometry_.exact_rows + static_cast<std::size_t>(it->rows)) * geometry_.row_bytes;
+      std::size_t at = it->at;
       for (int h = 0; h < shape_.num_kv_heads; ++h)
         for (const bool is_v : {false, true}) {
-          std::memcpy(tail_head(saved_slot_, is_v, h), saved_tail_.data() + at, bytes);
+          std::memcpy(tail_slot(it->slot) + geometry_.tail_offset(is_v, h), saved_tail_.data() + at, bytes);
           at += bytes;
         }
     }
-    saved_slot_ = -1;
+    saved_.clear();
+    saved_tail_.clear();
   }
   /// Makes the writes since the last `commit` final.
-  void commit() noexcept { saved_slot_ = -1; }
+  void commit() noexcept {
+    saved_.clear();
+    saved_tail_.clear();
+  }
+
+  /// Copies the page slots `pages[0 .. n)` (`page_slot_bytes()` each, in that order) into host
+  /// memory at `out`: the bytes `cache::read` decodes. Cost: n slot copies.
+  void copy_pages_out(const page_id* pages, std::size_t n, std::byte* out) const {
+    for (std::size_t i = 0; i < n; ++i)
+      std::memcpy(out + i * page_slot_bytes(), pages_.data() + static_cast<std::size_t>(pages[i]) * page_slot_bytes(),
+                  page_slot_bytes());
+  }
+  /// Copies the tail slot of `slot` (`geometry().tail_slot_bytes()`: its tail rows, then its sink
+  /// rows, per KV head, K then V) into host memory at `out`. Cost: one slot copy.
+  void copy_tail_out(std::int32_t slot, std::byte* out) const {
+    std::memcpy(out, tail_slot(slot), geometry_.tail_slot_bytes());
+  }
 
   /// Copies the first `rows` tail rows of one slot to another (fork); the K weights go along.
   void copy_tail(std::int32_t from, std::int32_t to, int rows) {
@@ -3466,7 +3799,7 @@ class engine {
       const std::size_t i = index_of(index);
       const page_id page = pages[static_cast<std::size_t>(index)];
       std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
-      const int sinks = first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+      const int sinks = detail::hides_sink_rows_v<Format> && first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
       for (int h = 0; h < heads; ++h) {
         for (int is_v = 0; is_v < 2; ++is_v) {
           std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
@@ -3503,63 +3836,50 @@ class engine {
   /// stored token of sequence b, or, with a selection request, over the tokens the selection
   /// reads (docs/selectors.md); lse[b][j] (optional, extent 0: not written) its log-sum-exp.
   /// q, out: [batch][num_kv_heads * group_size][head_dim], float, half or bfloat16, any strides.
+  ///
+  /// Each (sequence, KV head) is computed alone, from its own pages, into its own outputs, with
+  /// the same operations in the same order whichever thread runs it: the outputs are the same
+  /// bits for any thread count. Compiled with OpenMP (`_OPENMP`: the consumer builds with
+  /// -fopenmp), the pairs are spread over OpenMP's threads (`OMP_NUM_THREADS`); otherwise, and
+  /// for a single pair, they run on the calling thread. Cost: per pair, one score and one
+  /// accumulate per page read plus the tail and sinks; working memory per thread, no allocation
+  /// per page or token.
   template <class Q, class O>
   void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
-    const std::vector<detail::sequence_ref>& batch = planned_batch_;
-    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
-    const float softmax_scale = planned_scale_;
-    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
-    attend_scratch s(groups, d, p);
-    if (request != nullptr) last_selection_.assign(batch.size() * static_cast<std::size_t>(shape_.num_kv_heads), {});
-    std::vector<std::uint64_t> keep;
-    const int mask_words = (p + 63) / 64;
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const detail::sequence_ref& seq = batch[b];
-      const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
-      for (int h = 0; h < shape_.num_kv_heads; ++h) {
-        if (request != nullptr) {
-          detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
-          select_tokens(*request, b, seq, q, h, keep, chosen);
-          if (seq.live != nullptr)  // evicted tokens are never read
-            for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
-          chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
-          for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-            int tokens = 0;
-            for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
-            chosen.tokens_read += tokens;
-            chosen.pages_read += tokens > 0;
+    const std::int64_t heads = shape_.num_kv_heads;
+    const std::int64_t items = static_cast<std::int64_t>(planned_batch_.size()) * heads;
+    if (planned_selects_) last_selection_.assign(static_cast<std::size_t>(items), {});
+    prepare_visible_rows();
+#if defined(_OPENMP)
+    if (items > 1) {
+      std::exception_ptr error;       // the failure of the lowest pair, as the serial loop would throw
+      std::int64_t error_item = items;
+#pragma omp parallel
+      {
+        std::unique_ptr<attend_scratch> s;
+        std::vector<std::uint64_t> keep;
+#pragma omp for schedule(dynamic, 1)
+        for (std::int64_t i = 0; i < items; ++i) {
+          try {
+            if (!s) s = std::make_unique<attend_scratch>(shape_.group_size, shape_.head_dim, scratch_rows());
+            attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), *s, keep);
+          } catch (...) {
+#pragma omp critical(kvmosaic_host_attend_error)
+            if (i < error_item) {
+              error_item = i;
+              error = std::current_exception();
+            }
           }
         }
-        for (int g = 0; g < groups; ++g)
-          for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(b, h * groups + g, c)) * softmax_scale;
-        std::fill(s.o.begin(), s.o.end(), 0.0f);
-        std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
-        const page_shape shape = shape_.page();
-        const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
-        for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-          const page_id page = (*seq.pages)[i];
-          const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
-                                           : seq.live != nullptr ? seq.live + i * mask_words
-                                                                 : nullptr;
-          if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
-            continue;
-          fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
-        }
-        if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
-          const std::size_t at = geometry_.sink_offset(shape_);
-          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
-                                   tail_head(seq.slot, true, h) + at, sinks, s);
-        }
-        if (tail_rows > 0) {
-          fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
-                                   tail_rows, s);
-        }
-        for (int g = 0; g < groups; ++g) {
-          for (int c = 0; c < d; ++c) out(b, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
-          if (lse.extent(0) > 0) lse(b, h * groups + g) = s.state[g].log_sum_exp();
-        }
       }
+      if (error) std::rethrow_exception(error);
+      return;
     }
+#endif
+    attend_scratch s(shape_.group_size, shape_.head_dim, scratch_rows());
+    std::vector<std::uint64_t> keep;
+    for (std::int64_t i = 0; i < items; ++i)
+      attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), s, keep);
   }
 
   const std::byte* k_page(page_id page, int head) const {
@@ -3582,6 +3902,84 @@ class engine {
     std::vector<float> q_group, logits, o, o_block;
     std::vector<softmax_state<float>> state, block;
   };
+
+  /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
+  int scratch_rows() const noexcept { return shape_.page_size + static_cast<int>(geometry_.exact_rows); }
+
+  /// Per planned sequence holding exact rows: the page rows read from the pages (live, and not
+  /// one of the exact rows, which are read from their copies), [page][mask word]; empty otherwise.
+  /// Cost: O(sealed tokens) per such sequence, once per step.
+  void prepare_visible_rows() {
+    const int p = shape_.page_size, mask_words = (p + 63) / 64;
+    visible_rows_.resize(planned_batch_.size());
+    for (std::size_t b = 0; b < planned_batch_.size(); ++b) {
+      const detail::sequence_ref& seq = planned_batch_[b];
+      const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+      std::vector<std::uint64_t>& visible = visible_rows_[b];
+      visible.clear();
+      if (geometry_.exact_rows_held(sealed) == 0) continue;
+      visible.assign(seq.pages->size() * static_cast<std::size_t>(mask_words), 0);
+      for (std::int64_t t = 0; t < sealed; ++t)
+        if (!geometry_.exact_position(t, sealed))
+          visible[static_cast<std::size_t>(t / p) * mask_words + static_cast<std::size_t>(t % p) / 64] |= std::uint64_t{1} << (t % p % 64);
+      if (seq.live != nullptr)
+        for (std::size_t w = 0; w < visible.size(); ++w) visible[w] &= seq.live[w];
+    }
+  }
+
+  /// One (sequence, KV head) of the planned step: its selection (read-less selectors), every page
+  /// it reads, the sinks and the tail folded in order, the outputs of its G query heads written.
+  template <class Q, class O>
+  void attend_head(const tensor_view<const Q, 3>& q, const tensor_view<O, 3>& out, const tensor_view<float, 2>& lse,
+                   std::size_t b, int h, attend_scratch& s, std::vector<std::uint64_t>& keep) {
+    const detail::selection_request* request = planned_selects_ ? &planned_request_ : nullptr;
+    const float softmax_scale = planned_scale_;
+    const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
+    const int mask_words = (p + 63) / 64;
+    const detail::sequence_ref& seq = planned_batch_[b];
+    const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+    const int tail_rows = static_cast<int>(seq.length - sealed);
+    // The exact rows (sinks, recent window) just before the tail rows; their page copies masked.
+    const std::int64_t exact = geometry_.exact_rows_held(sealed);
+    const std::uint64_t* rows_visible = exact > 0 ? visible_rows_[b].data() : seq.live;  // null: every row
+    const auto row = static_cast<std::int64_t>(b);
+    if (request != nullptr) {
+      detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
+      select_tokens(*request, b, seq, q, h, keep, chosen);
+      if (rows_visible != nullptr)  // evicted tokens are never read, exact ones from their copies
+        for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= rows_visible[w];
+      chosen.tokens_read = tail_rows + exact;
+      for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+        int tokens = 0;
+        for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
+        chosen.tokens_read += tokens;
+        chosen.pages_read += tokens > 0;
+      }
+    }
+    for (int g = 0; g < groups; ++g)
+      for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(row, h * groups + g, c)) * softmax_scale;
+    std::fill(s.o.begin(), s.o.end(), 0.0f);
+    std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+    const page_shape shape = shape_.page();
+    for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+      const page_id page = (*seq.pages)[i];
+      const std::uint64_t* page_keep = request != nullptr        ? keep.data() + i * mask_words
+                                       : rows_visible != nullptr ? rows_visible + i * mask_words
+                                                                 : nullptr;
+      if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
+        continue;
+      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
+    }
+    if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
+      const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
+      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) - back,
+                               tail_head(seq.slot, true, h) - back, static_cast<int>(exact) + tail_rows, s);
+    }
+    for (int g = 0; g < groups; ++g) {
+      for (int c = 0; c < d; ++c) out(row, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
+      if (lse.extent(0) > 0) lse(row, h * groups + g) = s.state[g].log_sum_exp();
+    }
+  }
 
   /// Folds one block of n tokens (a page or the tail) into the running states: logits on the
   /// stored form, a block-local softmax, p.v on the stored form, then the (m, l, o) merge. The
@@ -3661,6 +4059,15 @@ class engine {
             c.bounds + (static_cast<std::size_t>(i) * shape_.num_kv_heads + h) * 2 * static_cast<std::size_t>(d)));
       }
     }
+    // Spans inside the recent window are read from its exact rows anyway: no candidates (spans
+    // come in token order, so they are a suffix).
+    if (b < r.candidates_before.size()) {
+      std::size_t count = 0;
+      while (count < begin.size() && begin[count] < r.candidates_before[b]) ++count;
+      begin.resize(count);
+      length.resize(count);
+      bounds.resize(count);
+    }
     std::vector<float> scores(begin.size()), head_scores(static_cast<std::size_t>(groups)), lo_hi(2 * static_cast<std::size_t>(d));
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
@@ -3692,39 +4099,54 @@ class engine {
   std::byte* tail_slot(std::int32_t slot) const {
     return tails_.data() + static_cast<std::size_t>(slot) * geometry_.tail_slot_bytes();
   }
-  /// Keeps the first `rows` tail rows of `slot` (every head, K and V) for `rollback`.
+  /// Keeps the exact rows and the first `rows` tail rows of `slot` (every head, K and V) for
+  /// `rollback`.
+  /// A batch's appends may save several slots; each is restored by `rollback`.
   void save_tail(std::int32_t slot, int rows) {
-    const std::size_t bytes = static_cast<std::size_t>(rows) * geometry_.row_bytes;
-    saved_tail_.resize(2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
-    std::size_t at = 0;
+    const std::size_t bytes = (geometry_.exact_rows + static_cast<std::size_t>(rows)) * geometry_.row_bytes;
+    const std::size_t first = saved_tail_.size();
+    saved_.reserve(saved_.size() + 1);
+    saved_tail_.resize(first + 2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
+    std::size_t at = first;
     for (int h = 0; h < shape_.num_kv_heads; ++h)
       for (const bool is_v : {false, true}) {
-        std::memcpy(saved_tail_.data() + at, tail_head(slot, is_v, h), bytes);
+        std::memcpy(saved_tail_.data() + at, tail_slot(slot) + geometry_.tail_offset(is_v, h), bytes);
         at += bytes;
       }
-    saved_slot_ = slot;
-    saved_rows_ = rows;
+    saved_.push_back(saved_rows{slot, rows, first});
   }
+  /// Tail row 0 of one head of a slot (K or V); the exact rows precede it.
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
-    return tail_slot(slot) + geometry_.tail_offset(is_v, head);
+    return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
-  /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
-  /// A sequence's first page keeps its sink rows: copied after the tail rows, and replaced by the
-  /// first row after them in what the encoder sees (they are masked in the page).
-  void seal_tail(std::int32_t slot, page_id page, bool first_page) {
+  /// Encodes a full tail into `page`, the sequence's page number `index`, with the format's
+  /// encoder (reading the tail's exact values). The exact rows are copied first: the sinks (page
+  /// 0) and the tokens among the last W sealed once this page is (the window ring); they are
+  /// masked in the page. A format that hides its sinks (`detail::hides_sink_rows`) has them
+  /// replaced by the first row after them in what the encoder sees.
+  void seal_tail(std::int32_t slot, page_id page, std::int64_t index) {
     const page_shape shape = shape_.page();
-    const int sinks = first_page ? static_cast<int>(geometry_.sink_rows) : 0;
-    std::vector<float> rows(static_cast<std::size_t>(shape_.page_size) * shape_.head_dim);
+    const int p = shape_.page_size;
+    const int sinks = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+    std::vector<float> rows(static_cast<std::size_t>(p) * shape_.head_dim);
     const auto hide_sinks = [&] {
-      for (int t = 0; t < sinks; ++t)
-        std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
-                    rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
+      if constexpr (detail::hides_sink_rows_v<Format>)
+        for (int t = 0; t < sinks; ++t)
+          std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
+                      rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
     };
-    if (sinks > 0) {
-      for (int h = 0; h < shape_.num_kv_heads; ++h)
-        for (const bool is_v : {false, true})
-          std::memcpy(tail_head(slot, is_v, h) + geometry_.sink_offset(shape_), tail_head(slot, is_v, h),
-                      static_cast<std::size_t>(sinks) * geometry_.row_bytes);
+    if (geometry_.exact_rows > 0) {
+      const std::int64_t first = index * p, sealed = first + p;
+      for (int r = 0; r < p; ++r) {
+        const std::int64_t t = first + r;
+        if (!geometry_.exact_position(t, sealed)) continue;
+        for (int h = 0; h < shape_.num_kv_heads; ++h)
+          for (const bool is_v : {false, true}) {
+            std::byte* head = tail_slot(slot) + geometry_.tail_offset(is_v, h);
+            std::memcpy(head + geometry_.exact_row_of(t) * geometry_.row_bytes, tail_head(slot, is_v, h) + r * geometry_.row_bytes,
+                        geometry_.row_bytes);
+          }
+      }
     }
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
@@ -3756,12 +4178,18 @@ class engine {
   detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
   std::vector<detail::head_selection> last_selection_;
   std::vector<detail::sequence_ref> planned_batch_;  ///< the planned step (`plan`, then `run`)
+  std::vector<std::vector<std::uint64_t>> visible_rows_;  ///< per planned sequence: `prepare_visible_rows`
   detail::selection_request planned_request_;
   float planned_scale_ = 1.0f;
   bool planned_selects_ = false;
-  std::vector<std::byte> saved_tail_;  ///< tail rows kept for `rollback`
-  std::int32_t saved_slot_ = -1;       ///< their slot, -1: nothing to restore
-  int saved_rows_ = 0;
+  /// Rows kept for `rollback`: per saved slot, its exact rows and `rows` tail rows at `at`.
+  struct saved_rows {
+    std::int32_t slot;
+    int rows;
+    std::size_t at;
+  };
+  std::vector<saved_rows> saved_;
+  std::vector<std::byte> saved_tail_;
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };
@@ -3960,7 +4388,7 @@ struct attend_params {
 struct memory_stats {
   std::int64_t tokens = 0;          ///< tokens stored
   std::int64_t stored_bytes = 0;    ///< pages (whole pages, by the format's accounting) + tail rows
-                                    ///< + sink rows (formats that keep sinks dense)
+                                    ///< + the exact sink and recent-window rows the tail slot holds
   std::int64_t dense_bytes = 0;     ///< the same tokens as 16-bit K and V rows
   std::int32_t pages_used = 0;      ///< pool pages held
   std::int32_t pages_free = 0;      ///< the free-page gauge
@@ -4320,6 +4748,10 @@ class cache
       for (std::int64_t b = 0; b < seqs.size(); ++b) {
         const sequence_state& s = state_of(seqs(b));
         selector_traits<Selector>::request(selector_, shape, s.selector_state, s.stored, tail_rows(s), request);
+        // The recent window is read from its exact rows: its spans are no candidates.
+        const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+        request.candidates_before.push_back(window_rows(format_) > 0 ? sealed - window_rows(format_)
+                                                                     : std::numeric_limits<std::int64_t>::max());
       }
       engine_.plan(batch, scale, &request);
     }
@@ -4577,6 +5009,88 @@ class cache
   /// Tokens the sequence holds in its slots (its sealed pages' rows, dead ones included until a
   /// compaction reclaims them, and its tail rows); `length` when nothing was evicted.
   std::int64_t stored_tokens(sequence_id seq) const { return live(seq, "cache::stored_tokens").stored; }
+
+  /// Reads back the K and V a sequence holds, decoded, for inspection and tests: `k`, `v` are
+  /// [stored_tokens(seq)][num_kv_heads][head_dim] in host memory, float, half or bfloat16 with any
+  /// strides (on every backend). Row i is slot i of the sequence (its sealed pages' rows in
+  /// block-table order, then its tail rows) as attention reads it: the format's host decode of
+  /// each page (`format_traits::decode_k/v`: format::dense the stored rows, format::bitmap_tiles
+  /// the pruned rows with zeros where pruned, format::quant2 the dequantized codes, min + scale *
+  /// code), the exact rows (sink tokens and the recent window, `sink_tokens` / `recent_tokens`)
+  /// from their 16-bit copies, the tail rows as stored. Evicted slots hold whatever their page
+  /// decodes to (`positions(seq)` maps slots to positions). Values are converted to T (exact unless T is narrower than the storage dtype or
+  /// the decode). On backend::cuda the page and tail bytes are copied to the host after the work
+  /// on the engine's stream (which this synchronizes: not inside a graph capture) and decoded
+  /// there with the same host decode, so both backends read the same values from the same bytes.
+  /// Cost: one copy and one decode of each page of the sequence (in chunks of 64 pages), plus its
+  /// tail slot; O(stored_tokens x num_kv_heads x head_dim). Throws `invalid_argument` for a
+  /// dead handle or views of the wrong extents; writes nothing then.
+  template <class T>
+  void read(sequence_id seq, tensor_view<T, 3> k, tensor_view<T, 3> v) const {
+    static_assert(detail::is_io_type<T>::value,
+                  "kvmosaic::cache::read: k and v hold float, kvmosaic::half or kvmosaic::bfloat16 (not const)");
+    const char* where = "cache::read";
+    const sequence_state& s = live(seq, where);
+    detail::require(k.extent(0) == s.stored, where, "k.extent(0) (tokens)", k.extent(0), "stored_tokens(seq)");
+    detail::require(k.extent(1) == config_.num_kv_heads, where, "k.extent(1) (kv heads)", k.extent(1),
+                    "cache_config::num_kv_heads");
+    detail::require(k.extent(2) == config_.head_dim, where, "k.extent(2) (head_dim)", k.extent(2), "cache_config::head_dim");
+    detail::require(v.extent(0) == k.extent(0) && v.extent(1) == k.extent(1) && v.extent(2) == k.extent(2), where,
+                    "v.extents", "mismatch", "the extents of k");
+    check_view(where, "k", k);
+    check_view(where, "v", v);
+    detail::require(!detail::views_overlap(k, v), where, "v", "overlapping k", "an array that shares no element with k");
+    if (s.stored == 0) return;
+    using dense_traits = format_traits<format::dense>;
+    const detail::arena_geometry& g = engine_.geometry();
+    const page_shape shape{config_.page_size, config_.head_dim, config_.storage};
+    const int p = config_.page_size, d = config_.head_dim;
+    std::vector<float> rows(static_cast<std::size_t>(p) * d);
+    // Rows [from, to) of `rows` into out[first + t][h].
+    const auto put = [&](const tensor_view<T, 3>& out, std::int64_t first, int h, int from, int to) {
+      for (int t = from; t < to; ++t)
+        for (int c = 0; c < d; ++c) out(first + t, h, c) = T(rows[static_cast<std::size_t>(t) * d + c]);
+    };
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * p;
+    const std::int64_t exact = g.exact_rows_held(sealed);  // sinks and window: read from their copies
+    const std::size_t chunk = std::min<std::size_t>(64, s.pages.size());
+    if (chunk > 0) {
+      detail::host_buffer bytes(chunk * engine_.page_slot_bytes());
+      for (std::size_t first = 0; first < s.pages.size(); first += chunk) {
+        const std::size_t n = std::min(chunk, s.pages.size() - first);
+        engine_.copy_pages_out(s.pages.data() + first, n, bytes.data());
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::byte* slot = bytes.data() + i * engine_.page_slot_bytes();
+          const auto row0 = static_cast<std::int64_t>(first + i) * p;
+          for (int h = 0; h < config_.num_kv_heads; ++h)
+            for (const bool is_v : {false, true}) {
+              if (is_v) format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
+              else format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              for (int t = 0; t < p; ++t)
+                if (exact == 0 || !g.exact_position(row0 + t, sealed)) put(is_v ? v : k, row0, h, t, t + 1);
+            }
+        }
+      }
+    }
+    const int tail = tail_rows(s);
+    if (tail == 0 && exact == 0) return;
+    detail::host_buffer tail_bytes(g.tail_slot_bytes());
+    engine_.copy_tail_out(slot_of(seq), tail_bytes.data());
+    for (int h = 0; h < config_.num_kv_heads; ++h)
+      for (const bool is_v : {false, true}) {
+        const std::byte* head = tail_bytes.data() + g.tail_offset(is_v, h);
+        const tensor_view<T, 3>& out = is_v ? v : k;
+        for (std::int64_t t = 0; t < sealed && exact > 0; ++t) {
+          if (!g.exact_position(t, sealed)) continue;
+          dense_traits::decode_k(format::dense{}, shape, head + g.exact_row_of(t) * g.row_bytes, 1, rows.data());
+          put(out, t, h, 0, 1);
+        }
+        if (tail > 0) {
+          dense_traits::decode_k(format::dense{}, shape, head + g.tail_row_offset(), tail, rows.data());
+          put(out, sealed, h, 0, tail);
+        }
+      }
+  }
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -4586,7 +5100,7 @@ class cache
     memory_stats m = pool_gauge();
     m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
     m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
@@ -4598,7 +5112,7 @@ class cache
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.stored;
-      m.stored_bytes += (tail_rows(s) + sink_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
       m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
@@ -4667,6 +5181,7 @@ class cache
       const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
       const std::int64_t always_from = selector_traits<Selector>::always_from(s.selector_state, sealed);
       const std::int64_t sinks = s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+      const std::int64_t window_from = sealed - window_rows(format_);
       std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> current(static_cast<std::size_t>(num_heads));
       for (int h = 0; h < num_heads; ++h) {
         const detail::head_selection& e = heads[static_cast<std::size_t>(b * num_heads + h)];
@@ -4677,7 +5192,7 @@ class cache
         if (s.selected.empty()) continue;
         std::vector<std::pair<std::int64_t, std::int64_t>> read = e.selected;
         if (sinks > 0) read.emplace_back(0, sinks);
-        read.emplace_back(always_from, std::numeric_limits<std::int64_t>::max());
+        read.emplace_back(std::min(always_from, window_from), std::numeric_limits<std::int64_t>::max());
         for (const auto& [from, to] : s.selected[static_cast<std::size_t>(h)]) {
           previous += static_cast<double>(to - from);
           reused += static_cast<double>(overlap(from, to, read));
@@ -4692,6 +5207,10 @@ class cache
   static cache_config validated(const cache_config& config, const Format& format, const Selector& selector) {
     config.validate();
     format_traits<Format>::validate(format, page_shape{config.page_size, config.head_dim, config.storage});
+    // The recent window's ring is indexed by position, which a compaction's moves break.
+    detail::require(!compactor_traits<Compactor>::frees_memory || window_rows(format) == 0,
+                    (std::string(format_traits<Format>::name) + " with compact::" + compactor_traits<Compactor>::name).c_str(),
+                    "recent_tokens", window_rows(format), "0 with a compactor that frees memory (evicted caches keep no exact window)");
     selector_traits<Selector>::validate(selector, config.page_size);
     return config;
   }
@@ -4760,9 +5279,11 @@ class cache
   int tail_rows(const sequence_state& s) const {
     return static_cast<int>(s.stored - static_cast<std::int64_t>(s.pages.size()) * config_.page_size);
   }
-  /// Dense sink rows the format keeps besides the pages (once the first page is sealed).
-  std::int64_t sink_rows_of(const sequence_state& s) const {
-    return s.pages.empty() ? 0 : static_cast<std::int64_t>(sink_rows(format_));
+  /// Exact rows the format keeps besides the pages: the sinks and the recent window's ring, as far
+  /// as the sealed tokens fill them (min(S + W, sealed tokens); none before the first seal).
+  std::int64_t exact_rows_of(const sequence_state& s) const {
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+    return s.pages.empty() ? 0 : std::min<std::int64_t>(exact_rows(format_), sealed);
   }
   /// Bytes of one token's K and V across all KV heads at 16 bits: the dense reference.
   std::int64_t tail_row_bytes() const {
@@ -4818,6 +5339,472 @@ class cache
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/cache.hpp> ----
+
+// ---- begin <kvmosaic/model_cache.hpp> ----
+/// \file
+/// A model's cache: every attention layer's `kvmosaic::cache` behind one object, for an inference
+/// engine or a language binding (PyTorch) that cannot name one cache type per layer at compile
+/// time.
+///
+/// - `tensor_ref<Rank>`: a strided view whose element type (f32, f16, bf16) is a run-time value,
+///   the argument of every type-erased call; `as<T>()` gives the typed `tensor_view` back.
+/// - `layer_cache`: one layer's cache of any type behind virtual calls (one indirect call per
+///   operation, then the typed cache's own code); `layer_cache_of<Cache>` is the adapter that
+///   owns a `Cache` and `make_layer<Cache>(args...)` builds one.
+/// - `model_cache`: the layers of a model with one sequence id space: adding, forking and
+///   removing a sequence fans out to every layer, all or nothing; per-layer calls take the
+///   model's ids.
+///
+/// Nothing here includes CUDA: a layer on `backend::cuda` is built in a `.cu` file that includes
+/// <kvmosaic/kvmosaic.cuh> (which compiles its kernels); a host-only file can then drive it
+/// through `layer_cache` and `model_cache` with device pointers (`layer_cache::on_device`).
+
+#include <unordered_map>
+
+
+namespace kvmosaic {
+
+/// A strided view whose element type is a run-time value: `data`, `type` (f32, f16 or bf16: the
+/// element types float, kvmosaic::half, kvmosaic::bfloat16), `extents` and `strides` (in elements).
+/// Non-owning and trivially copyable, like `tensor_view`; host or device memory as the call that
+/// takes it says. An aggregate: `tensor_ref<3>{ptr, dtype::bf16, {t, h, d}, {h * d, d, 1}}`.
+/// It does not keep a view's constness: a callee reads or writes it as its contract says.
+template <int Rank>
+struct tensor_ref {
+  static_assert(Rank >= 1 && Rank <= 4, "kvmosaic: tensor_ref Rank must be 1 to 4");
+
+  void* data = nullptr;
+  dtype type = dtype::f32;
+  std::int64_t extents[Rank] = {};
+  std::int64_t strides[Rank] = {};
+
+  /// The reference of a typed view (T: float, half or bfloat16, const or not). Cost: O(Rank).
+  template <class T>
+  static tensor_ref of(const tensor_view<T, Rank>& view) noexcept {
+    static_assert(detail::is_io_type<std::remove_const_t<T>>::value,
+                  "kvmosaic::tensor_ref::of: the element type must be float, kvmosaic::half or kvmosaic::bfloat16");
+    tensor_ref r;
+    r.data = const_cast<void*>(static_cast<const void*>(view.data()));
+    r.type = dtype_traits<std::remove_const_t<T>>::id;
+    for (int d = 0; d < Rank; ++d) {
+      r.extents[d] = view.extent(d);
+      r.strides[d] = view.stride(d);
+    }
+    return r;
+  }
+
+  /// The typed view (T: float, half or bfloat16, const or not). Throws `invalid_argument` naming
+  /// this reference's dtype when it is not T's. Cost: O(Rank).
+  template <class T>
+  tensor_view<T, Rank> as() const {
+    using element = std::remove_const_t<T>;
+    static_assert(detail::is_io_type<element>::value,
+                  "kvmosaic::tensor_ref::as: the element type must be float, kvmosaic::half or kvmosaic::bfloat16");
+    detail::require(type == dtype_traits<element>::id, "tensor_ref::as", "type", to_string(type),
+                    element_name<element>());
+    return tensor_view<T, Rank>::strided(static_cast<T*>(data), extents, strides);
+  }
+
+ private:
+  template <class E>
+  static const char* element_name() noexcept {
+    return std::is_same<E, float>::value ? "f32 (the element type asked for: float)"
+           : std::is_same<E, half>::value ? "f16 (the element type asked for: kvmosaic::half)"
+                                          : "bf16 (the element type asked for: kvmosaic::bfloat16)";
+  }
+};
+
+namespace detail {
+
+template <class T>
+struct type_tag {
+  using type = T;
+};
+
+/// Calls f(type_tag<T>{}) with the element type of run-time dtype `t` (f32, f16 or bf16); an
+/// unknown value is an `invalid_argument` naming `parameter`.
+template <class F>
+decltype(auto) with_io_type(dtype t, const char* where, const char* parameter, F&& f) {
+  switch (t) {
+    case dtype::f32: return f(type_tag<float>{});
+    case dtype::f16: return f(type_tag<half>{});
+    case dtype::bf16: return f(type_tag<bfloat16>{});
+  }
+  throw invalid_argument(parameter, describe(where, parameter, static_cast<int>(t), "dtype::f32, dtype::f16 or dtype::bf16"));
+}
+
+/// The parameter type of a one-argument member function (an engine's `set_stream`).
+template <class Member>
+struct argument_of;
+template <class C, class A>
+struct argument_of<void (C::*)(A)> {
+  using type = A;
+};
+template <class C, class A>
+struct argument_of<void (C::*)(A) noexcept> {
+  using type = A;
+};
+
+/// `engine.set_stream(stream)`, the void pointer cast to the engine's stream type (cudaStream_t
+/// for the CUDA engine), without naming that type here.
+template <class Engine>
+void set_engine_stream(Engine& engine, void* stream) {
+  using stream_type = typename argument_of<decltype(&Engine::set_stream)>::type;
+  engine.set_stream(static_cast<stream_type>(stream));
+}
+
+}  // namespace detail
+
+/// One attention layer's cache of any type, behind virtual calls: each operation is one indirect
+/// call to the typed cache's own (`layer_cache_of<Cache>`), with the same contract, errors and
+/// all-or-nothing guarantee as `kvmosaic::cache`'s. Views are `tensor_ref`s: host memory on
+/// backend::host, device memory on backend::cuda (`on_device()`), except `read`'s (host memory
+/// on every backend) and token ids (host memory).
+class layer_cache {
+ public:
+  virtual ~layer_cache() = default;
+  layer_cache() = default;
+  layer_cache(const layer_cache&) = delete;
+  layer_cache& operator=(const layer_cache&) = delete;
+
+  /// `cache::describe()`: "format/selector/compactor" with parameters.
+  virtual std::string describe() const = 0;
+  virtual const cache_config& config() const = 0;
+  /// True on backend::cuda: k, v, q and out of prefill, append and attend are device memory.
+  virtual bool on_device() const = 0;
+  /// The CUDA stream (a cudaStream_t) every later operation is enqueued on; ignored on the host.
+  virtual void set_stream(void* cuda_stream) = 0;
+  /// `selector_traits<Selector>::needs_token_ids`: prefill and append need token ids.
+  virtual bool needs_token_ids() const = 0;
+
+  virtual sequence_id add_sequence() = 0;
+  virtual void remove_sequence(sequence_id seq) = 0;
+  virtual sequence_id fork_sequence(sequence_id seq) = 0;
+
+  /// `cache::prefill`: k, v [tokens][num_kv_heads][head_dim], both of one dtype. `token_ids` are
+  /// ignored unless `needs_token_ids()`, which makes them required (one per token).
+  virtual void prefill(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids) = 0;
+  /// `cache::append`: k, v [batch][num_kv_heads][head_dim], row b for seqs[b], both of one dtype;
+  /// token ids as `prefill` (one per sequence).
+  virtual void append(span<const sequence_id> seqs, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids) = 0;
+  /// `cache::attend` (plan, then run): q, out [batch][num_q_heads][head_dim], each of any of the
+  /// three dtypes.
+  virtual void attend(span<const sequence_id> seqs, tensor_ref<3> q, tensor_ref<3> out, const attend_params& params = {}) = 0;
+  /// `cache::plan`: the host half of a decode step over `seqs` (attend = plan, then run).
+  virtual void plan(span<const sequence_id> seqs, const attend_params& params = {}) = 0;
+  /// `cache::run`: the planned step. q, out as `attend`'s; `lse` ([batch][num_q_heads], f32;
+  /// extent 0: not written) each head's log-sum-exp. On backend::cuda: capturable in a CUDA graph.
+  virtual void run(tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) = 0;
+  /// `cache::reserve_step`: step buffers for batches up to `batch` of up to `max_tokens` tokens.
+  virtual void reserve_step(std::int32_t batch, std::int64_t max_tokens) = 0;
+  /// `cache::read`: k, v [stored_tokens(seq)][num_kv_heads][head_dim] in host memory on every
+  /// backend, both of one dtype.
+  virtual void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const = 0;
+
+  virtual std::int64_t length(sequence_id seq) const = 0;
+  virtual std::int64_t stored_tokens(sequence_id seq) const = 0;
+  virtual memory_stats memory() const = 0;
+};
+
+/// The adapter: a `layer_cache` that owns a `Cache` (any `kvmosaic::cache<...>`, built in place
+/// from the constructor's arguments) and forwards every call to it, the `tensor_ref`s turned into
+/// typed views by their dtype. `get()` gives the typed cache back (for what `layer_cache` does not
+/// carry: set_key_weights, evict, compact, positions, selection statistics, the engine). On
+/// backend::cuda this compiles only where the cache's engine is complete (a `.cu` file with
+/// <kvmosaic/kvmosaic.cuh>).
+template <class Cache>
+class layer_cache_of final : public layer_cache {
+  using backend_type = typename Cache::backend_type;
+  using selector_type = typename Cache::selector_type;
+  static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
+  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
+
+ public:
+  /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
+  template <class... Args, class = std::enable_if_t<std::is_constructible<Cache, Args&&...>::value>>
+  explicit layer_cache_of(Args&&... cache_args) : cache_(std::forward<Args>(cache_args)...) {}
+
+  Cache& get() noexcept { return cache_; }
+  const Cache& get() const noexcept { return cache_; }
+
+  std::string describe() const override { return cache_.describe(); }
+  const cache_config& config() const override { return cache_.config(); }
+  bool on_device() const override { return device_backend; }
+  void set_stream(void* cuda_stream) override {
+    if constexpr (device_backend) detail::set_engine_stream(cache_.engine(), cuda_stream);
+    else (void)cuda_stream;
+  }
+  bool needs_token_ids() const override { return ids_needed; }
+
+  sequence_id add_sequence() override { return cache_.add_sequence(); }
+  void remove_sequence(sequence_id seq) override { cache_.remove_sequence(seq); }
+  sequence_id fork_sequence(sequence_id seq) override { return cache_.fork_sequence(seq); }
+
+  void prefill(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids) override {
+    const char* where = "layer_cache::prefill";
+    same_type(where, k, v);
+    detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (ids_needed) {
+        require_ids(where, token_ids, k.extents[0], "k.extent(0) (one id per token)");
+        cache_.prefill(seq, k.as<const T>(), v.as<const T>(), token_ids);
+      } else {
+        (void)token_ids;
+        cache_.prefill(seq, k.as<const T>(), v.as<const T>());
+      }
+    });
+  }
+
+  void append(span<const sequence_id> seqs, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids) override {
+    const char* where = "layer_cache::append";
+    same_type(where, k, v);
+    detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (ids_needed) {
+        require_ids(where, token_ids, seqs.size(), "seqs.size() (one id per sequence)");
+        cache_.append(seqs, k.as<const T>(), v.as<const T>(), token_ids);
+      } else {
+        (void)token_ids;
+        cache_.append(seqs, k.as<const T>(), v.as<const T>());
+      }
+    });
+  }
+
+  void attend(span<const sequence_id> seqs, tensor_ref<3> q, tensor_ref<3> out, const attend_params& params = {}) override {
+    const char* where = "layer_cache::attend";
+    detail::with_io_type(q.type, where, "q.type", [&](auto q_tag) {
+      using Q = typename decltype(q_tag)::type;
+      detail::with_io_type(out.type, where, "out.type", [&](auto out_tag) {
+        using O = typename decltype(out_tag)::type;
+        cache_.attend(seqs, q.as<const Q>(), out.as<O>(), params);
+      });
+    });
+  }
+
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) override { cache_.plan(seqs, params); }
+
+  void run(tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) override {
+    const char* where = "layer_cache::run";
+    detail::require(lse.type == dtype::f32, where, "lse.type", to_string(lse.type), "f32");
+    detail::with_io_type(q.type, where, "q.type", [&](auto q_tag) {
+      using Q = typename decltype(q_tag)::type;
+      detail::with_io_type(out.type, where, "out.type", [&](auto out_tag) {
+        using O = typename decltype(out_tag)::type;
+        cache_.run(q.as<const Q>(), out.as<O>(), lse.as<float>());
+      });
+    });
+  }
+
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) override { cache_.reserve_step(batch, max_tokens); }
+
+  void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const override {
+    const char* where = "layer_cache::read";
+    same_type(where, k, v);
+    detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      cache_.read(seq, k.as<T>(), v.as<T>());
+    });
+  }
+
+  std::int64_t length(sequence_id seq) const override { return cache_.length(seq); }
+  std::int64_t stored_tokens(sequence_id seq) const override { return cache_.stored_tokens(seq); }
+  memory_stats memory() const override { return cache_.memory(); }
+
+ private:
+  static void same_type(const char* where, const tensor_ref<3>& k, const tensor_ref<3>& v) {
+    detail::require(v.type == k.type, where, "v.type", to_string(v.type), "the dtype of k");
+  }
+  static void require_ids(const char* where, span<const std::int32_t> ids, std::int64_t expected, const char* allowed) {
+    detail::require(ids.size() == expected, where, "token_ids.size()", ids.size(),
+                    ("this layer's selector needs token ids: " + std::string(allowed)).c_str());
+  }
+
+  Cache cache_;
+};
+
+/// A `layer_cache` owning a `Cache(cache_args...)`.
+template <class Cache, class... Args>
+std::unique_ptr<layer_cache> make_layer(Args&&... cache_args) {
+  return std::make_unique<layer_cache_of<Cache>>(std::forward<Args>(cache_args)...);
+}
+
+/// All attention layers of a model, each a `layer_cache` of its own type, with one sequence id
+/// space. A model sequence id names one sequence of every layer (`layer_sequence` gives each
+/// layer's own id); ids are handed out by `add_sequence` and `fork_sequence`, never reused, and
+/// rejected with `invalid_argument` once removed. Adding, forking and removing fan out to every
+/// layer, all or nothing: a layer that fails (e.g. `capacity_error`: its max_sequences are in use)
+/// has the layers before it undo their part (the new sequence removed) and the call rethrows,
+/// leaving every layer holding what it held. Per-layer calls (prefill, append, attend, read)
+/// translate the ids and forward to that layer, with its contract; the layers are driven one at a
+/// time, as a model's forward pass does, so between a step's layers their lengths differ.
+/// Add, fork and remove sequences through the model only: a sequence a layer gets or loses
+/// directly is unknown to the model.
+class model_cache {
+ public:
+  /// Takes the layers (>= 1, none null). Throws `invalid_argument` otherwise.
+  explicit model_cache(std::vector<std::unique_ptr<layer_cache>> layers) : layers_(std::move(layers)) {
+    detail::require(!layers_.empty(), "model_cache", "layers.size()", layers_.size(), ">= 1 layer");
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      detail::require(layers_[i] != nullptr, "model_cache", "layers[i]", "null (i = " + std::to_string(i) + ")",
+                      "a layer_cache (make_layer<Cache>(...))");
+    detail::require(layers_.size() <= static_cast<std::size_t>(std::numeric_limits<int>::max()), "model_cache", "layers.size()",
+                    layers_.size(), "at most INT_MAX layers");
+  }
+
+  int num_layers() const noexcept { return static_cast<int>(layers_.size()); }
+  /// Layer `i` (0 to num_layers() - 1), or `invalid_argument`.
+  layer_cache& layer(int i) { return *layers_[index(i, "model_cache::layer")]; }
+  const layer_cache& layer(int i) const { return *layers_[index(i, "model_cache::layer")]; }
+
+  /// A new empty sequence in every layer. All or nothing (see the class comment).
+  sequence_id add_sequence() {
+    return fan_out("model_cache::add_sequence", [](layer_cache& layer, int) { return layer.add_sequence(); });
+  }
+  /// A fork of `seq` in every layer (each layer shares its full pages, `cache::fork_sequence`).
+  /// All or nothing.
+  sequence_id fork_sequence(sequence_id seq) {
+    const std::vector<sequence_id>& parent = ids_of(seq, "model_cache::fork_sequence");
+    return fan_out("model_cache::fork_sequence",
+                   [&parent](layer_cache& layer, int i) { return layer.fork_sequence(parent[static_cast<std::size_t>(i)]); });
+  }
+  /// Ends `seq` in every layer; its id is invalid from now on.
+  void remove_sequence(sequence_id seq) {
+    const auto it = find(seq, "model_cache::remove_sequence");
+    for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i]->remove_sequence(it->second[i]);
+    sequences_.erase(it);
+  }
+  /// True while `seq` is a live id of this model.
+  bool contains(sequence_id seq) const { return sequences_.count(seq) > 0; }
+  /// Live sequences.
+  std::int64_t num_sequences() const noexcept { return static_cast<std::int64_t>(sequences_.size()); }
+  /// The id layer `layer` knows model sequence `seq` by.
+  sequence_id layer_sequence(int layer, sequence_id seq) const {
+    const char* where = "model_cache::layer_sequence";
+    return ids_of(seq, where)[index(layer, where)];
+  }
+
+  /// `layer_cache::prefill` of layer `layer`, with a model sequence id.
+  void prefill(int layer, sequence_id seq, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids = {}) {
+    const char* where = "model_cache::prefill";
+    const std::size_t i = index(layer, where);
+    layers_[i]->prefill(ids_of(seq, where)[i], k, v, token_ids);
+  }
+  /// `layer_cache::append` of layer `layer`, with model sequence ids.
+  void append(int layer, span<const sequence_id> seqs, tensor_ref<3> k, tensor_ref<3> v, span<const std::int32_t> token_ids = {}) {
+    const char* where = "model_cache::append";
+    const std::size_t i = index(layer, where);
+    const std::vector<sequence_id> ids = layer_ids(i, seqs, where);
+    layers_[i]->append(span<const sequence_id>(ids.data(), seqs.size()), k, v, token_ids);
+  }
+  /// `layer_cache::attend` of layer `layer`, with model sequence ids.
+  void attend(int layer, span<const sequence_id> seqs, tensor_ref<3> q, tensor_ref<3> out, const attend_params& params = {}) {
+    const char* where = "model_cache::attend";
+    const std::size_t i = index(layer, where);
+    const std::vector<sequence_id> ids = layer_ids(i, seqs, where);
+    layers_[i]->attend(span<const sequence_id>(ids.data(), seqs.size()), q, out, params);
+  }
+  /// `layer_cache::plan` of layer `layer`, with model sequence ids; `run(layer, ...)` runs it.
+  void plan(int layer, span<const sequence_id> seqs, const attend_params& params = {}) {
+    const char* where = "model_cache::plan";
+    const std::size_t i = index(layer, where);
+    const std::vector<sequence_id> ids = layer_ids(i, seqs, where);
+    layers_[i]->plan(span<const sequence_id>(ids.data(), seqs.size()), params);
+  }
+  /// `layer_cache::run` of layer `layer`: its last plan's step.
+  void run(int layer, tensor_ref<3> q, tensor_ref<3> out, tensor_ref<2> lse = {}) {
+    layers_[index(layer, "model_cache::run")]->run(q, out, lse);
+  }
+  /// `layer_cache::reserve_step` of every layer.
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    for (const auto& layer : layers_) layer->reserve_step(batch, max_tokens);
+  }
+  /// `layer_cache::read` of layer `layer` (host memory), with a model sequence id.
+  void read(int layer, sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const {
+    const char* where = "model_cache::read";
+    const std::size_t i = index(layer, where);
+    layers_[i]->read(ids_of(seq, where)[i], k, v);
+  }
+
+  /// Tokens given to layer 0 for `seq` (later layers may be behind within a step).
+  std::int64_t length(sequence_id seq) const { return layers_[0]->length(ids_of(seq, "model_cache::length")[0]); }
+
+  /// Every layer's `memory()`, summed field by field: bytes, tokens (a token counts once per
+  /// layer, so `bytes_per_token()` is per layer), pages_used and pages_free (over the layers'
+  /// pools). Cost: O(layers x max_sequences).
+  memory_stats memory() const {
+    memory_stats total;
+    for (const auto& layer : layers_) {
+      const memory_stats m = layer->memory();
+      total.tokens += m.tokens;
+      total.stored_bytes += m.stored_bytes;
+      total.dense_bytes += m.dense_bytes;
+      total.pages_used += m.pages_used;
+      total.pages_free += m.pages_free;
+    }
+    return total;
+  }
+
+  /// Sets every layer's CUDA stream (a cudaStream_t; host layers ignore it).
+  void set_stream(void* cuda_stream) {
+    for (const auto& layer : layers_) layer->set_stream(cuda_stream);
+  }
+
+ private:
+  using id_map = std::unordered_map<sequence_id, std::vector<sequence_id>>;
+
+  std::size_t index(int layer, const char* where) const {
+    detail::require(layer >= 0 && layer < num_layers(), where, "layer", layer, "0 to num_layers() - 1");
+    return static_cast<std::size_t>(layer);
+  }
+  id_map::const_iterator find(sequence_id seq, const char* where) const {
+    const auto it = sequences_.find(seq);
+    detail::require(it != sequences_.end(), where, "seq", seq,
+                    "an id returned by model_cache::add_sequence or fork_sequence and not removed");
+    return it;
+  }
+  const std::vector<sequence_id>& ids_of(sequence_id seq, const char* where) const { return find(seq, where)->second; }
+
+  /// The layer's ids of `seqs` (host memory).
+  std::vector<sequence_id> layer_ids(std::size_t layer, span<const sequence_id> seqs, const char* where) const {
+    detail::require(seqs.size() == 0 || seqs.data() != nullptr, where, "seqs", "null",
+                    "a span of model sequence ids in host memory");
+    std::vector<sequence_id> ids(static_cast<std::size_t>(seqs.size()));
+    for (std::int64_t b = 0; b < seqs.size(); ++b) ids[static_cast<std::size_t>(b)] = ids_of(seqs(b), where)[layer];
+    return ids;
+  }
+
+  /// Runs make(layer, i) on every layer for a new sequence; on a failure removes what the layers
+  /// before made and rethrows. Returns the new model id.
+  template <class Make>
+  sequence_id fan_out(const char* where, Make&& make) {
+    if (next_id_ == std::numeric_limits<sequence_id>::max())
+      throw capacity_error("model_cache", std::string("kvmosaic: ") + where +
+                                              ": model sequence ids are spent (2^31 - 1 handed out); allowed: "
+                                              "fewer adds and forks over a model_cache's life");
+    std::vector<sequence_id> ids;
+    ids.reserve(layers_.size());  // may throw: nothing made yet
+    try {
+      for (std::size_t i = 0; i < layers_.size(); ++i) ids.push_back(make(*layers_[i], static_cast<int>(i)));
+      sequences_.emplace(next_id_, ids);
+    } catch (...) {
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        try {
+          layers_[i]->remove_sequence(ids[i]);
+        } catch (...) {  // a valid id's removal does not fail; the first error is the one to report
+        }
+      }
+      throw;
+    }
+    return next_id_++;
+  }
+
+  std::vector<std::unique_ptr<layer_cache>> layers_;
+  id_map sequences_;          ///< model id -> each layer's id
+  sequence_id next_id_ = 0;   ///< the next model id handed out
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/model_cache.hpp> ----
 // ---- end <kvmosaic/kvmosaic.hpp> ----
 
 // ---- begin <kvmosaic/cuda/error.cuh> ----
@@ -6207,8 +7194,10 @@ struct decode_params {
   int num_kv_heads;
   int page_size;
   int group_size;                     ///< query heads per KV head (for kernels where it is a run-time value)
-  int sink_rows;                      ///< dense sink rows after the tail rows of a slot (formats with
-                                      ///< sinks), masked in a sequence's first page
+  int sink_rows;                      ///< S: exact sink rows a tail head keeps (masked in a sequence's
+                                      ///< first page by the step's row masks)
+  int exact_rows;                     ///< S + W: the exact rows (window ring, sinks) before a tail
+                                      ///< head's tail rows (host/backend.hpp's layout)
 
   /// device: [0] splits this step, [1] row stride of `block_tables`, [2] its KV-head stride (0:
   /// one table per sequence; a selection's tables are per (sequence, KV head)), [3] row stride of
@@ -6293,6 +7282,19 @@ __device__ __forceinline__ split_pages pages_of_split(const decode_params& p, co
   const std::int64_t written = p.table_lengths[static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head];
   if (planned == 0) return {0, 0};
   return {static_cast<int>(w.page_begin * written / planned), static_cast<int>(w.page_end * written / planned)};
+}
+
+/// The dense rows the split with the tail reads for sequence `batch`: the exact rows its tail
+/// slot holds (min(S + W, sealed tokens)) and its tail rows, one run of `rows` rows starting at
+/// row `first` of a tail head.
+struct dense_run {
+  int first;
+  int rows;
+};
+__device__ __forceinline__ dense_run dense_rows_of(const decode_params& p, int batch) {
+  const std::int64_t sealed = static_cast<std::int64_t>(p.sealed_pages[batch]) * p.page_size;
+  const int exact = static_cast<int>(sealed < p.exact_rows ? sealed : p.exact_rows);
+  return dense_run{p.exact_rows - exact, exact + p.tail_rows[batch]};
 }
 
 /// The row mask of entry `entry` of the page table of (`batch`, `head`) (null: every row read).
@@ -6494,6 +7496,8 @@ struct extend_params {
   std::int64_t page_slot_bytes;
   std::int64_t page_head_bytes;   ///< dense: page_size * head_dim * sizeof(T), K and V alike
   std::int64_t tail_slot_bytes;
+  std::int64_t tail_head_bytes;   ///< a tail head: the exact rows, then page_size tail rows
+  std::int64_t tail_row_offset;   ///< bytes before tail row 0 in a tail head (the exact rows)
   int num_kv_heads;
   int head_dim;
   int page_size;
@@ -6516,10 +7520,16 @@ __device__ __forceinline__ row_vector decompose(const extend_params& p, std::int
                     static_cast<int>((rest / p.num_kv_heads) % 2), rest / (2 * p.num_kv_heads)};
 }
 
-/// Byte offset of (K or V, head, row) inside a slot laid out [K heads][V heads] of `head_bytes`.
+/// Byte offset of (K or V, head, row) inside a page slot laid out [K heads][V heads] of
+/// `page_head_bytes`.
 __device__ __forceinline__ std::int64_t row_offset(const extend_params& p, int is_v, int head, int row) {
   return (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * p.page_head_bytes +
          static_cast<std::int64_t>(row) * p.head_dim * 2;  // 16-bit rows
+}
+/// Byte offset of tail row `row` of (K or V, head) inside a tail slot.
+__device__ __forceinline__ std::int64_t tail_row_offset(const extend_params& p, int is_v, int head, int row) {
+  return (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * p.tail_head_bytes + p.tail_row_offset +
+         static_cast<std::int64_t>(row) * p.head_dim * 2;
 }
 }  // namespace detail_extend
 
@@ -6539,8 +7549,9 @@ __global__ void move_tail_rows_kernel(const extend_params p) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const detail_extend::row_vector x = detail_extend::decompose(p, i);
-    const std::int64_t offset = detail_extend::row_offset(p, x.is_v, x.head, static_cast<int>(x.row)) + x.vector * 16;
-    *reinterpret_cast<uint4*>(page + offset) = *reinterpret_cast<const uint4*>(tail + offset);
+    const std::int64_t to = detail_extend::row_offset(p, x.is_v, x.head, static_cast<int>(x.row)) + x.vector * 16;
+    const std::int64_t from = detail_extend::tail_row_offset(p, x.is_v, x.head, static_cast<int>(x.row)) + x.vector * 16;
+    *reinterpret_cast<uint4*>(page + to) = *reinterpret_cast<const uint4*>(tail + from);
   }
 }
 
@@ -6560,17 +7571,57 @@ __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict
     const std::int64_t position = item.tail_rows + r;
     const int page_index = static_cast<int>(position / p.page_size);
     const int row = static_cast<int>(position % p.page_size);
-    std::byte* base = page_index < full_pages
-                          ? p.pages + static_cast<std::int64_t>(p.new_pages[item.first_new_page + page_index]) * p.page_slot_bytes
-                          : p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
+    const bool to_page = page_index < full_pages;
+    std::byte* base = to_page ? p.pages + static_cast<std::int64_t>(p.new_pages[item.first_new_page + page_index]) * p.page_slot_bytes
+                              : p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
     const InT* src = (is_v ? v : k) +
                      ((item.src_row + r) * p.num_kv_heads + head) * static_cast<std::int64_t>(p.head_dim) +
                      vector * detail::vector_elements;
     alignas(16) T converted[detail::vector_elements];
 #pragma unroll
     for (int e = 0; e < detail::vector_elements; ++e) converted[e] = T(to_float(src[e]));
-    *reinterpret_cast<uint4*>(base + detail_extend::row_offset(p, is_v, head, row) + vector * 16) =
-        *reinterpret_cast<const uint4*>(converted);
+    const std::int64_t offset = to_page ? detail_extend::row_offset(p, is_v, head, row) : detail_extend::tail_row_offset(p, is_v, head, row);
+    *reinterpret_cast<uint4*>(base + offset + vector * 16) = *reinterpret_cast<const uint4*>(converted);
+  }
+}
+
+/// One new page of a sequence whose format keeps exact rows (`sink_rows`, `window_rows`): its
+/// tail slot, the position of its first token, and the first position of the recent window once
+/// this write is done (sealed tokens - W).
+struct exact_item {
+  std::int64_t first;
+  std::int64_t window_from;
+  std::int32_t slot;
+  std::int32_t pad;
+};
+
+/// Copies the exact rows of each new page (`exact[i]`, its dense rows in page slot
+/// `p.new_pages[i]` laid out as `p.pages`): its sinks (positions below `sinks`) to their rows
+/// and its positions from `window_from` on (the latest W sealed ones) to their window-ring rows,
+/// in the tail slot (host/backend.hpp: ring entry j, position sinks + j modulo W, at row W - 1 - j
+/// of the head; sink t at row W + t). Grid: (vectors of a page, new pages). Cost: at most S + W
+/// rows per new page.
+template <class T>
+__global__ void keep_exact_rows_kernel(const extend_params p, const exact_item* exact, int sinks, int window) {
+  static_assert(sizeof(T) == 2, "dense rows are 16-bit");
+  const exact_item item = exact[blockIdx.y];
+  if (item.slot < 0) return;
+  const int vectors_per_row = p.head_dim / detail::vector_elements;
+  const std::int64_t total = static_cast<std::int64_t>(p.page_size) * 2 * p.num_kv_heads * vectors_per_row;
+  const std::byte* page = p.pages + static_cast<std::int64_t>(p.new_pages[blockIdx.y]) * p.page_slot_bytes;
+  std::byte* tail = p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const detail_extend::row_vector x = detail_extend::decompose(p, i);
+    const std::int64_t t = item.first + x.row;
+    std::int64_t row;
+    if (t < sinks) row = window + t;
+    else if (window > 0 && t >= item.window_from) row = window - 1 - (t - sinks) % window;
+    else continue;
+    const std::int64_t from = detail_extend::row_offset(p, x.is_v, x.head, static_cast<int>(x.row)) + x.vector * 16;
+    const std::int64_t to = (static_cast<std::int64_t>(x.is_v) * p.num_kv_heads + x.head) * p.tail_head_bytes +
+                            row * p.head_dim * 2 + x.vector * 16;
+    *reinterpret_cast<uint4*>(tail + to) = *reinterpret_cast<const uint4*>(page + from);
   }
 }
 
@@ -7249,7 +8300,10 @@ class engine {
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
               const page_id* new_pages, std::int64_t sealed_pages) {
     check_device_rows("cache::prefill", k, v);
-    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot);
+    // Rows after a sealed page land on the old tail rows, and a seal rewrites the exact rows.
+    if ((tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) ||
+        (geometry_.exact_rows > 0 && tail_rows + k.extent(0) >= shape_.page_size))
+      save_tail(slot);
     // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena);
     // formats without an encoder write every row in one pass. A chunk always holds at least one row: the tail
     // holds fewer than page_size rows, and a chunk of an encoded format is whole pages.
@@ -7259,9 +8313,9 @@ class engine {
       const auto count = static_cast<std::int32_t>(std::min(room, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
-      std::vector<std::int32_t> sink_slots(static_cast<std::size_t>(pages), -1);  // the sequence's first page
-      if (pages > 0 && sealed_pages == 0) sink_slots[0] = slot;
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sink_slots);
+      std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
+      for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
       new_pages += pages;
       sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
@@ -7276,17 +8330,17 @@ class engine {
     check_device_rows("cache::append", k, v);
     std::vector<kernel::extend_item> work;
     std::vector<page_id> new_pages;
-    std::vector<std::int32_t> sink_slots;
+    std::vector<kernel::exact_item> sealed;
     for (std::size_t b = 0; b < items.size(); ++b) {
       work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
                                          static_cast<std::int32_t>(new_pages.size())});
       if (items[b].new_page >= 0) {
         new_pages.push_back(items[b].new_page);
-        sink_slots.push_back(items[b].sealed_pages == 0 ? items[b].slot : -1);
+        sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
     }
     run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), dtype_traits<T>::id, 1,
-               sink_slots);
+               sealed);
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
@@ -7309,6 +8363,30 @@ class engine {
   void commit() noexcept {
     saved_slot_ = -1;
     selection_.commit();
+  }
+
+  /// Copies the page slots `pages[0 .. n)` (`page_slot_bytes()` each, in that order) into host
+  /// memory at `out`, after the work already on the engine's stream: the bytes `cache::read`
+  /// decodes on the host. Runs of consecutive page ids go in one copy; returns when the copies
+  /// are done (synchronizes the stream, so not inside a graph capture).
+  void copy_pages_out(const page_id* pages, std::size_t n, std::byte* out) const {
+    const std::size_t bytes = page_slot_bytes();
+    for (std::size_t i = 0; i < n;) {
+      std::size_t run = 1;
+      while (i + run < n && pages[i + run] == pages[i] + static_cast<page_id>(run)) ++run;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out + i * bytes, pages_.as<const std::byte>() + static_cast<std::size_t>(pages[i]) * bytes,
+                                          run * bytes, cudaMemcpyDeviceToHost, stream_));
+      i += run;
+    }
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  /// Copies the tail slot of `slot` (`geometry().tail_slot_bytes()`) into host memory at `out`,
+  /// after the work already on the stream; synchronizes the stream, as `copy_pages_out`.
+  void copy_tail_out(std::int32_t slot, std::byte* out) const {
+    const std::size_t bytes = geometry_.tail_slot_bytes();
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out, tails_.as<const std::byte>() + static_cast<std::size_t>(slot) * bytes, bytes,
+                                        cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
   void copy_tail(std::int32_t from, std::int32_t to, int /*rows*/) {
@@ -7457,20 +8535,23 @@ class engine {
     const auto n = static_cast<std::int32_t>(batch.size());
     std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
     std::vector<step_sequence> sequences(batch.size());
+    std::vector<std::int32_t> dense_rows(batch.size());  // the exact rows and the tail rows: one run
     std::int32_t longest = 1;
-    bool masked = false;  // a sequence has evicted tokens: the step reads live-row masks
+    bool masked = false;  // a sequence has evicted tokens, or exact rows: the step reads live-row masks
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      masked = masked || batch[b].live != nullptr;
+      const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
+      masked = masked || batch[b].live != nullptr || exact > 0;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
       sequences[b] = step_sequence{slots[b], full_pages[b]};
+      dense_rows[b] = tail_rows[b] + static_cast<std::int32_t>(exact);
       longest = std::max(longest, full_pages[b]);
     }
     selection_.plan(request, sequences, read_pages);
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
-        make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
+        make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
@@ -7494,18 +8575,25 @@ class engine {
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
-    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted)
+    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted),
+                   // less the rows attended from their exact copies (sinks, recent window)
       auto* masks = reinterpret_cast<std::uint32_t*>(host + layout_.live_masks);
       const int words = live_mask_words(), words64 = (shape_.page_size + 63) / 64;
-      for (std::size_t b = 0; b < batch.size(); ++b)
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const std::int64_t sealed = static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
+        const bool exact = geometry_.exact_rows > 0 && sealed > 0;
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
             std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
             if (batch[b].live != nullptr)
               word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
+            if (exact)
+              for (int r = 0; r < rows; ++r)
+                if (geometry_.exact_position(static_cast<std::int64_t>(i) * shape_.page_size + 32 * w + r, sealed)) word &= ~(1u << r);
             masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
           }
+      }
     }
   }
 
@@ -7571,6 +8659,7 @@ class engine {
     std::copy(out.lse_strides, out.lse_strides + 2, p.lse_strides);
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
+    p.exact_rows = static_cast<int>(geometry_.exact_rows);
     return p;
   }
 
@@ -7676,10 +8765,16 @@ class engine {
                               "the CUDA backend");
   }
 
-  /// Writes rows and completes pages; `sink_slots[i]`: the tail slot that keeps the sink rows of
-  /// new page i when it is a sequence's first page (formats with sinks), else -1.
+  /// Writes rows and completes pages; `sealed[i]`: new page i's tail slot, first position and the
+  /// sequence's window start once the write is done (its exact rows are copied to the tail slot).
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots);
+                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed);
+  /// What the exact-row copy needs of page `index` of the sequence in `slot` that has `pages_after`
+  /// pages once the write is done.
+  kernel::exact_item sealed_page(std::int32_t slot, std::int64_t index, std::int64_t pages_after) const noexcept {
+    const std::int64_t p = shape_.page_size;
+    return kernel::exact_item{index * p, pages_after * p - static_cast<std::int64_t>(geometry_.window_rows), slot, 0};
+  }
 
   /// Grows the scratch arena of dense page rows that encoded formats compress from.
   void reserve_scratch(std::int32_t pages) {
@@ -7818,7 +8913,9 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
   for (std::int32_t i = 0; i < n; ++i)
     for (int r = 0; r < p; ++r) source[static_cast<std::size_t>(i) * p + r] = static_cast<std::int64_t>(written[i]) * p + r;
   for (const kvmosaic::detail::slot_move& m : plan.moves) source[index_of(m.to / p) * p + m.to % p] = m.from;
-  const int sinks = first_page_sinks && n > 0 && written[0] == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+  const int sinks = kvmosaic::detail::hides_sink_rows_v<Format> && first_page_sinks && n > 0 && written[0] == 0
+                        ? static_cast<int>(geometry_.sink_rows)
+                        : 0;
   for (int t = 0; t < sinks; ++t) source[static_cast<std::size_t>(t)] = source[static_cast<std::size_t>(sinks)];  // hidden as at seal
 
   // Chunks of written pages; the pages a chunk reads (distinct source pages, first-use order).
@@ -7841,8 +8938,7 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
   if (!ordered) ranges.assign(1, {0, n});
 
   if constexpr (!encodes_pages)  // read in place and written back as scratch rows are laid out
-    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes &&
-                                  geometry_.sink_rows == 0,
+    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes,
                               "cuda::engine::move_slots", "the format's page layout", "not dense rows",
                               "dense rows [page_size][head_dim] per head (a format without an encoder)");
   const std::int64_t max_sources = static_cast<std::int64_t>(shape_.max_pages) * p;
@@ -7986,12 +9082,15 @@ void engine<Format, Selector, Shapes>::prepare_decode_kernel() {
 template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages,
                                                std::int32_t num_new_pages, const void* k, const void* v, dtype rows_type,
-                                               std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots) {
+                                               std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed) {
   // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
-  // weight row of each new page, -1 for none] [sink slots].
+  // weight row of each new page, -1 for none] [sink slots: a sequence's first page's slot, else
+  // -1]; then, for formats with exact rows, [exact items].
   const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
   const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
-  const std::size_t bytes = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const bool exact = geometry_.exact_rows > 0 && num_new_pages > 0;
+  const std::size_t exact_at = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const std::size_t bytes = exact_at + (exact ? align(static_cast<std::size_t>(num_new_pages) * sizeof(kernel::exact_item)) : 0);
   KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
   extend_staging_.reserve(bytes);
   extend_metadata_.reserve(bytes);
@@ -8008,10 +9107,12 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
       if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
       for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
     }
-    if (num_new_pages > 0)
-      std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
+    auto* sink_slots = reinterpret_cast<std::int32_t*>(staging + items_bytes + 3 * pages_bytes);
+    for (std::int32_t i = 0; i < num_new_pages; ++i)
+      sink_slots[i] = sealed[static_cast<std::size_t>(i)].first == 0 && geometry_.sink_rows > 0 ? sealed[static_cast<std::size_t>(i)].slot : -1;
     reserve_scratch(num_new_pages);
   }
+  if (exact) std::memcpy(staging + exact_at, sealed.data(), sealed.size() * sizeof(kernel::exact_item));
   detail::pull_from_host(extend_staging_, extend_metadata_.data(), bytes, stream_);
   KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
   const std::byte* metadata = extend_metadata_.as<const std::byte>();
@@ -8022,8 +9123,10 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   p.page_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
   p.new_pages = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
   p.tails = tails_.as<std::byte>();
-  p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  p.page_head_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes);
   p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+  p.tail_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  p.tail_row_offset = static_cast<std::int64_t>(geometry_.tail_row_offset());
   p.num_kv_heads = shape_.num_kv_heads;
   p.head_dim = shape_.head_dim;
   p.page_size = shape_.page_size;
@@ -8040,6 +9143,13 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
       kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, static_cast<const T*>(k), static_cast<const T*>(v));
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
+    if (exact) {  // the sinks and the recent window, from the completed pages' dense rows
+      const dim3 exact_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(num_new_pages));
+      kernel::keep_exact_rows_kernel<S><<<exact_grid, extend_threads, 0, stream_>>>(
+          p, reinterpret_cast<const kernel::exact_item*>(metadata + exact_at), static_cast<int>(geometry_.sink_rows),
+          static_cast<int>(geometry_.window_rows));
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    }
   };
   detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
   // The selector sees the new pages' dense rows: in their page slots, or in scratch slots 0 .. n.
@@ -8099,7 +9209,8 @@ namespace kvmosaic::cuda::kernel {
 
 /// format::dense's fields of its split kernels' params: the page and tail arenas as 2D tensors
 /// of rows (head_dim wide) for the sm_90 TMA kernel, row ((slot * 2 + is_v) * num_kv_heads +
-/// head) * page_size + row, 128-byte swizzled boxes (unused by the other kernels).
+/// head) * rows per head + row (page_size rows per page head; a tail head's rows: the exact rows,
+/// then page_size tail rows), 128-byte swizzled boxes (unused by the other kernels).
 struct dense_decode_params {
   CUtensorMap page_rows;
   CUtensorMap tail_rows;
@@ -8133,10 +9244,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const split_par
     collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                      p.page_size, s, detail_decode::page_rows_read(p, w.batch_index, head, i));
   }
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes,
-                          p.tail_rows[w.batch_index], s);
+  if (w.with_tail) {  // the exact rows and the tail rows
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * sizeof(T);
+    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s, temp);
 }
@@ -8191,10 +9303,13 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
-  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
+  const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
   const std::byte* tail_slot =
-      w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes : nullptr;
+      w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                        static_cast<std::size_t>(run.first) * layout::row_bytes
+                  : nullptr;
   // Thread 0: announce and issue the copies of one stage, one per contiguous run of rows.
   const auto issue = [&](int stage) {
     const int buffer = stage % Stages;
@@ -8312,9 +9427,11 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int page_size = p.page_size;
   const int box_rows = min(page_size, StageTokens);
   const int page_tokens = num_pages * page_size;
-  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
+  const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
   const int tail_slot = w.with_tail ? p.tail_slots[w.batch_index] : 0;
+  const int tail_head_rows = static_cast<int>(p.tail_head_bytes / (HeadDim * static_cast<int>(sizeof(T))));
   // Thread 0: one stage = whole boxes of rows (a page segment or the tail), K and V, every
   // 64-channel block.
   const auto issue = [&](int stage) {
@@ -8335,10 +9452,10 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
         row_k = ((page * 2 + 0) * p.num_kv_heads + head) * page_size + row;
         row_v = ((page * 2 + 1) * p.num_kv_heads + head) * page_size + row;
       } else {
-        const int row = t - page_tokens;
+        const int row = run.first + t - page_tokens;
         map = &p.format.tail_rows;
-        row_k = ((tail_slot * 2 + 0) * p.num_kv_heads + head) * page_size + row;
-        row_v = ((tail_slot * 2 + 1) * p.num_kv_heads + head) * page_size + row;
+        row_k = ((tail_slot * 2 + 0) * p.num_kv_heads + head) * tail_head_rows + row;
+        row_v = ((tail_slot * 2 + 1) * p.num_kv_heads + head) * tail_head_rows + row;
       }
 #pragma unroll
       for (int block = 0; block < HeadDim / 64; ++block) {
@@ -8406,12 +9523,14 @@ struct device_format<format::dense> {
   template <class Shapes>
   static void configure(state& s, const format::dense&, device_context& e) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const std::int64_t arena_rows = static_cast<std::int64_t>(std::max(shape.max_pages, shape.max_sequences)) * 2 *
-                                    shape.num_kv_heads * shape.page_size;
+    const std::int64_t tail_head_rows = static_cast<std::int64_t>(e.geometry->tail_head_bytes / e.geometry->row_bytes);
+    const std::int64_t arena_rows = std::max<std::int64_t>(static_cast<std::int64_t>(shape.max_pages) * shape.page_size,
+                                                           static_cast<std::int64_t>(shape.max_sequences) * tail_head_rows) *
+                                    2 * shape.num_kv_heads;
     s.tma = e.bulk_copy && (shape.page_size % 64 == 0 || 64 % shape.page_size == 0) && arena_rows < (std::int64_t{1} << 31);
     if (s.tma) {
       s.maps.page_rows = row_map(e, e.pages, static_cast<std::uint64_t>(shape.max_pages) * 2 * shape.num_kv_heads * shape.page_size);
-      s.maps.tail_rows = row_map(e, e.tails, static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
+      s.maps.tail_rows = row_map(e, e.tails, static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * tail_head_rows);
     }
   }
 
@@ -9075,11 +10194,13 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
     }
   }
   __syncthreads();  // every warp is done with the slots, which the reduction reuses
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+  if (w.with_tail) {  // the exact rows and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * 2;
     const std::byte* k_rows = slot + head * p.tail_head_bytes;
     const std::byte* v_rows = slot + (p.num_kv_heads + head) * p.tail_head_bytes;
-    const int rows = p.tail_rows[w.batch_index];
+    const int rows = run.rows;
     for (int first = 0; first < rows; first += segment) {
       // A warp whose rows all lie past the tail skips: p would be 0 for them anyway.
       const std::uint32_t warp_rows = attend::rows_before(first + rows_first, rows);
@@ -9144,10 +10265,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
       __syncthreads();
     }
   }
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes,
-                     p.tail_rows[w.batch_index], s);
+  if (w.with_tail) {  // the exact rows and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * 2;
+    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(
       p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, collective::rows>*>(shared));
@@ -10204,15 +11326,13 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
       if (lane == 0 && k + stages < my_pages) issue(k + stages);
     }
   }
-  const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-  const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes);
-  const auto* v_rows = reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes);
-  if (p.sink_rows > 0 && w.page_begin == 0 && p.sealed_pages[w.batch_index] > 0 && warp == warps - 1) {
-    const std::size_t skip = static_cast<std::size_t>(p.page_size) * HeadDim;  // sinks follow the tail rows
-    state.fold_dense_rows(k_rows + skip, v_rows + skip, p.sink_rows, q);
-  }
-  if (w.with_tail) {
-    const int rows = p.tail_rows[w.batch_index];
+  if (w.with_tail) {  // the exact rows (sinks, recent window) and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+    const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes) + static_cast<std::size_t>(run.first) * HeadDim;
+    const auto* v_rows =
+        reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes) + static_cast<std::size_t>(run.first) * HeadDim;
+    const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
       state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q);
@@ -10251,7 +11371,7 @@ namespace kvmosaic::cuda::kernel {
 struct quant2_encode_params {
   const std::byte* rows;
   std::int64_t rows_slot_bytes;
-  std::int64_t rows_head_bytes;  ///< = the tail arena's: page_size rows, then sink_rows rows
+  std::int64_t rows_head_bytes;  ///< = the tail arena's (its first page_size rows used)
   std::byte* pages;
   std::int64_t page_slot_bytes;
   std::int64_t page_bytes;  ///< one K (= one V) page
@@ -10262,9 +11382,7 @@ struct quant2_encode_params {
   bool stochastic;
   std::uint64_t seed;
   /// Sinks: page i with sink_slots[i] >= 0 is a sequence's first page. Its first sink_rows rows
-  /// are copied after the tail rows of tail slot sink_slots[i] (same layout as `rows`) and are
-  /// quantized as copies of row sink_rows.
-  std::byte* tails;
+  /// are quantized as copies of row sink_rows (the engine keeps them exact in the tail slot).
   int sink_rows;
   const std::int32_t* sink_slots;
 };
@@ -10285,11 +11403,6 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   const std::int64_t head_at = (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
   const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
   const int sinks = e.sink_slots != nullptr && e.sink_slots[page_index] >= 0 ? e.sink_rows : 0;
-  if (sinks > 0) {  // keep them dense, after the sequence's tail rows
-    auto* kept = reinterpret_cast<T*>(e.tails + e.sink_slots[page_index] * e.rows_slot_bytes + head_at) +
-                 static_cast<std::size_t>(page_size) * HeadDim;
-    for (int i = tid; i < sinks * HeadDim; i += quant2_encode_threads) kept[i] = rows[i];
-  }
   // Row t as the encoder sees it: the sinks replaced by the first row after them.
   const auto row_of = [&](int t) { return rows + static_cast<std::size_t>(t < sinks ? sinks : t) * HeadDim; };
   std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
@@ -10502,7 +11615,7 @@ struct device_format<format::quant2> {
   static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
 
   /// Quantizes `n` completed pages (K and V of every KV head): one CTA per (page, head, K or V);
-  /// a sequence's first page copies its sink rows to the tail slot first.
+  /// a sequence's first page is quantized with its sinks hidden (`detail::hides_sink_rows`).
   template <class Shapes>
   static void encode_pages(const state&, const format::quant2& f, const encode_context& c) {
     const device_context& e = *c.engine;
@@ -10515,7 +11628,6 @@ struct device_format<format::quant2> {
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.tails = e.tails;
     p.sink_rows = static_cast<int>(g.sink_rows);
     p.sink_slots = c.sink_slots;
     p.new_pages = c.page_ids;
@@ -11278,8 +12390,21 @@ class span_selection {
   void start_unselected() noexcept { planned_ = false; }
   /// Sequence b of the started step: `spans` to score, the budget and always-read region from
   /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
+  /// Spans starting at or after the request's `candidates_before` (the format's recent window,
+  /// read from its exact rows) are left out: the candidates are the first spans, in token order.
   void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
            const std::vector<std::int32_t>* table = nullptr) {
+    if (b < request.candidates_before.size()) {
+      const std::int64_t before = request.candidates_before[b];
+      if (source_.span_tokens > 0) {
+        const std::int64_t fits = before <= 0 ? 0 : (before + source_.span_tokens - 1) / source_.span_tokens;
+        spans = static_cast<std::int32_t>(std::min<std::int64_t>(spans, fits));
+      } else if (b < request.chunks.size() && request.chunks[b].starts != nullptr) {
+        std::int32_t fits = 0;
+        while (fits < spans && fits < request.chunks[b].count && request.chunks[b].starts[fits] < before) ++fits;
+        spans = fits;
+      }
+    }
     span_counts_[b] = spans;
     budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
     always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));

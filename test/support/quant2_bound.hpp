@@ -15,8 +15,8 @@
 namespace kvmosaic::test {
 
 /// `stored` (the rows as the cache stores them, rounded to its dtype) with every token on a page
-/// replaced by what the page decodes to, but the sink tokens (kept dense). `cache` is a
-/// host-backend quant2 cache.
+/// replaced by what the page decodes to, but the sink tokens and the recent window (kept dense).
+/// `cache` is a host-backend quant2 cache.
 template <class Cache>
 synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
   using traits = format_traits<format::quant2>;
@@ -25,6 +25,7 @@ synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic:
   std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
   const auto& pages = cache.pages(id);
   const int sinks = cache.format().sink_tokens;
+  const std::size_t window_from = pages.size() * c.page_size - std::min<std::size_t>(cache.format().recent_tokens, pages.size() * c.page_size);
   for (std::size_t pg = 0; pg < pages.size(); ++pg)
     for (int h = 0; h < c.num_kv_heads; ++h)
       for (const bool is_v : {false, true}) {
@@ -32,7 +33,7 @@ synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic:
           traits::decode_v(cache.format(), shape, cache.engine().v_page(pages[pg], h), c.page_size, rows.data());
         else
           traits::decode_k(cache.format(), shape, cache.engine().k_page(pages[pg], h), c.page_size, rows.data());
-        for (int t = pg == 0 ? sinks : 0; t < c.page_size; ++t)
+        for (int t = pg == 0 ? sinks : 0; t < c.page_size && pg * c.page_size + static_cast<std::size_t>(t) < window_from; ++t)
           for (int ch = 0; ch < c.head_dim; ++ch)
             (is_v ? stored.v : stored.k)[((pg * c.page_size + static_cast<std::size_t>(t)) * c.num_kv_heads + h) *
                                              c.head_dim +
@@ -70,7 +71,8 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
   const auto& pages = cache.pages(id);
   const int full = static_cast<int>(pages.size()) * page;
   const int sinks = pages.empty() ? 0 : cache.format().sink_tokens;  // dense, as the tail
-  const auto on_codes = [&](int t) { return t >= sinks && t < full; };
+  const int window_from = full - std::min(cache.format().recent_tokens, full);  // so is the window
+  const auto on_codes = [&](int t) { return t >= sinks && t < window_from; };
   quant2_bounds bounds;
   bounds.vs_exact.resize(static_cast<std::size_t>(heads) * groups * d);
   bounds.vs_twin.resize(bounds.vs_exact.size());

@@ -208,9 +208,16 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
   };
 
   policy_args args(spec.format.name, spec.format.values);
+  // Exact tokens, every format: sinks (the first tokens) and a recent window kept 16-bit.
+  auto exact_tokens = [&args](auto& f) {
+    f.sink_tokens = static_cast<int>(args.integer("sinks", f.sink_tokens, "0 to 16 first tokens kept exact"));
+    f.recent_tokens = static_cast<int>(args.integer("recent", f.recent_tokens, "0 to 1024 last tokens kept exact"));
+  };
   if (spec.format.name == "dense") {
+    kv::format::dense f;
+    exact_tokens(f);
     args.finish();
-    return with_selector(kv::format::dense{});
+    return with_selector(f);
   }
   if (spec.format.name == "bitmap_tiles") {
     kv::format::bitmap_tiles f;
@@ -219,6 +226,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     f.k_layout = args.choice("k_layout", f.k_layout,
                              {{"channels", kv::format::bitmap_k_layout::along_channels},
                               {"tokens", kv::format::bitmap_k_layout::along_tokens}});
+    exact_tokens(f);
     args.finish();
     return with_selector(f);
   }
@@ -230,7 +238,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     f.seed = static_cast<std::uint64_t>(args.integer("seed", static_cast<std::int64_t>(f.seed), "any integer >= 0"));
     f.k_axis = args.choice("k_axis", f.k_axis,
                            {{"tokens", kv::format::key_axis::tokens}, {"head_dim", kv::format::key_axis::head_dim}});
-    f.sink_tokens = static_cast<int>(args.integer("sinks", f.sink_tokens, "0 to 16"));
+    exact_tokens(f);
     f.max_reencodes = static_cast<int>(args.integer("max_reencodes", f.max_reencodes, ">= 0"));
     args.finish();
     return with_selector(f);

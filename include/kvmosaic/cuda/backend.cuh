@@ -154,7 +154,10 @@ class engine {
   void extend(std::int32_t slot, int tail_rows, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
               const page_id* new_pages, std::int64_t sealed_pages) {
     check_device_rows("cache::prefill", k, v);
-    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot);
+    // Rows after a sealed page land on the old tail rows, and a seal rewrites the exact rows.
+    if ((tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) ||
+        (geometry_.exact_rows > 0 && tail_rows + k.extent(0) >= shape_.page_size))
+      save_tail(slot);
     // Encoded formats: chunks of at most encode_chunk_pages completed pages (the scratch arena);
     // formats without an encoder write every row in one pass. A chunk always holds at least one row: the tail
     // holds fewer than page_size rows, and a chunk of an encoded format is whole pages.
@@ -164,9 +167,9 @@ class engine {
       const auto count = static_cast<std::int32_t>(std::min(room, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
-      std::vector<std::int32_t> sink_slots(static_cast<std::size_t>(pages), -1);  // the sequence's first page
-      if (pages > 0 && sealed_pages == 0) sink_slots[0] = slot;
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sink_slots);
+      std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
+      for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
       new_pages += pages;
       sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
@@ -181,17 +184,17 @@ class engine {
     check_device_rows("cache::append", k, v);
     std::vector<kernel::extend_item> work;
     std::vector<page_id> new_pages;
-    std::vector<std::int32_t> sink_slots;
+    std::vector<kernel::exact_item> sealed;
     for (std::size_t b = 0; b < items.size(); ++b) {
       work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
                                          static_cast<std::int32_t>(new_pages.size())});
       if (items[b].new_page >= 0) {
         new_pages.push_back(items[b].new_page);
-        sink_slots.push_back(items[b].sealed_pages == 0 ? items[b].slot : -1);
+        sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
     }
     run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), dtype_traits<T>::id, 1,
-               sink_slots);
+               sealed);
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
@@ -386,20 +389,23 @@ class engine {
     const auto n = static_cast<std::int32_t>(batch.size());
     std::vector<std::int32_t> full_pages(batch.size()), tail_rows(batch.size()), slots(batch.size()), read_pages(batch.size());
     std::vector<step_sequence> sequences(batch.size());
+    std::vector<std::int32_t> dense_rows(batch.size());  // the exact rows and the tail rows: one run
     std::int32_t longest = 1;
-    bool masked = false;  // a sequence has evicted tokens: the step reads live-row masks
+    bool masked = false;  // a sequence has evicted tokens, or exact rows: the step reads live-row masks
     for (std::size_t b = 0; b < batch.size(); ++b) {
-      masked = masked || batch[b].live != nullptr;
+      const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
+      masked = masked || batch[b].live != nullptr || exact > 0;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
       sequences[b] = step_sequence{slots[b], full_pages[b]};
+      dense_rows[b] = tail_rows[b] + static_cast<std::int32_t>(exact);
       longest = std::max(longest, full_pages[b]);
     }
     selection_.plan(request, sequences, read_pages);
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
-        make_split_plan(read_pages, tail_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
+        make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
                         split_page_multiple);
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
@@ -423,18 +429,25 @@ class engine {
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
-    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted)
+    if (masked) {  // per (sequence, table entry): its live rows (every row for a sequence with none evicted),
+                   // less the rows attended from their exact copies (sinks, recent window)
       auto* masks = reinterpret_cast<std::uint32_t*>(host + layout_.live_masks);
       const int words = live_mask_words(), words64 = (shape_.page_size + 63) / 64;
-      for (std::size_t b = 0; b < batch.size(); ++b)
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const std::int64_t sealed = static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
+        const bool exact = geometry_.exact_rows > 0 && sealed > 0;
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
             std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
             if (batch[b].live != nullptr)
               word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
+            if (exact)
+              for (int r = 0; r < rows; ++r)
+                if (geometry_.exact_position(static_cast<std::int64_t>(i) * shape_.page_size + 32 * w + r, sealed)) word &= ~(1u << r);
             masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
           }
+      }
     }
   }
 
@@ -500,6 +513,7 @@ class engine {
     std::copy(out.lse_strides, out.lse_strides + 2, p.lse_strides);
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
+    p.exact_rows = static_cast<int>(geometry_.exact_rows);
     return p;
   }
 
@@ -605,10 +619,16 @@ class engine {
                               "the CUDA backend");
   }
 
-  /// Writes rows and completes pages; `sink_slots[i]`: the tail slot that keeps the sink rows of
-  /// new page i when it is a sequence's first page (formats with sinks), else -1.
+  /// Writes rows and completes pages; `sealed[i]`: new page i's tail slot, first position and the
+  /// sequence's window start once the write is done (its exact rows are copied to the tail slot).
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots);
+                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed);
+  /// What the exact-row copy needs of page `index` of the sequence in `slot` that has `pages_after`
+  /// pages once the write is done.
+  kernel::exact_item sealed_page(std::int32_t slot, std::int64_t index, std::int64_t pages_after) const noexcept {
+    const std::int64_t p = shape_.page_size;
+    return kernel::exact_item{index * p, pages_after * p - static_cast<std::int64_t>(geometry_.window_rows), slot, 0};
+  }
 
   /// Grows the scratch arena of dense page rows that encoded formats compress from.
   void reserve_scratch(std::int32_t pages) {
@@ -747,7 +767,9 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
   for (std::int32_t i = 0; i < n; ++i)
     for (int r = 0; r < p; ++r) source[static_cast<std::size_t>(i) * p + r] = static_cast<std::int64_t>(written[i]) * p + r;
   for (const kvmosaic::detail::slot_move& m : plan.moves) source[index_of(m.to / p) * p + m.to % p] = m.from;
-  const int sinks = first_page_sinks && n > 0 && written[0] == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+  const int sinks = kvmosaic::detail::hides_sink_rows_v<Format> && first_page_sinks && n > 0 && written[0] == 0
+                        ? static_cast<int>(geometry_.sink_rows)
+                        : 0;
   for (int t = 0; t < sinks; ++t) source[static_cast<std::size_t>(t)] = source[static_cast<std::size_t>(sinks)];  // hidden as at seal
 
   // Chunks of written pages; the pages a chunk reads (distinct source pages, first-use order).
@@ -770,8 +792,7 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
   if (!ordered) ranges.assign(1, {0, n});
 
   if constexpr (!encodes_pages)  // read in place and written back as scratch rows are laid out
-    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes &&
-                                  geometry_.sink_rows == 0,
+    kvmosaic::detail::require(geometry_.k_page_bytes == geometry_.v_page_bytes && geometry_.k_page_bytes == p * geometry_.row_bytes,
                               "cuda::engine::move_slots", "the format's page layout", "not dense rows",
                               "dense rows [page_size][head_dim] per head (a format without an encoder)");
   const std::int64_t max_sources = static_cast<std::int64_t>(shape_.max_pages) * p;
@@ -915,12 +936,15 @@ void engine<Format, Selector, Shapes>::prepare_decode_kernel() {
 template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages,
                                                std::int32_t num_new_pages, const void* k, const void* v, dtype rows_type,
-                                               std::int64_t max_rows, const std::vector<std::int32_t>& sink_slots) {
+                                               std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed) {
   // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
-  // weight row of each new page, -1 for none] [sink slots].
+  // weight row of each new page, -1 for none] [sink slots: a sequence's first page's slot, else
+  // -1]; then, for formats with exact rows, [exact items].
   const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
   const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
-  const std::size_t bytes = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const bool exact = geometry_.exact_rows > 0 && num_new_pages > 0;
+  const std::size_t exact_at = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const std::size_t bytes = exact_at + (exact ? align(static_cast<std::size_t>(num_new_pages) * sizeof(kernel::exact_item)) : 0);
   KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
   extend_staging_.reserve(bytes);
   extend_metadata_.reserve(bytes);
@@ -937,10 +961,12 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
       if constexpr (has_key_weights_v<Format>) weighted = has_key_weights_[static_cast<std::size_t>(item.slot)];
       for (std::int32_t i = 0; i < pages; ++i) weight_rows[item.first_new_page + i] = weighted ? item.slot : -1;
     }
-    if (num_new_pages > 0)
-      std::memcpy(staging + items_bytes + 3 * pages_bytes, sink_slots.data(), num_new_pages * sizeof(std::int32_t));
+    auto* sink_slots = reinterpret_cast<std::int32_t*>(staging + items_bytes + 3 * pages_bytes);
+    for (std::int32_t i = 0; i < num_new_pages; ++i)
+      sink_slots[i] = sealed[static_cast<std::size_t>(i)].first == 0 && geometry_.sink_rows > 0 ? sealed[static_cast<std::size_t>(i)].slot : -1;
     reserve_scratch(num_new_pages);
   }
+  if (exact) std::memcpy(staging + exact_at, sealed.data(), sealed.size() * sizeof(kernel::exact_item));
   detail::pull_from_host(extend_staging_, extend_metadata_.data(), bytes, stream_);
   KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
   const std::byte* metadata = extend_metadata_.as<const std::byte>();
@@ -951,8 +977,10 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   p.page_slot_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_slot_bytes() : geometry_.page_slot_bytes());
   p.new_pages = encodes_pages ? page_ids + pages_bytes / sizeof(std::int32_t) : page_ids;
   p.tails = tails_.as<std::byte>();
-  p.page_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  p.page_head_bytes = static_cast<std::int64_t>(encodes_pages ? geometry_.tail_head_bytes : geometry_.k_page_bytes);
   p.tail_slot_bytes = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
+  p.tail_head_bytes = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  p.tail_row_offset = static_cast<std::int64_t>(geometry_.tail_row_offset());
   p.num_kv_heads = shape_.num_kv_heads;
   p.head_dim = shape_.head_dim;
   p.page_size = shape_.page_size;
@@ -969,6 +997,13 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
       kernel::scatter_rows_kernel<S, T><<<row_grid, extend_threads, 0, stream_>>>(p, static_cast<const T*>(k), static_cast<const T*>(v));
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
+    if (exact) {  // the sinks and the recent window, from the completed pages' dense rows
+      const dim3 exact_grid(detail::grid_for(vectors_per_row * shape_.page_size, extend_threads), static_cast<unsigned>(num_new_pages));
+      kernel::keep_exact_rows_kernel<S><<<exact_grid, extend_threads, 0, stream_>>>(
+          p, reinterpret_cast<const kernel::exact_item*>(metadata + exact_at), static_cast<int>(geometry_.sink_rows),
+          static_cast<int>(geometry_.window_rows));
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    }
   };
   detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto, auto) { scatter(element); });
   // The selector sees the new pages' dense rows: in their page slots, or in scratch slots 0 .. n.

@@ -69,6 +69,15 @@ struct bitmap_tiles {
   float s_k = 0.5f;  ///< fraction of each K vector pruned
   float s_v = 0.5f;  ///< fraction of each V vector pruned
   bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
+  /// Attention sinks kept unpruned: the first `sink_tokens` (0 to 16) tokens of every sequence are
+  /// also kept as dense 16-bit rows once its first page is sealed, attended exactly, and masked in
+  /// that page. Cost: sink_tokens dense rows per sequence.
+  int sink_tokens = 0;
+  /// The recent window kept unpruned (0 to 1024; MUSTAFAR keeps 32): the last `recent_tokens`
+  /// sealed tokens are also kept as dense rows (a ring in the tail slot) and attended in place of
+  /// their masked page copies. Cost: recent_tokens dense rows per sequence, written at seal. Not
+  /// with a compactor that frees memory (the cache rejects it).
+  int recent_tokens = 0;
 };
 
 }  // namespace format
@@ -210,7 +219,8 @@ struct format_traits<format::bitmap_tiles> {
 
   static std::string describe(const format::bitmap_tiles& f) {
     return "bitmap_tiles(k" + detail::to_text(f.s_k) + ",v" + detail::to_text(f.s_v) +
-           (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "") + ")";
+           (f.k_layout == format::bitmap_k_layout::along_tokens ? ",k/tokens" : "") +
+           detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens) + ")";
   }
 
   static void validate(const format::bitmap_tiles& f, const page_shape& shape) {
@@ -224,7 +234,10 @@ struct format_traits<format::bitmap_tiles> {
                     to_string(shape.storage), "f16 or bf16");
     detail::require(f.k_layout == format::bitmap_k_layout::along_tokens || f.k_layout == format::bitmap_k_layout::along_channels,
                     where, "k_layout", static_cast<int>(f.k_layout), "bitmap_k_layout::along_tokens or along_channels");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
   }
+  static int sink_rows(const format::bitmap_tiles& f) { return f.sink_tokens; }
+  static int window_rows(const format::bitmap_tiles& f) { return f.recent_tokens; }
   static bool k_along_tokens(const format::bitmap_tiles& f) { return f.k_layout == format::bitmap_k_layout::along_tokens; }
 
   static std::size_t k_page_bytes(const format::bitmap_tiles& f, const page_shape& shape) {

@@ -28,8 +28,17 @@ namespace kvmosaic {
 namespace format {
 
 /// Uncompressed 16-bit K and V rows. Compression ratio 1 by definition. Source: the baseline.
+///
+/// `sink_tokens` and `recent_tokens` work as in every format (docs/architecture.md, "Exact
+/// tokens"): the rows are kept again, exactly, in the sequence's tail slot and their page copies
+/// masked. A dense page is exact already, so attention equals plain dense attention; the copies
+/// exist so that every format and selector shares one mechanism (a read-less selector never
+/// spends its budget on them and always reads them). Cost: sink_tokens + recent_tokens rows per
+/// sequence.
 struct dense {
   using policy_category = format_tag;
+  int sink_tokens = 0;    ///< leading tokens always read (0 to 16)
+  int recent_tokens = 0;  ///< latest sealed tokens always read (0 to 1024), besides the tail
 };
 
 }  // namespace format
@@ -127,12 +136,18 @@ template <>
 struct format_traits<format::dense> {
   static constexpr const char* name = "dense";
 
-  static std::string describe(const format::dense&) { return "dense"; }
+  static std::string describe(const format::dense& f) {
+    const std::string exact = detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens);
+    return exact.empty() ? "dense" : "dense(" + exact.substr(1) + ")";
+  }
 
-  static void validate(const format::dense&, const page_shape& shape) {
+  static void validate(const format::dense& f, const page_shape& shape) {
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, "format::dense",
                     "storage", to_string(shape.storage), "f16 or bf16");
+    detail::validate_exact_tokens("format::dense", f.sink_tokens, f.recent_tokens);
   }
+  static int sink_rows(const format::dense& f) { return f.sink_tokens; }
+  static int window_rows(const format::dense& f) { return f.recent_tokens; }
 
   static std::size_t k_page_bytes(const format::dense&, const page_shape& shape) {
     return static_cast<std::size_t>(shape.page_size) * shape.head_dim * size_of(shape.storage);

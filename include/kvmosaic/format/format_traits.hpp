@@ -41,9 +41,11 @@
 /// `kvmosaic/cuda/` on the same tag.
 
 #include <cstddef>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
 #include "kvmosaic/core/policy.hpp"
 
 namespace kvmosaic {
@@ -112,14 +114,67 @@ template <class Format>
 struct sink_rows_of<Format, std::void_t<decltype(format_traits<Format>::sink_rows(std::declval<const Format&>()))>> {
   static int get(const Format& f) { return format_traits<Format>::sink_rows(f); }
 };
+/// format_traits<Format>::window_rows(format), 0 when a format does not declare it.
+template <class Format, class = void>
+struct window_rows_of {
+  static int get(const Format&) { return 0; }
+};
+template <class Format>
+struct window_rows_of<Format, std::void_t<decltype(format_traits<Format>::window_rows(std::declval<const Format&>()))>> {
+  static int get(const Format& f) { return format_traits<Format>::window_rows(f); }
+};
+
+/// Whether a format's encoder must not see the sink rows (their copies in the first page are
+/// replaced by the first row after them before encoding): true for a format whose records span
+/// several tokens, where one sink's large values would stretch its neighbours' ranges
+/// (format::quant2's partitions). False by default: a per-token record of a sink is masked and
+/// harms nobody.
+template <class Format>
+struct hides_sink_rows : std::false_type {};
+template <class Format>
+inline constexpr bool hides_sink_rows_v = hides_sink_rows<Format>::value;
 }  // namespace detail
 
-/// The leading tokens of every sequence a format keeps as dense 16-bit rows besides its pages
-/// (attention sinks): stored after the tail rows of the sequence's tail slot once its first page
-/// is sealed, masked out of that page, and attended exactly.
+/// Most sink tokens a format keeps exact (`sink_tokens` of every built-in format).
+inline constexpr int max_sink_tokens = 16;
+/// Most recent-window tokens a format keeps exact (`recent_tokens` of every built-in format).
+inline constexpr int max_recent_tokens = 1024;
+
+/// The leading tokens of every sequence a format keeps as exact 16-bit rows besides its pages
+/// (attention sinks, `sink_tokens`): copied into the sequence's tail slot when its first page is
+/// sealed, masked out of that page, and always attended.
 template <class Format>
 int sink_rows(const Format& format) {
   return detail::sink_rows_of<Format>::get(format);
 }
+
+/// The most recent sealed tokens a format keeps as exact 16-bit rows besides its pages (the
+/// recent window, `recent_tokens`, the dense tail not counted): a ring of that many rows in the
+/// sequence's tail slot, written as pages are sealed; their page copies are masked.
+template <class Format>
+int window_rows(const Format& format) {
+  return detail::window_rows_of<Format>::get(format);
+}
+
+/// Every exact row a sequence's tail slot can hold besides its tail: sinks plus the window.
+template <class Format>
+int exact_rows(const Format& format) {
+  return sink_rows(format) + window_rows(format);
+}
+
+namespace detail {
+/// Checks a format's `sink_tokens` and `recent_tokens` (throws `invalid_argument` naming them).
+inline void validate_exact_tokens(const char* where, int sink_tokens, int recent_tokens) {
+  require(sink_tokens >= 0 && sink_tokens <= max_sink_tokens, where, "sink_tokens", sink_tokens, "0 to 16");
+  require(recent_tokens >= 0 && recent_tokens <= max_recent_tokens, where, "recent_tokens", recent_tokens, "0 to 1024");
+}
+/// ", sinks S, recent W" for a format's `describe` (empty for zeros).
+inline std::string describe_exact_tokens(int sink_tokens, int recent_tokens) {
+  std::string text;
+  if (sink_tokens > 0) text += ",sinks" + std::to_string(sink_tokens);
+  if (recent_tokens > 0) text += ",recent" + std::to_string(recent_tokens);
+  return text;
+}
+}  // namespace detail
 
 }  // namespace kvmosaic

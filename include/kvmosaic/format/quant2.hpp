@@ -95,6 +95,13 @@ struct quant2 {
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
   /// sequence.
   int sink_tokens = 0;
+  /// The recent window kept 16-bit (0 to 1024; 0: only the dense tail): the last `recent_tokens`
+  /// sealed tokens of every sequence are also kept as dense rows in a ring in its tail slot and
+  /// attended exactly in place of their masked page copies, so the latest page_size - 1 +
+  /// recent_tokens tokens or more are exact (KIVI keeps 128, MUSTAFAR 32). Cost: recent_tokens
+  /// dense rows per sequence, written when a page is sealed. Not with a compactor that frees
+  /// memory (the cache rejects it).
+  int recent_tokens = 0;
   /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
   /// dequantized values again, on the grid of their new partition, which adds error each time a
   /// partition's members change. A pass leaves alone every page up to the last one re-encoded this
@@ -488,8 +495,8 @@ struct format_traits<format::quant2> {
   static std::string describe(const format::quant2& f) {
     std::string text = "quant2(pi" + std::to_string(f.partition) + "," +
                        (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") +
-                       (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token");
-    if (f.sink_tokens > 0) text += ",sinks" + std::to_string(f.sink_tokens);
+                       (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token") +
+                       detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens);
     if (f.max_reencodes != 1) text += ",reencodes" + std::to_string(f.max_reencodes);
     return text + ")";
   }
@@ -517,8 +524,7 @@ struct format_traits<format::quant2> {
                     "a multiple of partition (a sealed page holds whole V partitions)");
     detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage",
                     to_string(shape.storage), "f16 or bf16");
-    detail::require(f.sink_tokens >= 0 && f.sink_tokens <= max_sink_tokens, where, "sink_tokens", f.sink_tokens,
-                    "0 to 16");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
     detail::require(f.max_reencodes >= 0 && f.max_reencodes <= 255, where, "max_reencodes", f.max_reencodes, "0 to 255");
     // Enumerations arrive from configuration as integers: a value outside the enumerators would
     // otherwise pick a branch silently.
@@ -530,8 +536,9 @@ struct format_traits<format::quant2> {
   }
 
   /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.
-  static constexpr int max_sink_tokens = 16;
+  static constexpr int max_sink_tokens = kvmosaic::max_sink_tokens;
   static int sink_rows(const format::quant2& f) { return f.sink_tokens; }
+  static int window_rows(const format::quant2& f) { return f.recent_tokens; }
 
   static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
     return detail::quant2_layout_of(f, shape, true).bytes();
@@ -687,6 +694,10 @@ struct reencoding<format::quant2> {
   }
   static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
 };
+/// quant2's first page is encoded with its sinks replaced by the first row after them: a sink's
+/// large values would stretch the range of every partition it falls in.
+template <>
+struct hides_sink_rows<format::quant2> : std::true_type {};
 }  // namespace detail
 
 }  // namespace kvmosaic

@@ -9,7 +9,11 @@
 ///
 /// Layouts (all row-major, bytes):
 ///   page slot  = [K: num_kv_heads x k_page_bytes][V: num_kv_heads x v_page_bytes]
-///   tail slot  = [K: num_kv_heads x page_size x head_dim][V: same], storage dtype (format::dense)
+///   tail slot  = [K: num_kv_heads x tail head][V: same], storage dtype (format::dense), a tail head
+///                = [recent window ring: W rows][sinks: S rows][tail: page_size rows] (W, S: the
+///                format's `window_rows` and `sink_rows`, usually 0). Ring entry j (the sealed
+///                position S + j modulo W) is row W - 1 - j, so a sequence's exact rows, however
+///                many it holds yet, and its tail rows are one contiguous run ending at the tail.
 
 #include <algorithm>
 #include <cmath>
@@ -72,23 +76,41 @@ struct arena_geometry {
         k_page_bytes(format_traits<Format>::k_page_bytes(format, shape.page())),
         v_page_bytes(format_traits<Format>::v_page_bytes(format, shape.page())),
         sink_rows(kvmosaic::sink_rows(format)),
+        window_rows(kvmosaic::window_rows(format)),
+        exact_rows(sink_rows + window_rows),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + sink_rows) * row_bytes) {}
+        tail_head_bytes((static_cast<std::size_t>(shape.page_size) + exact_rows) * row_bytes) {}
 
   std::size_t num_kv_heads;
   std::size_t k_page_bytes;     ///< one page of K of one head, by the format's accounting
   std::size_t v_page_bytes;     ///< one page of V of one head
-  std::size_t sink_rows;        ///< dense sink rows kept after the tail rows (formats with sinks)
+  std::size_t sink_rows;        ///< S: exact sink rows a tail head keeps (format's `sink_rows`)
+  std::size_t window_rows;      ///< W: exact recent-window rows a tail head keeps (`window_rows`)
+  std::size_t exact_rows;       ///< S + W
   std::size_t row_bytes;        ///< one dense row of one head
-  std::size_t tail_head_bytes;  ///< page_size tail rows, then the sink rows, of one head (K or V)
+  std::size_t tail_head_bytes;  ///< the window ring, the sinks, then page_size tail rows, of one head (K or V)
 
   /// One pool slot: a page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return num_kv_heads * (k_page_bytes + v_page_bytes); }
-  /// One tail slot: page_size dense rows (and the sink rows) of K and of V for every KV head.
+  /// One tail slot: the exact rows and page_size tail rows of K and of V for every KV head.
   std::size_t tail_slot_bytes() const noexcept { return 2 * num_kv_heads * tail_head_bytes; }
-  /// Offset of the first sink row inside a tail slot's head.
-  std::size_t sink_offset(const engine_shape& shape) const noexcept {
-    return static_cast<std::size_t>(shape.page_size) * row_bytes;
+  /// Offset of tail row 0 inside a tail head (after the exact rows).
+  std::size_t tail_row_offset() const noexcept { return exact_rows * row_bytes; }
+  /// Exact rows a sequence with `sealed` sealed tokens holds (just before its tail rows):
+  /// min(S + W, sealed), 0 before its first page is sealed.
+  std::int64_t exact_rows_held(std::int64_t sealed) const noexcept {
+    return sealed > 0 ? std::min(static_cast<std::int64_t>(exact_rows), sealed) : 0;
+  }
+  /// The row of a tail head (from its start) that keeps the exact copy of sealed position `t`
+  /// (a sink, or a window position >= S).
+  std::size_t exact_row_of(std::int64_t t) const noexcept {
+    if (t < static_cast<std::int64_t>(sink_rows)) return window_rows + static_cast<std::size_t>(t);
+    return window_rows - 1 - static_cast<std::size_t>((t - static_cast<std::int64_t>(sink_rows)) % static_cast<std::int64_t>(window_rows));
+  }
+  /// Whether sealed position `t` of a sequence with `sealed` sealed tokens is attended from its
+  /// exact copy (its page copy is masked): a sink, or one of the last W sealed tokens.
+  bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
+    return t < static_cast<std::int64_t>(sink_rows) || t >= sealed - static_cast<std::int64_t>(window_rows);
   }
   /// Offsets inside a page slot and a tail slot.
   std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
@@ -238,7 +260,10 @@ class engine {
               const page_id* new_pages, std::int64_t sealed_pages) {
     const std::size_t row_bytes = static_cast<std::size_t>(shape_.head_dim) * size_of(shape_.storage);
     std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
-    if (tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) save_tail(slot, tail_rows);
+    // Rows after a sealed page land on the old tail rows, and a seal rewrites the exact rows.
+    if ((tail_rows > 0 && tail_rows + k.extent(0) > shape_.page_size) ||
+        (geometry_.exact_rows > 0 && tail_rows + k.extent(0) >= shape_.page_size))
+      save_tail(slot, tail_rows);
     const auto store = [&](tensor_view<const T, 3> src, bool is_v, std::int64_t t, int h) {
       for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float(src(t, h, c));
       detail::store_dense_rows(shape_.storage, row.data(), row.size(), tail_head(slot, is_v, h) + tail_rows * row_bytes);
@@ -249,7 +274,7 @@ class engine {
         store(v, true, t, h);
       }
       if (++tail_rows == shape_.page_size) {
-        seal_tail(slot, *new_pages++, sealed_pages++ == 0);
+        seal_tail(slot, *new_pages++, sealed_pages++);
         tail_rows = 0;
       }
     }
@@ -266,21 +291,26 @@ class engine {
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
-  /// overwrote. (Rows written past a tail's committed length, and fresh pages, are never read.)
+  /// overwrote and the exact rows its seals rewrote, of every slot it saved (latest first). (Rows
+  /// written past a tail's committed length, and fresh pages, are never read.)
   void rollback() noexcept {
-    if (saved_slot_ >= 0) {
-      const std::size_t bytes = static_cast<std::size_t>(saved_rows_) * geometry_.row_bytes;
-      std::size_t at = 0;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      const std::size_t bytes = (geometry_.exact_rows + static_cast<std::size_t>(it->rows)) * geometry_.row_bytes;
+      std::size_t at = it->at;
       for (int h = 0; h < shape_.num_kv_heads; ++h)
         for (const bool is_v : {false, true}) {
-          std::memcpy(tail_head(saved_slot_, is_v, h), saved_tail_.data() + at, bytes);
+          std::memcpy(tail_slot(it->slot) + geometry_.tail_offset(is_v, h), saved_tail_.data() + at, bytes);
           at += bytes;
         }
     }
-    saved_slot_ = -1;
+    saved_.clear();
+    saved_tail_.clear();
   }
   /// Makes the writes since the last `commit` final.
-  void commit() noexcept { saved_slot_ = -1; }
+  void commit() noexcept {
+    saved_.clear();
+    saved_tail_.clear();
+  }
 
   /// Copies the page slots `pages[0 .. n)` (`page_slot_bytes()` each, in that order) into host
   /// memory at `out`: the bytes `cache::read` decodes. Cost: n slot copies.
@@ -363,7 +393,7 @@ class engine {
       const std::size_t i = index_of(index);
       const page_id page = pages[static_cast<std::size_t>(index)];
       std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
-      const int sinks = first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+      const int sinks = detail::hides_sink_rows_v<Format> && first_page_sinks && index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
       for (int h = 0; h < heads; ++h) {
         for (int is_v = 0; is_v < 2; ++is_v) {
           std::copy_n(rows_of(written, i, h, is_v), page_rows, rows.begin());
@@ -413,6 +443,7 @@ class engine {
     const std::int64_t heads = shape_.num_kv_heads;
     const std::int64_t items = static_cast<std::int64_t>(planned_batch_.size()) * heads;
     if (planned_selects_) last_selection_.assign(static_cast<std::size_t>(items), {});
+    prepare_visible_rows();
 #if defined(_OPENMP)
     if (items > 1) {
       std::exception_ptr error;       // the failure of the lowest pair, as the serial loop would throw
@@ -424,7 +455,7 @@ class engine {
 #pragma omp for schedule(dynamic, 1)
         for (std::int64_t i = 0; i < items; ++i) {
           try {
-            if (!s) s = std::make_unique<attend_scratch>(shape_.group_size, shape_.head_dim, shape_.page_size);
+            if (!s) s = std::make_unique<attend_scratch>(shape_.group_size, shape_.head_dim, scratch_rows());
             attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), *s, keep);
           } catch (...) {
 #pragma omp critical(kvmosaic_host_attend_error)
@@ -439,7 +470,7 @@ class engine {
       return;
     }
 #endif
-    attend_scratch s(shape_.group_size, shape_.head_dim, shape_.page_size);
+    attend_scratch s(shape_.group_size, shape_.head_dim, scratch_rows());
     std::vector<std::uint64_t> keep;
     for (std::int64_t i = 0; i < items; ++i)
       attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), s, keep);
@@ -466,6 +497,30 @@ class engine {
     std::vector<softmax_state<float>> state, block;
   };
 
+  /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
+  int scratch_rows() const noexcept { return shape_.page_size + static_cast<int>(geometry_.exact_rows); }
+
+  /// Per planned sequence holding exact rows: the page rows read from the pages (live, and not
+  /// one of the exact rows, which are read from their copies), [page][mask word]; empty otherwise.
+  /// Cost: O(sealed tokens) per such sequence, once per step.
+  void prepare_visible_rows() {
+    const int p = shape_.page_size, mask_words = (p + 63) / 64;
+    visible_rows_.resize(planned_batch_.size());
+    for (std::size_t b = 0; b < planned_batch_.size(); ++b) {
+      const detail::sequence_ref& seq = planned_batch_[b];
+      const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+      std::vector<std::uint64_t>& visible = visible_rows_[b];
+      visible.clear();
+      if (geometry_.exact_rows_held(sealed) == 0) continue;
+      visible.assign(seq.pages->size() * static_cast<std::size_t>(mask_words), 0);
+      for (std::int64_t t = 0; t < sealed; ++t)
+        if (!geometry_.exact_position(t, sealed))
+          visible[static_cast<std::size_t>(t / p) * mask_words + static_cast<std::size_t>(t % p) / 64] |= std::uint64_t{1} << (t % p % 64);
+      if (seq.live != nullptr)
+        for (std::size_t w = 0; w < visible.size(); ++w) visible[w] &= seq.live[w];
+    }
+  }
+
   /// One (sequence, KV head) of the planned step: its selection (read-less selectors), every page
   /// it reads, the sinks and the tail folded in order, the outputs of its G query heads written.
   template <class Q, class O>
@@ -476,14 +531,18 @@ class engine {
     const int groups = shape_.group_size, d = shape_.head_dim, p = shape_.page_size;
     const int mask_words = (p + 63) / 64;
     const detail::sequence_ref& seq = planned_batch_[b];
-    const int tail_rows = static_cast<int>(seq.length - static_cast<std::int64_t>(seq.pages->size()) * p);
+    const std::int64_t sealed = static_cast<std::int64_t>(seq.pages->size()) * p;
+    const int tail_rows = static_cast<int>(seq.length - sealed);
+    // The exact rows (sinks, recent window) just before the tail rows; their page copies masked.
+    const std::int64_t exact = geometry_.exact_rows_held(sealed);
+    const std::uint64_t* rows_visible = exact > 0 ? visible_rows_[b].data() : seq.live;  // null: every row
     const auto row = static_cast<std::int64_t>(b);
     if (request != nullptr) {
       detail::head_selection& chosen = last_selection_[b * static_cast<std::size_t>(shape_.num_kv_heads) + h];
       select_tokens(*request, b, seq, q, h, keep, chosen);
-      if (seq.live != nullptr)  // evicted tokens are never read
-        for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= seq.live[w];
-      chosen.tokens_read = tail_rows + (seq.pages->empty() ? 0 : static_cast<std::int64_t>(geometry_.sink_rows));
+      if (rows_visible != nullptr)  // evicted tokens are never read, exact ones from their copies
+        for (std::size_t w = 0; w < keep.size(); ++w) keep[w] &= rows_visible[w];
+      chosen.tokens_read = tail_rows + exact;
       for (std::size_t i = 0; i < seq.pages->size(); ++i) {
         int tokens = 0;
         for (int w = 0; w < mask_words; ++w) tokens += popcount64(keep[i * mask_words + w]);
@@ -496,24 +555,19 @@ class engine {
     std::fill(s.o.begin(), s.o.end(), 0.0f);
     std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
     const page_shape shape = shape_.page();
-    const int sinks = seq.pages->empty() ? 0 : static_cast<int>(geometry_.sink_rows);
     for (std::size_t i = 0; i < seq.pages->size(); ++i) {
       const page_id page = (*seq.pages)[i];
-      const std::uint64_t* page_keep = request != nullptr   ? keep.data() + i * mask_words
-                                       : seq.live != nullptr ? seq.live + i * mask_words
-                                                             : nullptr;
+      const std::uint64_t* page_keep = request != nullptr        ? keep.data() + i * mask_words
+                                       : rows_visible != nullptr ? rows_visible + i * mask_words
+                                                                 : nullptr;
       if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
         continue;
-      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, i == 0 ? sinks : 0, page_keep);
+      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
     }
-    if (sinks > 0) {  // the first page's leading tokens, as dense rows (masked in the page)
-      const std::size_t at = geometry_.sink_offset(shape_);
-      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) + at,
-                               tail_head(seq.slot, true, h) + at, sinks, s);
-    }
-    if (tail_rows > 0) {
-      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h), tail_head(seq.slot, true, h),
-                               tail_rows, s);
+    if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
+      const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
+      fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) - back,
+                               tail_head(seq.slot, true, h) - back, static_cast<int>(exact) + tail_rows, s);
     }
     for (int g = 0; g < groups; ++g) {
       for (int c = 0; c < d; ++c) out(row, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
@@ -599,6 +653,15 @@ class engine {
             c.bounds + (static_cast<std::size_t>(i) * shape_.num_kv_heads + h) * 2 * static_cast<std::size_t>(d)));
       }
     }
+    // Spans inside the recent window are read from its exact rows anyway: no candidates (spans
+    // come in token order, so they are a suffix).
+    if (b < r.candidates_before.size()) {
+      std::size_t count = 0;
+      while (count < begin.size() && begin[count] < r.candidates_before[b]) ++count;
+      begin.resize(count);
+      length.resize(count);
+      bounds.resize(count);
+    }
     std::vector<float> scores(begin.size()), head_scores(static_cast<std::size_t>(groups)), lo_hi(2 * static_cast<std::size_t>(d));
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
@@ -630,39 +693,54 @@ class engine {
   std::byte* tail_slot(std::int32_t slot) const {
     return tails_.data() + static_cast<std::size_t>(slot) * geometry_.tail_slot_bytes();
   }
-  /// Keeps the first `rows` tail rows of `slot` (every head, K and V) for `rollback`.
+  /// Keeps the exact rows and the first `rows` tail rows of `slot` (every head, K and V) for
+  /// `rollback`.
+  /// A batch's appends may save several slots; each is restored by `rollback`.
   void save_tail(std::int32_t slot, int rows) {
-    const std::size_t bytes = static_cast<std::size_t>(rows) * geometry_.row_bytes;
-    saved_tail_.resize(2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
-    std::size_t at = 0;
+    const std::size_t bytes = (geometry_.exact_rows + static_cast<std::size_t>(rows)) * geometry_.row_bytes;
+    const std::size_t first = saved_tail_.size();
+    saved_.reserve(saved_.size() + 1);
+    saved_tail_.resize(first + 2 * static_cast<std::size_t>(shape_.num_kv_heads) * bytes);
+    std::size_t at = first;
     for (int h = 0; h < shape_.num_kv_heads; ++h)
       for (const bool is_v : {false, true}) {
-        std::memcpy(saved_tail_.data() + at, tail_head(slot, is_v, h), bytes);
+        std::memcpy(saved_tail_.data() + at, tail_slot(slot) + geometry_.tail_offset(is_v, h), bytes);
         at += bytes;
       }
-    saved_slot_ = slot;
-    saved_rows_ = rows;
+    saved_.push_back(saved_rows{slot, rows, first});
   }
+  /// Tail row 0 of one head of a slot (K or V); the exact rows precede it.
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
-    return tail_slot(slot) + geometry_.tail_offset(is_v, head);
+    return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
-  /// Encodes a full tail into `page` with the format's encoder (reading the tail's exact values).
-  /// A sequence's first page keeps its sink rows: copied after the tail rows, and replaced by the
-  /// first row after them in what the encoder sees (they are masked in the page).
-  void seal_tail(std::int32_t slot, page_id page, bool first_page) {
+  /// Encodes a full tail into `page`, the sequence's page number `index`, with the format's
+  /// encoder (reading the tail's exact values). The exact rows are copied first: the sinks (page
+  /// 0) and the tokens among the last W sealed once this page is (the window ring); they are
+  /// masked in the page. A format that hides its sinks (`detail::hides_sink_rows`) has them
+  /// replaced by the first row after them in what the encoder sees.
+  void seal_tail(std::int32_t slot, page_id page, std::int64_t index) {
     const page_shape shape = shape_.page();
-    const int sinks = first_page ? static_cast<int>(geometry_.sink_rows) : 0;
-    std::vector<float> rows(static_cast<std::size_t>(shape_.page_size) * shape_.head_dim);
+    const int p = shape_.page_size;
+    const int sinks = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+    std::vector<float> rows(static_cast<std::size_t>(p) * shape_.head_dim);
     const auto hide_sinks = [&] {
-      for (int t = 0; t < sinks; ++t)
-        std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
-                    rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
+      if constexpr (detail::hides_sink_rows_v<Format>)
+        for (int t = 0; t < sinks; ++t)
+          std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * shape_.head_dim, shape_.head_dim,
+                      rows.begin() + static_cast<std::ptrdiff_t>(t) * shape_.head_dim);
     };
-    if (sinks > 0) {
-      for (int h = 0; h < shape_.num_kv_heads; ++h)
-        for (const bool is_v : {false, true})
-          std::memcpy(tail_head(slot, is_v, h) + geometry_.sink_offset(shape_), tail_head(slot, is_v, h),
-                      static_cast<std::size_t>(sinks) * geometry_.row_bytes);
+    if (geometry_.exact_rows > 0) {
+      const std::int64_t first = index * p, sealed = first + p;
+      for (int r = 0; r < p; ++r) {
+        const std::int64_t t = first + r;
+        if (!geometry_.exact_position(t, sealed)) continue;
+        for (int h = 0; h < shape_.num_kv_heads; ++h)
+          for (const bool is_v : {false, true}) {
+            std::byte* head = tail_slot(slot) + geometry_.tail_offset(is_v, h);
+            std::memcpy(head + geometry_.exact_row_of(t) * geometry_.row_bytes, tail_head(slot, is_v, h) + r * geometry_.row_bytes,
+                        geometry_.row_bytes);
+          }
+      }
     }
     std::byte* base = pages_.data() + static_cast<std::size_t>(page) * page_slot_bytes();
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
@@ -694,12 +772,18 @@ class engine {
   detail::host_buffer bounds_;  ///< key bounds per page block (read-less selectors), else empty
   std::vector<detail::head_selection> last_selection_;
   std::vector<detail::sequence_ref> planned_batch_;  ///< the planned step (`plan`, then `run`)
+  std::vector<std::vector<std::uint64_t>> visible_rows_;  ///< per planned sequence: `prepare_visible_rows`
   detail::selection_request planned_request_;
   float planned_scale_ = 1.0f;
   bool planned_selects_ = false;
-  std::vector<std::byte> saved_tail_;  ///< tail rows kept for `rollback`
-  std::int32_t saved_slot_ = -1;       ///< their slot, -1: nothing to restore
-  int saved_rows_ = 0;
+  /// Rows kept for `rollback`: per saved slot, its exact rows and `rows` tail rows at `at`.
+  struct saved_rows {
+    std::int32_t slot;
+    int rows;
+    std::size_t at;
+  };
+  std::vector<saved_rows> saved_;
+  std::vector<std::byte> saved_tail_;
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };

@@ -34,6 +34,10 @@ struct selection_request {
   int block_tokens = 0;
   std::vector<std::int64_t> budget;        ///< [batch] tokens
   std::vector<std::int64_t> always_from;   ///< [batch] tokens from here on are always read
+  /// [batch] spans starting here or later are not scored or picked (the format's recent window,
+  /// read from its exact rows: set by the cache, not the selector); spans come in token order, so
+  /// the candidates are a prefix.
+  std::vector<std::int64_t> candidates_before;
   std::vector<chunk_list> chunks;          ///< [batch] (block_tokens == 0)
 };
 

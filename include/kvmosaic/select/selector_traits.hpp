@@ -76,7 +76,7 @@
 /// max of their keys, see select/span_score.hpp), scores them and picks some within a token
 /// budget. What the attend path consumes is the same for every such selector: per (sequence, KV
 /// head), the pages holding a selected token and, per page, which of its tokens are selected
-/// (docs/selectors.md). The dense tail (and a format's sink rows) is always read.
+/// (docs/selectors.md). The dense tail (and a format's exact sink and window rows) is always read.
 
 #include <cstdint>
 #include <string>

@@ -42,7 +42,7 @@ inline const char* to_string(group_combine c) noexcept { return c == group_combi
 namespace select {
 
 /// The tokens a read-less selector may pick per (sequence, KV head) and step: `tokens` when it is
-/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, sink rows and (for sentence
+/// >= 0, else floor(`ratio` x the sequence's length). The dense tail, exact sink and window rows and (for sentence
 /// chunks) the open chunk are read on top of it. A budget of 0 reads only those; a budget of the
 /// whole context or more reads every token.
 struct token_budget {

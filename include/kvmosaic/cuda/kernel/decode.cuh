@@ -37,8 +37,10 @@ struct decode_params {
   int num_kv_heads;
   int page_size;
   int group_size;                     ///< query heads per KV head (for kernels where it is a run-time value)
-  int sink_rows;                      ///< dense sink rows after the tail rows of a slot (formats with
-                                      ///< sinks), masked in a sequence's first page
+  int sink_rows;                      ///< S: exact sink rows a tail head keeps (masked in a sequence's
+                                      ///< first page by the step's row masks)
+  int exact_rows;                     ///< S + W: the exact rows (window ring, sinks) before a tail
+                                      ///< head's tail rows (host/backend.hpp's layout)
 
   /// device: [0] splits this step, [1] row stride of `block_tables`, [2] its KV-head stride (0:
   /// one table per sequence; a selection's tables are per (sequence, KV head)), [3] row stride of
@@ -123,6 +125,19 @@ __device__ __forceinline__ split_pages pages_of_split(const decode_params& p, co
   const std::int64_t written = p.table_lengths[static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head];
   if (planned == 0) return {0, 0};
   return {static_cast<int>(w.page_begin * written / planned), static_cast<int>(w.page_end * written / planned)};
+}
+
+/// The dense rows the split with the tail reads for sequence `batch`: the exact rows its tail
+/// slot holds (min(S + W, sealed tokens)) and its tail rows, one run of `rows` rows starting at
+/// row `first` of a tail head.
+struct dense_run {
+  int first;
+  int rows;
+};
+__device__ __forceinline__ dense_run dense_rows_of(const decode_params& p, int batch) {
+  const std::int64_t sealed = static_cast<std::int64_t>(p.sealed_pages[batch]) * p.page_size;
+  const int exact = static_cast<int>(sealed < p.exact_rows ? sealed : p.exact_rows);
+  return dense_run{p.exact_rows - exact, exact + p.tail_rows[batch]};
 }
 
 /// The row mask of entry `entry` of the page table of (`batch`, `head`) (null: every row read).

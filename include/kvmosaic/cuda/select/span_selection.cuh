@@ -252,8 +252,21 @@ class span_selection {
   void start_unselected() noexcept { planned_ = false; }
   /// Sequence b of the started step: `spans` to score, the budget and always-read region from
   /// the request, `read_pages` pages its splits cover, and its span table (own tables only).
+  /// Spans starting at or after the request's `candidates_before` (the format's recent window,
+  /// read from its exact rows) are left out: the candidates are the first spans, in token order.
   void add(std::size_t b, std::int32_t spans, const kvmosaic::detail::selection_request& request, std::int32_t read_pages,
            const std::vector<std::int32_t>* table = nullptr) {
+    if (b < request.candidates_before.size()) {
+      const std::int64_t before = request.candidates_before[b];
+      if (source_.span_tokens > 0) {
+        const std::int64_t fits = before <= 0 ? 0 : (before + source_.span_tokens - 1) / source_.span_tokens;
+        spans = static_cast<std::int32_t>(std::min<std::int64_t>(spans, fits));
+      } else if (b < request.chunks.size() && request.chunks[b].starts != nullptr) {
+        std::int32_t fits = 0;
+        while (fits < spans && fits < request.chunks[b].count && request.chunks[b].starts[fits] < before) ++fits;
+        spans = fits;
+      }
+    }
     span_counts_[b] = spans;
     budget_tokens_[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>(request.budget[b], 0, std::numeric_limits<std::int32_t>::max()));
     always_from_[b] = static_cast<std::int32_t>(std::min<std::int64_t>(request.always_from[b], std::numeric_limits<std::int32_t>::max()));

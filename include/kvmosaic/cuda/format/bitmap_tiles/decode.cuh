@@ -174,11 +174,13 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
     }
   }
   __syncthreads();  // every warp is done with the slots, which the reduction reuses
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+  if (w.with_tail) {  // the exact rows and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * 2;
     const std::byte* k_rows = slot + head * p.tail_head_bytes;
     const std::byte* v_rows = slot + (p.num_kv_heads + head) * p.tail_head_bytes;
-    const int rows = p.tail_rows[w.batch_index];
+    const int rows = run.rows;
     for (int first = 0; first < rows; first += segment) {
       // A warp whose rows all lie past the tail skips: p would be 0 for them anyway.
       const std::uint32_t warp_rows = attend::rows_before(first + rows_first, rows);
@@ -243,10 +245,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
       __syncthreads();
     }
   }
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes,
-                     p.tail_rows[w.batch_index], s);
+  if (w.with_tail) {  // the exact rows and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * 2;
+    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(
       p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, collective::rows>*>(shared));

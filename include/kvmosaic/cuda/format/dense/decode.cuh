@@ -25,7 +25,8 @@ namespace kvmosaic::cuda::kernel {
 
 /// format::dense's fields of its split kernels' params: the page and tail arenas as 2D tensors
 /// of rows (head_dim wide) for the sm_90 TMA kernel, row ((slot * 2 + is_v) * num_kv_heads +
-/// head) * page_size + row, 128-byte swizzled boxes (unused by the other kernels).
+/// head) * rows per head + row (page_size rows per page head; a tail head's rows: the exact rows,
+/// then page_size tail rows), 128-byte swizzled boxes (unused by the other kernels).
 struct dense_decode_params {
   CUtensorMap page_rows;
   CUtensorMap tail_rows;
@@ -59,10 +60,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const split_par
     collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                      p.page_size, s, detail_decode::page_rows_read(p, w.batch_index, head, i));
   }
-  if (w.with_tail) {
-    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes,
-                          p.tail_rows[w.batch_index], s);
+  if (w.with_tail) {  // the exact rows and the tail rows
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * sizeof(T);
+    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s, temp);
 }
@@ -117,10 +119,13 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
   __syncthreads();
 
   const int page_tokens = num_pages * p.page_size;
-  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
+  const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
   const std::byte* tail_slot =
-      w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes : nullptr;
+      w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                        static_cast<std::size_t>(run.first) * layout::row_bytes
+                  : nullptr;
   // Thread 0: announce and issue the copies of one stage, one per contiguous run of rows.
   const auto issue = [&](int stage) {
     const int buffer = stage % Stages;
@@ -238,9 +243,11 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int page_size = p.page_size;
   const int box_rows = min(page_size, StageTokens);
   const int page_tokens = num_pages * page_size;
-  const int tokens = page_tokens + (w.with_tail ? p.tail_rows[w.batch_index] : 0);
+  const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
+  const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
   const int tail_slot = w.with_tail ? p.tail_slots[w.batch_index] : 0;
+  const int tail_head_rows = static_cast<int>(p.tail_head_bytes / (HeadDim * static_cast<int>(sizeof(T))));
   // Thread 0: one stage = whole boxes of rows (a page segment or the tail), K and V, every
   // 64-channel block.
   const auto issue = [&](int stage) {
@@ -261,10 +268,10 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
         row_k = ((page * 2 + 0) * p.num_kv_heads + head) * page_size + row;
         row_v = ((page * 2 + 1) * p.num_kv_heads + head) * page_size + row;
       } else {
-        const int row = t - page_tokens;
+        const int row = run.first + t - page_tokens;
         map = &p.format.tail_rows;
-        row_k = ((tail_slot * 2 + 0) * p.num_kv_heads + head) * page_size + row;
-        row_v = ((tail_slot * 2 + 1) * p.num_kv_heads + head) * page_size + row;
+        row_k = ((tail_slot * 2 + 0) * p.num_kv_heads + head) * tail_head_rows + row;
+        row_v = ((tail_slot * 2 + 1) * p.num_kv_heads + head) * tail_head_rows + row;
       }
 #pragma unroll
       for (int block = 0; block < HeadDim / 64; ++block) {

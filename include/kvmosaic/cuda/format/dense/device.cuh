@@ -43,12 +43,14 @@ struct device_format<format::dense> {
   template <class Shapes>
   static void configure(state& s, const format::dense&, device_context& e) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const std::int64_t arena_rows = static_cast<std::int64_t>(std::max(shape.max_pages, shape.max_sequences)) * 2 *
-                                    shape.num_kv_heads * shape.page_size;
+    const std::int64_t tail_head_rows = static_cast<std::int64_t>(e.geometry->tail_head_bytes / e.geometry->row_bytes);
+    const std::int64_t arena_rows = std::max<std::int64_t>(static_cast<std::int64_t>(shape.max_pages) * shape.page_size,
+                                                           static_cast<std::int64_t>(shape.max_sequences) * tail_head_rows) *
+                                    2 * shape.num_kv_heads;
     s.tma = e.bulk_copy && (shape.page_size % 64 == 0 || 64 % shape.page_size == 0) && arena_rows < (std::int64_t{1} << 31);
     if (s.tma) {
       s.maps.page_rows = row_map(e, e.pages, static_cast<std::uint64_t>(shape.max_pages) * 2 * shape.num_kv_heads * shape.page_size);
-      s.maps.tail_rows = row_map(e, e.tails, static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * shape.page_size);
+      s.maps.tail_rows = row_map(e, e.tails, static_cast<std::uint64_t>(shape.max_sequences) * 2 * shape.num_kv_heads * tail_head_rows);
     }
   }
 

@@ -146,15 +146,13 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
       if (lane == 0 && k + stages < my_pages) issue(k + stages);
     }
   }
-  const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
-  const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes);
-  const auto* v_rows = reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes);
-  if (p.sink_rows > 0 && w.page_begin == 0 && p.sealed_pages[w.batch_index] > 0 && warp == warps - 1) {
-    const std::size_t skip = static_cast<std::size_t>(p.page_size) * HeadDim;  // sinks follow the tail rows
-    state.fold_dense_rows(k_rows + skip, v_rows + skip, p.sink_rows, q);
-  }
-  if (w.with_tail) {
-    const int rows = p.tail_rows[w.batch_index];
+  if (w.with_tail) {  // the exact rows (sinks, recent window) and the tail rows, one dense run
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* tail_slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes;
+    const auto* k_rows = reinterpret_cast<const T*>(tail_slot + head * p.tail_head_bytes) + static_cast<std::size_t>(run.first) * HeadDim;
+    const auto* v_rows =
+        reinterpret_cast<const T*>(tail_slot + (p.num_kv_heads + head) * p.tail_head_bytes) + static_cast<std::size_t>(run.first) * HeadDim;
+    const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
       state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q);

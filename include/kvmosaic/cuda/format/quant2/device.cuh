@@ -102,7 +102,7 @@ struct device_format<format::quant2> {
   static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
 
   /// Quantizes `n` completed pages (K and V of every KV head): one CTA per (page, head, K or V);
-  /// a sequence's first page copies its sink rows to the tail slot first.
+  /// a sequence's first page is quantized with its sinks hidden (`detail::hides_sink_rows`).
   template <class Shapes>
   static void encode_pages(const state&, const format::quant2& f, const encode_context& c) {
     const device_context& e = *c.engine;
@@ -115,7 +115,6 @@ struct device_format<format::quant2> {
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.tails = e.tails;
     p.sink_rows = static_cast<int>(g.sink_rows);
     p.sink_slots = c.sink_slots;
     p.new_pages = c.page_ids;

@@ -23,7 +23,7 @@ namespace kvmosaic::cuda::kernel {
 struct quant2_encode_params {
   const std::byte* rows;
   std::int64_t rows_slot_bytes;
-  std::int64_t rows_head_bytes;  ///< = the tail arena's: page_size rows, then sink_rows rows
+  std::int64_t rows_head_bytes;  ///< = the tail arena's (its first page_size rows used)
   std::byte* pages;
   std::int64_t page_slot_bytes;
   std::int64_t page_bytes;  ///< one K (= one V) page
@@ -34,9 +34,7 @@ struct quant2_encode_params {
   bool stochastic;
   std::uint64_t seed;
   /// Sinks: page i with sink_slots[i] >= 0 is a sequence's first page. Its first sink_rows rows
-  /// are copied after the tail rows of tail slot sink_slots[i] (same layout as `rows`) and are
-  /// quantized as copies of row sink_rows.
-  std::byte* tails;
+  /// are quantized as copies of row sink_rows (the engine keeps them exact in the tail slot).
   int sink_rows;
   const std::int32_t* sink_slots;
 };
@@ -57,11 +55,6 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   const std::int64_t head_at = (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
   const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
   const int sinks = e.sink_slots != nullptr && e.sink_slots[page_index] >= 0 ? e.sink_rows : 0;
-  if (sinks > 0) {  // keep them dense, after the sequence's tail rows
-    auto* kept = reinterpret_cast<T*>(e.tails + e.sink_slots[page_index] * e.rows_slot_bytes + head_at) +
-                 static_cast<std::size_t>(page_size) * HeadDim;
-    for (int i = tid; i < sinks * HeadDim; i += quant2_encode_threads) kept[i] = rows[i];
-  }
   // Row t as the encoder sees it: the sinks replaced by the first row after them.
   const auto row_of = [&](int t) { return rows + static_cast<std::size_t>(t < sinks ? sinks : t) * HeadDim; };
   std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
