@@ -26,15 +26,32 @@
 namespace kvmosaic_torch {
 namespace {
 
+// Errors are raised with messages built as std::string, never through the stream formatting of
+// torch's checking macros (c10::str): with the GPU machine's g++ 13, stream insertion compiled
+// into the extension crashed inside that machine's PyTorch (docs/pytorch.md, "Known issues").
+
+/// Raises Python's ValueError with `message`.
+[[noreturn]] void value_error(const std::string& message) { C10_THROW_ERROR(ValueError, message); }
+/// Raises Python's ValueError with `message` unless `ok`.
+void check_value(bool ok, const std::string& message) {
+  if (!ok) value_error(message);
+}
+std::string text(std::int64_t value) { return std::to_string(value); }
+std::string shape_text(const at::Tensor& t) {
+  std::string out = "[";
+  for (std::int64_t d = 0; d < t.dim(); ++d) out += (d ? ", " : "") + text(t.size(d));
+  return out + "]";
+}
+
 /// Runs `body`, turning kvmosaic's exceptions into torch's (ValueError for bad arguments).
 template <class Body>
 auto guarded(Body&& body) -> decltype(body()) {
   try {
     return body();
   } catch (const kvmosaic::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    value_error(e.what());
   } catch (const kvmosaic::error& e) {
-    TORCH_CHECK(false, e.what());
+    C10_THROW_ERROR(Error, std::string(e.what()));
   }
 }
 
@@ -43,7 +60,9 @@ kvmosaic::dtype dtype_of(const at::Tensor& t, const char* name) {
     case at::kFloat: return kvmosaic::dtype::f32;
     case at::kHalf: return kvmosaic::dtype::f16;
     case at::kBFloat16: return kvmosaic::dtype::bf16;
-    default: TORCH_CHECK_VALUE(false, "kvmosaic: ", name, " has dtype ", t.scalar_type(), "; allowed: float32, float16, bfloat16");
+    default:
+      value_error(std::string("kvmosaic: ") + name + " has dtype " + c10::toString(t.scalar_type()) +
+                  "; allowed: float32, float16, bfloat16");
   }
 }
 
@@ -60,15 +79,14 @@ class ModelCache : public torch::CustomClassHolder {
              const std::string& storage, std::int64_t page_size, std::int64_t max_pages, std::int64_t max_sequences,
              const std::string& device, const std::vector<std::string>& layer_specs)
       : device_(device) {
-    TORCH_CHECK_VALUE(num_layers >= 1, "kvmosaic: num_layers = ", num_layers, "; allowed: >= 1");
-    TORCH_CHECK_VALUE(layer_specs.size() == 1 || static_cast<std::int64_t>(layer_specs.size()) == num_layers,
-                      "kvmosaic: layer_specs has ", layer_specs.size(), " entries; allowed: 1 (every layer) or num_layers (",
-                      num_layers, ")");
-    TORCH_CHECK_VALUE(storage == "bf16" || storage == "f16", "kvmosaic: storage = ", storage, "; allowed: bf16 or f16");
-    TORCH_CHECK_VALUE(device_.is_cpu() || device_.is_cuda(), "kvmosaic: device = ", device, "; allowed: cpu or cuda");
+    check_value(num_layers >= 1, "kvmosaic: num_layers = " + text(num_layers) + "; allowed: >= 1");
+    check_value(layer_specs.size() == 1 || static_cast<std::int64_t>(layer_specs.size()) == num_layers,
+                "kvmosaic: layer_specs has " + text(static_cast<std::int64_t>(layer_specs.size())) +
+                    " entries; allowed: 1 (every layer) or num_layers (" + text(num_layers) + ")");
+    check_value(storage == "bf16" || storage == "f16", "kvmosaic: storage = " + storage + "; allowed: bf16 or f16");
+    check_value(device_.is_cpu() || device_.is_cuda(), "kvmosaic: device = " + device + "; allowed: cpu or cuda");
 #ifndef KVMOSAIC_TORCH_CUDA
-    TORCH_CHECK_VALUE(device_.is_cpu(), "kvmosaic: device = ", device,
-                      "; this build of the extension has no CUDA layers (allowed: cpu)");
+    check_value(device_.is_cpu(), "kvmosaic: device = " + device + "; this build of the extension has no CUDA layers (allowed: cpu)"); this build of the extension has no CUDA layers (allowed: cpu)");
 #else
     if (device_.is_cuda() && !device_.has_index()) device_ = at::Device(at::kCUDA, at::cuda::current_device());
 #endif
@@ -196,7 +214,8 @@ class ModelCache : public torch::CustomClassHolder {
   }
 
   int checked_layer(std::int64_t layer) const {
-    TORCH_CHECK_VALUE(layer >= 0 && layer < model_->num_layers(), "kvmosaic: layer = ", layer, "; allowed: 0 to ",
+    check_value(layer >= 0 && layer < model_->num_layers(),
+                "kvmosaic: layer = " + text(layer) + "; allowed: 0 to " + text(model_->num_layers() - 1)); allowed: 0 to ",
                       model_->num_layers() - 1);
     return static_cast<int>(layer);
   }
@@ -207,8 +226,9 @@ class ModelCache : public torch::CustomClassHolder {
 
   static std::vector<std::int32_t> ids_of(const c10::optional<at::Tensor>& token_ids) {
     if (!token_ids.has_value() || !token_ids->defined()) return {};
-    TORCH_CHECK_VALUE(!at::isFloatingType(token_ids->scalar_type()), "kvmosaic: token_ids has dtype ",
-                      token_ids->scalar_type(), "; allowed: an integer dtype");
+    check_value(!at::isFloatingType(token_ids->scalar_type()), std::string("kvmosaic: token_ids has dtype ") +
+                                                                   c10::toString(token_ids->scalar_type()) +
+                                                                   "; allowed: an integer dtype"); allowed: an integer dtype");
     const at::Tensor ids = token_ids->reshape({-1}).to(at::kCPU, at::kInt).contiguous();
     return {ids.data_ptr<std::int32_t>(), ids.data_ptr<std::int32_t>() + ids.numel()};
   }
@@ -216,12 +236,12 @@ class ModelCache : public torch::CustomClassHolder {
   /// A tensor as a view for the library: checks that it is there, 3-D, of a supported dtype and
   /// on the layers' device (`host`: on the CPU whatever the layers' device).
   kvmosaic::tensor_ref<3> ref(const at::Tensor& t, const char* name, bool host = false) const {
-    TORCH_CHECK_VALUE(t.defined(), "kvmosaic: ", name, " is missing (an undefined tensor)");
-    TORCH_CHECK_VALUE(t.dim() == 3, "kvmosaic: ", name, " has shape ", t.sizes(),
-                      "; allowed: 3 dimensions ([tokens or batch][heads][head_dim])");
+    check_value(t.defined(), std::string("kvmosaic: ") + name + " is missing (an undefined tensor)");
+    check_value(t.dim() == 3, std::string("kvmosaic: ") + name + " has shape " + shape_text(t) +
+                                  "; allowed: 3 dimensions ([tokens or batch][heads][head_dim])");
     const at::Device expected = host ? at::Device(at::kCPU) : device_;
-    TORCH_CHECK_VALUE(t.device() == expected, "kvmosaic: ", name, " is on ", t.device(), "; this cache's layers are on ",
-                      expected);
+    check_value(t.device() == expected, std::string("kvmosaic: ") + name + " is on " + t.device().str() +
+                                            "; this cache's layers are on " + expected.str());
     kvmosaic::tensor_ref<3> r;
     r.data = t.data_ptr();
     r.type = dtype_of(t, name);
