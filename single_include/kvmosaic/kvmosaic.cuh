@@ -12397,7 +12397,8 @@ class span_selection {
     if (b < request.candidates_before.size()) {
       const std::int64_t before = request.candidates_before[b];
       if (source_.span_tokens > 0) {
-        const std::int64_t fits = before <= 0 ? 0 : (before + source_.span_tokens - 1) / source_.span_tokens;
+        // Spans starting before `before`: ceil(before / span_tokens), without overflow (no window: max).
+        const std::int64_t fits = before <= 0 ? 0 : (before - 1) / source_.span_tokens + 1;
         spans = static_cast<std::int32_t>(std::min<std::int64_t>(spans, fits));
       } else if (b < request.chunks.size() && request.chunks[b].starts != nullptr) {
         std::int32_t fits = 0;

@@ -86,7 +86,8 @@ class ModelCache : public torch::CustomClassHolder {
     check_value(storage == "bf16" || storage == "f16", "kvmosaic: storage = " + storage + "; allowed: bf16 or f16");
     check_value(device_.is_cpu() || device_.is_cuda(), "kvmosaic: device = " + device + "; allowed: cpu or cuda");
 #ifndef KVMOSAIC_TORCH_CUDA
-    check_value(device_.is_cpu(), "kvmosaic: device = " + device + "; this build of the extension has no CUDA layers (allowed: cpu)"); this build of the extension has no CUDA layers (allowed: cpu)");
+    check_value(device_.is_cpu(),
+                "kvmosaic: device = " + device + "; this build of the extension has no CUDA layers (allowed: cpu)");
 #else
     if (device_.is_cuda() && !device_.has_index()) device_ = at::Device(at::kCUDA, at::cuda::current_device());
 #endif
@@ -215,8 +216,7 @@ class ModelCache : public torch::CustomClassHolder {
 
   int checked_layer(std::int64_t layer) const {
     check_value(layer >= 0 && layer < model_->num_layers(),
-                "kvmosaic: layer = " + text(layer) + "; allowed: 0 to " + text(model_->num_layers() - 1)); allowed: 0 to ",
-                      model_->num_layers() - 1);
+                "kvmosaic: layer = " + text(layer) + "; allowed: 0 to " + text(model_->num_layers() - 1));
     return static_cast<int>(layer);
   }
 
@@ -228,7 +228,7 @@ class ModelCache : public torch::CustomClassHolder {
     if (!token_ids.has_value() || !token_ids->defined()) return {};
     check_value(!at::isFloatingType(token_ids->scalar_type()), std::string("kvmosaic: token_ids has dtype ") +
                                                                    c10::toString(token_ids->scalar_type()) +
-                                                                   "; allowed: an integer dtype"); allowed: an integer dtype");
+                                                                   "; allowed: an integer dtype");
     const at::Tensor ids = token_ids->reshape({-1}).to(at::kCPU, at::kInt).contiguous();
     return {ids.data_ptr<std::int32_t>(), ids.data_ptr<std::int32_t>() + ids.numel()};
   }
