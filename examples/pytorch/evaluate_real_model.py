@@ -43,24 +43,31 @@ TEXTS = ["GPL-3", "LGPL-2.1", "MPL-1.1", "GFDL-1.3"]
 
 
 def configurations(boundaries: str) -> list[tuple[str, str]]:
-    """(name, layer spec) of every configuration evaluated."""
-    q2 = "quant2:partition={pi},rounding={r}{s}"
+    """(name, layer spec) of every configuration evaluated: each format and selector at budgets
+    1/16, 1/8 and 1/4, with and without exact tokens (sinks and a recent window)."""
+    exact = ",sinks=4,recent=64"
+    q2 = "quant2:partition={pi},rounding={r}{x}"
     configs = [("dense", "dense/all")]
     configs += [(f"bitmap_tiles s={s}", f"bitmap_tiles:s_k={s},s_v={s}/all") for s in (0.5, 0.7)]
-    for pi in (32, 64, 128):
-        for r in ("stochastic", "nearest"):
-            configs.append((f"quant2 Pi={pi} {r}", q2.format(pi=pi, r=r, s="") + "/all"))
-        configs.append((f"quant2 Pi={pi} nearest sinks4", q2.format(pi=pi, r="nearest", s=",sinks=4") + "/all"))
-    for b in ("1/16", "1/8", "1/4"):
-        ratio = eval(b)  # noqa: S307 - a literal fraction
+    configs.append(("bitmap_tiles s=0.7 sinks4 recent64", f"bitmap_tiles:s_k=0.7,s_v=0.7{exact}/all"))
+    configs.append(("quant2 Pi=64 stochastic", q2.format(pi=64, r="stochastic", x="") + "/all"))
+    for pi in (32, 64):
+        configs.append((f"quant2 Pi={pi} nearest", q2.format(pi=pi, r="nearest", x="") + "/all"))
+        configs.append((f"quant2 Pi={pi} nearest sinks4", q2.format(pi=pi, r="nearest", x=",sinks=4") + "/all"))
+        configs.append((f"quant2 Pi={pi} nearest sinks4 recent128",
+                        q2.format(pi=pi, r="nearest", x=",sinks=4,recent=128") + "/all"))
+    for b, ratio in (("1/16", 0.0625), ("1/8", 0.125), ("1/4", 0.25)):
         configs.append((f"dense quest {b}", f"dense/quest:budget={ratio}"))
         configs.append((f"dense quest {b} block16", f"dense/quest:budget={ratio},block=16"))
         configs.append((f"dense sentence_chunks {b}", f"dense/sentence_chunks:budget={ratio},boundaries={boundaries}"))
         configs.append((f"dense streaming {b}", f"dense/streaming:budget={ratio},sinks=4/hole_fill"))
-    configs.append(("quant2 Pi=64 nearest sinks4 quest 1/8",
-                    q2.format(pi=64, r="nearest", s=",sinks=4") + "/quest:budget=0.125,block=16"))
+    configs.append(("dense quest 1/8 block16 sinks4 recent64", f"dense{exact.replace(',', ':', 1)}/quest:budget=0.125,block=16"))
+    configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
+                    f"dense{exact.replace(',', ':', 1)}/sentence_chunks:budget=0.125,boundaries={boundaries}"))
+    configs.append(("quant2 Pi=64 nearest sinks4 recent128 quest 1/8 block16",
+                    q2.format(pi=64, r="nearest", x=",sinks=4,recent=128") + "/quest:budget=0.125,block=16"))
     configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
-                    q2.format(pi=64, r="nearest", s=",sinks=4") + "/streaming:budget=0.25,sinks=4/hole_fill"))
+                    q2.format(pi=64, r="nearest", x=",sinks=4") + "/streaming:budget=0.25,sinks=4/hole_fill"))
     return configs
 
 
@@ -141,8 +148,8 @@ def decode(model, ids: torch.Tensor, context: int, cache, first_logits: torch.Te
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--context", type=int, default=3072)
+    parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--storage", default="bf16", choices=["bf16", "f16"])
     parser.add_argument("--only", default="", help="comma-separated substrings: evaluate matching configurations")
