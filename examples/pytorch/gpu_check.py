@@ -72,7 +72,7 @@ def decode_speed(model, cache_factory, batch: int, context: int, steps: int = 32
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--contexts", default="4096,32768", help="comma-separated; empty: tokens only")
     args = parser.parse_args()
     register()
     from transformers import DynamicCache
@@ -81,7 +81,7 @@ def main():
         model = model_of(shape)
         report["equal_tokens"][shape] = equal_tokens(model, prompt=300, new=48)
         print(shape, report["equal_tokens"][shape], flush=True)
-        for context in (int(c) for c in args.contexts.split(",")):
+        for context in (int(c) for c in args.contexts.split(",") if c):
             for batch in (1, 8):
                 caches = {
                     "transformers DynamicCache": lambda: DynamicCache(config=model.config),
