@@ -13,7 +13,7 @@ kvmosaic. The reference is the same procedure with transformers' DynamicCache (f
   ppl ratio   exp(mean NLL) / exp(mean NLL of the reference) over the decoded tokens
   top-1       share of decoded positions whose argmax token equals the reference's
   KL          mean KL(reference || configuration) of the next-token distributions
-  attn err    relative L2 error of each layer's attention output against fp64 exact attention
+  attn err    relative L2 error of each layer's attention output against exact attention (fp32)
               over the exact K and V of the same run (mean over steps; worst layer and mean)
 
 Writes results.json, table.md and stored_vs_ppl.png into --out. One command:
@@ -109,17 +109,43 @@ def read_texts(tokenizer, tokens: int) -> list[tuple[str, torch.Tensor]]:
 
 
 class _ExactShadow:
-    """Keeps each layer's exact K and V (float32) of the run, and the attention error per layer."""
+    """Each layer's exact K and V of the run ([1][kv heads][capacity][head_dim], float32, filled
+    up to `length`), and the attention error per layer."""
 
     def __init__(self, layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * layers
-        self.values: list[torch.Tensor | None] = [None] * layers
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = [0] * layers
         self.err_sum = [0.0] * layers
         self.err_count = [0] * layers
 
+    def start(self, prefill: list[tuple[torch.Tensor, torch.Tensor]], capacity: int):
+        self.keys, self.values = [], []
+        for layer, (k, v) in enumerate(prefill):
+            shape = (k.shape[0], k.shape[1], capacity, k.shape[3])
+            self.keys.append(torch.empty(shape, dtype=torch.float32, device=k.device))
+            self.values.append(torch.empty(shape, dtype=torch.float32, device=k.device))
+            self.keys[layer][:, :, :k.shape[2]] = k
+            self.values[layer][:, :, :k.shape[2]] = v
+            self.length[layer] = k.shape[2]
+
     def add(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        self.keys[layer] = k if self.keys[layer] is None else torch.cat([self.keys[layer], k], dim=2)
-        self.values[layer] = v if self.values[layer] is None else torch.cat([self.values[layer], v], dim=2)
+        n, t = self.length[layer], k.shape[2]
+        self.keys[layer][:, :, n:n + t] = k
+        self.values[layer][:, :, n:n + t] = v
+        self.length[layer] = n + t
+
+    def record(self, layer: int, query: torch.Tensor, got: torch.Tensor, scale: float):
+        """Relative L2 error of `got` ([1][heads][head_dim]) against exact attention of `query`
+        ([1][heads][head_dim]) over the layer's exact K and V (float32 arithmetic, GQA grouped)."""
+        n = self.length[layer]
+        k, v = self.keys[layer][:, :, :n], self.values[layer][:, :, :n]
+        b, kv_heads, _, d = k.shape
+        q = query.float().reshape(b, kv_heads, -1, d)                      # [b][kv][group][d]
+        p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+        exact = torch.matmul(p, v).reshape(b, -1, d)
+        self.err_sum[layer] += float((got.float() - exact).norm() / exact.norm())
+        self.err_count[layer] += 1
 
 
 def prefill(model, ids: torch.Tensor, context: int):
@@ -129,7 +155,7 @@ def prefill(model, ids: torch.Tensor, context: int):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(input_ids=ids[:context].to(next(model.parameters()).device).unsqueeze(0), past_key_values=cache,
-                    use_cache=True)
+                    use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float(), cache
 
 
@@ -152,7 +178,7 @@ def main():
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--storage", default="bf16", choices=["bf16", "f16"])
-    parser.add_argument("--only", default="", help="comma-separated substrings: evaluate matching configurations")
+    parser.add_argument("--only", default="", help="semicolon-separated configuration names to evaluate (default: all)")
     parser.add_argument("--texts", type=int, default=len(TEXTS), help="how many of the texts to read")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -169,8 +195,11 @@ def main():
     texts = read_texts(tokenizer, args.context + args.decode)[: args.texts]
     configs = configurations(sentence_boundaries(tokenizer))
     if args.only:
-        keys = [k.strip() for k in args.only.split(",")]
-        configs = [c for c in configs if any(k in c[0] for k in keys)]
+        keys = [k.strip() for k in args.only.split(";")]
+        unknown = [k for k in keys if k not in {name for name, _ in configs}]
+        if unknown:
+            sys.exit(f"evaluate_real_model: unknown configurations {unknown}")
+        configs = [c for c in configs if c[0] in keys]
 
     # The reference: transformers' own cache, float32 throughout. Its prefill is every
     # configuration's: the configurations store its K and V and decode from there.
@@ -193,14 +222,7 @@ def main():
         if shadow is not None:
             shadow.add(layer, key.detach(), value.detach())
             if query.shape[2] == 1 and getattr(key, "_kvmosaic", None) is not None:
-                group = query.shape[1] // shadow.keys[layer].shape[1]
-                k = shadow.keys[layer].double().repeat_interleave(group, dim=1)
-                v = shadow.values[layer].double().repeat_interleave(group, dim=1)
-                p = torch.softmax(torch.einsum("bhd,bhtd->bht", query[:, :, 0].double(), k) * scaling, dim=-1)
-                exact = torch.einsum("bht,bhtd->bhd", p, v)
-                got = out[:, 0].double()
-                shadow.err_sum[layer] += float((got - exact).norm() / exact.norm())
-                shadow.err_count[layer] += 1
+                shadow.record(layer, query[:, :, 0], out[:, 0], scaling)
         return out, weights
 
     from transformers import AttentionInterface
@@ -219,7 +241,7 @@ def main():
             cache.pending_ids = ids[None, :args.context]
             for layer, (k, v) in enumerate(kv):  # the shared prefill, stored as the model would
                 cache.update(k, v, layer)
-            shadow.keys, shadow.values = [k for k, _ in kv], [v for _, v in kv]
+            shadow.start(kv, args.context + args.decode)
             shadow_box["current"] = shadow
             logits = decode(model, ids, args.context, cache, first)
             shadow_box.pop("current")

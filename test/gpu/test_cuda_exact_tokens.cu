@@ -10,10 +10,12 @@
 #include <cmath>
 
 #include "../support/feed.hpp"
+#include "../support/exact_rows.hpp"
 #include "../support/quant2_bound.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
+using test::as_attended;
 using test::gpu_available;
 using test::small_config;
 
@@ -26,30 +28,6 @@ F with_exact(F f, int sinks, int recent) {
   return f;
 }
 
-/// What the host cache attends per position: the rounded input for the sinks, the last W sealed
-/// tokens and the tail; every other sealed token as its page decodes.
-template <class Cache>
-synthetic::kv_data as_attended(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
-  using traits = format_traits<typename Cache::format_type>;
-  const cache_config& c = cache.config();
-  const page_shape shape{c.page_size, c.head_dim, c.storage};
-  const auto& pages = cache.pages(id);
-  const std::int64_t sealed = static_cast<std::int64_t>(pages.size()) * c.page_size;
-  std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
-  for (std::size_t pg = 0; pg < pages.size(); ++pg)
-    for (int h = 0; h < c.num_kv_heads; ++h)
-      for (const bool is_v : {false, true}) {
-        if (is_v) traits::decode_v(cache.format(), shape, cache.engine().v_page(pages[pg], h), c.page_size, rows.data());
-        else traits::decode_k(cache.format(), shape, cache.engine().k_page(pages[pg], h), c.page_size, rows.data());
-        for (int r = 0; r < c.page_size; ++r) {
-          const std::int64_t t = static_cast<std::int64_t>(pg) * c.page_size + r;
-          if (t < sink_rows(cache.format()) || t >= sealed - window_rows(cache.format())) continue;
-          std::copy_n(rows.data() + static_cast<std::size_t>(r) * c.head_dim, c.head_dim,
-                      (is_v ? stored.v : stored.k).data() + (static_cast<std::size_t>(t) * c.num_kv_heads + h) * c.head_dim);
-        }
-      }
-  return stored;
-}
 
 /// GPU against host: quant2 within its twin bound (Eq. 4 on the same codes), the others within
 /// twice the fp32 bound over what the host attends; with select::all, the GPU also against the

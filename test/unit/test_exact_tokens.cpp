@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "../support/feed.hpp"
+#include "../support/exact_rows.hpp"
 #include "../support/oracle.hpp"
 #include "../support/quant2_bound.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
 using namespace kvmosaic;
+using test::as_attended;
 
 namespace {
 
@@ -71,31 +73,6 @@ void feed(Cache& cache, sequence_id s, const synthetic::kv_data& kv, int first, 
   }
 }
 
-/// What the cache attends for each position: `stored` (rounded input) for the sinks, the last W
-/// sealed tokens and the tail; every other sealed token as its page decodes.
-template <class Cache>
-synthetic::kv_data as_attended(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
-  using F = typename Cache::format_type;
-  using traits = format_traits<F>;
-  const cache_config& c = cache.config();
-  const page_shape shape{c.page_size, c.head_dim, c.storage};
-  const auto& pages = cache.pages(id);
-  const std::int64_t sealed = static_cast<std::int64_t>(pages.size()) * c.page_size;
-  std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
-  for (std::size_t pg = 0; pg < pages.size(); ++pg)
-    for (int h = 0; h < c.num_kv_heads; ++h)
-      for (const bool is_v : {false, true}) {
-        if (is_v) traits::decode_v(cache.format(), shape, cache.engine().v_page(pages[pg], h), c.page_size, rows.data());
-        else traits::decode_k(cache.format(), shape, cache.engine().k_page(pages[pg], h), c.page_size, rows.data());
-        for (int r = 0; r < c.page_size; ++r) {
-          const std::int64_t t = static_cast<std::int64_t>(pg) * c.page_size + r;
-          if (t < sink_rows(cache.format()) || t >= sealed - window_rows(cache.format())) continue;
-          std::copy_n(rows.data() + static_cast<std::size_t>(r) * c.head_dim, c.head_dim,
-                      (is_v ? stored.v : stored.k).data() + (static_cast<std::size_t>(t) * c.num_kv_heads + h) * c.head_dim);
-        }
-      }
-  return stored;
-}
 
 /// The tokens of `kv` in `read` (ascending, disjoint ranges).
 synthetic::kv_data subset(const synthetic::kv_data& kv, const ranges& read) {
