@@ -44,30 +44,38 @@ TEXTS = ["GPL-3", "LGPL-2.1", "MPL-1.1", "GFDL-1.3"]
 
 def configurations(boundaries: str) -> list[tuple[str, str]]:
     """(name, layer spec) of every configuration evaluated: each format and selector at budgets
-    1/16, 1/8 and 1/4, with and without exact tokens (sinks and a recent window)."""
-    exact = ",sinks=4,recent=64"
-    q2 = "quant2:partition={pi},rounding={r}{x}"
-    configs = [("dense", "dense/all")]
-    configs += [(f"bitmap_tiles s={s}", f"bitmap_tiles:s_k={s},s_v={s}/all") for s in (0.5, 0.7)]
-    configs.append(("bitmap_tiles s=0.7 sinks4 recent64", f"bitmap_tiles:s_k=0.7,s_v=0.7{exact}/all"))
-    configs.append(("quant2 Pi=64 stochastic", q2.format(pi=64, r="stochastic", x="") + "/all"))
+    1/16, 1/8 and 1/4, with and without exact tokens (sinks and a recent window). Every spec
+    states its sinks, window, rounding and block size, so a change of the library's defaults
+    does not change what a row measures."""
+    def exact(sinks: int = 0, recent: int = 0) -> str:
+        return f"sinks={sinks},recent={recent}"
+
+    q2 = "quant2:partition={pi},rounding={r},{x}"
+    bitmap = "bitmap_tiles:s_k={s},s_v={s},{x}"
+    dense = "dense:" + exact()
+    configs = [("dense", dense + "/all")]
+    configs += [(f"bitmap_tiles s={s}", bitmap.format(s=s, x=exact()) + "/all") for s in (0.5, 0.7)]
+    configs += [(f"bitmap_tiles s={s} sinks4", bitmap.format(s=s, x=exact(4)) + "/all") for s in (0.5, 0.7)]
+    configs.append(("bitmap_tiles s=0.7 sinks4 recent64", bitmap.format(s=0.7, x=exact(4, 64)) + "/all"))
+    configs.append(("quant2 Pi=64 stochastic", q2.format(pi=64, r="stochastic", x=exact()) + "/all"))
     for pi in (32, 64):
-        configs.append((f"quant2 Pi={pi} nearest", q2.format(pi=pi, r="nearest", x="") + "/all"))
-        configs.append((f"quant2 Pi={pi} nearest sinks4", q2.format(pi=pi, r="nearest", x=",sinks=4") + "/all"))
+        configs.append((f"quant2 Pi={pi} nearest", q2.format(pi=pi, r="nearest", x=exact()) + "/all"))
+        configs.append((f"quant2 Pi={pi} nearest sinks4", q2.format(pi=pi, r="nearest", x=exact(4)) + "/all"))
         configs.append((f"quant2 Pi={pi} nearest sinks4 recent128",
-                        q2.format(pi=pi, r="nearest", x=",sinks=4,recent=128") + "/all"))
+                        q2.format(pi=pi, r="nearest", x=exact(4, 128)) + "/all"))
     for b, ratio in (("1/16", 0.0625), ("1/8", 0.125), ("1/4", 0.25)):
-        configs.append((f"dense quest {b}", f"dense/quest:budget={ratio}"))
-        configs.append((f"dense quest {b} block16", f"dense/quest:budget={ratio},block=16"))
-        configs.append((f"dense sentence_chunks {b}", f"dense/sentence_chunks:budget={ratio},boundaries={boundaries}"))
-        configs.append((f"dense streaming {b}", f"dense/streaming:budget={ratio},sinks=4/hole_fill"))
-    configs.append(("dense quest 1/8 block16 sinks4 recent64", f"dense{exact.replace(',', ':', 1)}/quest:budget=0.125,block=16"))
+        configs.append((f"dense quest {b}", f"{dense}/quest:budget={ratio},block=0"))
+        configs.append((f"dense quest {b} block16", f"{dense}/quest:budget={ratio},block=16"))
+        configs.append((f"dense sentence_chunks {b}", f"{dense}/sentence_chunks:budget={ratio},boundaries={boundaries}"))
+        configs.append((f"dense streaming {b}", f"{dense}/streaming:budget={ratio},sinks=4/hole_fill"))
+    dense_exact = "dense:" + exact(4, 64)
+    configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
-                    f"dense{exact.replace(',', ':', 1)}/sentence_chunks:budget=0.125,boundaries={boundaries}"))
+                    f"{dense_exact}/sentence_chunks:budget=0.125,boundaries={boundaries}"))
     configs.append(("quant2 Pi=64 nearest sinks4 recent128 quest 1/8 block16",
-                    q2.format(pi=64, r="nearest", x=",sinks=4,recent=128") + "/quest:budget=0.125,block=16"))
+                    q2.format(pi=64, r="nearest", x=exact(4, 128)) + "/quest:budget=0.125,block=16"))
     configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
-                    q2.format(pi=64, r="nearest", x=",sinks=4") + "/streaming:budget=0.25,sinks=4/hole_fill"))
+                    q2.format(pi=64, r="nearest", x=exact(4)) + "/streaming:budget=0.25,sinks=4/hole_fill"))
     return configs
 
 

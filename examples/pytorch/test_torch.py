@@ -168,24 +168,30 @@ def _tiny_llama(dtype, num_kv=3, heads=9, head_dim=64, layers=4):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_generate_dense_equals_transformers_cache(dtype):
-    """generate() with kvmosaic's dense cache in every layer gives transformers' tokens when the
-    cache stores the model's dtype exactly (bf16, f16). A float32 model's K and V are rounded to
-    bf16 storage: there the logits are compared."""
-    from transformers import DynamicCache
+    """generate() with kvmosaic's dense cache in every layer follows transformers' DynamicCache:
+    teacher-forced on the reference's tokens, every logit within twice the gap between SDPA and
+    eager attention (transformers' two implementations) on the same model; greedy tokens equal
+    up to a near-tie of the reference, if any (kvmosaic_torch.agreement). A float32 model's K and
+    V are stored as bf16, so there the logits must stay within 2% (relative L2) instead."""
+    from kvmosaic_torch.agreement import decode_agreement
     from kvmosaic_torch.hf import KvmosaicCache, register
     register()
     model = _tiny_llama(dtype)
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    kw = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
     storage = "f16" if dtype == torch.float16 else "bf16"
-    cache = KvmosaicCache(model.config, "dense/all", device=DEVICE, storage=storage, max_tokens=128)
-    got = model.generate(ids, past_key_values=cache, **kw)
-    ref_logits, got_logits = torch.stack(ref.logits).float(), torch.stack(got.logits).float()
+    caches = []
+
+    def make_cache():
+        caches.append(KvmosaicCache(model.config, "dense/all", device=DEVICE, storage=storage, max_tokens=128))
+        return caches[-1]
+
+    result = decode_agreement(model, ids, 24, make_cache)
     if dtype != torch.float32:
-        assert torch.equal(got.sequences, ref.sequences)
-    assert rel_l2(got_logits, ref_logits) < 2e-2
-    assert cache.kv.length(cache.sequences[0]) == got.sequences.shape[1] - 1  # the last token is not fed back
+        assert result["agrees"], str(result)
+    else:
+        assert result["relative_l2"] < 2e-2, result
+    generated = caches[-1]  # the cache generate() decoded with
+    assert generated.kv.length(generated.sequences[0]) == 40 + 24 - 1  # the last token is not fed back
 
 
 def test_generate_with_compressed_layers_runs():
