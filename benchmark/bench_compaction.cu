@@ -64,7 +64,11 @@ template <class Format>
 Format bench_format() {
   Format f{};
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value) f.s_k = f.s_v = 0.5f;
-  if constexpr (std::is_same<Format, format::quant2>::value) f.partition = 64;
+  if constexpr (std::is_same<Format, format::quant2>::value) {
+    f.partition = 64;
+    f.mode = format::rounding::stochastic;  // the paper's settings, as these rows have always measured
+  }
+  if constexpr (!std::is_same<Format, format::dense>::value) f.sink_tokens = 0;
   return f;
 }
 

@@ -95,12 +95,18 @@ void hbm_read(benchmark::State& state) {
   state.counters["fraction_of_hbm"] = 1.0;
 }
 
+/// Which settings of a format a benchmark row times besides the ones its arguments give.
+enum class format_settings {
+  paper,    ///< the source paper's: no exact tokens (sink_tokens = recent_tokens = 0), quant2 rounding stochastic
+  library,  ///< the library's defaults (docs/defaults.md: 4 sink tokens, quant2 rounding to nearest)
+};
+
 /// Decode of one format: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4
 /// (Hq=32; or range 2), bf16, pages of 64; bitmap_tiles at s_k = s_v = range 4 percent; quant2
-/// with partition Pi = range 4 (pages of max(64, Pi) tokens), stochastic rounding.
+/// with partition Pi = range 4 (pages of max(64, Pi) tokens); the rest as `Settings` says.
 /// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
 /// first sequence: prefill_us_per_page is per page of all KV heads, K and V.
-template <class Format, class Selector = select::all>
+template <class Format, class Selector = select::all, format_settings Settings = format_settings::paper>
 void decode(benchmark::State& state) {
   constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
   const int batch = static_cast<int>(state.range(0));
@@ -116,6 +122,11 @@ void decode(benchmark::State& state) {
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
   Format format{};
+  if constexpr (Settings == format_settings::paper) {
+    format.sink_tokens = format.recent_tokens = 0;
+    if constexpr (is_quant2) format.mode = format::rounding::stochastic;
+  }
+  state.counters["sink_tokens"] = format.sink_tokens;
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
     format.s_k = format.s_v = static_cast<float>(state.range(4)) / 100.0f;
     // KVMOSAIC_BENCH_BITMAP_K_LAYOUT=channels: K tiled as V (bitmap_k_layout::along_channels, the
@@ -337,6 +348,23 @@ BENCHMARK(decode<format::quant2>)
     ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {64}})
     ->Args({1, 524288, 4, 128, 64})
     ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {32, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// The library's defaults (4 sink tokens; quant2 rounding to nearest) against the rows above at
+// batch 8: what the exact sinks cost a step.
+BENCHMARK(decode<format::bitmap_tiles, select::all, format_settings::library>)
+    ->Name("bitmap_tiles_defaults_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {50, 70}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant2, select::all, format_settings::library>)
+    ->Name("quant2_defaults_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -204,6 +204,7 @@ int register_all() {
       for (const float sparsity : {0.5f, 0.7f}) {
         format::bitmap_tiles f;
         f.s_k = f.s_v = sparsity;
+        f.sink_tokens = 0;  // MUSTAFAR's setting, as the rows' names say
         add(s, storage, sparsity == 0.5f ? "bitmap_tiles_s0.5" : "bitmap_tiles_s0.7", f);
       }
       for (const int sinks : {0, 4})

@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
       cache<format::dense, select::all, compact::none, backend::host> c(w.config);
       rows.push_back(demo::run_host(c, w, o.steps));
       for (const float sparsity : {0.5f, 0.7f}) {
-        cache<format::bitmap_tiles> sparse(w.config, format::bitmap_tiles{sparsity, sparsity});
+        cache<format::bitmap_tiles> sparse(w.config, demo::mustafar(sparsity));
         rows.push_back(demo::run_host(sparse, w, o.steps));
       }
       for (const auto& [config, format] : demo::quant2_variants(w.config, o.seed)) {

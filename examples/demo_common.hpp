@@ -270,8 +270,14 @@ inline void write_json(const std::vector<row>& rows, const std::string& path) {
 }
 
 
-/// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when
-/// no GPU is present (the caller then runs the host backend).
+/// MUSTAFAR's bitmap_tiles as the paper runs it: K and V pruned to `sparsity`, no exact tokens.
+inline kvmosaic::format::bitmap_tiles mustafar(float sparsity) {
+  kvmosaic::format::bitmap_tiles f;
+  f.s_k = f.s_v = sparsity;
+  f.sink_tokens = 0;
+  return f;
+}
+
 /// HACK's quant2 configurations the demo reports: Pi = 32, 64, 128 (those dividing head_dim), each
 /// with stochastic and nearest rounding, and Pi = 64 with 4 sink tokens kept 16-bit; pages hold
 /// at least one partition of tokens.
@@ -284,7 +290,7 @@ inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> 
     for (const auto mode : {format::rounding::stochastic, format::rounding::nearest}) {
       cache_config config = base;
       config.page_size = std::max(config.page_size, partition);
-      variants.emplace_back(config, format::quant2{partition, mode, seed});
+      variants.emplace_back(config, format::quant2{partition, mode, seed, format::key_axis::tokens, /*sink_tokens=*/0});
     }
   }
   if (base.head_dim % 64 == 0) {  // the generator's attention sinks kept 16-bit
@@ -303,6 +309,7 @@ inline std::vector<kvmosaic::select::quest> quest_variants() {
   for (const int inverse : {16, 8}) {
     kvmosaic::select::quest s;
     s.budget.ratio = 1.0 / inverse;
+    s.block_tokens = 0;  // whole pages
     v.push_back(s);
   }
   kvmosaic::select::quest blocks;
@@ -356,6 +363,8 @@ void for_each_streaming_cache(const kvmosaic::cache_config& base, std::uint64_t 
   run_one(repacked);
 }
 
+/// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when
+/// no GPU is present (the caller then runs the host backend).
 std::vector<row> run_cuda(const workload& w, int steps);
 
 }  // namespace demo

@@ -53,8 +53,7 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   for (const float sparsity : {0.5f, 0.7f}) {  // MUSTAFAR, encoded and attended on the device
-    cache<format::bitmap_tiles, select::all, compact::none, backend::cuda> c(w.config,
-                                                                             format::bitmap_tiles{sparsity, sparsity});
+    cache<format::bitmap_tiles, select::all, compact::none, backend::cuda> c(w.config, mustafar(sparsity));
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   for (const auto& [config, format] : quant2_variants(w.config, w.generator.seed)) {  // HACK, codes attended on the device

@@ -194,6 +194,7 @@ void measure(const workload& w, const Format& format, Selector selector, std::ve
 void measure_combine(const workload& w, std::vector<combine_row>& rows) {
   const cache_config& c = w.config;
   select::quest s;
+  s.block_tokens = 0;  // pages, as the per-head comparison selects
   cache<format::dense, select::quest> kv(c, {}, s);
   std::vector<sequence_id> seqs;
   for (std::size_t b = 0; b < w.kv.size(); ++b) {
@@ -287,16 +288,19 @@ int main(int argc, char** argv) {
     std::printf("selector metrics: context %d, batch %d, 8 KV heads x 4, head_dim 128, bf16, pages of 64 (host backend)\n",
                 o.context, o.batch);
     std::vector<metrics_row> rows;
-    select::quest quest;
+    select::quest quest;  // one block per page
+    quest.block_tokens = 0;
     select::sentence_chunks chunks;
     chunks.boundaries = boundaries();
     format::bitmap_tiles sparse;
     sparse.s_k = sparse.s_v = 0.7f;
+    sparse.sink_tokens = 0;
     format::quant2 codes;
+    codes.mode = format::rounding::stochastic;
     codes.sink_tokens = 4;
     select::quest quest16;  // Quest's own page size (host backend: sub-page blocks)
     quest16.block_tokens = 16;
-    select::quest quest_sum;  // the other group combination, for comparison
+    select::quest quest_sum = quest;  // the other group combination, for comparison
     quest_sum.combine = group_combine::sum;
     measure(w, format::dense{}, quest, rows);
     measure(w, format::dense{}, quest_sum, rows);

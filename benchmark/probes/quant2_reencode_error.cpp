@@ -65,6 +65,7 @@ int main() {
         format::quant2 f;
         f.partition = 64;
         f.mode = rounding;
+        f.sink_tokens = 0;
         f.max_reencodes = limit;
         cache<format::quant2, select::all, compact::repack> kv(c, f);
         const sequence_id seq = kv.add_sequence();

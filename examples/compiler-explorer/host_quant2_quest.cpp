@@ -19,8 +19,9 @@
 //   dense / quest   bf16 pages; Quest ranks blocks of 16 tokens by their key bounds and reads
 //                   the best 1/8 of the context, plus the open tail;
 //   quant2 / quest  both.
-// Try: another budget (quest.budget.ratio), whole-page blocks (quest.block_tokens = 0), quant2's
-// defaults (stochastic rounding, no sinks), or a partition of 32 or 128.
+// Try: another budget (quest.budget.ratio), whole-page blocks (quest.block_tokens = 0), HACK's
+// own settings (quant2.mode = kvmosaic::format::rounding::stochastic; quant2.sink_tokens = 0),
+// or a partition of 32 or 128.
 #include <https://raw.githubusercontent.com/OWNER/REPO/main/single_include/kvmosaic/kvmosaic.hpp>
 
 #include <cmath>
@@ -80,12 +81,10 @@ int main() {
       kvmosaic::tensor_view<const float, 3>(kv.v.data(), tokens, kv_heads, head_dim),
       1.0 / std::sqrt(static_cast<double>(head_dim)));
 
-  kvmosaic::format::quant2 quant2;                    // 2 bits per element, partitions of 64
-  quant2.mode = kvmosaic::format::rounding::nearest;  // (default: stochastic, unbiased)
-  quant2.sink_tokens = 4;                             // the first 4 tokens kept 16-bit too
-  kvmosaic::select::quest quest;                      // key min/max per block, best blocks read
-  quest.block_tokens = 16;                            // (default 0: whole pages)
-  quest.budget.ratio = 1.0 / 8;                       // tokens read per KV head, besides the tail
+  kvmosaic::format::quant2 quant2;  // 2 bits per element; defaults: partitions of 64, nearest
+                                    // rounding, the first 4 tokens kept 16-bit too
+  kvmosaic::select::quest quest;    // key min/max per block of 16 tokens, best blocks read
+  quest.budget.ratio = 1.0 / 8;     // tokens read per KV head, besides the tail
 
   std::printf("kvmosaic %s: %d tokens, %d KV heads x %d query heads, head_dim %d, pages of 64\n",
               kvmosaic::version_string(), tokens, kv_heads, group, head_dim);

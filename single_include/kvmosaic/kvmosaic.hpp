@@ -1168,12 +1168,14 @@ struct bitmap_tiles {
   bitmap_k_layout k_layout = bitmap_k_layout::along_channels;  ///< orientation of K's tiles (see the file comment)
   /// Attention sinks kept unpruned: the first `sink_tokens` (0 to 16) tokens of every sequence are
   /// also kept as dense 16-bit rows once its first page is sealed, attended exactly, and masked in
-  /// that page. Cost: sink_tokens dense rows per sequence.
+  /// that page. Cost: sink_tokens dense rows per sequence. Default 0 (MUSTAFAR's): on a real
+  /// model 4 sinks changed nothing measurable here, unlike quant2's (docs/defaults.md).
   int sink_tokens = 0;
   /// The recent window kept unpruned (0 to 1024; MUSTAFAR keeps 32): the last `recent_tokens`
   /// sealed tokens are also kept as dense rows (a ring in the tail slot) and attended in place of
   /// their masked page copies. Cost: recent_tokens dense rows per sequence, written at seal. Not
-  /// with a compactor that frees memory (the cache rejects it).
+  /// with a compactor that frees memory (the cache rejects it), hence 0 by default; 64 is worth
+  /// setting where no compactor frees memory (docs/defaults.md).
   int recent_tokens = 0;
 };
 
@@ -1470,7 +1472,7 @@ enum class key_axis {
 /// How quant2 rounds a value to a code.
 enum class rounding {
   stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
-  nearest,     ///< to the nearest code
+  nearest,     ///< to the nearest code (the default: a third of the loss on a real model, docs/defaults.md)
 };
 
 /// HACK's 2-bit KV quantization with attention on the codes. Cost per page: 2 bits per element
@@ -1478,21 +1480,22 @@ enum class rounding {
 struct quant2 {
   using policy_category = format_tag;
   int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
-  rounding mode = rounding::stochastic;
+  rounding mode = rounding::nearest;         ///< HACK rounds stochastically; see docs/defaults.md
   std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
   key_axis k_axis = key_axis::tokens;        ///< how K is partitioned (see key_axis)
   /// Attention sinks kept 16-bit: the first `sink_tokens` (0 to 16) tokens of every sequence are
   /// stored as dense rows too once the sequence's first page is sealed, and attended exactly;
   /// in that page they are masked, and quantized as copies of the first token after them so that
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
-  /// sequence.
-  int sink_tokens = 0;
+  /// sequence. Default 4 (StreamingLLM's count; HACK keeps none): docs/defaults.md.
+  int sink_tokens = 4;
   /// The recent window kept 16-bit (0 to 1024; 0: only the dense tail): the last `recent_tokens`
   /// sealed tokens of every sequence are also kept as dense rows in a ring in its tail slot and
   /// attended exactly in place of their masked page copies, so the latest page_size - 1 +
   /// recent_tokens tokens or more are exact (KIVI keeps 128, MUSTAFAR 32). Cost: recent_tokens
   /// dense rows per sequence, written when a page is sealed. Not with a compactor that frees
-  /// memory (the cache rejects it).
+  /// memory (the cache rejects it), hence 0 by default; 128 is worth setting where no compactor
+  /// frees memory (docs/defaults.md).
   int recent_tokens = 0;
   /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
   /// dequantized values again, on the grid of their new partition, which adds error each time a
@@ -2476,14 +2479,16 @@ namespace select {
 /// bytes at block 64) and a top-k per (sequence, KV head). Memory is not freed: a read-less
 /// selector (size the pool as if uncompressed).
 ///
-/// Kernels read whole pages: on the CUDA backend `block_tokens` must equal the page size (0, the
-/// default, means the page size); the host backend also reads sub-page blocks (masking the
-/// unselected tokens of a page).
+/// Blocks: `block_tokens` tokens (default 16, Quest's own block; 0 = the page size). A block
+/// smaller than a page makes the selection token-granular: both backends read the selected pages
+/// with the unselected tokens masked, which costs more time per step than whole-page blocks and
+/// recovers most of the fidelity whole pages lose at small budgets (docs/defaults.md,
+/// docs/selectors.md).
 struct quest {
   using policy_category = selector_tag;
 
   token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
-  int block_tokens = 0;                       ///< tokens per block: 0 = the page size, or a multiple of 8
+  int block_tokens = 16;                      ///< tokens per block: 0 = the page size, or a multiple of 8
                                               ///< dividing it
   group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
 

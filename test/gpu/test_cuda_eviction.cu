@@ -212,6 +212,7 @@ TEST_CASE("GPU eviction: the device attends over the host's live tokens, every f
   format::quant2 q2;
   q2.partition = 32;
   q2.mode = format::rounding::nearest;
+  q2.sink_tokens = 0;
   check_eviction(q2, 32);
 }
 
@@ -223,6 +224,8 @@ TEST_CASE("GPU compaction: repack and hole fill leave the host's tables, pool an
   b.s_v = 0.7f;
   format::quant2 q2;
   q2.partition = 32;
+  q2.mode = format::rounding::stochastic;
+  q2.sink_tokens = 0;
   format::quant2 sinks = q2;  // stochastic rounding at seal; sinks kept dense
   sinks.sink_tokens = 4;
   check_compaction<compact::repack>(format::dense{}, 16);
@@ -240,6 +243,8 @@ TEST_CASE("GPU compaction: a pass captured in a CUDA graph", "[gpu][eviction][co
   check_compaction<compact::repack>(format::dense{}, 16, true);
   format::quant2 q2;
   q2.partition = 64;
+  q2.mode = format::rounding::stochastic;
+  q2.sink_tokens = 0;
   check_compaction<compact::hole_fill>(q2, 64, true);
 }
 
@@ -456,6 +461,8 @@ TEST_CASE("GPU compaction of forked sequences: shared pages stay, both backends 
   check_fork_compaction(format::dense{}, 16);
   format::quant2 q2;
   q2.partition = 32;
+  q2.mode = format::rounding::stochastic;
+  q2.sink_tokens = 0;
   check_fork_compaction(q2, 32);
 }
 

@@ -114,6 +114,7 @@ void every_selector(const F& base) {
 
 format::quant2 stochastic_quant2() {
   format::quant2 f;
+  f.mode = format::rounding::stochastic;
   f.seed = 5;
   return f;
 }

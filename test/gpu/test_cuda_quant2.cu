@@ -72,7 +72,8 @@ TEST_CASE("GPU quant2: device encode writes the host's bytes and attention on co
   const int page_size = partition == 128 ? 128 : GENERATE(64, 128);
   const bool portable = GENERATE(false, true);
   CAPTURE(head_dim, partition, group_size, to_string(storage), mode == format::rounding::stochastic, page_size, portable);
-  twin t(small_config(head_dim, group_size, storage, page_size), 13, format::quant2{partition, mode, 7});
+  twin t(small_config(head_dim, group_size, storage, page_size), 13,
+         format::quant2{partition, mode, 7, format::key_axis::tokens, /*sink_tokens=*/0});
   if (portable) t.device.engine().use_portable_kernel();
   // Lengths in the tail only, ending mid-partition, at page boundaries, and several pages.
   for (int length : {1, 7, partition + 5, page_size - 1, page_size, page_size + 1, 3 * page_size + 3, 700})
@@ -191,7 +192,7 @@ TEST_CASE("GPU quant2 beyond f16's range: mins and scales in the storage dtype, 
   const auto mode = GENERATE(format::rounding::stochastic, format::rounding::nearest);
   const bool portable = GENERATE(false, true);
   CAPTURE(to_string(storage), mode == format::rounding::stochastic, portable);
-  twin t(small_config(128, 4, storage, 64), 31, format::quant2{64, mode, 3});
+  twin t(small_config(128, 4, storage, 64), 31, format::quant2{64, mode, 3, format::key_axis::tokens, /*sink_tokens=*/0});
   if (portable) t.device.engine().use_portable_kernel();
   const int length = 300;
   synthetic::kv_data kv = synthetic::generate_kv(t.generator, 1, length);
@@ -223,7 +224,7 @@ TEST_CASE("GPU quant2 with NaN and infinite K and V: the host's bytes; other hea
   // it), the other KV head's are.
   const bool portable = GENERATE(false, true);
   CAPTURE(portable);
-  twin t(small_config(128, 4, dtype::bf16, 64), 33, format::quant2{64, format::rounding::stochastic, 3});
+  twin t(small_config(128, 4, dtype::bf16, 64), 33, format::quant2{64, format::rounding::stochastic, 3, format::key_axis::tokens, /*sink_tokens=*/0});
   if (portable) t.device.engine().use_portable_kernel();
   const int length = 300, d = 128;
   synthetic::kv_data kv = synthetic::generate_kv(t.generator, 2, length);

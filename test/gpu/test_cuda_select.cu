@@ -20,9 +20,11 @@ namespace {
 
 using ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
+/// Quest over whole pages (the page-granular path; sub-page blocks are set where a case says).
 select::quest quest_of(double ratio) {
   select::quest s;
   s.budget.ratio = ratio;
+  s.block_tokens = 0;
   return s;
 }
 
@@ -214,7 +216,7 @@ TEST_CASE("GPU quest with a whole-context budget is select::all, bit for bit; bu
 
   // Budget 0 over quant2 with sinks: the 4 sink rows and the tail, exactly (dense rows).
   const cache_config c = small_config(128, 4, dtype::bf16, 64);
-  select::quest none;
+  select::quest none = quest_of(0.0);
   none.budget.tokens = 0;
   format::quant2 f;
   f.sink_tokens = 4;

@@ -466,8 +466,9 @@ TEST_CASE("quest over compressed formats reads only selected pages; sinks and ta
   plain.prefill(b, test::k_view(kv), test::v_view(kv));
   CHECK(attend_one(sel, a, q) == attend_one(plain, b, q));
   // The bounds cost 2 rows of head_dim per block and KV head on top of each page.
+  const int blocks_per_page = c.page_size / everything.block_for(c.page_size);
   CHECK(sel.memory().stored_bytes - plain.memory().stored_bytes ==
-        static_cast<std::int64_t>(sel.memory().pages_used) * c.num_kv_heads * 2 * c.head_dim * 2);
+        static_cast<std::int64_t>(sel.memory().pages_used) * blocks_per_page * c.num_kv_heads * 2 * c.head_dim * 2);
 }
 
 TEST_CASE("selectors reject bad parameters naming them", "[selectors]") {
@@ -498,20 +499,20 @@ TEST_CASE("selectors reject bad parameters naming them", "[selectors]") {
 TEST_CASE("token budgets describe and resolve every value safely", "[selectors]") {
   const cache_config c = small_config();
   select::quest s;
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/16, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/16, block 16, max)");
   s.budget.ratio = 0.0;  // valid: reads only the tail (and sinks)
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0, block 16, max)");
   CHECK_NOTHROW(cache<format::dense, select::quest>(c, {}, s));
   s.budget.ratio = 0.3;  // not 1/3
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0.3, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 0.3, block 16, max)");
   s.budget.ratio = 1.0 / 3.0;
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/3, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(1/3, block 16, max)");
   s.budget.ratio = 1e-300;  // 1 / ratio beyond int
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 1e-300, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 1e-300, block 16, max)");
   s.budget.ratio = 4.9406564584124654e-324;  // 1 / ratio overflows
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 4.94066e-324, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(ratio 4.94066e-324, block 16, max)");
   s.budget.tokens = 0;
-  CHECK(selector_traits<select::quest>::describe(s) == "quest(0 tokens, max)");
+  CHECK(selector_traits<select::quest>::describe(s) == "quest(0 tokens, block 16, max)");
   select::sentence_chunks chunks;
   chunks.budget.ratio = 0.0;
   CHECK(selector_traits<select::sentence_chunks>::describe(chunks) == "sentence_chunks(ratio 0, L 14, delta 8, max)");

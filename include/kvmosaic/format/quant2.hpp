@@ -78,7 +78,7 @@ enum class key_axis {
 /// How quant2 rounds a value to a code.
 enum class rounding {
   stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
-  nearest,     ///< to the nearest code
+  nearest,     ///< to the nearest code (the default: a third of the loss on a real model, docs/defaults.md)
 };
 
 /// HACK's 2-bit KV quantization with attention on the codes. Cost per page: 2 bits per element
@@ -86,21 +86,22 @@ enum class rounding {
 struct quant2 {
   using policy_category = format_tag;
   int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
-  rounding mode = rounding::stochastic;
+  rounding mode = rounding::nearest;         ///< HACK rounds stochastically; see docs/defaults.md
   std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
   key_axis k_axis = key_axis::tokens;        ///< how K is partitioned (see key_axis)
   /// Attention sinks kept 16-bit: the first `sink_tokens` (0 to 16) tokens of every sequence are
   /// stored as dense rows too once the sequence's first page is sealed, and attended exactly;
   /// in that page they are masked, and quantized as copies of the first token after them so that
   /// their large values do not stretch the partitions' ranges. Cost: sink_tokens dense rows per
-  /// sequence.
-  int sink_tokens = 0;
+  /// sequence. Default 4 (StreamingLLM's count; HACK keeps none): docs/defaults.md.
+  int sink_tokens = 4;
   /// The recent window kept 16-bit (0 to 1024; 0: only the dense tail): the last `recent_tokens`
   /// sealed tokens of every sequence are also kept as dense rows in a ring in its tail slot and
   /// attended exactly in place of their masked page copies, so the latest page_size - 1 +
   /// recent_tokens tokens or more are exact (KIVI keeps 128, MUSTAFAR 32). Cost: recent_tokens
   /// dense rows per sequence, written when a page is sealed. Not with a compactor that frees
-  /// memory (the cache rejects it).
+  /// memory (the cache rejects it), hence 0 by default; 128 is worth setting where no compactor
+  /// frees memory (docs/defaults.md).
   int recent_tokens = 0;
   /// Compaction passes that may re-encode a page (0 to 255): a pass quantizes the moved rows'
   /// dequantized values again, on the grid of their new partition, which adds error each time a

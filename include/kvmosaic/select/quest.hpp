@@ -33,14 +33,16 @@ namespace select {
 /// bytes at block 64) and a top-k per (sequence, KV head). Memory is not freed: a read-less
 /// selector (size the pool as if uncompressed).
 ///
-/// Kernels read whole pages: on the CUDA backend `block_tokens` must equal the page size (0, the
-/// default, means the page size); the host backend also reads sub-page blocks (masking the
-/// unselected tokens of a page).
+/// Blocks: `block_tokens` tokens (default 16, Quest's own block; 0 = the page size). A block
+/// smaller than a page makes the selection token-granular: both backends read the selected pages
+/// with the unselected tokens masked, which costs more time per step than whole-page blocks and
+/// recovers most of the fidelity whole pages lose at small budgets (docs/defaults.md,
+/// docs/selectors.md).
 struct quest {
   using policy_category = selector_tag;
 
   token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
-  int block_tokens = 0;                       ///< tokens per block: 0 = the page size, or a multiple of 8
+  int block_tokens = 16;                      ///< tokens per block: 0 = the page size, or a multiple of 8
                                               ///< dividing it
   group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
 
