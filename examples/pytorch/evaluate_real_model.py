@@ -188,11 +188,17 @@ def main():
     parser.add_argument("--storage", default="bf16", choices=["bf16", "f16"])
     parser.add_argument("--only", default="", help="semicolon-separated configuration names to evaluate (default: all)")
     parser.add_argument("--texts", type=int, default=len(TEXTS), help="how many of the texts to read")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="evaluate nothing: merge the results.json of earlier runs (same texts, context and "
+                             "reference) into one table and plot in --out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merge(args.merge, out_dir)
+        return
+    device = torch.device(args.device)
 
     register()
     torch.manual_seed(0)
@@ -295,38 +301,66 @@ def main():
     plot(out_dir / "stored_vs_ppl.png", meta, results)
 
 
+def merge(folders: list[str], out_dir: Path):
+    """One table and plot from runs of parts of the configurations (`--only`), which must share
+    texts, context, decode length, storage and reference perplexity."""
+    runs = [json.loads((Path(f) / "results.json").read_text()) for f in folders]
+    first = runs[0]["meta"]
+    same = ("texts", "context", "decode", "storage", "backend")
+    for folder, run in zip(folders, runs):
+        differing = [k for k in same if run["meta"][k] != first[k]]
+        if differing or abs(run["results"][0]["ppl_ref"] - runs[0]["results"][0]["ppl_ref"]) > 1e-9:
+            sys.exit(f"evaluate_real_model: {folder} differs from {folders[0]} in {differing or ['the reference']}")
+    meta = dict(first)
+    meta["command"] = " && ".join(run["meta"]["command"] for run in runs) + \
+        " && python3 examples/pytorch/evaluate_real_model.py " + " ".join(sys.argv[1:])
+    results = [row for run in runs for row in run["results"]]
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_table(out_dir / "table.md", meta, results)
+    plot(out_dir / "stored_vs_ppl.png", meta, results)
+
+
 def write_table(path: Path, meta: dict, results: list[dict]):
     lines = [f"SmolLM2-135M-Instruct, {len(meta['texts'])} texts ({', '.join(meta['texts'])}), "
              f"{meta['context']} tokens prefilled + {meta['decode']} decoded each, {meta['storage']} storage, "
              f"kvmosaic {meta['backend']} backend on {meta['device']}, {meta['date']}; reference ppl "
              f"{results[0]['ppl_ref']:.3f}. `{meta['command']}`", "",
-             "| configuration | stored | ppl ratio | top-1 | KL | attn err (mean) | attn err (worst layer) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in results:
-        lines.append(f"| {r['name']} | {r['stored']:.3f} | {r['ppl_ratio']:.3f} | {r['top1']:.3f} | {r['kl']:.4f} | "
+             "| # | configuration | stored | ppl ratio | top-1 | KL | attn err (mean) | attn err (worst layer) |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for i, r in enumerate(results, start=1):  # numbered as in the plot
+        lines.append(f"| {i} | {r['name']} | {r['stored']:.3f} | {r['ppl_ratio']:.3f} | {r['top1']:.3f} | {r['kl']:.4f} | "
                      f"{r['attn_err_mean']:.3f} | {r['attn_err_max']:.3f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
 def plot(path: Path, meta: dict, results: list[dict]):
+    """Stored fraction against perplexity ratio, one numbered point per configuration; the key
+    (number, name, ratio) beside the axes, so that clustered points stay readable."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw={"width_ratios": [3, 2]})
     families = {"dense": "k", "bitmap": "tab:blue", "quant2": "tab:red", "quest": "tab:green",
                 "sentence": "tab:purple", "streaming": "tab:orange"}
-    for r in results:
-        color = next((c for key, c in reversed(list(families.items())) if key in r["name"]), "gray")
-        ax.scatter(r["stored"], r["ppl_ratio"], color=color)
-        ax.annotate(r["name"], (r["stored"], r["ppl_ratio"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    lines = []
+    for i, r in enumerate(results, start=1):
+        color = next((c for k, c in reversed(list(families.items())) if k in r["name"]), "gray")
+        ax.scatter(r["stored"], r["ppl_ratio"], color=color, s=18)
+        ax.annotate(str(i), (r["stored"], r["ppl_ratio"]), fontsize=7, color=color, xytext=(3, 2),
+                    textcoords="offset points")
+        lines.append((f"{i:2d}  {r['name']}  ({r['ppl_ratio']:.2f}x)", color))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.axhline(1.10, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("stored fraction (bytes / 16-bit dense bytes)")
     ax.set_ylabel("perplexity ratio against transformers' cache")
     ax.set_title(f"SmolLM2-135M on real text: {meta['context']} + {meta['decode']} tokens, {meta['backend']} backend")
+    key.axis("off")
+    for row, (text, color) in enumerate(lines):
+        key.text(0.0, 1.0 - row / max(len(lines), 30), text, color=color, fontsize=8, family="monospace",
+                 transform=key.transAxes, va="top")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
