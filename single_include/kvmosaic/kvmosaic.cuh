@@ -3523,6 +3523,12 @@ struct arena_geometry {
   bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
     return t < static_cast<std::int64_t>(sink_rows) || t >= sealed - static_cast<std::int64_t>(window_rows);
   }
+  /// Whether any sealed position in [from, to) is attended from its exact copy: only the first
+  /// pages (sinks) and the last ones (the window) have rows to mask, so a step's row masks cost
+  /// O(pages), not O(tokens).
+  bool any_exact_position(std::int64_t from, std::int64_t to, std::int64_t sealed) const noexcept {
+    return from < to && (from < static_cast<std::int64_t>(sink_rows) || to > sealed - static_cast<std::int64_t>(window_rows));
+  }
   /// Offsets inside a page slot and a tail slot.
   std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
   std::size_t v_page_offset(int head) const noexcept { return num_kv_heads * k_page_bytes + head * v_page_bytes; }
@@ -8590,12 +8596,13 @@ class engine {
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
+            const std::int64_t first = static_cast<std::int64_t>(i) * shape_.page_size + 32 * w;
             std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
             if (batch[b].live != nullptr)
               word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
-            if (exact)
+            if (exact && geometry_.any_exact_position(first, first + rows, sealed))
               for (int r = 0; r < rows; ++r)
-                if (geometry_.exact_position(static_cast<std::int64_t>(i) * shape_.page_size + 32 * w + r, sealed)) word &= ~(1u << r);
+                if (geometry_.exact_position(first + r, sealed)) word &= ~(1u << r);
             masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
           }
       }

@@ -3513,6 +3513,12 @@ struct arena_geometry {
   bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
     return t < static_cast<std::int64_t>(sink_rows) || t >= sealed - static_cast<std::int64_t>(window_rows);
   }
+  /// Whether any sealed position in [from, to) is attended from its exact copy: only the first
+  /// pages (sinks) and the last ones (the window) have rows to mask, so a step's row masks cost
+  /// O(pages), not O(tokens).
+  bool any_exact_position(std::int64_t from, std::int64_t to, std::int64_t sealed) const noexcept {
+    return from < to && (from < static_cast<std::int64_t>(sink_rows) || to > sealed - static_cast<std::int64_t>(window_rows));
+  }
   /// Offsets inside a page slot and a tail slot.
   std::size_t k_page_offset(int head) const noexcept { return head * k_page_bytes; }
   std::size_t v_page_offset(int head) const noexcept { return num_kv_heads * k_page_bytes + head * v_page_bytes; }

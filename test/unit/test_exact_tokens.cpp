@@ -365,3 +365,23 @@ TEST_CASE("exact tokens: sinks of dense and bitmap_tiles survive eviction and co
   run(format::dense{});
   run(half_pruned());
 }
+
+TEST_CASE("a range holds an exact position exactly when one of its positions is one", "[exact_tokens]") {
+  // The device's row masks look only at the pages that any_exact_position admits.
+  for (const int sinks : {0, 1, 4, 16})
+    for (const int window : {0, 1, 64, 130}) {
+      format::dense f;
+      f.sink_tokens = sinks;
+      f.recent_tokens = window;
+      const detail::arena_geometry g(detail::engine_shape{1, 1, 64, 64, dtype::bf16, 8, 1}, f);
+      for (const std::int64_t sealed : {0, 64, 192, 1024})
+        for (std::int64_t from = 0; from <= sealed; from += 16)
+          for (const std::int64_t rows : {0, 1, 16, 32, 64}) {
+            const std::int64_t to = std::min(from + rows, sealed);
+            bool any = false;
+            for (std::int64_t t = from; t < to; ++t) any = any || g.exact_position(t, sealed);
+            CAPTURE(sinks, window, sealed, from, to);
+            CHECK(g.any_exact_position(from, to, sealed) == any);
+          }
+    }
+}

@@ -439,12 +439,13 @@ class engine {
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
+            const std::int64_t first = static_cast<std::int64_t>(i) * shape_.page_size + 32 * w;
             std::uint32_t word = rows >= 32 ? ~0u : (1u << rows) - 1;
             if (batch[b].live != nullptr)
               word = static_cast<std::uint32_t>(batch[b].live[static_cast<std::size_t>(i) * words64 + w / 2] >> (32 * (w % 2)));
-            if (exact)
+            if (exact && geometry_.any_exact_position(first, first + rows, sealed))
               for (int r = 0; r < rows; ++r)
-                if (geometry_.exact_position(static_cast<std::int64_t>(i) * shape_.page_size + 32 * w + r, sealed)) word &= ~(1u << r);
+                if (geometry_.exact_position(first + r, sealed)) word &= ~(1u << r);
             masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
           }
       }
