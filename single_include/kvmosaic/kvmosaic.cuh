@@ -10308,11 +10308,12 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x page_size x head_dim,
-/// 16-bit), written compressed to page `new_pages[i]` of the page arena.
+/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
+/// first page_size rows 16-bit), written compressed to page `new_pages[i]` of the page arena.
 struct bitmap_encode_params {
   const std::byte* rows;
   std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;  ///< = the tail arena's: page_size rows plus the exact rows
   std::byte* pages;
   std::int64_t page_slot_bytes;
   std::int64_t k_page_bytes;
@@ -10373,8 +10374,7 @@ __global__ void __launch_bounds__(encode_threads) encode_bitmap_pages_kernel(con
   const bool is_v = blockIdx.z == 1;
   const int page_size = p.page_size, keep = is_v ? p.keep_v : p.keep_k;
   const auto* rows = reinterpret_cast<const std::uint16_t*>(
-      p.rows + ordinal * p.rows_slot_bytes +
-      (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * page_size * HeadDim * 2);
+      p.rows + ordinal * p.rows_slot_bytes + (static_cast<std::int64_t>(is_v) * p.num_kv_heads + head) * p.rows_head_bytes);
   const int weight_row = !is_v && p.weight_rows != nullptr ? p.weight_rows[ordinal] : -1;
   const float* weights =
       weight_row >= 0 ? p.key_weights + (static_cast<std::size_t>(weight_row) * p.num_kv_heads + head) * HeadDim : nullptr;
@@ -10606,6 +10606,7 @@ struct device_format<format::bitmap_tiles> {
     kernel::bitmap_encode_params p{};
     p.rows = c.rows;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.k_page_bytes = static_cast<std::int64_t>(g.k_page_bytes);

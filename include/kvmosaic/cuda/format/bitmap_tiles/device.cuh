@@ -103,6 +103,7 @@ struct device_format<format::bitmap_tiles> {
     kernel::bitmap_encode_params p{};
     p.rows = c.rows;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.k_page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
