@@ -41,10 +41,21 @@ namespace {
 
 using namespace kvmosaic;
 using namespace kvmosaic_bench;
+template <class Format>
+struct is_quantized : std::false_type {};
+template <int Bits, format::value_axis V>
+struct is_quantized<format::quant<Bits, V>> : std::true_type {};
+
+/// The kernels a row compiles: every shape for the formats timed over several shapes, the shape of
+/// record (bf16, head_dim 128, groups of 4) for the quantized formats other than quant2.
+template <class Format>
+using backend_for = std::conditional_t<is_quantized<Format>::value && !std::is_same<Format, format::quant2>::value,
+                                       backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>, backend::cuda>;
+
 /// Keep-less selectors (select::streaming) compact by hole filling; the others keep everything.
 template <class Format, class Selector = select::all>
 using cuda_cache = cache<Format, Selector, std::conditional_t<selector_traits<Selector>::evicts, compact::hole_fill, compact::none>,
-                         backend::cuda>;
+                         backend_for<Format>>;
 
 double g_hbm_read_gbps = 0;  // measured by the first benchmark of the run
 
@@ -115,7 +126,7 @@ void decode(benchmark::State& state) {
   c.num_kv_heads = 8;
   c.group_size = state.range(2) > 0 ? static_cast<int>(state.range(2)) : 4;
   c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
-  constexpr bool is_quant2 = std::is_same<Format, format::quant2>::value;
+  constexpr bool is_quant2 = is_quantized<Format>::value;  // any width, either V axis
   c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : 64;
   if (selects && state.range(6) > 0) c.page_size = static_cast<int>(state.range(6));  // quest with smaller pages
   c.storage = dtype::bf16;
@@ -348,6 +359,30 @@ BENCHMARK(decode<format::quant2>)
     ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {64}})
     ->Args({1, 524288, 4, 128, 64})
     ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {32, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// 4-bit codes (quant4) at Pi = 32, 64 and 128, V per channel (the paper's axis) and V per token
+// (KIVI's), batch 1 and 8, 32K and 128K, the paper's settings as the quant2 rows.
+BENCHMARK(decode<format::quant4>)
+    ->Name("quant4_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {32, 64, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant<4, format::value_axis::head_dim>>)
+    ->Name("quant4_vtoken_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {32, 64, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant<2, format::value_axis::head_dim>>)
+    ->Name("quant2_vtoken_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition"})
+    ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {64}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

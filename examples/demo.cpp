@@ -28,6 +28,12 @@ int main(int argc, char** argv) {
         cache<format::quant2> c(config, format);
         rows.push_back(demo::run_host(c, w, o.steps));
       }
+      if (cache_config config; demo::quant4_config(w.config, config)) {
+        cache<format::quant4> c(config);
+        rows.push_back(demo::run_host(c, w, o.steps));
+        cache<format::quant<4, format::value_axis::head_dim>> per_token(config);
+        rows.push_back(demo::run_host(per_token, w, o.steps));
+      }
       for (const auto& selector : demo::quest_variants()) {
         cache<format::dense, select::quest> c(w.config, {}, selector);
         rows.push_back(demo::run_host(c, w, o.steps));

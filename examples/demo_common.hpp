@@ -301,6 +301,16 @@ inline std::vector<std::pair<kvmosaic::cache_config, kvmosaic::format::quant2>> 
   return variants;
 }
 
+/// The 4-bit rows' configuration: pages of at least 64 tokens (Pi = 64), or none where head_dim is
+/// not a multiple of 64. The rows run quant4 and quant4 with V per token at their defaults (Pi = 64,
+/// nearest rounding, 4 sinks): docs/quantization.md.
+inline bool quant4_config(const kvmosaic::cache_config& base, kvmosaic::cache_config& config) {
+  if (base.head_dim % 64 != 0) return false;
+  config = base;
+  config.page_size = std::max(config.page_size, 64);
+  return true;
+}
+
 /// The read-less selectors the demo reports, at budgets 1/16 and 1/8 of the context:
 /// select::quest (one block per page, and blocks of 16 tokens at 1/16) and select::sentence_chunks
 /// with the synthetic vocabulary's boundary tokens.

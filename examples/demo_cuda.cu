@@ -60,6 +60,12 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     cache<format::quant2, select::all, compact::none, backend::cuda> c(config, format);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
+  if (cache_config config; quant4_config(w.config, config)) {  // 4-bit codes, V per channel and per token
+    cache<format::quant4, select::all, compact::none, backend::cuda> c(config);
+    rows.push_back(run(c, w, steps, rows_of, timed, read_out));
+    cache<format::quant<4, format::value_axis::head_dim>, select::all, compact::none, backend::cuda> per_token(config);
+    rows.push_back(run(per_token, w, steps, rows_of, timed, read_out));
+  }
   for (const auto& selector : quest_variants()) {  // Quest: pages (or blocks) scored and chosen on the device
     cache<format::dense, select::quest, compact::none, backend::cuda> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));

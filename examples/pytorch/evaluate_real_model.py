@@ -72,6 +72,17 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
                     f"{dense_exact}/sentence_chunks:budget=0.125,boundaries={boundaries}"))
+    # 4-bit codes, and V partitioned per token (KIVI's axis) at either width.
+    q4 = "quant4:partition={pi},rounding={r},{x}"
+    configs.append(("quant4 Pi=64 stochastic", q4.format(pi=64, r="stochastic", x=exact()) + "/all"))
+    configs.append(("quant4 Pi=64 nearest", q4.format(pi=64, r="nearest", x=exact()) + "/all"))
+    for pi in (32, 64):
+        configs.append((f"quant4 Pi={pi} nearest sinks4", q4.format(pi=pi, r="nearest", x=exact(4)) + "/all"))
+    configs.append(("quant4 Pi=64 nearest sinks4 v/token",
+                    q4.format(pi=64, r="nearest", x=exact(4)) + ",v_axis=head_dim/all"))
+    for pi in (32, 64):
+        configs.append((f"quant2 Pi={pi} nearest sinks4 v/token",
+                        q2.format(pi=pi, r="nearest", x=exact(4)) + ",v_axis=head_dim/all"))
     configs.append(("quant2 Pi=64 nearest sinks4 recent128 quest 1/8 block16",
                     q2.format(pi=64, r="nearest", x=exact(4, 128)) + "/quest:budget=0.125,block=16"))
     configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
@@ -340,7 +351,7 @@ def plot(path: Path, meta: dict, results: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, key) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw={"width_ratios": [3, 2]})
-    families = {"dense": "k", "bitmap": "tab:blue", "quant2": "tab:red", "quest": "tab:green",
+    families = {"dense": "k", "bitmap": "tab:blue", "quant4": "tab:brown", "quant2": "tab:red", "quest": "tab:green",
                 "sentence": "tab:purple", "streaming": "tab:orange"}
     lines = []
     for i, r in enumerate(results, start=1):

@@ -31,6 +31,9 @@ SPECS = [
     "quant2:partition=32,rounding=nearest/streaming:budget=0.5,sinks=4,compact_every=64/hole_fill",
     "bitmap_tiles:s_k=0.7,s_v=0.7,sinks=4,recent=64/all",
     "quant2:partition=64,rounding=nearest,sinks=4,recent=128/quest:budget=0.25,block=16",
+    "quant4:partition=64/all",
+    "quant4:partition=32,v_axis=head_dim/all",
+    "quant2:partition=64,v_axis=head_dim,sinks=0/all",
 ]
 
 
@@ -72,7 +75,7 @@ def test_dense_equals_sdpa_in_model_dtype(dtype):
 @pytest.mark.parametrize("spec", SPECS)
 def test_attend_matches_attention_over_read_back(spec):
     """The library's output equals exact attention over what it says it stores (read back),
-    for every format; quant2 attends on codes with 8-bit q and p, hence its looser bound."""
+    for every format; quant2 and quant4 attend on codes with 8-bit q and p, hence their looser bound."""
     torch.manual_seed(2)
     kvh, group, d, n, batch = 3, 3, 64, 700, 2
     cache = ModelCache(1, kvh, group, d, spec, max_tokens=1024, max_sequences=batch, device=DEVICE)
@@ -87,7 +90,7 @@ def test_attend_matches_attention_over_read_back(spec):
         if "quest" in spec or "streaming" in spec:
             continue  # these read a subset: covered by the library's own tests
         ref = exact_attention(q[b].cpu(), rk, rv, group, d ** -0.5)
-        bound = 5e-2 if "quant2" in spec else 2e-5
+        bound = 5e-2 if spec.startswith("quant") else 2e-5
         assert rel_l2(out[b].cpu(), ref) < bound, spec
 
 
@@ -137,6 +140,8 @@ def test_bad_input_is_a_clear_python_error():
         ModelCache(1, 3, 3, 64, "quant2:partition=48/all", device=DEVICE)
     with pytest.raises(ValueError, match="quant2 key"):
         ModelCache(1, 3, 3, 64, "quant2:bits=4/all", device=DEVICE)
+    with pytest.raises(ValueError, match="selector"):  # quant4 is compiled with select::all only
+        ModelCache(1, 3, 3, 64, "quant4/quest", device=DEVICE)
     with pytest.raises(ValueError, match="selector"):
         ModelCache(1, 3, 3, 64, "dense/h2o", device=DEVICE)
     with pytest.raises(ValueError, match="compactor"):

@@ -22,7 +22,7 @@
 // The formats' device parts (cuda/format/device_format.cuh): one line per format.
 #include "kvmosaic/cuda/format/dense/device.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/device.cuh"
-#include "kvmosaic/cuda/format/quant2/device.cuh"
+#include "kvmosaic/cuda/format/quant/device.cuh"
 // The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/quest.cuh"

@@ -16,7 +16,7 @@
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/bitmap_tiles.hpp"
-#include "kvmosaic/format/quant2.hpp"
+#include "kvmosaic/format/quant.hpp"
 
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/all.hpp"

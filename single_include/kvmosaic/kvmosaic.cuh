@@ -1415,25 +1415,29 @@ struct reencoding<format::bitmap_tiles> {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/bitmap_tiles.hpp> ----
 
-// ---- begin <kvmosaic/format/quant2.hpp> ----
+// ---- begin <kvmosaic/format/quant.hpp> ----
 /// \file
-/// `format::quant2`: HACK's asymmetric 2-bit quantization with attention computed on the codes
-/// (Zhang et al., "HACK: Homomorphic Acceleration via Compression of the Key-Value Cache for
-/// Disaggregated LLM Inference", sections 5.2-5.3 and 6). Host part: encode, decode, and the host
-/// attend on codes (the reference the CUDA kernels will be tested against).
+/// `format::quant<Bits, ValueAxis>` (`quant2`, `quant4`): HACK's asymmetric quantization with
+/// attention computed on the codes (Zhang et al., "HACK: Homomorphic Acceleration via Compression
+/// of the Key-Value Cache for Disaggregated LLM Inference", sections 5.2-5.3 and 6), at 2 bits
+/// (the paper's width) or 4 (HACK's section 8 names wider codes as future work; KIVI's 4-bit
+/// recipe is about lossless on a real model, docs/quantization.md). Host part: encode, decode,
+/// and the host attend on codes (the reference the CUDA kernels are tested against).
 ///
 /// Quantization: each partition of `partition` (Pi) elements keeps a min m and a scale
-/// s >= (max - m) / 3 (both 16-bit floats, as the paper stores them, in the cache's storage dtype:
-/// f16 or bf16, so any value the cache stores has a representable range) and codes c in {0..3}
-/// with x ~ m + s c. m is the partition's min rounded toward -infinity and s the smallest
-/// storage value with m + 3 s >= max (evaluated in fp64): every value lies in [m, m + 3 s], and
-/// the codes are computed against the stored m and s (`quant2_range`). K is partitioned along
-/// head_dim for each token, V along tokens for each channel (each product's inner dimension,
-/// Fig. 7). Rounding is stochastic (to floor(t) + 1 with
-/// probability frac(t), t = (x - m) / s, unbiased) or to nearest. The stochastic noise is a
-/// counter-based hash of (seed, the element's index in its page, its value, its partition's m and
-/// s): a pure function of the data, so the host and the device draw the same codes with no
-/// stream of positions, and different seeds give independent roundings.
+/// s >= (max - m) / L, L = 2^Bits - 1 (both 16-bit floats, as the paper stores them, in the
+/// cache's storage dtype: f16 or bf16, so any value the cache stores has a representable range)
+/// and codes c in {0..L} with x ~ m + s c. m is the partition's min rounded toward -infinity and
+/// s the smallest storage value with m + L s >= max (evaluated in fp64): every value lies in
+/// [m, m + L s], and the codes are computed against the stored m and s (`quant_range`). K is
+/// partitioned per channel along tokens (`key_axis::tokens`, the default) or per token along
+/// head_dim; V per channel along tokens (`value_axis::tokens`, the paper's Fig. 7: each
+/// product's inner dimension) or per token along head_dim (`value_axis::head_dim`, KIVI's
+/// choice). Rounding is to nearest or stochastic (to floor(t) + 1 with probability frac(t),
+/// t = (x - m) / s, unbiased). The stochastic noise is a counter-based hash of (seed, the
+/// element's index in its page, its value, its partition's m and s): a pure function of the
+/// data, so the host and the device draw the same codes with no stream of positions, and
+/// different seeds give independent roundings.
 ///
 /// Summation elimination (5.3): each partition stores its code sum, so no step re-sums the cache.
 /// Requantization elimination (5.3): V partitions run along tokens, and the newest ones stay
@@ -1442,29 +1446,34 @@ struct reencoding<format::bitmap_tiles> {
 /// keeps at most Pi - 1 tokens unquantized; we keep up to page_size - 1.) Optional sink tokens
 /// stay 16-bit (`sink_tokens`; not in the paper: our addition, for StreamingLLM's attention sinks).
 ///
-/// Attention on codes (Eq. 4): for a partition of an inner product sum_k (m_a + s_a a_k)
-/// (m_b + s_b b_k) = Pi m_a m_b + m_a s_b sum(b) + s_a m_b sum(a) + s_a s_b sum(a b): q is
-/// quantized to 8 bits per partition of Pi channels (round to nearest, min and scale in fp32:
-/// q is transient), the softmax numerators p to 8 bits per partition of Pi tokens, and only the
-/// integer products sum(a b) touch the codes; sum(b) comes from the page.
+/// Attention on codes (Eq. 4, which holds for any code width): for a partition of an inner
+/// product sum_k (m_a + s_a a_k) (m_b + s_b b_k) = Pi m_a m_b + m_a s_b sum(b) + s_a m_b sum(a) +
+/// s_a s_b sum(a b): q is quantized to 8 bits per partition of Pi channels (round to nearest, min
+/// and scale in fp32: q is transient), the softmax numerators p to 8 bits per partition of Pi
+/// tokens, and only the integer products sum(a b) touch the codes; sum(b) comes from the page.
+/// Where a partition of the cache does not run along the product's inner dimension (K per
+/// channel for q.k, V per token for p.v), its scales are folded into the transient operand
+/// before that is quantized: q' = q s_K per channel, p' = p s_V per token and channel group, and
+/// the mins contribute one term per (head, group); the page then stores the code sums along the
+/// inner dimension instead (docs/quantization.md works both out).
 ///
 /// Non-finite values and NaN: a partition holding a NaN or an infinity (only a NaN or infinite
 /// input stores one: finite inputs saturate, core/dtype.hpp) stores NaN as its min and scale and
 /// code 0 for every element. The outputs that read it (a K partition: every query head of its KV
-/// head; a V partition: its channel of those heads), and those of a query head with a NaN in q,
-/// are unspecified: NaN on the host backend (as dense attention's), NaN or another value on
-/// CUDA (its split merge does not propagate NaN). Other heads and sequences are unaffected, and
-/// every float-to-integer conversion is clamped first (NaN to code 0): no input is undefined
-/// behaviour, host or device.
+/// head; a V partition: its channel (or, per token, its channel group) of those heads), and those
+/// of a query head with a NaN in q, are unspecified: NaN on the host backend (as dense
+/// attention's), NaN or another value on CUDA (its split merge does not propagate NaN). Other
+/// heads and sequences are unaffected, and every float-to-integer conversion is clamped first (NaN
+/// to code 0): no input is undefined behaviour, host or device.
 ///
 /// Page layout (one head, K or V): [mins: partitions x 16-bit][scales: partitions x 16-bit]
-/// [code sums: partitions x u8 (u16 at Pi = 128)][codes: 2 bits each] padded to 16 bytes. V
-/// partition c * (page_size / Pi) + j holds tokens j Pi .. of channel c; K partition the same
-/// (K per channel) or t * (head_dim / Pi) + j, channels j Pi .. of token t (K per token). The
-/// codes are not stored partition by partition: they form the int8 tensor-core operand the CUDA
-/// kernel multiplies (K as [tokens][channels], V as [channels][tokens], in 16 x 32 tiles; see
-/// `quant2_code_bit`), so a warp unpacks them with shifts and masks. At Pi = 64, head_dim 128,
-/// pages of 64: 2688 bytes per page, 16.4% of dense.
+/// [code sums: partitions x u8 (u16 where Pi L > 255)][codes: Bits each] padded to 16 bytes.
+/// Partition c * (page_size / Pi) + j of a page partitioned along tokens holds tokens j Pi .. of
+/// channel c; partition t * (head_dim / Pi) + j of one along head_dim holds channels j Pi .. of
+/// token t. The codes are not stored partition by partition: they form the int8 tensor-core
+/// operand the CUDA kernel multiplies (K as [tokens][channels], V as [channels][tokens], in
+/// 16 x 32 tiles; see `quant_code_bit`), so a warp unpacks them with shifts and masks. At Pi = 64,
+/// head_dim 128, pages of 64: 2688 bytes per page at 2 bits (16.4% of dense), 4864 at 4 (29.7%).
 
 #include <limits>
 
@@ -1472,23 +1481,42 @@ struct reencoding<format::bitmap_tiles> {
 namespace kvmosaic {
 namespace format {
 
-/// Along which axis quant2 partitions K (V is always partitioned along tokens, per channel).
+/// Along which axis K is partitioned.
 enum class key_axis {
   head_dim,  ///< per token, Pi channels a partition: the paper's layout (the product's inner dimension)
   tokens,    ///< per channel, Pi tokens a partition: one range per channel, so outlier channels
              ///< do not stretch their neighbours' steps; the scales are folded into q
 };
 
-/// How quant2 rounds a value to a code.
+/// Along which axis V is partitioned.
+enum class value_axis {
+  tokens,    ///< per channel, Pi tokens a partition: the paper's layout (the product's inner dimension)
+  head_dim,  ///< per token, Pi channels a partition (KIVI's choice): one range per token, so a
+             ///< token's outlier channel does not stretch other tokens' steps; the scales are
+             ///< folded into p, quantized per (token partition, channel group)
+};
+
+/// How a quantized format rounds a value to a code.
 enum class rounding {
   stochastic,  ///< up with probability frac(t): unbiased (the paper's choice)
   nearest,     ///< to the nearest code (the default: a third of the loss on a real model, docs/defaults.md)
 };
 
-/// HACK's 2-bit KV quantization with attention on the codes. Cost per page: 2 bits per element
-/// plus 4-6 bytes (min, scale, code sum) per partition of `partition` elements.
-struct quant2 {
+/// HACK's KV quantization with attention on the codes, `Bits` (2 or 4) bits a code, V partitioned
+/// along `ValueAxis`. Both are template parameters because they change the kernel (its unpacking
+/// and its p.v product), not only the bytes: a cache compiles the kernels of its own choice only.
+/// Cost per page: Bits bits per element plus 5-6 bytes (min, scale, code sum) per partition of
+/// `partition` elements; at Pi = 64, 16.4% of dense at 2 bits and 29.7% at 4.
+template <int Bits, value_axis ValueAxis = value_axis::tokens>
+struct quant {
+  static_assert(Bits == 2 || Bits == 4, "kvmosaic::format::quant<Bits>: Bits (the code width) must be 2 or 4");
+  static_assert(ValueAxis == value_axis::tokens || ValueAxis == value_axis::head_dim,
+                "kvmosaic::format::quant<Bits, ValueAxis>: ValueAxis must be value_axis::tokens or value_axis::head_dim");
   using policy_category = format_tag;
+  static constexpr int bits = Bits;                  ///< bits a code
+  static constexpr int levels = (1 << Bits) - 1;     ///< L: the largest code
+  static constexpr value_axis v_axis = ValueAxis;    ///< how V is partitioned (see value_axis)
+
   int partition = 64;                        ///< Pi: elements per partition, 32, 64 or 128
   rounding mode = rounding::nearest;         ///< HACK rounds stochastically; see docs/defaults.md
   std::uint64_t seed = 0;                    ///< seed of the stochastic rounding
@@ -1517,6 +1545,11 @@ struct quant2 {
   int max_reencodes = 1;
 };
 
+/// HACK's 2-bit codes, V per channel: the paper's format.
+using quant2 = quant<2>;
+/// 4-bit codes, V per channel.
+using quant4 = quant<4>;
+
 }  // namespace format
 
 namespace detail {
@@ -1538,11 +1571,11 @@ KVMOSAIC_HOST_DEVICE inline float rounding_noise(std::uint64_t seed, std::uint64
 /// The extent of a partition's values, added in element order: lo and hi as std::min and
 /// std::max keep them (the first of equals, so the same signed zero on host and device), and
 /// whether every value is finite.
-struct quant2_extent {
+struct quant_extent {
   float lo, hi;
   bool finite;
 
-  KVMOSAIC_HOST_DEVICE explicit quant2_extent(float first) : lo(first), hi(first), finite(is_finite(first)) {}
+  KVMOSAIC_HOST_DEVICE explicit quant_extent(float first) : lo(first), hi(first), finite(is_finite(first)) {}
   KVMOSAIC_HOST_DEVICE void add(float v) {
     lo = v < lo ? v : lo;
     hi = hi < v ? v : hi;
@@ -1552,22 +1585,23 @@ struct quant2_extent {
 };
 
 /// A partition's stored min and scale: their bits in the storage dtype and their values.
-struct quant2_range_bits {
+struct quant_range_bits {
   std::uint16_t min_bits, scale_bits;
   float min, scale;
 };
 
 /// The stored min and scale of a partition with extent `e`, in the 16-bit storage dtype
-/// `storage`: m = lo rounded toward -infinity, s = the smallest storage value with 3 s >= hi - m
+/// `storage`, for codes 0..`levels`: m = lo rounded toward -infinity, s = the smallest storage
+/// value with L s >= hi - m
 /// (compared in fp64: exact unless hi and m differ in magnitude by more than 2^40, where the
 /// rounding is below 2^-52 of the range), so every value lies in [m, m + 3 s] and a range up to
 /// twice the dtype's largest value is representable. lo and hi are first clamped to the dtype's
 /// finite range (the cache stores values already saturated to it; a raw float beyond it gets code
-/// 0 or 3). A non-finite value gives NaN for both. The codes are computed against these stored
+/// 0 or L). A non-finite value gives NaN for both. The codes are computed against these stored
 /// values. Host and device compute it the same way (IEEE fp64 subtraction and division, no
 /// contraction), so the bytes are the same.
-KVMOSAIC_HOST_DEVICE inline quant2_range_bits quant2_range(const quant2_extent& e, dtype storage) {
-  quant2_range_bits r{};
+KVMOSAIC_HOST_DEVICE inline quant_range_bits quant_range(const quant_extent& e, dtype storage, int levels) {
+  quant_range_bits r{};
   if (!e.finite) {
     r.min_bits = r.scale_bits = storage == dtype::f16 ? std::uint16_t{0x7e00u} : std::uint16_t{0x7fc0u};
     r.min = r.scale = storage_value(r.min_bits, storage);
@@ -1579,19 +1613,19 @@ KVMOSAIC_HOST_DEVICE inline quant2_range_bits quant2_range(const quant2_extent& 
   r.min_bits = storage_bits_down(lo, storage);
   r.min = storage_value(r.min_bits, storage);
   const double range = static_cast<double>(hi) - static_cast<double>(r.min);  // >= 0, at most 2 top
-  r.scale_bits = storage_bits_up(static_cast<float>(range / 3.0), storage);
-  while (3.0 * static_cast<double>(storage_value(r.scale_bits, storage)) < range)
+  r.scale_bits = storage_bits_up(static_cast<float>(range / levels), storage);
+  while (levels * static_cast<double>(storage_value(r.scale_bits, storage)) < range)
     r.scale_bits = storage_next_up(r.scale_bits);  // at most one step: the float rounding above
   r.scale = storage_value(r.scale_bits, storage);
   return r;
 }
 
-/// The 2-bit code of v in a partition with stored min m and scale s (`quant2_range`). Stochastic:
+/// The code (0..`levels`) of v in a partition with stored min m and scale s (`quant_range`). Stochastic:
 /// up with probability frac((v - m) / s), the noise a hash of (seed, the element's index in its
 /// page, v, m, s); nearest: to the nearest code. One function for host and device: no product
 /// feeds a sum here, so no compiler contracts an operation and both round alike. The code is
-/// clamped to 0..3 before the conversion to int; a NaN (v, m or s NaN) gives 0.
-KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed, std::uint64_t element_index, float v,
+/// clamped to 0..L before the conversion to int; a NaN (v, m or s NaN) gives 0.
+KVMOSAIC_HOST_DEVICE inline int quant_code(int levels, bool stochastic, std::uint64_t seed, std::uint64_t element_index, float v,
                                             float m, float s) {
   const float t = s > 0.0f ? (v - m) / s : 0.0f;
   float c;
@@ -1604,41 +1638,48 @@ KVMOSAIC_HOST_DEVICE inline int quant2_code(bool stochastic, std::uint64_t seed,
     const float below = floorf(t);
     c = below + (rounding_noise(seed, key) < t - below ? 1.0f : 0.0f);
   }
-  return c >= 3.0f ? 3 : (c > 0.0f ? static_cast<int>(c) : 0);
+  return c >= static_cast<float>(levels) ? levels : (c > 0.0f ? static_cast<int>(c) : 0);
 }
 
-/// Bit of the code at (row, col) of a page's code matrix with `cols` columns. The matrix is
-/// stored in tiles of 16 rows x 32 columns, row-major over tiles, 128 bytes a tile. Within a tile,
-/// the 32-bit word of lane 4 g + q holds in byte b, bits 2 s and 2 s + 1, the code at row
-/// g + 8 (s % 2), column 16 (s / 2) + 4 q + b: `(word >> 2 s) & 0x03030303` is then register s of
-/// that lane's int8 A fragment of an m16n8k32 tensor-core product (PTX ISA, "mma.m16n8k32"), so
-/// a warp unpacks 16 codes per lane with four shift-and-mask pairs and no shuffles.
-KVMOSAIC_HOST_DEVICE constexpr std::size_t quant2_code_bit(int cols, int row, int col) {
+/// Bit of the code at (row, col) of a page's code matrix with `cols` columns, `bits` (2 or 4)
+/// bits a code. The matrix is stored in tiles of 16 rows x 32 columns, row-major over tiles,
+/// 64 bits bytes a tile. Register s (0..3) of lane 4 g + q's int8 A fragment of an m16n8k32
+/// tensor-core product (PTX ISA, "mma.m16n8k32") holds in its byte b the code at row g + 8 (s % 2),
+/// column 16 (s / 2) + 4 q + b. A lane's bits / 2 words are adjacent; a word packs 8 / bits
+/// registers, register s in word s / (8 / bits) at bits (s % (8 / bits)) bits of every byte, so
+/// `(word >> bits i) & mask` (mask 0x03030303 or 0x0f0f0f0f) is a register: a warp unpacks 16
+/// codes per lane with four shift-and-mask pairs and no shuffles. At 2 bits a tile is one word per
+/// lane.
+KVMOSAIC_HOST_DEVICE constexpr std::size_t quant_code_bit(int bits, int cols, int row, int col) {
   const int tile = row / 16 * (cols / 32) + col / 32;
   const int r = row % 16, c = col % 32;
   const int lane = r % 8 * 4 + c % 16 / 4, s = r / 8 + 2 * (c / 16);
-  return static_cast<std::size_t>(tile) * 1024 + static_cast<std::size_t>(lane) * 32 + (c % 4) * 8 + s * 2;
+  const int per_word = 8 / bits;
+  return static_cast<std::size_t>(tile) * 64 * bits * 8 + static_cast<std::size_t>(lane) * bits * 16 +
+         static_cast<std::size_t>(s / per_word) * 32 + (c % 4) * 8 + static_cast<std::size_t>(s % per_word) * bits;
 }
 
-/// Geometry of one quant2 page (one head, K or V): the byte layout, how partition elements map to
-/// (token, channel), and how those map to the code matrix. The codes form the A operand of the
+/// Geometry of one quantized page (one head, K or V): the byte layout, how partition elements map
+/// to (token, channel), and how those map to the code matrix. The codes form the A operand of the
 /// attention products on tensor cores: K as [tokens][channels] (S^T = K Q^T, an inner product
 /// over channels), V as [channels][tokens] (O^T = V^T P^T, over tokens).
-struct quant2_layout {
+struct quant_layout {
   int partitions;     ///< partitions in the page
   int partition;      ///< Pi
-  int sum_bytes;      ///< 1 or 2
+  int bits;           ///< bits a code: 2 or 4
+  int sum_bytes;      ///< 1 or 2: enough for Pi L
   int page_size;
   int head_dim;
-  bool along_tokens;  ///< partitions run along tokens, one channel each (V, and K per channel)
+  bool along_tokens;  ///< partitions run along tokens, one channel each (K and V per channel)
   bool is_key;        ///< code matrix rows are tokens (K) rather than channels (V)
   dtype storage;      ///< the dtype of the mins and scales: the cache's storage dtype (f16 or bf16)
 
+  int levels() const { return (1 << bits) - 1; }
   std::size_t scales_at() const { return static_cast<std::size_t>(partitions) * 2; }
   std::size_t sums_at() const { return static_cast<std::size_t>(partitions) * 4; }
   std::size_t codes_at() const { return sums_at() + static_cast<std::size_t>(partitions) * sum_bytes; }
   std::size_t bytes() const {
-    return (codes_at() + static_cast<std::size_t>(partitions) * partition / 4 + 15) / 16 * 16;
+    return (codes_at() + static_cast<std::size_t>(partitions) * partition * bits / 8 + 15) / 16 * 16;
   }
   /// Element i of partition `part`: (token, channel).
   void element(int part, int i, int& token, int& channel) const {
@@ -1652,36 +1693,50 @@ struct quant2_layout {
       channel = part % per_token * partition + i;
     }
   }
+  /// The partition of (token, channel): `element`'s inverse.
+  int partition_of(int token, int channel) const {
+    return along_tokens ? channel * (page_size / partition) + token / partition
+                        : token * (head_dim / partition) + channel / partition;
+  }
   /// Bit of the code of (token, channel), counted from codes_at().
   std::size_t code_bit(int token, int channel) const {
-    return is_key ? quant2_code_bit(head_dim, token, channel) : quant2_code_bit(page_size, channel, token);
+    return is_key ? quant_code_bit(bits, head_dim, token, channel) : quant_code_bit(bits, page_size, channel, token);
   }
 };
 
-inline quant2_layout quant2_layout_of(const format::quant2& f, const page_shape& shape, bool is_key) {
-  return quant2_layout{shape.page_size * shape.head_dim / f.partition,
-                       f.partition,
-                       f.partition * 3 > 255 ? 2 : 1,
-                       shape.page_size,
-                       shape.head_dim,
-                       !is_key || f.k_axis == format::key_axis::tokens,
-                       is_key,
-                       shape.storage};
+/// Bytes of a code sum of `partition` codes of `bits` bits: 1 while Pi L fits a byte, else 2.
+KVMOSAIC_HOST_DEVICE constexpr int quant_sum_bytes(int bits, int partition) {
+  return partition * ((1 << bits) - 1) > 255 ? 2 : 1;
 }
 
-/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..3) against the stored
-/// min and scale (`quant2_range`, in `storage`); returns them. `key` numbers the elements within
+template <int Bits, format::value_axis V>
+quant_layout quant_layout_of(const format::quant<Bits, V>& f, const page_shape& shape, bool is_key) {
+  return quant_layout{shape.page_size * shape.head_dim / f.partition,
+                      f.partition,
+                      Bits,
+                      quant_sum_bytes(Bits, f.partition),
+                      shape.page_size,
+                      shape.head_dim,
+                      is_key ? f.k_axis == format::key_axis::tokens : V == format::value_axis::tokens,
+                      is_key,
+                      shape.storage};
+}
+
+/// Quantizes `count` values x[i * stride] (one partition) into `codes` (0..L) against the stored
+/// min and scale (`quant_range`, in `storage`); returns them. `key` numbers the elements within
 /// the page. A partition with a non-finite value gets code 0 everywhere (and NaN min and scale).
-inline quant2_range_bits quantize_partition(const format::quant2& f, dtype storage, const float* x, int count,
-                                            int stride, std::uint64_t key, std::uint8_t* codes) {
-  quant2_extent extent(x[0]);
+template <int Bits, format::value_axis V>
+quant_range_bits quantize_partition(const format::quant<Bits, V>& f, dtype storage, const float* x, int count, int stride,
+                                    std::uint64_t key, std::uint8_t* codes) {
+  constexpr int levels = format::quant<Bits, V>::levels;
+  quant_extent extent(x[0]);
   for (int i = 1; i < count; ++i) extent.add(x[static_cast<std::size_t>(i) * stride]);
-  const quant2_range_bits range = quant2_range(extent, storage);
+  const quant_range_bits range = quant_range(extent, storage, levels);
   const bool stochastic = f.mode == format::rounding::stochastic;
   for (int i = 0; i < count; ++i) {
     const float v = x[static_cast<std::size_t>(i) * stride];
     const std::uint64_t index = key + static_cast<std::uint64_t>(i);
-    codes[i] = extent.finite ? static_cast<std::uint8_t>(quant2_code(stochastic, f.seed, index, v, range.min, range.scale))
+    codes[i] = extent.finite ? static_cast<std::uint8_t>(quant_code(levels, stochastic, f.seed, index, v, range.min, range.scale))
                              : std::uint8_t{0};
   }
   return range;
@@ -1689,9 +1744,10 @@ inline quant2_range_bits quantize_partition(const format::quant2& f, dtype stora
 
 /// Encodes rows [page_size][head_dim] into a K (`is_key`) or V page: each partition quantized
 /// (`quantize_partition`), its min, scale and code sum stored, its codes placed in the code matrix.
-inline void encode_quant2_page(const format::quant2& f, const page_shape& shape, const float* rows, bool is_key,
-                               std::byte* page) {
-  const quant2_layout layout = quant2_layout_of(f, shape, is_key);
+template <int Bits, format::value_axis V>
+void encode_quant_page(const format::quant<Bits, V>& f, const page_shape& shape, const float* rows, bool is_key,
+                       std::byte* page) {
+  const quant_layout layout = quant_layout_of(f, shape, is_key);
   const int d = shape.head_dim, pi = f.partition;
   std::memset(page, 0, layout.bytes());
   std::vector<std::uint8_t> codes(static_cast<std::size_t>(pi));
@@ -1700,7 +1756,7 @@ inline void encode_quant2_page(const format::quant2& f, const page_shape& shape,
     layout.element(part, 0, token, channel);
     const float* first = rows + static_cast<std::size_t>(token) * d + channel;
     const int stride = layout.along_tokens ? d : 1;
-    const quant2_range_bits range =
+    const quant_range_bits range =
         quantize_partition(f, shape.storage, first, pi, stride, static_cast<std::uint64_t>(part) * pi, codes.data());
     std::memcpy(page + static_cast<std::size_t>(part) * 2, &range.min_bits, 2);
     std::memcpy(page + layout.scales_at() + static_cast<std::size_t>(part) * 2, &range.scale_bits, 2);
@@ -1721,8 +1777,8 @@ inline void encode_quant2_page(const format::quant2& f, const page_shape& shape,
 }
 
 /// The stored form of one page, read back: mins, scales, code sums and codes, as numbers.
-struct quant2_page_view {
-  quant2_layout layout;
+struct quant_page_view {
+  quant_layout layout;
   const std::byte* page;
   float min(int part) const { return load(page + static_cast<std::size_t>(part) * 2); }
   float scale(int part) const { return load(page + layout.scales_at() + static_cast<std::size_t>(part) * 2); }
@@ -1735,7 +1791,7 @@ struct quant2_page_view {
   /// The code of (token, channel).
   int code_at(int token, int channel) const {
     const std::size_t bit = layout.code_bit(token, channel);
-    return (static_cast<int>(page[layout.codes_at() + bit / 8]) >> (bit % 8)) & 3;
+    return (static_cast<int>(page[layout.codes_at() + bit / 8]) >> (bit % 8)) & layout.levels();
   }
   /// The code of element i of partition `part`.
   int code(int part, int i) const {
@@ -1789,17 +1845,22 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
   return sum;
 }
 
-/// K partitioned along tokens: the code sums the channel dimension needs (Eq. 4 runs over
-/// channels), per token and group of Pi channels, replace the per-partition sums (same count,
-/// same width): sums[t * (head_dim / Pi) + p] = sum of the codes of token t, channels p Pi ...
-inline void store_token_code_sums(const format::quant2& f, const page_shape& shape, std::byte* page) {
-  const quant2_layout layout = quant2_layout_of(f, shape, /*is_key=*/true);
-  const quant2_page_view view{layout, page};
-  const int d = shape.head_dim, pi = f.partition;
+/// The code sums a product needs where the page is not partitioned along the product's inner
+/// dimension, in place of the per-partition sums (same count, same width):
+///  - K per channel (q.k runs over channels): sums[t * (head_dim / Pi) + p] = the codes of token
+///    t, channels p Pi ..;
+///  - V per token (p.v runs over tokens): sums[c * (page_size / Pi) + j] = the codes of channel c,
+///    tokens j Pi ..
+/// Either is the sum over the other axis's partition, indexed as that axis's partitions are.
+inline void store_inner_code_sums(const quant_layout& layout, std::byte* page) {
+  const quant_page_view view{layout, page};
+  const int d = layout.head_dim, pi = layout.partition;
   std::vector<unsigned> sums(static_cast<std::size_t>(layout.partitions), 0u);
   for (int c = 0; c < d; ++c)
-    for (int t = 0; t < shape.page_size; ++t)
-      sums[static_cast<std::size_t>(t * (d / pi) + c / pi)] += static_cast<unsigned>(view.code_at(t, c));
+    for (int t = 0; t < layout.page_size; ++t) {
+      const int index = layout.is_key ? t * (d / pi) + c / pi : c * (layout.page_size / pi) + t / pi;
+      sums[static_cast<std::size_t>(index)] += static_cast<unsigned>(view.code_at(t, c));
+    }
   for (int i = 0; i < layout.partitions; ++i) {
     if (layout.sum_bytes == 1) {
       page[layout.sums_at() + static_cast<std::size_t>(i)] = static_cast<std::byte>(sums[static_cast<std::size_t>(i)]);
@@ -1819,30 +1880,35 @@ inline double homomorphic_dot(int length, double m_a, double s_a, double sum_a, 
 
 /// Unpacks every code of a page into a byte matrix, row-major: K as [page_size][head_dim]
 /// (tokens x channels), V as [head_dim][page_size] (channels x tokens), the code matrix of
-/// `quant2_code_bit`. Each 32-bit word of a tile holds, in its byte b, four codes of one row
-/// (one per bit pair s), so one shift and mask gives four adjacent codes of a row. Cost: one
-/// load, four shifts and four 4-byte stores per 16 codes; no allocation.
-inline void quant2_unpack_codes(const quant2_layout& layout, const std::byte* page, std::uint8_t* out) {
+/// `quant_code_bit`: one shift and mask of a stored word gives four adjacent codes of a row.
+/// Cost: per 16 codes bits / 2 loads, four shifts and four 4-byte stores; no allocation.
+inline void quant_unpack_codes(const quant_layout& layout, const std::byte* page, std::uint8_t* out) {
   const int rows = layout.is_key ? layout.page_size : layout.head_dim;
   const int cols = layout.is_key ? layout.head_dim : layout.page_size;
   const int tiles_per_row = cols / 32, tiles = rows / 16 * tiles_per_row;
+  const int bits = layout.bits, per_word = 8 / bits, words = bits / 2;
+  const std::uint32_t mask = bits == 2 ? 0x03030303u : 0x0f0f0f0fu;
   const std::byte* codes = page + layout.codes_at();
   for (int tile = 0; tile < tiles; ++tile) {
     const int r0 = tile / tiles_per_row * 16, c0 = tile % tiles_per_row * 32;
     for (int lane = 0; lane < 32; ++lane) {
-      std::uint32_t word;
-      std::memcpy(&word, codes + static_cast<std::size_t>(tile) * 128 + static_cast<std::size_t>(lane) * 4, 4);
       const int g = lane / 4, q = lane % 4;
-      for (int s = 0; s < 4; ++s) {
-        const std::uint32_t four = (word >> (2 * s)) & 0x03030303u;  // bytes b = 0..3: columns 4 q + b
-        std::memcpy(out + static_cast<std::size_t>(r0 + g + 8 * (s % 2)) * cols + c0 + 16 * (s / 2) + 4 * q, &four, 4);
+      for (int w = 0; w < words; ++w) {
+        std::uint32_t word;
+        std::memcpy(&word, codes + (static_cast<std::size_t>(tile) * 32 + static_cast<std::size_t>(lane)) * words * 4 +
+                               static_cast<std::size_t>(w) * 4, 4);
+        for (int i = 0; i < per_word; ++i) {
+          const int s = w * per_word + i;
+          const std::uint32_t four = (word >> (bits * i)) & mask;  // bytes b = 0..3: columns 4 q + b
+          std::memcpy(out + static_cast<std::size_t>(r0 + g + 8 * (s % 2)) * cols + c0 + 16 * (s / 2) + 4 * q, &four, 4);
+        }
       }
     }
   }
 }
 
 /// sum_i a[i] b[i] over `count` bytes: the integer dot product of Eq. 4 (8-bit q or p codes
-/// times 2-bit codes; at most 255 x 3 x 256, exact in int). Written for the vectorizer.
+/// times 2- or 4-bit codes; at most 255 x 15 x 256, exact in int). Written for the vectorizer.
 inline int byte_dot(const std::uint8_t* a, const std::uint8_t* b, int count) noexcept {
   int dot = 0;
   for (int i = 0; i < count; ++i) dot += static_cast<int>(a[i]) * static_cast<int>(b[i]);
@@ -1851,8 +1917,8 @@ inline int byte_dot(const std::uint8_t* a, const std::uint8_t* b, int count) noe
 
 /// Per-thread working memory of the host attend on codes, reused across pages and calls (no
 /// allocation once it has grown to a page's size).
-struct quant2_host_scratch {
-  std::vector<std::uint8_t> codes;  ///< the page's code matrix (`quant2_unpack_codes`)
+struct quant_host_scratch {
+  std::vector<std::uint8_t> codes;  ///< the page's code matrix (`quant_unpack_codes`)
   std::vector<float> mins, scales;  ///< every partition's stored min and scale, as floats
   std::vector<int> a;               ///< 8-bit codes of q, q' or p, as quantize8 writes them
   std::vector<std::uint8_t> a8;     ///< the same as bytes, for `byte_dot`
@@ -1860,10 +1926,10 @@ struct quant2_host_scratch {
   std::vector<unsigned> sum_a;
 
   /// Unpacks the codes, mins and scales of `page`.
-  void load(const quant2_page_view& view) {
-    const quant2_layout& l = view.layout;
+  void load(const quant_page_view& view) {
+    const quant_layout& l = view.layout;
     codes.resize(static_cast<std::size_t>(l.page_size) * l.head_dim);
-    quant2_unpack_codes(l, view.page, codes.data());
+    quant_unpack_codes(l, view.page, codes.data());
     mins.resize(static_cast<std::size_t>(l.partitions));
     scales.resize(mins.size());
     for (int part = 0; part < l.partitions; ++part) {
@@ -1886,28 +1952,40 @@ struct quant2_host_scratch {
   }
 };
 
-inline quant2_host_scratch& quant2_scratch() {
-  thread_local quant2_host_scratch scratch;
+inline quant_host_scratch& quant_scratch() {
+  thread_local quant_host_scratch scratch;
   return scratch;
 }
 
 }  // namespace detail
 
-template <>
-struct format_traits<format::quant2> {
-  static constexpr const char* name = "quant2";
+namespace detail {
+/// The name a quantized format goes by in messages: format::quant2, format::quant4, and
+/// format::quant<B, value_axis::head_dim> for V per token.
+template <int Bits, format::value_axis V>
+constexpr const char* quant_where() {
+  if constexpr (V == format::value_axis::tokens) return Bits == 2 ? "format::quant2" : "format::quant4";
+  else return Bits == 2 ? "format::quant<2, value_axis::head_dim>" : "format::quant<4, value_axis::head_dim>";
+}
+}  // namespace detail
 
-  static std::string describe(const format::quant2& f) {
-    std::string text = "quant2(pi" + std::to_string(f.partition) + "," +
+template <int Bits, format::value_axis V>
+struct format_traits<format::quant<Bits, V>> {
+  using format_type = format::quant<Bits, V>;
+  static constexpr const char* name = Bits == 2 ? "quant2" : "quant4";
+
+  static std::string describe(const format_type& f) {
+    std::string text = std::string(name) + "(pi" + std::to_string(f.partition) + "," +
                        (f.mode == format::rounding::stochastic ? "stochastic" : "nearest") +
                        (f.k_axis == format::key_axis::tokens ? ",k/channel" : ",k/token") +
+                       (V == format::value_axis::head_dim ? ",v/token" : "") +
                        detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens);
     if (f.max_reencodes != 1) text += ",reencodes" + std::to_string(f.max_reencodes);
     return text + ")";
   }
 
-  static void validate(const format::quant2& f, const page_shape& shape) {
-    const char* where = "format::quant2";
+  static void validate(const format_type& f, const page_shape& shape) {
+    const char* where = detail::quant_where<Bits, V>();
     detail::require(f.partition == 32 || f.partition == 64 || f.partition == 128, where, "partition", f.partition,
                     "32, 64 or 128");
     // q.k runs over channels in groups of Pi with either key axis: K per token partitions them,
@@ -1942,25 +2020,26 @@ struct format_traits<format::quant2> {
 
   /// At most this many sink tokens (StreamingLLM keeps 4); fewer than any partition.
   static constexpr int max_sink_tokens = kvmosaic::max_sink_tokens;
-  static int sink_rows(const format::quant2& f) { return f.sink_tokens; }
-  static int window_rows(const format::quant2& f) { return f.recent_tokens; }
+  static int sink_rows(const format_type& f) { return f.sink_tokens; }
+  static int window_rows(const format_type& f) { return f.recent_tokens; }
 
-  static std::size_t k_page_bytes(const format::quant2& f, const page_shape& shape) {
-    return detail::quant2_layout_of(f, shape, true).bytes();
+  static std::size_t k_page_bytes(const format_type& f, const page_shape& shape) {
+    return detail::quant_layout_of(f, shape, true).bytes();
   }
-  static std::size_t v_page_bytes(const format::quant2& f, const page_shape& shape) { return k_page_bytes(f, shape); }
+  static std::size_t v_page_bytes(const format_type& f, const page_shape& shape) { return k_page_bytes(f, shape); }
 
-  static void encode_k(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
-    detail::encode_quant2_page(f, shape, rows, /*is_key=*/true, page);
-    if (f.k_axis == format::key_axis::tokens) detail::store_token_code_sums(f, shape, page);
+  static void encode_k(const format_type& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant_page(f, shape, rows, /*is_key=*/true, page);
+    if (f.k_axis == format::key_axis::tokens) detail::store_inner_code_sums(detail::quant_layout_of(f, shape, true), page);
   }
-  static void encode_v(const format::quant2& f, const page_shape& shape, const float* rows, std::byte* page) {
-    detail::encode_quant2_page(f, shape, rows, /*is_key=*/false, page);
+  static void encode_v(const format_type& f, const page_shape& shape, const float* rows, std::byte* page) {
+    detail::encode_quant_page(f, shape, rows, /*is_key=*/false, page);
+    if constexpr (V == format::value_axis::head_dim) detail::store_inner_code_sums(detail::quant_layout_of(f, shape, false), page);
   }
-  static void decode_k(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+  static void decode_k(const format_type& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
     decode(f, shape, page, n, /*is_key=*/true, rows);
   }
-  static void decode_v(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
+  static void decode_v(const format_type& f, const page_shape& shape, const std::byte* page, int n, float* rows) {
     decode(f, shape, page, n, /*is_key=*/false, rows);
   }
 
@@ -1968,15 +2047,15 @@ struct format_traits<format::quant2> {
   /// integer dot product per (token, partition) plus the correction terms. The page's codes are
   /// unpacked once for all G query heads. Cost: page_size x head_dim code unpacks, n G D integer
   /// multiply-adds, 4 n G D / Pi floating-point operations; no allocation.
-  static void score(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
+  static void score(const format_type& f, const page_shape& shape, const std::byte* k_page, int n, const float* q,
                     int groups, float* logits) {
     if (f.k_axis == format::key_axis::tokens) {
       score_channel_partitioned(f, shape, k_page, n, q, groups, logits);
       return;
     }
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_token = d / pi;
-    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    detail::quant_host_scratch& s = detail::quant_scratch();
     s.load(view);
     s.size_operands(d, per_token);
     for (int g = 0; g < groups; ++g) {
@@ -2001,14 +2080,20 @@ struct format_traits<format::quant2> {
   }
 
   /// o[g] += sum_t p[g][t] v[t] on the codes (Eq. 4): p quantized to 8 bits per partition of Pi
-  /// tokens. Pages are full (n = page_size): tails are dense. The page's codes are unpacked once
-  /// for all G query heads. Cost as `score`.
-  static void accumulate(const format::quant2& f, const page_shape& shape, const std::byte* v_page, int n,
+  /// tokens (V per token: p' = p s_V per partition of Pi tokens and group of Pi channels). Pages
+  /// are full (n = page_size): tails are dense. The page's codes are unpacked once for all G query
+  /// heads. Cost as `score` (V per token: head_dim / Pi quantizations of p per partition instead of
+  /// one).
+  static void accumulate(const format_type& f, const page_shape& shape, const std::byte* v_page, int n,
                          const float* p, int groups, float* o) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), v_page};
+    if constexpr (V == format::value_axis::head_dim) {
+      accumulate_token_partitioned(f, shape, v_page, n, p, groups, o);
+      return;
+    }
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, false), v_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi;
-    detail::require(n == shape.page_size, "format::quant2 accumulate", "n", n, "page_size (sealed pages are full)");
-    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    detail::require(n == shape.page_size, detail::quant_where<Bits, V>(), "accumulate's n", n, "page_size (sealed pages are full)");
+    detail::quant_host_scratch& s = detail::quant_scratch();
     s.load(view);
     s.size_operands(pi, 1);
     for (int g = 0; g < groups; ++g) {
@@ -2032,11 +2117,11 @@ struct format_traits<format::quant2> {
   /// so q.k_t = sum_c q_c m_cj + sum_c (q_c s_cj) b_tc. The first term is one number per j; the
   /// scales fold into q' = q * s_j, quantized to 8 bits per group of Pi channels, and Eq. 4 runs
   /// over channels with the stored per-token code sums (no m_b term: the mins are in the first).
-  static void score_channel_partitioned(const format::quant2& f, const page_shape& shape, const std::byte* k_page, int n,
+  static void score_channel_partitioned(const format_type& f, const page_shape& shape, const std::byte* k_page, int n,
                                         const float* q, int groups, float* logits) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), k_page};
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, true), k_page};
     const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, groups_of_channels = d / pi;
-    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    detail::quant_host_scratch& s = detail::quant_scratch();
     s.load(view);
     s.size_operands(d, groups_of_channels);
     for (int g = 0; g < groups; ++g) {
@@ -2066,18 +2151,55 @@ struct format_traits<format::quant2> {
     }
   }
 
+  /// accumulate with V partitioned along head_dim: for the channels of group j, v_tc = m_tj +
+  /// s_tj b_tc, so sum_t p_t v_tc = sum_t p_t m_tj + sum_t (p_t s_tj) b_tc. The first term is one
+  /// number per (head, token partition, j); the scales fold into p' = p s_j, quantized to 8 bits
+  /// per partition of Pi tokens, and Eq. 4 runs over tokens with the stored per-channel code sums
+  /// (no m_b term: the mins are in the first).
+  static void accumulate_token_partitioned(const format_type& f, const page_shape& shape, const std::byte* v_page, int n,
+                                           const float* p, int groups, float* o) {
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, false), v_page};
+    const int d = shape.head_dim, pi = f.partition, per_channel = shape.page_size / pi, channel_groups = d / pi;
+    detail::require(n == shape.page_size, detail::quant_where<Bits, V>(), "accumulate's n", n,
+                    "page_size (sealed pages are full)");
+    detail::quant_host_scratch& s = detail::quant_scratch();
+    s.load(view);
+    s.size_operands(pi, 1);
+    for (int g = 0; g < groups; ++g) {
+      const float* p_g = p + static_cast<std::size_t>(g) * n;
+      for (int j = 0; j < per_channel; ++j)
+        for (int cg = 0; cg < channel_groups; ++cg) {
+          double base = 0;
+          for (int i = 0; i < pi; ++i) {
+            const int t = j * pi + i, part = t * channel_groups + cg;
+            base += static_cast<double>(p_g[t]) * s.mins[static_cast<std::size_t>(part)];
+            s.folded[static_cast<std::size_t>(i)] = p_g[t] * s.scales[static_cast<std::size_t>(part)];
+          }
+          float m_p = 0, s_p = 0;
+          detail::quantize8(s.folded.data(), pi, 1, m_p, s_p, s.a.data());
+          s.to_bytes(0, pi);
+          for (int c = cg * pi; c < (cg + 1) * pi; ++c) {
+            const int dot = detail::byte_dot(s.a8.data(), s.codes.data() + static_cast<std::size_t>(c) * n + static_cast<std::size_t>(j) * pi, pi);
+            o[static_cast<std::size_t>(g) * d + c] +=
+                static_cast<float>(base + static_cast<double>(m_p) * view.code_sum(c * per_channel + j) +
+                                   static_cast<double>(s_p) * static_cast<double>(dot));
+          }
+        }
+    }
+  }
+
   /// Dequantizes the first n tokens: x = m + s c for every element, from the unpacked codes.
-  static void decode(const format::quant2& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
+  static void decode(const format_type& f, const page_shape& shape, const std::byte* page, int n, bool is_key,
                      float* rows) {
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, is_key), page};
-    const detail::quant2_layout& layout = view.layout;
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, is_key), page};
+    const detail::quant_layout& layout = view.layout;
     const int d = shape.head_dim, p = shape.page_size;
-    detail::quant2_host_scratch& s = detail::quant2_scratch();
+    detail::quant_host_scratch& s = detail::quant_scratch();
     s.load(view);
     for (int t = 0; t < n; ++t)
       for (int c = 0; c < d; ++c) {
-        // the partition of (t, c) (`quant2_layout::element`'s inverse) and the code matrix entry
-        const int part = layout.along_tokens ? c * (p / f.partition) + t / f.partition : t * (d / f.partition) + c / f.partition;
+        // the partition of (t, c) and the code matrix entry
+        const int part = layout.partition_of(t, c);
         const int code = s.codes[is_key ? static_cast<std::size_t>(t) * d + c : static_cast<std::size_t>(c) * p + t];
         rows[static_cast<std::size_t>(t) * d + c] =
             s.mins[static_cast<std::size_t>(part)] + s.scales[static_cast<std::size_t>(part)] * static_cast<float>(code);
@@ -2086,27 +2208,28 @@ struct format_traits<format::quant2> {
 };
 
 namespace detail {
-/// A compaction re-encodes quant2 pages from their dequantized rows with nearest rounding whatever
-/// the cache's mode (values already on a partition's grid keep their codes when the partition's
-/// members are unchanged; a changed partition gains at most half a step of its new grid per
-/// element), at most `max_reencodes` times per page (docs/eviction.md, "quant2 and re-encoding").
-template <>
-struct reencoding<format::quant2> {
-  static format::quant2 format(const format::quant2& f) {
-    format::quant2 nearest = f;
+/// A compaction re-encodes quantized pages from their dequantized rows with nearest rounding
+/// whatever the cache's mode (values already on a partition's grid keep their codes when the
+/// partition's members are unchanged; a changed partition gains at most half a step of its new
+/// grid per element), at most `max_reencodes` times per page (docs/eviction.md, "quant2 and
+/// re-encoding").
+template <int Bits, format::value_axis V>
+struct reencoding<format::quant<Bits, V>> {
+  static format::quant<Bits, V> format(const format::quant<Bits, V>& f) {
+    format::quant<Bits, V> nearest = f;
     nearest.mode = format::rounding::nearest;
     return nearest;
   }
-  static int limit(const format::quant2& f) noexcept { return f.max_reencodes; }
+  static int limit(const format::quant<Bits, V>& f) noexcept { return f.max_reencodes; }
 };
-/// quant2's first page is encoded with its sinks replaced by the first row after them: a sink's
-/// large values would stretch the range of every partition it falls in.
-template <>
-struct hides_sink_rows<format::quant2> : std::true_type {};
+/// A quantized format's first page is encoded with its sinks replaced by the first row after
+/// them: a sink's large values would stretch the range of every partition it falls in.
+template <int Bits, format::value_axis V>
+struct hides_sink_rows<format::quant<Bits, V>> : std::true_type {};
 }  // namespace detail
 
 }  // namespace kvmosaic
-// ---- end <kvmosaic/format/quant2.hpp> ----
+// ---- end <kvmosaic/format/quant.hpp> ----
 
 // ---- begin <kvmosaic/select/selector_traits.hpp> ----
 /// \file
@@ -7870,6 +7993,9 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 /// ```cpp
 /// template <> struct device_format<format::X> {
 ///   static constexpr bool encodes_pages;          // false: rows are copied into pages as they are
+///   static constexpr bool masks_sink_rows;        // the split kernel skips the sink rows of a
+///                                                 // sequence's first page itself (p.sink_rows), so
+///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with
@@ -8548,10 +8674,13 @@ class engine {
     std::vector<step_sequence> sequences(batch.size());
     std::vector<std::int32_t> dense_rows(batch.size());  // the exact rows and the tail rows: one run
     std::int32_t longest = 1;
-    bool masked = false;  // a sequence has evicted tokens, or exact rows: the step reads live-row masks
+    // The step reads live-row masks where a sequence has evicted tokens or sealed rows attended
+    // from their exact copies: window rows, and sinks unless the format's kernel skips them itself.
+    bool masked = false;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
-      masked = masked || batch[b].live != nullptr || exact > 0;
+      const bool masks_exact_rows = exact > 0 && (geometry_.window_rows > 0 || !device::masks_sink_rows);
+      masked = masked || batch[b].live != nullptr || masks_exact_rows;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;
@@ -9519,6 +9648,7 @@ namespace kvmosaic::cuda {
 template <>
 struct device_format<format::dense> {
   static constexpr bool encodes_pages = false;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::dense_decode_params;
 
@@ -10531,6 +10661,7 @@ namespace kvmosaic::cuda {
 template <>
 struct device_format<format::bitmap_tiles> {
   static constexpr bool encodes_pages = true;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::bitmap_decode_params;
   using traits = format_traits<format::bitmap_tiles>;
@@ -10669,40 +10800,45 @@ struct device_format<format::bitmap_tiles> {
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/bitmap_tiles/device.cuh> ----
 
-// ---- begin <kvmosaic/cuda/format/quant2/device.cuh> ----
+// ---- begin <kvmosaic/cuda/format/quant/device.cuh> ----
 /// \file
-/// format::quant2 (HACK) on the device (cuda/format/device_format.cuh says what a device part
-/// provides): completed pages are quantized by `encode_quant2_pages_kernel` (bytes equal to the
-/// host encoder's); decode computes on the codes with int8 tensor cores
-/// (`decode_partial_quant2_kernel`), each of 4 warps streaming its own pages through shared-memory
-/// stages with bulk copies on sm_90, one stage with plain loads before. K is read partitioned per
-/// channel (`key_axis::tokens`); the per-token layout runs on the host backend.
+/// format::quant<Bits, ValueAxis> (HACK; quant2, quant4) on the device
+/// (cuda/format/device_format.cuh says what a device part provides): completed pages are quantized
+/// by `encode_quant_pages_kernel` (bytes equal to the host encoder's); decode computes on the codes
+/// with int8 tensor cores (`decode_partial_quant_kernel`), each of 4 warps streaming its own pages
+/// through shared-memory stages with bulk copies on sm_90, one stage with plain loads before. K is
+/// read partitioned per channel (`key_axis::tokens`); the per-token K layout runs on the host
+/// backend. V runs either way (the axis is a template parameter of the format and the kernel).
 
 
 
-// ---- begin <kvmosaic/cuda/format/quant2/decode.cuh> ----
+// ---- begin <kvmosaic/cuda/format/quant/decode.cuh> ----
 /// \file
-/// Decode split kernel for `format::quant2` pages (HACK, Eq. 4): attention on the 2-bit codes with
-/// int8 tensor cores (`quant2_warp_attend`); the cache is never dequantized. The dense tail is
+/// Decode split kernel for `format::quant<Bits, ValueAxis>` pages (HACK, Eq. 4): attention on the
+/// 2- or 4-bit codes with int8 tensor cores (`quant_warp_attend`); the cache is never dequantized. The dense tail is
 /// folded in fp32 by the same collective. Partial states merge with the dense path's
 /// `merge_splits_kernel`.
 
 
-// ---- begin <kvmosaic/cuda/format/quant2/attend.cuh> ----
+// ---- begin <kvmosaic/cuda/format/quant/attend.cuh> ----
 /// \file
-/// `quant2_warp_attend`: the warp collective of `format::quant2` decode attention (HACK, Eq. 4),
-/// computed on the 2-bit codes with int8 tensor cores; the cache is never dequantized.
+/// `quant_warp_attend`: the warp collective of `format::quant<Bits, ValueAxis>` decode attention
+/// (HACK, Eq. 4), computed on the 2- or 4-bit codes with int8 tensor cores; the cache is never
+/// dequantized.
 ///
-/// A warp folds a partition of Pi tokens (K partitioned along tokens per channel, V along tokens)
-/// into a running softmax state for every query head of its GQA group:
+/// A warp folds a partition of Pi tokens (K partitioned along tokens per channel; V along tokens
+/// per channel, or along head_dim per token) into a running softmax state for every query head of
+/// its GQA group:
 ///  1. q' = q * s_K (the partition's per-channel K scales) is quantized to 8 bits per group of Pi
 ///     channels, and base = q . m_K (the per-channel K mins) is one number per head;
-///  2. S^T = K Q'^T on tensor cores: int8 m16n8k32 products of the 2-bit codes, unpacked from the
-///     page by shift and mask (the page stores them as the A operand), with the quantized q';
+///  2. S^T = K Q'^T on tensor cores: int8 m16n8k32 products of the codes, unpacked from the page
+///     by shift and mask (the page stores them as the A operand), with the quantized q';
 ///     logit = base + sum over channel groups of (m_q' * code sum of the token + s_q' * dot);
-///  3. p = exp(logit - partition max) is quantized to 8 bits over the partition;
+///  3. p = exp(logit - partition max) is quantized to 8 bits over the partition (V per token:
+///     p' = p s_V, per group of Pi channels, with base = p . m_V per group: step 1 mirrored);
 ///  4. O^T = V^T P^T on tensor cores, with Eq. 4's corrections per (channel, head):
-///     o += Pi m_p m_v + m_p s_v sum(v codes) + s_p m_v sum(p codes) + s_p s_v dot.
+///     o += Pi m_p m_v + m_p s_v sum(v codes) + s_p m_v sum(p codes) + s_p s_v dot
+///     (V per token: o += base + m_p' sum(v codes) + s_p' dot, the sums along tokens).
 /// The quantization of q' and p is the host reference's (`detail::quantize8`) operation for
 /// operation, in round-to-nearest fp32 without contraction, so both draw the same 8-bit codes;
 /// the logits and outputs then differ by fp32 rounding only, and where that moves a p value
@@ -10719,40 +10855,41 @@ struct device_format<format::bitmap_tiles> {
 /// (one instantiation serves groups 1-8).
 ///
 /// Cost per partition and warp: (Pi / 16) (D / 32) + (D / 16) (Pi / 32) tensor-core products,
-/// four shift-and-mask pairs per 16 codes, and O(G D / 32 + G Pi / 32) fp32 work per lane for
-/// the quantization of q' and p and the corrections.
+/// four shift-and-mask pairs per 16 codes (from Bits / 2 words), and O(G D / 32 + G Pi / 32) fp32
+/// work per lane for the quantization of q' and p and the corrections (V per token: G D / 32 for
+/// p' instead of G Pi / 32, and D / Pi 8-bit grids of p per head instead of one).
 
 
 
 namespace kvmosaic::cuda {
 
-/// Where the parts of one quant2 page (K or V of one head) lie, in bytes from its start (see
-/// format/quant2.hpp: mins, scales, code sums, codes).
-struct quant2_page_geometry {
+/// Where the parts of one quantized page (K or V of one head) lie, in bytes from its start (see
+/// format/quant.hpp: mins, scales, code sums, codes).
+struct quant_page_geometry {
   int page_size;
   int partitions;
   int per_channel;  ///< partitions per channel: page_size / Pi
   int sums_at;
   int codes_at;
 
-  __host__ __device__ static quant2_page_geometry of(int page_size, int head_dim, int partition) {
+  __host__ __device__ static quant_page_geometry of(int page_size, int head_dim, int partition, int bits) {
     const int partitions = page_size * head_dim / partition;
-    const int sum_bytes = partition * 3 > 255 ? 2 : 1;
-    return quant2_page_geometry{page_size, partitions, page_size / partition, partitions * 4,
+    const int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, partition);
+    return quant_page_geometry{page_size, partitions, page_size / partition, partitions * 4,
                                 partitions * (4 + sum_bytes)};
   }
 };
 
 /// `Storage`: the cache's 16-bit storage type (kvmosaic::half or kvmosaic::bfloat16), the type
-/// of the pages' mins and scales.
-template <int HeadDim, int Partition, class Storage>
-class quant2_warp_attend {
+/// of the pages' mins and scales. `Format`: the `format::quant<Bits, ValueAxis>` the pages hold.
+template <int HeadDim, int Partition, class Storage, class Format>
+class quant_warp_attend {
   static_assert(Partition == 32 || Partition == 64 || Partition == 128,
-                "quant2_warp_attend: Partition (format::quant2::partition) must be 32, 64 or 128");
+                "quant_warp_attend: Partition (format::quant::partition) must be 32, 64 or 128");
   static_assert(HeadDim % Partition == 0 && HeadDim % 32 == 0,
-                "quant2_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
+                "quant_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
   static_assert(sizeof(dtype_traits<Storage>) > 0 && sizeof(Storage) == 2,
-                "quant2_warp_attend: Storage must be kvmosaic::half or kvmosaic::bfloat16");
+                "quant_warp_attend: Storage must be kvmosaic::half or kvmosaic::bfloat16");
 
  public:
   static constexpr int max_group = 8;  ///< query heads per KV head: the product's N
@@ -10763,16 +10900,21 @@ class quant2_warp_attend {
   static constexpr int channel_steps = HeadDim / 32;               ///< K steps of q.k
   static constexpr int channel_tiles = HeadDim / 16;               ///< M tiles of p.v
   static constexpr int token_steps = Partition / 32;               ///< K steps of p.v
-  static constexpr int sum_bytes = Partition * 3 > 255 ? 2 : 1;
+  static constexpr int bits = Format::bits;
+  static constexpr int code_words = bits / 2;  ///< 32-bit words of codes per lane and tile
+  static constexpr bool v_per_token = Format::v_axis == format::value_axis::head_dim;
+  static constexpr int p_rows = v_per_token ? channel_groups : 1;  ///< 8-bit grids of p per head
+  static constexpr int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, Partition);
   // Rows of the operand tables padded by 4 words: lanes g = 0..7 reading column q land in
   // distinct banks.
   static constexpr int q_row_words = HeadDim / 4 + 4;
   static constexpr int p_row_words = Partition / 4 + 4;
 
-  /// Per-warp scratch: the partition's 8-bit q' and p operands and q's quantization constants.
+  /// Per-warp scratch: the partition's 8-bit q' and p (or p') operands and q's quantization
+  /// constants.
   struct temp_storage {
     std::uint32_t q_codes[8][q_row_words];
-    std::uint32_t p_codes[8][p_row_words];
+    std::uint32_t p_codes[8][p_rows][p_row_words];
     float q_min[8][channel_groups];
     float q_scale[8][channel_groups];
     float q_base[8];
@@ -10806,13 +10948,13 @@ class quant2_warp_attend {
     __syncwarp();
   }
 
-  /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quant2 K and
+  /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quantized K and
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
   /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0,
   /// and so do those whose bit in `rows_read` (bit t % 32 of word t / 32; null: all read) is clear.
   /// The partition must hold a token read (the caller skips the others: `reads_partition`).
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
-                                                 const quant2_page_geometry& geometry, int j, const float* q,
+                                                 const quant_page_geometry& geometry, int j, const float* q,
                                                  temp_storage& temp, int masked = 0,
                                                  const std::uint32_t* rows_read = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
@@ -10846,7 +10988,7 @@ class quant2_warp_attend {
 #pragma unroll
       for (int k = 0; k < channel_steps; ++k) {
         std::uint32_t a[4];
-        unpack(k_codes[(tile_row * channel_steps + k) * 32 + lane], a);
+        unpack(k_codes, tile_row * channel_steps + k, lane, a);
         detail::mma_u8_16832(dot[k * 32 / Partition], a, b_q[k][0], b_q[k][1]);
       }
 #pragma unroll
@@ -10889,73 +11031,77 @@ class quant2_warp_attend {
         s[t][e] = __expf(s[t][e] - block_max[e % 2]);
         p_lo[e % 2] = fminf(p_lo[e % 2], s[t][e]);
       }
-    // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
-    float p_step[2], p_inverse[2], p_bias[2];
+    if constexpr (v_per_token) {
+      fold_values_per_token(v_page, geometry, j, s, block_max, temp);
+    } else {  // V per channel
+      // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
+      float p_step[2], p_inverse[2], p_bias[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
-      p_step[hh] = step_of(p_lo[hh], 1.0f);
-      p_inverse[hh] = inverse_of(p_step[hh]);
-      p_bias[hh] = bias_of(p_lo[hh], p_inverse[hh]);
-      p_sum[hh] = 0.0f;
-    }
-    int code_sum[2] = {0, 0};
-    auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0]);
-#pragma unroll
-    for (int t = 0; t < token_tiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = e % 2;
-        p_sum[hh] += s[t][e];
-        const int code = quantize8(s[t][e], p_inverse[hh], p_bias[hh]);
-        code_sum[hh] += code;
-        p_bytes[(2 * quad + hh) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
+      for (int hh = 0; hh < 2; ++hh) {
+        p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
+        p_step[hh] = step_of(p_lo[hh], 1.0f);
+        p_inverse[hh] = inverse_of(p_step[hh]);
+        p_bias[hh] = bias_of(p_lo[hh], p_inverse[hh]);
+        p_sum[hh] = 0.0f;
       }
-    float alpha[2], b_mean[2], b_min[2], b_step[2];
+      int code_sum[2] = {0, 0};
+      auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0][0]);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
-      const float m_new = fmaxf(m[hh], block_max[hh]);
-      alpha[hh] = __expf(m[hh] - m_new);
-      const float beta = __expf(block_max[hh] - m_new);
-      m[hh] = m_new;
-      l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
-      // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
-      b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * small_to_float(code_sum[hh]));
-      b_min[hh] = beta * p_lo[hh];
-      b_step[hh] = beta * p_step[hh];
-    }
-    __syncwarp();
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e % 2;
+          p_sum[hh] += s[t][e];
+          const int code = quantize8(s[t][e], p_inverse[hh], p_bias[hh]);
+          code_sum[hh] += code;
+          p_bytes[(2 * quad + hh) * p_rows * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
+        }
+      float alpha[2], b_mean[2], b_min[2], b_step[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
+        const float m_new = fmaxf(m[hh], block_max[hh]);
+        alpha[hh] = __expf(m[hh] - m_new);
+        const float beta = __expf(block_max[hh] - m_new);
+        m[hh] = m_new;
+        l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
+        // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
+        b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * small_to_float(code_sum[hh]));
+        b_min[hh] = beta * p_lo[hh];
+        b_step[hh] = beta * p_step[hh];
+      }
+      __syncwarp();
 
-    // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
-    std::uint32_t b_p[token_steps][2];
-    load_b_fragments(temp.p_codes[g], quad, b_p);
-    const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
-    const int token_columns = geometry.page_size / 32;
+      // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
+      std::uint32_t b_p[token_steps][2];
+      load_b_fragments(temp.p_codes[g][0], quad, b_p);
+      const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
+      const int token_columns = geometry.page_size / 32;
 #pragma unroll
-    for (int t = 0; t < channel_tiles; ++t) {
-      int dot[4] = {0, 0, 0, 0};
+      for (int t = 0; t < channel_tiles; ++t) {
+        int dot[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int k = 0; k < token_steps; ++k) {
-        std::uint32_t a[4];
-        unpack(v_codes[(t * token_columns + j * token_steps + k) * 32 + lane], a);
-        detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
-      }
+        for (int k = 0; k < token_steps; ++k) {
+          std::uint32_t a[4];
+          unpack(v_codes, t * token_columns + j * token_steps + k, lane, a);
+          detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
+        }
 #pragma unroll
-      for (int half_row = 0; half_row < 2; ++half_row) {
-        const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
-        const float v_min = load_stored(v_page, part);
-        const float v_scale = load_stored(v_page + geometry.partitions * 2, part);
-        const float v_sum = load_sum(v_page + geometry.sums_at, part);
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
+          const float v_min = load_stored(v_page, part);
+          const float v_scale = load_stored(v_page + geometry.partitions * 2, part);
+          const float v_sum = load_sum(v_page + geometry.sums_at, part);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int e = 2 * half_row + hh;
-          const float corrected = b_min[hh] * v_sum + b_step[hh] * small_to_float(dot[e]);
-          o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
+          for (int hh = 0; hh < 2; ++hh) {
+            const int e = 2 * half_row + hh;
+            const float corrected = b_min[hh] * v_sum + b_step[hh] * small_to_float(dot[e]);
+            o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
+          }
         }
       }
+      __syncwarp();  // temp is rewritten by the next partition
     }
-    __syncwarp();  // temp is rewritten by the next partition
   }
 
   /// Whether partition `j` of a page holds a token to fold: past the first `masked` of the page,
@@ -11058,10 +11204,115 @@ class quant2_warp_attend {
     }
   }
 
-  /// Register s of the A fragment is byte-wise bits 2 s, 2 s + 1 of the stored word.
-  __device__ __forceinline__ static void unpack(std::uint32_t word, std::uint32_t (&a)[4]) {
+  /// The A fragment of code tile `tile` (16 x 32 codes) for this lane: register s is, byte-wise,
+  /// bits (s % (8 / Bits)) Bits .. of word s / (8 / Bits) of the lane's Bits / 2 words
+  /// (`kvmosaic::detail::quant_code_bit`): one 4- or 8-byte load, four shift-and-mask pairs.
+  __device__ __forceinline__ static void unpack(const std::uint32_t* codes, int tile, int lane, std::uint32_t (&a)[4]) {
+    if constexpr (bits == 2) {
+      const std::uint32_t word = codes[tile * 32 + lane];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
+      for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
+    } else {
+      const uint2 words = reinterpret_cast<const uint2*>(codes)[tile * 32 + lane];
+      a[0] = words.x & 0x0f0f0f0fu;
+      a[1] = (words.x >> 4) & 0x0f0f0f0fu;
+      a[2] = words.y & 0x0f0f0f0fu;
+      a[3] = (words.y >> 4) & 0x0f0f0f0fu;
+    }
+  }
+
+  /// Steps 3 and 4 for V partitioned per token (`value_axis::head_dim`): for each group c of Pi
+  /// channels, p' = p s_V(token, c) is quantized to 8 bits over the partition's tokens and
+  /// base = p . m_V(., c) summed; then O^T = V^T P'^T with the group's own B operand per
+  /// 16-channel tile, o += base + m_p' sum_t(v codes) + s_p' dot, all times beta. `s`: this lane's
+  /// p (exp(logit - block_max)), rows g, g + 8 of each 16-token tile, heads 2q, 2q + 1.
+  __device__ __forceinline__ void fold_values_per_token(const std::byte* v_page, const quant_page_geometry& geometry,
+                                                        int j, const float (&s)[token_tiles][4],
+                                                        const float (&block_max)[2], temp_storage& temp) {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+    float alpha[2], beta[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float p_sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t) p_sum += s[t][hh] + s[t][2 + hh];
+      const float m_new = fmaxf(m[hh], block_max[hh]);
+      alpha[hh] = __expf(m[hh] - m_new);
+      beta[hh] = __expf(block_max[hh] - m_new);
+      m[hh] = m_new;
+      l[hh] = l[hh] * alpha[hh] + beta[hh] * p_sum;
+    }
+    float v_base[2][channel_groups], v_min[2][channel_groups], v_step[2][channel_groups];
+    auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0][0]);
+    const std::byte* v_scales = v_page + geometry.partitions * 2;
+#pragma unroll
+    for (int c = 0; c < channel_groups; ++c) {
+      float folded[token_tiles][4], lo[2] = {HUGE_VALF, HUGE_VALF}, hi[2] = {-HUGE_VALF, -HUGE_VALF}, base[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int part = (j * Partition + t * 16 + g + 8 * half_row) * channel_groups + c;
+          const float v_scale = load_stored(v_scales, part), v_min_value = load_stored(v_page, part);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int e = 2 * half_row + hh;
+            folded[t][e] = __fmul_rn(s[t][e], v_scale);
+            lo[hh] = fminf(lo[hh], folded[t][e]);
+            hi[hh] = fmaxf(hi[hh], folded[t][e]);
+            base[hh] += s[t][e] * v_min_value;
+          }
+        }
+      float inverse[2], bias[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        lo[hh] = reduce_min_over_rows(lo[hh]);
+        hi[hh] = reduce_max_over_rows(hi[hh]);
+        const float step = step_of(lo[hh], hi[hh]);
+        inverse[hh] = inverse_of(step);
+        bias[hh] = bias_of(lo[hh], inverse[hh]);
+        v_base[hh][c] = beta[hh] * reduce_sum_over_rows(base[hh]);
+        v_min[hh][c] = beta[hh] * lo[hh];
+        v_step[hh][c] = beta[hh] * step;
+      }
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e % 2;
+          p_bytes[((2 * quad + hh) * p_rows + c) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] =
+              static_cast<std::uint8_t>(quantize8(folded[t][e], inverse[hh], bias[hh]));
+        }
+    }
+    __syncwarp();
+
+    // p'.v: int8 products per 16-channel tile against its channel group's p', then the corrections.
+    const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
+    const int token_columns = geometry.page_size / 32;
+#pragma unroll
+    for (int t = 0; t < channel_tiles; ++t) {
+      constexpr int tiles_per_group = Partition / 16;
+      const int c = t / tiles_per_group;
+      std::uint32_t b_p[token_steps][2];
+      load_b_fragments(temp.p_codes[g][c], quad, b_p);
+      int dot[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int k = 0; k < token_steps; ++k) {
+        std::uint32_t a[4];
+        unpack(v_codes, t * token_columns + j * token_steps + k, lane, a);
+        detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
+      }
+#pragma unroll
+      for (int half_row = 0; half_row < 2; ++half_row) {
+        const float v_sum = load_sum(v_page + geometry.sums_at, (t * 16 + g + 8 * half_row) * geometry.per_channel + j);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * half_row + hh;
+          o[t][e] = o[t][e] * alpha[hh] + v_base[hh][c] + v_min[hh][c] * v_sum + v_step[hh][c] * small_to_float(dot[e]);
+        }
+      }
+    }
+    __syncwarp();  // temp is rewritten by the next partition
   }
 
   /// x as a float for 0 <= x < 2^22 (dot products and code sums are): 2^23 + x has x in its
@@ -11129,7 +11380,7 @@ class quant2_warp_attend {
   /// Step 1: q' = q * s_K of partition j quantized to 8 bits per group of Pi channels (lane owns
   /// channels_per_lane consecutive channels), its min, scale and base = q . m_K, into temp.
   __device__ __forceinline__ static void quantize_folded_query(const std::byte* k_page,
-                                                               const quant2_page_geometry& geometry, int j,
+                                                               const quant_page_geometry& geometry, int j,
                                                                const float* q, int group, temp_storage& temp) {
     const int lane = lane_id();
     const int first_channel = lane * channels_per_lane;
@@ -11205,25 +11456,25 @@ class quant2_warp_attend {
 };
 
 }  // namespace kvmosaic::cuda
-// ---- end <kvmosaic/cuda/format/quant2/attend.cuh> ----
+// ---- end <kvmosaic/cuda/format/quant/attend.cuh> ----
 
 namespace kvmosaic::cuda::kernel {
 
-/// quant2's fields of its split kernel's params.
-struct quant2_decode_params {
+/// The quantized formats' fields of their split kernel's params.
+struct quant_decode_params {
   int stages;  ///< sm_90: compressed page pairs in flight per warp
 };
 
-/// Dynamic shared memory of the quant2 kernel: per-warp barriers, the group's scaled queries, one
+/// Dynamic shared memory of the quantized formats' kernel: per-warp barriers, the group's scaled queries, one
 /// `temp_storage` per warp, then `stages` compressed page pairs (K and V) per warp. The CTA's
 /// final reduction reuses the stage area. The same for either storage type (the collective's
 /// scratch holds no stored value; `attend` is the f16 instantiation, the bf16 one is checked
 /// equal in the kernel).
-template <int HeadDim, int Partition>
-struct quant2_decode_layout {
+template <int HeadDim, int Partition, class Format>
+struct quant_decode_layout {
   static constexpr int warps = 4;
   static constexpr int max_stages = 4;
-  using attend = quant2_warp_attend<HeadDim, Partition, half>;
+  using attend = quant_warp_attend<HeadDim, Partition, half, Format>;
   static constexpr int max_group = attend::max_group;
   static constexpr int barrier_offset = 0;
   static constexpr int query_offset = 128;
@@ -11239,24 +11490,24 @@ struct quant2_decode_layout {
   }
 };
 
-/// The quant2 split kernel. Each of the 4 warps takes every 4th page of the split and streams it
+/// The quantized formats' split kernel. Each of the 4 warps takes every 4th page of the split and streams it
 /// through its own ring of `p.format.stages` shared-memory slots: with `BulkCopy` (sm_90), lane 0 issues
 /// one bulk copy per page and cache on the slot's mbarrier, `stages` pages ahead; without (the
 /// portable path, sm_75+), the warp copies each page with 16-byte loads before folding it. Warps
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
-/// type, head_dim, Pi, copy path, `RowMasks`: whether a token-granular selection's row masks are
+/// type, head_dim, Pi, format (code width and V axis), copy path, `RowMasks`: whether a token-granular selection's row masks are
 /// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
 /// Grid: (splits capacity, num_kv_heads).
-template <class T, int HeadDim, int Partition, bool BulkCopy, bool RowMasks = false>
-__global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ split_params<quant2_decode_params> p) {
-  using layout = quant2_decode_layout<HeadDim, Partition>;
-  using attend = quant2_warp_attend<HeadDim, Partition, T>;
+template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false>
+__global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_constant__ split_params<quant_decode_params> p) {
+  using layout = quant_decode_layout<HeadDim, Partition, Format>;
+  using attend = quant_warp_attend<HeadDim, Partition, T, Format>;
   static_assert(sizeof(typename attend::temp_storage) == sizeof(typename layout::attend::temp_storage) &&
                     attend::max_group == layout::max_group,
-                "decode_partial_quant2_kernel: the shared-memory layout must not depend on the storage type");
+                "decode_partial_quant_kernel: the shared-memory layout must not depend on the storage type");
   constexpr int warps = layout::warps, threads = warps * 32;
-  extern __shared__ __align__(128) std::byte quant2_shared[];
+  extern __shared__ __align__(128) std::byte quant_shared[];
   const int work_index = static_cast<int>(blockIdx.x);
   split_work w;
   if (!detail_decode::start_split(p, work_index, w)) return;
@@ -11266,10 +11517,10 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
 
-  auto* full = reinterpret_cast<std::uint64_t*>(quant2_shared + layout::barrier_offset) + warp * layout::max_stages;
-  auto* q = reinterpret_cast<float*>(quant2_shared + layout::query_offset);
-  auto& temp = reinterpret_cast<typename attend::temp_storage*>(quant2_shared + layout::temp_offset)[warp];
-  std::byte* ring = quant2_shared + layout::stage_offset + warp * stages * stage_bytes;
+  auto* full = reinterpret_cast<std::uint64_t*>(quant_shared + layout::barrier_offset) + warp * layout::max_stages;
+  auto* q = reinterpret_cast<float*>(quant_shared + layout::query_offset);
+  auto& temp = reinterpret_cast<typename attend::temp_storage*>(quant_shared + layout::temp_offset)[warp];
+  std::byte* ring = quant_shared + layout::stage_offset + warp * stages * stage_bytes;
 
   const int group = p.group_size, num_q_heads = p.num_kv_heads * group;
   const float* q_group = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * group) * HeadDim;
@@ -11287,7 +11538,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
-  const quant2_page_geometry geometry = quant2_page_geometry::of(p.page_size, HeadDim, Partition);
+  const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
     return p.pages + static_cast<std::size_t>(table[warp + k * warps]) * p.page_slot_bytes;
   };
@@ -11352,7 +11603,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
     }
   }
   __syncthreads();  // every warp is done with the stage area
-  auto& reduction = *reinterpret_cast<typename layout::reduction_storage*>(quant2_shared + layout::stage_offset);
+  auto& reduction = *reinterpret_cast<typename layout::reduction_storage*>(quant_shared + layout::stage_offset);
   state.for_each_output([&](int g, int c, float o) { reduction.o[warp][g][c] = o; },
                         [&](int g, float m, float l) {
                           reduction.m[warp][g] = m;
@@ -11363,17 +11614,17 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
 }
 
 }  // namespace kvmosaic::cuda::kernel
-// ---- end <kvmosaic/cuda/format/quant2/decode.cuh> ----
+// ---- end <kvmosaic/cuda/format/quant/decode.cuh> ----
 
-// ---- begin <kvmosaic/cuda/format/quant2/encode.cuh> ----
+// ---- begin <kvmosaic/cuda/format/quant/encode.cuh> ----
 /// \file
-/// Device encode of `format::quant2` pages (HACK sections 5.2-5.3): 2-bit quantization of full
-/// pages of dense 16-bit rows, byte for byte what the host encoder writes (tests compare the
-/// pages): the same `quant2_extent`, `quant2_range` (min and scale in the storage dtype T, rounded
-/// outward; NaN for a partition with a non-finite value, whose codes are then 0) and
-/// `quant2_code`, so the same stochastic draws for the same seed. One CTA encodes one page of K
+/// Device encode of `format::quant<Bits, ValueAxis>` pages (HACK sections 5.2-5.3): 2- or 4-bit
+/// quantization of full pages of dense 16-bit rows, byte for byte what the host encoder writes
+/// (tests compare the pages): the same `quant_extent`, `quant_range` (min and scale in the storage
+/// dtype T, rounded outward; NaN for a partition with a non-finite value, whose codes are then 0)
+/// and `quant_code`, so the same stochastic draws for the same seed. One CTA encodes one page of K
 /// or of V of one KV head; K is partitioned along tokens per channel (the layout the CUDA decode
-/// kernel reads).
+/// kernel reads), V as the format says.
 
 
 
@@ -11381,7 +11632,7 @@ namespace kvmosaic::cuda::kernel {
 
 /// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
 /// first page_size rows 16-bit), written quantized to page `new_pages[i]` of the page arena.
-struct quant2_encode_params {
+struct quant_encode_params {
   const std::byte* rows;
   std::int64_t rows_slot_bytes;
   std::int64_t rows_head_bytes;  ///< = the tail arena's (its first page_size rows used)
@@ -11400,19 +11651,21 @@ struct quant2_encode_params {
   const std::int32_t* sink_slots;
 };
 
-constexpr int quant2_encode_threads = 128;
+constexpr int quant_encode_threads = 128;
 
 /// Grid (pages, num_kv_heads, 2: K then V); dynamic shared memory page_size x HeadDim bytes (the
 /// codes as a [token][channel] byte matrix, before they are packed into the operand tiles).
-template <class T, int HeadDim>
-__global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_kernel(const quant2_encode_params e) {
-  extern __shared__ std::uint8_t quant2_codes[];
+template <class T, int HeadDim, class Format>
+__global__ void __launch_bounds__(quant_encode_threads) encode_quant_pages_kernel(const quant_encode_params e) {
+  constexpr int bits = Format::bits, levels = Format::levels;
+  constexpr bool v_per_token = Format::v_axis == format::value_axis::head_dim;
+  extern __shared__ std::uint8_t quant_codes[];
   const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const bool is_key = blockIdx.z == 0;
   const int tid = static_cast<int>(threadIdx.x);
   const int pi = e.partition, page_size = e.page_size, per_channel = page_size / pi;
   const int partitions = page_size * HeadDim / pi;
-  const int sum_bytes = pi * 3 > 255 ? 2 : 1;
+  const int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, pi);
   const std::int64_t head_at = (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
   const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
   const int sinks = e.sink_slots != nullptr && e.sink_slots[page_index] >= 0 ? e.sink_rows : 0;
@@ -11422,26 +11675,31 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
                     (static_cast<std::int64_t>(is_key ? 0 : e.num_kv_heads) + head) * e.page_bytes;
   const int sums_at = partitions * 4, codes_at = partitions * (4 + sum_bytes);
 
-  // Partition = (channel, token block): K per channel and V alike run along tokens.
-  for (int part = tid; part < partitions; part += quant2_encode_threads) {
-    const int channel = part / per_channel, first_token = part % per_channel * pi;
+  // Partition = (channel, token block) along tokens (K per channel, V per channel), or
+  // (token, channel block) along head_dim (V per token).
+  const bool along_tokens = is_key || !v_per_token;
+  for (int part = tid; part < partitions; part += quant_encode_threads) {
+    const int channel_groups = HeadDim / pi;
+    const int first_token = along_tokens ? part % per_channel * pi : part / channel_groups;
+    const int first_channel = along_tokens ? part / per_channel : part % channel_groups * pi;
+    const int token_step = along_tokens ? 1 : 0, channel_step = along_tokens ? 0 : 1;
+    const auto value = [&](int i) { return to_float(row_of(first_token + i * token_step)[first_channel + i * channel_step]); };
     // The extent in element order, as the host's: the same signed zero is kept.
-    kvmosaic::detail::quant2_extent extent(to_float(row_of(first_token)[channel]));
-    for (int i = 1; i < pi; ++i) extent.add(to_float(row_of(first_token + i)[channel]));
-    const kvmosaic::detail::quant2_range_bits range = kvmosaic::detail::quant2_range(extent, dtype_traits<T>::id);
+    kvmosaic::detail::quant_extent extent(value(0));
+    for (int i = 1; i < pi; ++i) extent.add(value(i));
+    const kvmosaic::detail::quant_range_bits range = kvmosaic::detail::quant_range(extent, dtype_traits<T>::id, levels);
     unsigned sum = 0;
     for (int i = 0; i < pi; ++i) {
-      const float v = to_float(row_of(first_token + i)[channel]);
-      const int code = extent.finite ? kvmosaic::detail::quant2_code(
-                                           e.stochastic, e.seed, static_cast<std::uint64_t>(part) * pi + i, v, range.min,
-                                           range.scale)
+      const int code = extent.finite ? kvmosaic::detail::quant_code(levels, e.stochastic, e.seed,
+                                                                    static_cast<std::uint64_t>(part) * pi + i, value(i),
+                                                                    range.min, range.scale)
                                      : 0;
       sum += static_cast<unsigned>(code);
-      quant2_codes[(first_token + i) * HeadDim + channel] = static_cast<std::uint8_t>(code);
+      quant_codes[(first_token + i * token_step) * HeadDim + first_channel + i * channel_step] = static_cast<std::uint8_t>(code);
     }
     reinterpret_cast<std::uint16_t*>(page)[part] = range.min_bits;
     reinterpret_cast<std::uint16_t*>(page + partitions * 2)[part] = range.scale_bits;
-    if (!is_key) {  // V: the partition's code sum
+    if (!is_key && !v_per_token) {  // V per channel: the partition's code sum
       if (sum_bytes == 1)
         reinterpret_cast<std::uint8_t*>(page + sums_at)[part] = static_cast<std::uint8_t>(sum);
       else
@@ -11450,11 +11708,24 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
   }
   __syncthreads();
 
+  // V per token: per channel, the code sum of each block of Pi tokens (the token dimension's
+  // Eq. 4 sums), indexed as V per channel's partitions.
+  if (!is_key && v_per_token) {
+    for (int index = tid; index < partitions; index += quant_encode_threads) {
+      const int channel = index / per_channel, first_token = index % per_channel * pi;
+      unsigned sum = 0;
+      for (int i = 0; i < pi; ++i) sum += quant_codes[(first_token + i) * HeadDim + channel];
+      if (sum_bytes == 1)
+        reinterpret_cast<std::uint8_t*>(page + sums_at)[index] = static_cast<std::uint8_t>(sum);
+      else
+        reinterpret_cast<std::uint16_t*>(page + sums_at)[index] = static_cast<std::uint16_t>(sum);
+    }
+  }
   // K: per token, the code sum of each group of Pi channels (the channel dimension's Eq. 4 sums).
   if (is_key) {
     const int groups = HeadDim / pi;
-    for (int index = tid; index < page_size * groups; index += quant2_encode_threads) {
-      const std::uint8_t* codes = quant2_codes + (index / groups) * HeadDim + index % groups * pi;
+    for (int index = tid; index < page_size * groups; index += quant_encode_threads) {
+      const std::uint8_t* codes = quant_codes + (index / groups) * HeadDim + index % groups * pi;
       unsigned sum = 0;
       for (int i = 0; i < pi; ++i) sum += codes[i];
       if (sum_bytes == 1)
@@ -11463,40 +11734,42 @@ __global__ void __launch_bounds__(quant2_encode_threads) encode_quant2_pages_ker
         reinterpret_cast<std::uint16_t*>(page + sums_at)[index] = static_cast<std::uint16_t>(sum);
     }
   }
-  // Codes packed into the operand tiles (`quant2_code_bit`): K as [tokens][channels], V as
-  // [channels][tokens]; one 32-bit word per (tile, lane).
+  // Codes packed into the operand tiles (`quant_code_bit`): K as [tokens][channels], V as
+  // [channels][tokens]; Bits / 2 32-bit words per (tile, lane), each packing 8 / Bits registers.
+  constexpr int code_words = bits / 2, per_word = 8 / bits;
   const int columns = is_key ? HeadDim : page_size;
-  const int words = page_size * HeadDim / 16;
-  for (int word_index = tid; word_index < words; word_index += quant2_encode_threads) {
-    const int tile = word_index / 32, lane = word_index % 32;
+  const int words = page_size * HeadDim * bits / 32;
+  for (int word_index = tid; word_index < words; word_index += quant_encode_threads) {
+    const int tile = word_index / (32 * code_words), lane = word_index / code_words % 32, w = word_index % code_words;
     const int tile_row = tile / (columns / 32), tile_column = tile % (columns / 32);
     std::uint32_t word = 0;
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
+    for (int i = 0; i < per_word; ++i)
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
+        const int s = w * per_word + i;
         const int row = tile_row * 16 + lane / 4 + 8 * (s % 2);
         const int column = tile_column * 32 + 16 * (s / 2) + 4 * (lane % 4) + b;
         const int token = is_key ? row : column, channel = is_key ? column : row;
-        word |= static_cast<std::uint32_t>(quant2_codes[token * HeadDim + channel]) << (b * 8 + s * 2);
+        word |= static_cast<std::uint32_t>(quant_codes[token * HeadDim + channel]) << (b * 8 + i * bits);
       }
     reinterpret_cast<std::uint32_t*>(page + codes_at)[word_index] = word;
   }
   // Padding to the page's 16-byte size.
-  for (int at = codes_at + words * 4 + tid; at < static_cast<int>(e.page_bytes); at += quant2_encode_threads)
+  for (int at = codes_at + words * 4 + tid; at < static_cast<int>(e.page_bytes); at += quant_encode_threads)
     page[at] = std::byte{0};
 }
 
 }  // namespace kvmosaic::cuda::kernel
-// ---- end <kvmosaic/cuda/format/quant2/encode.cuh> ----
+// ---- end <kvmosaic/cuda/format/quant/encode.cuh> ----
 
-// ---- begin <kvmosaic/cuda/format/quant2/unpack.cuh> ----
+// ---- begin <kvmosaic/cuda/format/quant/unpack.cuh> ----
 /// \file
-/// Device unpack of `format::quant2` pages, the inverse of `encode_quant2_pages_kernel`: every
-/// element x = min + scale * code of its partition, rounded to the storage dtype, exactly what the
-/// host's `format_traits<quant2>::decode_k/v` give rounded the same way (the product of a 2-bit code
-/// and a 16-bit scale is exact in fp32, so a fused multiply-add rounds as the host's two operations
-/// do). A compaction unpacks the pages it touches, moves rows and encodes the pages it writes.
+/// Device unpack of `format::quant<Bits, ValueAxis>` pages, the inverse of
+/// `encode_quant_pages_kernel`: every element x = min + scale * code of its partition, rounded to
+/// the storage dtype, exactly what the host's `format_traits<quant<...>>::decode_k/v` give rounded
+/// the same way (the product of a code of at most 4 bits and a 16-bit scale is exact in fp32, so a
+/// fused multiply-add rounds as the host's two operations do). A compaction unpacks the pages it touches, moves rows and encodes the pages it writes.
 
 
 
@@ -11504,7 +11777,7 @@ namespace kvmosaic::cuda::kernel {
 
 /// Pages `page_ids[i]` of the page arena unpacked to dense rows in `rows` (slot i = [K: heads]
 /// [V: heads] x rows_head_bytes, the first page_size rows 16-bit).
-struct quant2_unpack_params {
+struct quant_unpack_params {
   std::byte* rows;
   std::int64_t rows_slot_bytes;
   std::int64_t rows_head_bytes;
@@ -11518,29 +11791,32 @@ struct quant2_unpack_params {
   dtype storage;
 };
 
-constexpr int quant2_unpack_threads = 128;
+constexpr int quant_unpack_threads = 128;
 
 /// Grid (pages, num_kv_heads, 2: K then V). Partition = (channel, token block of Pi) for K and V
-/// alike, as the encoder writes them. Cost per page: one read of the page, one write of its rows.
-template <int HeadDim>
-__global__ void __launch_bounds__(quant2_unpack_threads) unpack_quant2_pages_kernel(const quant2_unpack_params u) {
+/// per channel, (token, channel block) for V per token, as the encoder writes them. Cost per page:
+/// one read of the page, one write of its rows.
+template <int HeadDim, class Format>
+__global__ void __launch_bounds__(quant_unpack_threads) unpack_quant_pages_kernel(const quant_unpack_params u) {
+  constexpr int bits = Format::bits;
   const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const bool is_key = blockIdx.z == 0;
+  const bool along_tokens = is_key || Format::v_axis == format::value_axis::tokens;
   const int pi = u.partition, page_size = u.page_size, per_channel = page_size / pi;
   const int partitions = page_size * HeadDim / pi;
-  const int sum_bytes = pi * 3 > 255 ? 2 : 1;
+  const int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, pi);
   const int head_index = (is_key ? 0 : u.num_kv_heads) + head;
   const std::byte* page = u.pages + static_cast<std::int64_t>(u.page_ids[page_index]) * u.page_slot_bytes + head_index * u.page_bytes;
   auto* rows = reinterpret_cast<std::uint16_t*>(u.rows + page_index * u.rows_slot_bytes + head_index * u.rows_head_bytes);
   const auto* mins = reinterpret_cast<const std::uint16_t*>(page);
   const auto* scales = reinterpret_cast<const std::uint16_t*>(page + partitions * 2);
   const std::byte* codes = page + partitions * (4 + sum_bytes);
-  for (int index = static_cast<int>(threadIdx.x); index < page_size * HeadDim; index += quant2_unpack_threads) {
+  for (int index = static_cast<int>(threadIdx.x); index < page_size * HeadDim; index += quant_unpack_threads) {
     const int token = index / HeadDim, channel = index % HeadDim;
-    const int part = channel * per_channel + token / pi;
-    const std::size_t bit = is_key ? kvmosaic::detail::quant2_code_bit(HeadDim, token, channel)
-                                   : kvmosaic::detail::quant2_code_bit(page_size, channel, token);
-    const int code = (static_cast<int>(codes[bit / 8]) >> (bit % 8)) & 3;
+    const int part = along_tokens ? channel * per_channel + token / pi : token * (HeadDim / pi) + channel / pi;
+    const std::size_t bit = is_key ? kvmosaic::detail::quant_code_bit(bits, HeadDim, token, channel)
+                                   : kvmosaic::detail::quant_code_bit(bits, page_size, channel, token);
+    const int code = (static_cast<int>(codes[bit / 8]) >> (bit % 8)) & Format::levels;
     const float x = kvmosaic::detail::storage_value(mins[part], u.storage) +
                     kvmosaic::detail::storage_value(scales[part], u.storage) * static_cast<float>(code);
     rows[index] = kvmosaic::detail::storage_bits(x, u.storage);
@@ -11548,24 +11824,28 @@ __global__ void __launch_bounds__(quant2_unpack_threads) unpack_quant2_pages_ker
 }
 
 }  // namespace kvmosaic::cuda::kernel
-// ---- end <kvmosaic/cuda/format/quant2/unpack.cuh> ----
+// ---- end <kvmosaic/cuda/format/quant/unpack.cuh> ----
 
 namespace kvmosaic::cuda {
 
-template <>
-struct device_format<format::quant2> {
+template <int Bits, format::value_axis ValueAxis>
+struct device_format<format::quant<Bits, ValueAxis>> {
+  using format_type = format::quant<Bits, ValueAxis>;
   static constexpr bool encodes_pages = true;
+  /// The split kernel masks the sinks of a sequence's first page (`decode_partial_quant_kernel`'s
+  /// `masked`): a step whose only exact rows are sinks runs the kernel without row masks.
+  static constexpr bool masks_sink_rows = true;
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
-  using params = kernel::quant2_decode_params;
+  using params = kernel::quant_decode_params;
 
   struct state {
     int stages = 1;  ///< compressed page pairs in flight per warp (sm_90; 1 on the portable path)
   };
 
-  static void validate(const format::quant2& f, const kvmosaic::detail::engine_shape& shape) {
-    kvmosaic::detail::require(f.k_axis == format::key_axis::tokens, "cuda::engine", "format::quant2::k_axis",
+  static void validate(const format_type& f, const kvmosaic::detail::engine_shape& shape) {
+    kvmosaic::detail::require(f.k_axis == format::key_axis::tokens, "cuda::engine", k_axis_name(),
                               "key_axis::head_dim",
                               "key_axis::tokens (the CUDA kernels read K partitioned per channel; the per-token "
                               "layout runs on the host backend)");
@@ -11574,7 +11854,7 @@ struct device_format<format::quant2> {
 
   /// Up to 4 CTAs per SM (as tuned) and up to 4 stages per warp.
   template <class Shapes>
-  static void configure(state& s, const format::quant2& f, device_context& e) {
+  static void configure(state& s, const format_type& f, device_context& e) {
     s.stages = 1;
     if (!e.bulk_copy) return;
     int registers = 0;
@@ -11586,7 +11866,7 @@ struct device_format<format::quant2> {
     const int pair = 4 * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);  // a page pair per warp
     int stage_offset = 0;
     dispatch_partition(e.shape->head_dim, f.partition, [&](auto dim, auto partition) {
-      stage_offset = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset;
+      stage_offset = kernel::quant_decode_layout<decltype(dim)::value, decltype(partition)::value, format_type>::stage_offset;
     });
     const int stages = detail::stages_for(e.device, registers, 4, 4, [&](int n) { return stage_offset + 1024 + n * pair; });
     if (stages == 0) {
@@ -11598,7 +11878,7 @@ struct device_format<format::quant2> {
 
   /// The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
   template <class Shapes, class F>
-  static void with_decode_kernel(const state& s, const format::quant2& f, const device_context& e, bool row_masks, F&& call) {
+  static void with_decode_kernel(const state& s, const format_type& f, const device_context& e, bool row_masks, F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const int stage_bytes = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
@@ -11606,20 +11886,20 @@ struct device_format<format::quant2> {
       constexpr int head_dim = decltype(dim)::value;
       dispatch_partition_of<head_dim>(f.partition, [&](auto partition) {
         constexpr int pi = decltype(partition)::value;
-        using layout = kernel::quant2_decode_layout<head_dim, pi>;
+        using layout = kernel::quant_decode_layout<head_dim, pi, format_type>;
         if (e.bulk_copy && row_masks)  // row masks: their own instantiations
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true>, 128, layout::bytes(stage_bytes, s.stages));
         else if (e.bulk_copy)
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true>, 128, layout::bytes(stage_bytes, s.stages));
         else if (row_masks)
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false, true>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true>, 128, layout::bytes(stage_bytes, 1));
         else
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false>, 128, layout::bytes(stage_bytes, 1));
       });
     });
   }
 
-  static params params_for(const state& s, const format::quant2&, const device_context&) { return params{s.stages}; }
+  static params params_for(const state& s, const format_type&, const device_context&) { return params{s.stages}; }
 
   /// Page ids are read from the block table: no limit.
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
@@ -11630,11 +11910,11 @@ struct device_format<format::quant2> {
   /// Quantizes `n` completed pages (K and V of every KV head): one CTA per (page, head, K or V);
   /// a sequence's first page is quantized with its sinks hidden (`detail::hides_sink_rows`).
   template <class Shapes>
-  static void encode_pages(const state&, const format::quant2& f, const encode_context& c) {
+  static void encode_pages(const state&, const format_type& f, const encode_context& c) {
     const device_context& e = *c.engine;
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
-    kernel::quant2_encode_params p{};
+    kernel::quant_encode_params p{};
     p.rows = c.rows;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
     p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
@@ -11654,19 +11934,19 @@ struct device_format<format::quant2> {
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
       using S = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
-      const auto encode = kernel::encode_quant2_pages_kernel<S, head_dim>;
-      encode<<<grid, kernel::quant2_encode_threads, detail::opted_in_shared(encode, code_bytes), e.stream>>>(p);
+      const auto encode = kernel::encode_quant_pages_kernel<S, head_dim, format_type>;
+      encode<<<grid, kernel::quant_encode_threads, detail::opted_in_shared(encode, code_bytes), e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
 
   /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
   template <class Shapes>
-  static void unpack_pages(const state&, const format::quant2& f, const unpack_context& c) {
+  static void unpack_pages(const state&, const format_type& f, const unpack_context& c) {
     const device_context& e = *c.engine;
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
-    const kernel::quant2_unpack_params p{c.rows,
+    const kernel::quant_unpack_params p{c.rows,
                                          static_cast<std::int64_t>(g.tail_slot_bytes()),
                                          static_cast<std::int64_t>(g.tail_head_bytes),
                                          e.pages,
@@ -11679,12 +11959,21 @@ struct device_format<format::quant2> {
                                          shape.storage};
     const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
-      kernel::unpack_quant2_pages_kernel<decltype(dim)::value><<<grid, kernel::quant2_unpack_threads, 0, e.stream>>>(p);
+      kernel::unpack_quant_pages_kernel<decltype(dim)::value, format_type><<<grid, kernel::quant_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
 
  private:
+  /// "format::quant2::k_axis" and the like, for messages.
+  static const char* k_axis_name() {
+    static const std::string name = std::string(kvmosaic::detail::quant_where<Bits, ValueAxis>()) + "::k_axis";
+    return name.c_str();
+  }
+  static const char* partition_name() {
+    static const std::string name = std::string(kvmosaic::detail::quant_where<Bits, ValueAxis>()) + "::partition";
+    return name.c_str();
+  }
   /// Calls f(partition constant) for Pi at most HeadDim.
   template <int HeadDim, class F>
   static void dispatch_partition_of(int partition, F&& f) {
@@ -11695,9 +11984,9 @@ struct device_format<format::quant2> {
         if constexpr (HeadDim >= 128) return f(std::integral_constant<int, 128>{});
         break;
     }
-    kvmosaic::detail::require(false, "cuda::engine", "format::quant2::partition", partition, "32, 64 or 128, at most head_dim");
+    kvmosaic::detail::require(false, "cuda::engine", partition_name(), partition, "32, 64 or 128, at most head_dim");
   }
-  /// Calls f(head_dim constant, partition constant) for a quant2 shape (Pi at most head_dim).
+  /// Calls f(head_dim constant, partition constant) for a quantized shape (Pi at most head_dim).
   template <class F>
   static void dispatch_partition(int head_dim, int partition, F&& f) {
     const auto by_partition = [&](auto dim) {
@@ -11708,7 +11997,7 @@ struct device_format<format::quant2> {
           if constexpr (decltype(dim)::value >= 128) return f(dim, std::integral_constant<int, 128>{});
           break;
       }
-      kvmosaic::detail::require(false, "cuda::engine", "format::quant2::partition", partition,
+      kvmosaic::detail::require(false, "cuda::engine", partition_name(), partition,
                                 "32, 64 or 128, at most head_dim");
     };
     switch (head_dim) {
@@ -11721,7 +12010,7 @@ struct device_format<format::quant2> {
 };
 
 }  // namespace kvmosaic::cuda
-// ---- end <kvmosaic/cuda/format/quant2/device.cuh> ----
+// ---- end <kvmosaic/cuda/format/quant/device.cuh> ----
 // The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 
 // ---- begin <kvmosaic/cuda/select/quest.cuh> ----

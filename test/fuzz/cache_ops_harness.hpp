@@ -17,7 +17,7 @@
 //   - against fp64 exact attention over what the format stores (dense: the rows rounded to the
 //     storage dtype; bitmap_tiles: those rows pruned by the independent reference of
 //     support/prune.hpp; quant2 with select::all: its pages decoded, with the bound of
-//     support/quant2_bound.hpp) over the tokens the step read (every token for select::all; the
+//     support/quant_bound.hpp) over the tokens the step read (every token for select::all; the
 //     selected ranges plus the tail, open chunk and sink rows for read-less selectors), within
 //     the derived bound of support/oracle.hpp;
 //   - finite (every input is finite).
@@ -40,7 +40,7 @@
 // half a quantization step of its input for quant2, which re-encodes it).
 // Attend outputs are checked against fp64 exact attention over the live tokens (dense: stored
 // rows; bitmap_tiles: sealed tokens pruned by support/prune.hpp; quant2: each live slot's decoded
-// row, with the quant2 bound over the live tokens of support/quant2_bound.hpp), and bitwise
+// row, with the quant2 bound over the live tokens of support/quant_bound.hpp), and bitwise
 // against the one-shot-prefilled cache while no token of the batch was ever evicted.
 //
 // A mismatch throws `ops::failure` (a std::logic_error, never a kvmosaic::error) whose message
@@ -63,7 +63,7 @@
 #include "kvmosaic/support/synthetic.hpp"
 #include "support/oracle.hpp"
 #include "support/prune.hpp"
-#include "support/quant2_bound.hpp"
+#include "support/quant_bound.hpp"
 
 namespace kvmosaic::test::ops {
 
@@ -798,11 +798,11 @@ class harness {
     if constexpr (std::is_same<format_type, format::bitmap_tiles>::value) {
       held = pruned_cache(stored, config_.page_size, cache_.format().s_k, cache_.format().s_v);
     } else if constexpr (std::is_same<format_type, format::quant2>::value) {
-      held = quant2_decoded(cache_, s.id, stored);
+      held = quant_decoded(cache_, s.id, stored);
       sinks = s.pages.empty() ? 0 : cache_.format().sink_tokens;
       if constexpr (reads_all) {
         const auto exact_out = exact(q, held, scale);
-        const auto bounds = quant2_attention_bounds(cache_, s.id, q, held, scale);
+        const auto bounds = quant_attention_bounds(cache_, s.id, q, held, scale);
         for (std::size_t x = 0; x < exact_out.size(); ++x)
           if (!(std::abs(out[x] - exact_out[x]) <= bounds.vs_exact[x]))
             fail_oracle(s, x, out[x], exact_out[x], bounds.vs_exact[x]);
@@ -1116,7 +1116,7 @@ class harness {
                           (is_v ? held.v.data() : held.k.data()) + static_cast<std::size_t>(p) * row + static_cast<std::size_t>(h) * d);
             }
           }
-      const std::vector<double> bound = quant2_live_bounds(cache_, s.id, q, held, s.slots, s.sealed, scale);
+      const std::vector<double> bound = quant_live_bounds(cache_, s.id, q, held, s.slots, s.sealed, scale);
       const synthetic::kv_data kv = live_rows(held, live);
       const auto exact_out = exact(q, kv, scale);
       for (std::size_t x = 0; x < exact_out.size(); ++x)

@@ -19,10 +19,20 @@ using test::gpu_available;
 
 namespace {
 
+template <class Format>
+struct is_quantized : std::false_type {};
+template <int Bits, format::value_axis V>
+struct is_quantized<format::quant<Bits, V>> : std::true_type {};
+
+/// The one kernel shape of `evicted_twins`' configuration (bf16, head_dim 128, groups of 4): enough
+/// for the formats added after the first three, whose kernels would otherwise be compiled for every
+/// shape.
+using twins_shape = backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>;
+
 /// A host cache and a device cache of the same type fed the same three sequences (9 pages and a
 /// tail each), then the same evictions: none in the first, half of its sealed tokens at random in
 /// the second, 90% and one whole page in the third.
-template <class Format, class Compactor, class Selector = select::all>
+template <class Format, class Compactor, class Selector = select::all, class DeviceBackend = backend::cuda>
 struct evicted_twins {
   evicted_twins(const Format& f, int page_size, const Selector& selector = {})
       : format(f), config(make_config(page_size)), host(config, format, selector), device(config, format, selector) {
@@ -103,13 +113,13 @@ struct evicted_twins {
   }
   /// The formats' own host-device tolerance: a few fp32 ulps of the outputs' scale for dense and
   /// bitmap_tiles (order of summation, q and p split in two 16-bit halves on tensor cores), one
-  /// 8-bit rounding step of p for quant2.
-  static double tolerance() { return std::is_same<Format, format::quant2>::value ? 2e-2 : 2e-3; }
+  /// 8-bit rounding step of p for the quantized formats.
+  static double tolerance() { return is_quantized<Format>::value ? 2e-2 : 2e-3; }
 
   Format format;
   cache_config config;
   cache<Format, Selector, Compactor> host;
-  cache<Format, Selector, Compactor, backend::cuda> device;
+  cache<Format, Selector, Compactor, DeviceBackend> device;
   std::vector<sequence_id> seqs;
 };
 
@@ -123,9 +133,9 @@ double largest_difference(const std::vector<float>& a, const std::vector<float>&
   return worst;
 }
 
-template <class Format>
+template <class Format, class DeviceBackend = backend::cuda>
 void check_eviction(const Format& format, int page_size) {
-  evicted_twins<Format, compact::repack> t(format, page_size);
+  evicted_twins<Format, compact::repack, select::all, DeviceBackend> t(format, page_size);
   const std::vector<float> host_out = t.host_attend(), gpu_out = t.device_attend();
   // The host reads exactly the live tokens (test_eviction.cpp); the device must agree with it.
   const double worst = largest_difference(gpu_out, host_out);
@@ -154,9 +164,9 @@ void check_eviction(const Format& format, int page_size) {
 /// as they are, as it did before the pass). `captured`: the device's passes are captured in a
 /// CUDA graph (relaxed mode) and replayed once, after a warm-up pass over a larger sequence has
 /// sized the engine's arenas.
-template <class Compactor, class Format>
+template <class Compactor, class Format, class DeviceBackend = backend::cuda>
 void check_compaction(const Format& format, int page_size, bool captured = false) {
-  evicted_twins<Format, Compactor> t(format, page_size);
+  evicted_twins<Format, Compactor, select::all, DeviceBackend> t(format, page_size);
   const std::vector<float> before = t.device_attend();
   if (captured) {
     REQUIRE(t.host.compact(t.seqs[1]).pages_freed == t.device.compact(t.seqs[1]).pages_freed);  // the warm-up pass
@@ -214,6 +224,14 @@ TEST_CASE("GPU eviction: the device attends over the host's live tokens, every f
   q2.mode = format::rounding::nearest;
   q2.sink_tokens = 0;
   check_eviction(q2, 32);
+  format::quant4 q4;
+  q4.partition = 32;
+  q4.sink_tokens = 0;
+  check_eviction<format::quant4, twins_shape>(q4, 32);
+  format::quant<4, format::value_axis::head_dim> q4_token;
+  q4_token.partition = 32;
+  q4_token.sink_tokens = 0;
+  check_eviction<decltype(q4_token), twins_shape>(q4_token, 64);
 }
 
 TEST_CASE("GPU compaction: repack and hole fill leave the host's tables, pool and page bytes, every format",
@@ -236,6 +254,14 @@ TEST_CASE("GPU compaction: repack and hole fill leave the host's tables, pool an
   check_compaction<compact::repack>(q2, 32);
   check_compaction<compact::hole_fill>(q2, 64);
   check_compaction<compact::repack>(sinks, 64);
+  format::quant4 q4;  // 4-bit codes through the device's unpack and encode kernels
+  q4.partition = 32;
+  q4.mode = format::rounding::stochastic;
+  check_compaction<compact::repack, format::quant4, twins_shape>(q4, 64);
+  format::quant<4, format::value_axis::head_dim> q4_token;
+  q4_token.partition = 32;
+  q4_token.sink_tokens = 0;
+  check_compaction<compact::hole_fill, decltype(q4_token), twins_shape>(q4_token, 32);
 }
 
 TEST_CASE("GPU compaction: a pass captured in a CUDA graph", "[gpu][eviction][compaction]") {

@@ -11,7 +11,7 @@
 
 #include "../support/feed.hpp"
 #include "../support/exact_rows.hpp"
-#include "../support/quant2_bound.hpp"
+#include "../support/quant_bound.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -48,7 +48,7 @@ void check_exact_twin(test::twin<F, S>& t) {
     const auto exact = test::exact(qb, attended, scale);
     std::vector<double> twin_bound(per_seq), exact_bound(per_seq);
     if constexpr (std::is_same<F, format::quant2>::value) {
-      const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, t.seqs[b], qb, attended, scale);
+      const test::quant_bounds bounds = test::quant_attention_bounds(t.host, t.seqs[b], qb, attended, scale);
       twin_bound = bounds.vs_twin;
       exact_bound = bounds.vs_exact;
     } else {

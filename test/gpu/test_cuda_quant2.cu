@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "../support/quant2_bound.hpp"
+#include "../support/quant_bound.hpp"
 #include "reliability.hpp"
 #include "twin.hpp"
 
@@ -19,7 +19,7 @@ using twin = test::twin<format::quant2>;
 namespace {
 
 /// Attends on both backends; checks the GPU against the host and against exact attention on the
-/// values the host's pages decode to (test/support/quant2_bound.hpp derives both bounds).
+/// values the host's pages decode to (test/support/quant_bound.hpp derives both bounds).
 void check_quant2_attention(twin& t, bool report = false) {
   const twin::step_outputs step = t.attend_both();
   const std::vector<float>& q = step.q;
@@ -32,12 +32,12 @@ void check_quant2_attention(twin& t, bool report = false) {
   for (std::size_t b = 0; b < t.seqs.size(); ++b) {
     const int length = static_cast<int>(t.host.length(t.seqs[b]));
     CAPTURE(b, length);
-    const auto decoded = test::quant2_decoded(
+    const auto decoded = test::quant_decoded(
         t.host, t.seqs[b], test::rounded(synthetic::generate_kv(t.generator, t.streams[b], length), t.config.storage));
     const std::vector<float> qb(q.begin() + static_cast<std::ptrdiff_t>(b * per_seq),
                                 q.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
     const auto exact = test::exact(qb, decoded, scale);
-    const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, t.seqs[b], qb, decoded, scale);
+    const test::quant_bounds bounds = test::quant_attention_bounds(t.host, t.seqs[b], qb, decoded, scale);
     for (std::size_t i = 0; i < per_seq; ++i) {
       const float g = gpu_out[b * per_seq + i], h = host_out[b * per_seq + i];
       INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);
@@ -203,10 +203,10 @@ TEST_CASE("GPU quant2 beyond f16's range: mins and scales in the storage dtype, 
   std::vector<float> q = synthetic::generate_query(t.generator, 1, length);
   for (float& x : q) x *= 1e-5f;
   const auto [host_out, gpu_out] = attend_values(t, id, q);
-  const auto decoded = test::quant2_decoded(t.host, id, test::rounded(kv, storage));
+  const auto decoded = test::quant_decoded(t.host, id, test::rounded(kv, storage));
   const double scale = 1.0 / std::sqrt(128.0);
   const auto exact = test::exact(q, decoded, scale);
-  const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, id, q, decoded, scale);
+  const test::quant_bounds bounds = test::quant_attention_bounds(t.host, id, q, decoded, scale);
   for (std::size_t i = 0; i < q.size(); ++i) {
     const float g = gpu_out[i], h = host_out[i];
     INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);
@@ -235,10 +235,10 @@ TEST_CASE("GPU quant2 with NaN and infinite K and V: the host's bytes; other hea
   t.check_storage();
   const std::vector<float> q = synthetic::generate_query(t.generator, 2, length);
   const auto [host_out, gpu_out] = attend_values(t, id, q);
-  const auto decoded = test::quant2_decoded(t.host, id, test::rounded(kv, dtype::bf16));
+  const auto decoded = test::quant_decoded(t.host, id, test::rounded(kv, dtype::bf16));
   const double scale = 1.0 / std::sqrt(128.0);
   const auto exact = test::exact(q, decoded, scale);
-  const test::quant2_bounds bounds = test::quant2_attention_bounds(t.host, id, q, decoded, scale);
+  const test::quant_bounds bounds = test::quant_attention_bounds(t.host, id, q, decoded, scale);
   for (std::size_t i = 0; i < 4 * static_cast<std::size_t>(d); ++i) {  // query heads 0-3: KV head 0
     const float g = gpu_out[i], h = host_out[i];
     INFO("element " << i << ": gpu " << g << ", host " << h << ", exact " << exact[i]);

@@ -51,10 +51,10 @@ struct device_array {
 };
 
 /// The same workload on both backends.
-template <class Format, class Selector = select::all>
+template <class Format, class Selector = select::all, class DeviceBackend = backend::cuda>
 struct twin {
   using host_cache = cache<Format, Selector, compact::none, backend::host>;
-  using cuda_cache = cache<Format, Selector, compact::none, backend::cuda>;
+  using cuda_cache = cache<Format, Selector, compact::none, DeviceBackend>;
 
   twin(const cache_config& c, std::uint64_t seed, const Format& f = {}, const Selector& s = {})
       : config(c), format(f), host(c, f, s), device(c, f, s) {

@@ -17,7 +17,7 @@
 #include "../support/feed.hpp"
 #include "../support/exact_rows.hpp"
 #include "../support/oracle.hpp"
-#include "../support/quant2_bound.hpp"
+#include "../support/quant_bound.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
@@ -120,9 +120,9 @@ void check_format_against_oracle(Cache& cache, sequence_id s, const std::vector<
   const auto out = attend_one(cache, s, q);
   const synthetic::kv_data attended = as_attended(cache, s, stored);
   if constexpr (std::is_same<typename Cache::format_type, format::quant2>::value) {
-    const synthetic::kv_data decoded = test::quant2_decoded(cache, s, stored);
+    const synthetic::kv_data decoded = test::quant_decoded(cache, s, stored);
     REQUIRE(decoded.k == attended.k);
-    const test::quant2_bounds bounds = test::quant2_attention_bounds(cache, s, q, decoded, scale);
+    const test::quant_bounds bounds = test::quant_attention_bounds(cache, s, q, decoded, scale);
     const auto exact = test::exact(q, decoded, scale);
     for (std::size_t i = 0; i < out.size(); ++i) {
       INFO("element " << i);

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// format::quant2 (HACK) on the host: hand-computed partitions, stochastic rounding unbiased over
-// seeds, nearest rounding within half a step, Eq. 4 (attention on codes) equal to
-// dequantize-then-multiply with the same codes and the same q and p quantization, the byte
-// accounting, and bad parameters.
+// format::quant2 (HACK) on the host: stochastic rounding unbiased over seeds, nearest rounding
+// within half a step, the byte accounting, sinks, the code layout, ranges, NaN, and bad
+// parameters. What holds for every code width and V axis (values on the grid exact, Eq. 4 equal to
+// dequantize-then-multiply, attention within the bound of the 8-bit steps) is tested for quant2
+// with the others in test_quant_widths.cpp.
 
 #include <catch2/catch.hpp>
 
@@ -15,7 +16,7 @@
 #include <vector>
 
 #include "../support/oracle.hpp"
-#include "../support/quant2_bound.hpp"
+#include "../support/quant_bound.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
@@ -33,35 +34,6 @@ std::vector<float> random_rows(int n, int d, std::uint32_t seed, float spread = 
 }
 
 }  // namespace
-
-TEST_CASE("quant2: a partition on the code grid is exact; 1.5 steps rounds up to nearest", "[quant2]") {
-  const page_shape shape{64, 64, dtype::bf16};
-  // Pi = 32: every partition along channels holds values of {-1, 0, 1, 2} (min -1, max 2:
-  // scale 1); along tokens each channel is constant (scale 0, the min alone).
-  std::vector<float> rows(64 * 64);
-  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(static_cast<int>(i % 4) - 1);
-  std::vector<float> decoded(rows.size());
-  for (const auto mode : {format::rounding::nearest, format::rounding::stochastic}) {
-    for (const auto axis : {format::key_axis::head_dim, format::key_axis::tokens}) {
-      const format::quant2 f{32, mode, 7, axis};
-      std::vector<std::byte> page(traits::k_page_bytes(f, shape));
-      traits::encode_k(f, shape, rows.data(), page.data());
-      traits::decode_k(f, shape, page.data(), 64, decoded.data());
-      CHECK(decoded == rows);
-      traits::encode_v(f, shape, rows.data(), page.data());
-      traits::decode_v(f, shape, page.data(), 64, decoded.data());
-      CHECK(decoded == rows);
-    }
-  }
-  // K per token: 0.5 lies 1.5 steps above -1 in its partition (channels 0-31 of token 0):
-  // nearest rounds half up, to code 2 (value 1).
-  rows[5] = 0.5f;
-  const format::quant2 nearest{32, format::rounding::nearest, 0, format::key_axis::head_dim};
-  std::vector<std::byte> page(traits::k_page_bytes(nearest, shape));
-  traits::encode_k(nearest, shape, rows.data(), page.data());
-  traits::decode_k(nearest, shape, page.data(), 64, decoded.data());
-  CHECK(decoded[5] == 1.0f);
-}
 
 TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within half a step", "[quant2]") {
   const page_shape shape{64, 64, dtype::bf16};
@@ -84,7 +56,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
     traits::decode_k(f, shape, page.data(), 64, decoded.data());
     for (std::size_t i = 0; i < rows.size(); ++i) mean_error[i] += (decoded[i] - rows[i]) / seeds;
     if (seed == 0) {
-      const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
+      const detail::quant_page_view view{detail::quant_layout_of(f, shape, true), page.data()};
       for (int part = 0; part < view.layout.partitions; ++part) max_step = std::max<double>(max_step, view.scale(part));
     }
   }
@@ -99,7 +71,7 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
   std::vector<std::byte> page(traits::k_page_bytes(f, shape));
   traits::encode_k(f, shape, rows.data(), page.data());
   traits::decode_k(f, shape, page.data(), 64, decoded.data());
-  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
+  const detail::quant_page_view view{detail::quant_layout_of(f, shape, true), page.data()};
   for (int t = 0; t < 64; ++t)
     for (int c = 0; c < 64; ++c) {
       const std::size_t i = static_cast<std::size_t>(t) * 64 + c;
@@ -107,109 +79,6 @@ TEST_CASE("quant2: stochastic rounding is unbiased over seeds, nearest within ha
       // half a step, plus the f16 rounding of min and scale (relative 2^-11 each, times 3 steps)
       REQUIRE(std::abs(decoded[i] - rows[i]) <= s / 2 + 4 * std::ldexp(std::abs(rows[i]) + 3 * s, -11) + 1e-6f);
     }
-}
-
-TEST_CASE("quant2: Eq. 4 on codes equals dequantize-then-multiply (same codes, same q and p quantization)",
-          "[quant2]") {
-  const int pi = GENERATE(32, 64, 128);
-  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
-  const int head_dim = 128, page_size = 128, groups = 3;
-  CAPTURE(pi, axis == format::key_axis::tokens);
-  const page_shape shape{page_size, head_dim, dtype::bf16};
-  const format::quant2 f{pi, format::rounding::stochastic, 11, axis};
-  const std::vector<float> k = random_rows(page_size, head_dim, 5), v = random_rows(page_size, head_dim, 6, 0.5f);
-  std::vector<std::byte> k_page(traits::k_page_bytes(f, shape)), v_page(traits::v_page_bytes(f, shape));
-  traits::encode_k(f, shape, k.data(), k_page.data());
-  traits::encode_v(f, shape, v.data(), v_page.data());
-  std::vector<float> k_hat(k.size()), v_hat(v.size());
-  traits::decode_k(f, shape, k_page.data(), page_size, k_hat.data());
-  traits::decode_v(f, shape, v_page.data(), page_size, v_hat.data());
-  const std::vector<float> q = random_rows(groups, head_dim, 8, 0.1f);
-
-  // q.k: the library's logits against fp64 sums of the dequantized operands. K per token: the
-  // dequantized q (m + s a) times decoded k. K per channel: sum_c q_c m_cj plus the dequantized
-  // q' = q * s_j (m' + s' a) times the codes.
-  std::vector<float> logits(static_cast<std::size_t>(groups) * page_size);
-  traits::score(f, shape, k_page.data(), page_size, q.data(), groups, logits.data());
-  const detail::quant2_page_view k_view{detail::quant2_layout_of(f, shape, true), k_page.data()};
-  std::vector<int> a(static_cast<std::size_t>(head_dim));
-  const auto dequantized8 = [&](const float* x) {  // 8-bit q (or q') per group of Pi channels
-    std::vector<double> x_hat(static_cast<std::size_t>(head_dim));
-    for (int j = 0; j < head_dim / pi; ++j) {
-      float m = 0, s = 0;
-      detail::quantize8(x + j * pi, pi, 1, m, s, a.data());
-      for (int i = 0; i < pi; ++i) x_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
-    }
-    return x_hat;
-  };
-  for (int g = 0; g < groups; ++g) {
-    const float* q_g = q.data() + static_cast<std::size_t>(g) * head_dim;
-    for (int t = 0; t < page_size; ++t) {
-      double dot = 0, magnitude = 0;
-      if (axis == format::key_axis::head_dim) {
-        const std::vector<double> q_hat = dequantized8(q_g);
-        for (int c = 0; c < head_dim; ++c) {
-          const double term = q_hat[static_cast<std::size_t>(c)] * k_hat[static_cast<std::size_t>(t) * head_dim + c];
-          dot += term;
-          magnitude += std::abs(term);
-        }
-      } else {
-        const int per_channel = page_size / pi, j = t / pi;
-        std::vector<float> folded(static_cast<std::size_t>(head_dim));
-        for (int c = 0; c < head_dim; ++c) {
-          const int part = c * per_channel + j;
-          folded[static_cast<std::size_t>(c)] = q_g[c] * k_view.scale(part);
-          const double term = static_cast<double>(q_g[c]) * k_view.min(part);
-          dot += term;
-          magnitude += std::abs(term);
-        }
-        const std::vector<double> folded_hat = dequantized8(folded.data());
-        for (int c = 0; c < head_dim; ++c) {
-          const double term = folded_hat[static_cast<std::size_t>(c)] * k_view.code(c * per_channel + j, t % pi);
-          dot += term;
-          magnitude += std::abs(term);
-        }
-      }
-      REQUIRE(std::abs(logits[static_cast<std::size_t>(g) * page_size + t] - dot) <= 1e-6 * (magnitude + 1e-30));
-    }
-  }
-
-  // p.v: the library's accumulation against fp64 sums of dequantized p times decoded v.
-  std::vector<float> p(static_cast<std::size_t>(groups) * page_size);
-  for (std::size_t i = 0; i < p.size(); ++i) p[i] = std::exp(-0.01f * static_cast<float>((i * 37) % 300));
-  std::vector<float> o(static_cast<std::size_t>(groups) * head_dim, 0.0f);
-  traits::accumulate(f, shape, v_page.data(), page_size, p.data(), groups, o.data());
-  for (int g = 0; g < groups; ++g) {
-    std::vector<double> p_hat(static_cast<std::size_t>(page_size));
-    for (int j = 0; j < page_size / pi; ++j) {
-      float m = 0, s = 0;
-      detail::quantize8(p.data() + static_cast<std::size_t>(g) * page_size + j * pi, pi, 1, m, s, a.data());
-      for (int i = 0; i < pi; ++i) p_hat[static_cast<std::size_t>(j * pi + i)] = static_cast<double>(m) + static_cast<double>(s) * a[static_cast<std::size_t>(i)];
-    }
-    for (int c = 0; c < head_dim; ++c) {
-      double sum = 0, magnitude = 0;
-      for (int t = 0; t < page_size; ++t) {
-        const double term = p_hat[static_cast<std::size_t>(t)] * v_hat[static_cast<std::size_t>(t) * head_dim + c];
-        sum += term;
-        magnitude += std::abs(term);
-      }
-      REQUIRE(std::abs(o[static_cast<std::size_t>(g) * head_dim + c] - sum) <= 1e-6 * (magnitude + 1e-30));
-    }
-  }
-  // Eq. 4 itself, in fp64 with integers: exact up to fp64 rounding.
-  std::mt19937 rng(1);
-  for (int trial = 0; trial < 100; ++trial) {
-    double sum_a = 0, sum_b = 0, dot = 0, direct = 0;
-    const double m_a = -0.3 + 0.01 * trial, s_a = 0.002 * (trial + 1), m_b = 0.7 - 0.02 * trial, s_b = 0.05;
-    for (int i = 0; i < pi; ++i) {
-      const int x = static_cast<int>(rng() % 256), y = static_cast<int>(rng() % 4);
-      sum_a += x;
-      sum_b += y;
-      dot += x * y;
-      direct += (m_a + s_a * x) * (m_b + s_b * y);
-    }
-    REQUIRE(detail::homomorphic_dot(pi, m_a, s_a, sum_a, m_b, s_b, sum_b, dot) == Approx(direct).epsilon(1e-12));
-  }
 }
 
 TEST_CASE("quant2 accounting: at Pi = 64, head_dim 128, long context, at most 20% of dense", "[quant2][accounting]") {
@@ -229,43 +98,6 @@ TEST_CASE("quant2 accounting: at Pi = 64, head_dim 128, long context, at most 20
   CHECK(m.compression_ratio() ==
         Approx((128.0 * 8 * 2 * 2688 + (10.0 + 4) * 8 * 128 * 2 * 2) / ((8192 + 10) * 8 * 128 * 2 * 2.0)));
   CHECK(m.compression_ratio() <= 0.20);
-}
-
-TEST_CASE("quant2 attends through the cache within the bound its 8-bit q and p steps predict", "[quant2]") {
-  // The cache's output against exact fp64 attention on what the pages decode to (the tail as
-  // stored): the differences are q (or q') quantized to 8 bits per group of channels and p to 8
-  // bits per partition of tokens; the bound is derived in test/support/quant2_bound.hpp.
-  const int pi = GENERATE(32, 64);
-  const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
-  CAPTURE(pi, axis == format::key_axis::tokens);
-  cache_config c;
-  c.num_kv_heads = 2;
-  c.group_size = 2;
-  c.head_dim = 64;
-  c.max_pages = 16;
-  cache<format::quant2> q2(c, format::quant2{pi, format::rounding::stochastic, 3, axis});
-  synthetic::kv_config cfg;
-  cfg.num_kv_heads = 2;
-  cfg.group_size = 2;
-  cfg.head_dim = 64;
-  const int length = GENERATE(1, 64, 150);  // the tail alone, one full page, pages and a tail
-  CAPTURE(length);
-  const auto kv = synthetic::generate_kv(cfg, 2, length);
-  const sequence_id id = q2.add_sequence();
-  q2.prefill(id, test::k_view(kv), test::v_view(kv));
-  const auto q = synthetic::generate_query(cfg, 2, length);
-  std::vector<float> out(q.size());
-  q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
-            tensor_view<float, 3>(out.data(), 1, 4, 64));
-
-  const synthetic::kv_data decoded = test::quant2_decoded(q2, id, test::rounded(kv, dtype::bf16));
-  const float scale = 1.0f / 8.0f;
-  const auto exact = test::exact(q, decoded, scale);
-  const test::quant2_bounds bounds = test::quant2_attention_bounds(q2, id, q, decoded, scale);
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    INFO("element " << i);
-    REQUIRE(std::abs(out[i] - exact[i]) <= bounds.vs_exact[i]);
-  }
 }
 
 TEST_CASE("quant2 rejects bad partitions and shapes, naming the parameter", "[quant2][errors]") {
@@ -305,7 +137,7 @@ TEST_CASE("quant2 needs a partition dividing head_dim with either key axis, and 
   // groups of Pi: q' = q s is quantized to 8 bits per Pi channels and each token's code sums of Pi
   // channels fill the partitions' sum slots. Pi = 128 at head_dim 64 is rejected for both axes,
   // naming partition and the values allowed at that head_dim; the CUDA engine compiles Pi <=
-  // head_dim only and rejects the same (cuda/format/quant2/device.cuh).
+  // head_dim only and rejects the same (cuda/format/quant/device.cuh).
   const std::string expected =
       "kvmosaic: format::quant2: partition = 128; allowed: 32 or 64 at head_dim = 64 (a divisor of head_dim with "
       "either k_axis: q.k sums channels in groups of partition; K per channel stores per-token code sums of "
@@ -370,9 +202,9 @@ TEST_CASE("quant2 sink tokens stay 16-bit: masked in the first page, attended ex
     q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
               tensor_view<float, 3>(out.data(), 1, 4, 64));
     // Against exact attention on what the cache keeps: decoded pages, dense sinks and tail.
-    const synthetic::kv_data decoded = test::quant2_decoded(q2, id, stored);
+    const synthetic::kv_data decoded = test::quant_decoded(q2, id, stored);
     const auto exact = test::exact(q, decoded, scale);
-    const test::quant2_bounds bounds = test::quant2_attention_bounds(q2, id, q, decoded, scale);
+    const test::quant_bounds bounds = test::quant_attention_bounds(q2, id, q, decoded, scale);
     for (std::size_t i = 0; i < out.size(); ++i) {
       INFO("sinks " << sinks << ", element " << i);
       REQUIRE(std::abs(out[i] - exact[i]) <= bounds.vs_exact[i]);
@@ -426,15 +258,15 @@ TEST_CASE("quant2 sink tokens stay 16-bit: masked in the first page, attended ex
 TEST_CASE("quant2 codes are stored as int8 m16n8k32 A fragments", "[quant2][layout]") {
   // Hand-computed positions (PTX ISA, mma.m16n8k32 A fragment: lane 4g + q holds rows g and g + 8,
   // columns 4q .. 4q + 3 and 16 + 4q ..; register s = row half s % 2, column half s / 2).
-  CHECK(detail::quant2_code_bit(128, 0, 0) == 0);
-  CHECK(detail::quant2_code_bit(128, 8, 0) == 2);         // s = 1
-  CHECK(detail::quant2_code_bit(128, 0, 16) == 4);        // s = 2
-  CHECK(detail::quant2_code_bit(128, 8, 16) == 6);        // s = 3
-  CHECK(detail::quant2_code_bit(128, 0, 1) == 8);         // byte 1 of lane 0
-  CHECK(detail::quant2_code_bit(128, 0, 4) == 32);        // lane 1 (q = 1)
-  CHECK(detail::quant2_code_bit(128, 1, 0) == 4 * 32);    // lane 4 (g = 1)
-  CHECK(detail::quant2_code_bit(128, 0, 32) == 1024);     // the next tile along columns
-  CHECK(detail::quant2_code_bit(128, 16, 0) == 4 * 1024); // the next tile row: 128 / 32 tiles on
+  CHECK(detail::quant_code_bit(2, 128, 0, 0) == 0);
+  CHECK(detail::quant_code_bit(2, 128, 8, 0) == 2);         // s = 1
+  CHECK(detail::quant_code_bit(2, 128, 0, 16) == 4);        // s = 2
+  CHECK(detail::quant_code_bit(2, 128, 8, 16) == 6);        // s = 3
+  CHECK(detail::quant_code_bit(2, 128, 0, 1) == 8);         // byte 1 of lane 0
+  CHECK(detail::quant_code_bit(2, 128, 0, 4) == 32);        // lane 1 (q = 1)
+  CHECK(detail::quant_code_bit(2, 128, 1, 0) == 4 * 32);    // lane 4 (g = 1)
+  CHECK(detail::quant_code_bit(2, 128, 0, 32) == 1024);     // the next tile along columns
+  CHECK(detail::quant_code_bit(2, 128, 16, 0) == 4 * 1024); // the next tile row: 128 / 32 tiles on
   // Every code of an encoded V page read back through the fragment rule: register s of lane
   // 4g + q, byte b, is (word >> 2s) & 3 in byte b, and stands for row g + 8(s % 2), column
   // 16(s / 2) + 4q + b of the [channels][tokens] matrix.
@@ -443,8 +275,8 @@ TEST_CASE("quant2 codes are stored as int8 m16n8k32 A fragments", "[quant2][layo
   const std::vector<float> v = random_rows(64, 64, 9);
   std::vector<std::byte> page(traits::v_page_bytes(f, shape));
   traits::encode_v(f, shape, v.data(), page.data());
-  const detail::quant2_layout layout = detail::quant2_layout_of(f, shape, false);
-  const detail::quant2_page_view view{layout, page.data()};
+  const detail::quant_layout layout = detail::quant_layout_of(f, shape, false);
+  const detail::quant_page_view view{layout, page.data()};
   for (int tile = 0; tile < 64 * 64 / 512; ++tile)
     for (int lane = 0; lane < 32; ++lane) {
       std::uint32_t word = 0;
@@ -460,9 +292,12 @@ TEST_CASE("quant2 codes are stored as int8 m16n8k32 A fragments", "[quant2][layo
     }
 }
 
-TEST_CASE("quant2 keeps each partition's min and scale in the storage dtype, rounded outward", "[quant2][range]") {
+TEMPLATE_TEST_CASE("quant keeps each partition's min and scale in the storage dtype, rounded outward", "[quant2][range]",
+                   format::quant2, format::quant4) {
+  using traits = format_traits<TestType>;
+  constexpr double L = TestType::levels;  // 3 or 15
   // For every partition: min is a storage value <= every value, scale the smallest storage value
-  // with min + 3 scale >= every value (fp64, against all storage values as the reference), and
+  // with min + L scale >= every value (fp64, against all storage values as the reference), and
   // nearest rounding within half a step. bf16 data spans up to +-3e38 (beyond f16's 65504).
   const auto axis = GENERATE(format::key_axis::head_dim, format::key_axis::tokens);
   const dtype storage = GENERATE(dtype::f16, dtype::bf16);
@@ -485,12 +320,15 @@ TEST_CASE("quant2 keeps each partition's min and scale in the storage dtype, rou
   std::vector<float> rows(64 * 64);
   for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = round(spread * uniform(rng) - (i % 3 == 0 ? spread * 0.5 : 0.0));
   rows[7] = round(-spread);
-  const format::quant2 f{32, format::rounding::nearest, 0, axis};
+  TestType f;
+  f.partition = 32;
+  f.k_axis = axis;
+  f.sink_tokens = 0;
   std::vector<std::byte> page(traits::k_page_bytes(f, shape));
   traits::encode_k(f, shape, rows.data(), page.data());
   std::vector<float> decoded(rows.size());
   traits::decode_k(f, shape, page.data(), 64, decoded.data());
-  const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, true), page.data()};
+  const detail::quant_page_view view{detail::quant_layout_of(f, shape, true), page.data()};
   for (int part = 0; part < view.layout.partitions; ++part) {
     double lo = INFINITY, hi = -INFINITY;
     for (int i = 0; i < 32; ++i) {
@@ -502,16 +340,16 @@ TEST_CASE("quant2 keeps each partition's min and scale in the storage dtype, rou
     const double m = view.min(part), s = view.scale(part);
     CAPTURE(part, lo, hi, m, s);
     REQUIRE(m == lo);  // lo is a storage value: rounding toward -infinity keeps it
-    // The smallest storage value v with 3 v >= hi - m (3 v is exact in fp64).
-    const double smallest = *std::partition_point(values.begin(), values.end(), [&](double x) { return 3 * x < hi - m; });
+    // The smallest storage value v with L v >= hi - m (L v is exact in fp64).
+    const double smallest = *std::partition_point(values.begin(), values.end(), [&](double x) { return L * x < hi - m; });
     REQUIRE(s == smallest);
-    REQUIRE(m + 3 * s >= hi);
+    REQUIRE(m + L * s >= hi);
     for (int i = 0; i < 32; ++i) {
       int t = 0, c = 0;
       view.layout.element(part, i, t, c);
       const std::size_t at = static_cast<std::size_t>(t) * 64 + c;
       REQUIRE(std::isfinite(decoded[at]));
-      REQUIRE(std::abs(static_cast<double>(decoded[at]) - rows[at]) <= s / 2 + std::ldexp(std::abs(m) + 3 * s, -22));
+      REQUIRE(std::abs(static_cast<double>(decoded[at]) - rows[at]) <= s / 2 + std::ldexp(std::abs(m) + L * s, -22));
     }
   }
 }
@@ -544,12 +382,12 @@ TEST_CASE("quant2 with bf16 storage attends over values beyond f16's range withi
   std::vector<float> out(q.size());
   q2.attend(span<const sequence_id>(&id, 1), tensor_view<const float, 3>(q.data(), 1, 4, 64),
             tensor_view<float, 3>(out.data(), 1, 4, 64));
-  const synthetic::kv_data decoded = test::quant2_decoded(q2, id, test::rounded(kv, dtype::bf16));
+  const synthetic::kv_data decoded = test::quant_decoded(q2, id, test::rounded(kv, dtype::bf16));
   for (const float x : decoded.k) REQUIRE(std::isfinite(x));
   for (const float x : decoded.v) REQUIRE(std::isfinite(x));
   const float scale = 1.0f / 8.0f;
   const auto exact = test::exact(q, decoded, scale);
-  const test::quant2_bounds bounds = test::quant2_attention_bounds(q2, id, q, decoded, scale);
+  const test::quant_bounds bounds = test::quant_attention_bounds(q2, id, q, decoded, scale);
   for (std::size_t i = 0; i < out.size(); ++i) {
     INFO("element " << i);
     REQUIRE(std::isfinite(out[i]));
@@ -644,7 +482,7 @@ TEST_CASE("quant2 NaN inputs give NaN outputs and defined codes; subnormal weigh
     rows[3 * 64 + 1] = NAN;
     std::vector<std::byte> page(traits::v_page_bytes(f, shape));
     traits::encode_v(f, shape, rows.data(), page.data());
-    const detail::quant2_page_view view{detail::quant2_layout_of(f, shape, false), page.data()};
+    const detail::quant_page_view view{detail::quant_layout_of(f, shape, false), page.data()};
     const int part = 1 * 2 + 0;  // channel 1, tokens 0..31
     CHECK(std::isnan(view.min(part)));
     CHECK(std::isnan(view.scale(part)));

@@ -13,7 +13,7 @@
 //
 // quant2 pages a compaction writes are quantized again (docs/eviction.md: at most max_reencodes
 // times per page, 0 to 255 here; the error this adds is measured, not bounded), so quant2 outputs are checked against exact attention over what each
-// live slot decodes to, within the bound of the 8-bit q and p steps (support/quant2_bound.hpp):
+// live slot decodes to, within the bound of the 8-bit q and p steps (support/quant_bound.hpp):
 // that the right tokens are read, in the right pages, with the format's own error only. What a
 // pass does to the values is checked on its own: after each pass every live token's decoded rows
 // are within half a quantization step (of the rows the pass wrote to that page) of what they

@@ -15,7 +15,7 @@
 #include "../support/feed.hpp"
 #include "../support/oracle.hpp"
 #include "../support/prune.hpp"
-#include "../support/quant2_bound.hpp"
+#include "../support/quant_bound.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
@@ -186,7 +186,7 @@ TEST_CASE("read: quant2 reads the dequantized codes (its host decode) and the si
   const sequence_id seq = kv.add_sequence();
   kv.prefill(seq, test::k_view(data), test::v_view(data));
   const synthetic::kv_data rows = read_all(kv, seq);
-  const synthetic::kv_data decoded = test::quant2_decoded(kv, seq, test::rounded(data, c.storage));
+  const synthetic::kv_data decoded = test::quant_decoded(kv, seq, test::rounded(data, c.storage));
   require_equal(rows, decoded);
   // Sinks: the stored 16-bit values, not the page's copies of the token after them.
   const synthetic::kv_data stored = test::rounded(data, c.storage);
@@ -199,7 +199,7 @@ TEST_CASE("read: quant2 reads the dequantized codes (its host decode) and the si
   const std::vector<float> out = attend_one(kv, seq, q);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const auto exact = test::exact(q, rows, scale);
-  const test::quant2_bounds bounds = test::quant2_attention_bounds(kv, seq, q, rows, scale);
+  const test::quant_bounds bounds = test::quant_attention_bounds(kv, seq, q, rows, scale);
   for (std::size_t i = 0; i < exact.size(); ++i) {
     INFO("element " << i);
     REQUIRE(std::abs(out[i] - exact[i]) <= bounds.vs_exact[i]);

@@ -153,7 +153,8 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 
 /// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
 /// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
-/// sentence_chunks (with compactor none) and streaming (with hole_fill or repack).
+/// sentence_chunks (with compactor none) and streaming (with hole_fill or repack); and quant4 and
+/// V per token (`v_axis=head_dim`, either width) with select::all.
 template <class Make>
 auto with_layer_policies(const layer_spec& spec, Make&& make) {
   namespace kv = kvmosaic;
@@ -230,20 +231,36 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     args.finish();
     return with_selector(f);
   }
-  if (spec.format.name == "quant2") {
-    kv::format::quant2 f;
-    f.partition = static_cast<int>(args.integer("partition", f.partition, "32, 64 or 128"));
-    f.mode = args.choice("rounding", f.mode,
-                         {{"stochastic", kv::format::rounding::stochastic}, {"nearest", kv::format::rounding::nearest}});
-    f.seed = static_cast<std::uint64_t>(args.integer("seed", static_cast<std::int64_t>(f.seed), "any integer >= 0"));
-    f.k_axis = args.choice("k_axis", f.k_axis,
-                           {{"tokens", kv::format::key_axis::tokens}, {"head_dim", kv::format::key_axis::head_dim}});
-    exact_tokens(f);
-    f.max_reencodes = static_cast<int>(args.integer("max_reencodes", f.max_reencodes, ">= 0"));
-    args.finish();
-    return with_selector(f);
+  if (spec.format.name == "quant2" || spec.format.name == "quant4") {
+    // The code width and the V axis are template parameters of the format: quant2 with V per
+    // channel takes every selector; quant4, and either width with V per token (v_axis=head_dim),
+    // are compiled with select::all only (each adds its kernels to every configuration).
+    const bool four = spec.format.name == "quant4";
+    const auto v_axis = args.choice("v_axis", kv::format::value_axis::tokens,
+                                    {{"tokens", kv::format::value_axis::tokens}, {"head_dim", kv::format::value_axis::head_dim}});
+    auto fill = [&](auto f) {
+      f.partition = static_cast<int>(args.integer("partition", f.partition, "32, 64 or 128"));
+      f.mode = args.choice("rounding", f.mode,
+                           {{"stochastic", kv::format::rounding::stochastic}, {"nearest", kv::format::rounding::nearest}});
+      f.seed = static_cast<std::uint64_t>(args.integer("seed", static_cast<std::int64_t>(f.seed), "any integer >= 0"));
+      f.k_axis = args.choice("k_axis", f.k_axis,
+                             {{"tokens", kv::format::key_axis::tokens}, {"head_dim", kv::format::key_axis::head_dim}});
+      exact_tokens(f);
+      f.max_reencodes = static_cast<int>(args.integer("max_reencodes", f.max_reencodes, ">= 0"));
+      args.finish();
+      return f;
+    };
+    if (!four && v_axis == kv::format::value_axis::tokens) return with_selector(fill(kv::format::quant2{}));
+    require(spec.selector.name == "all" && spec.selector.values.empty() && spec.compactor.name == "none", "selector",
+            spec.selector.name,
+            "all (with no compactor) for " + spec.format.name + (four ? "" : " with v_axis=head_dim") +
+                ": this extension compiles it with select::all only");
+    if (four && v_axis == kv::format::value_axis::tokens)
+      return make(fill(kv::format::quant4{}), kv::select::all{}, kv::compact::none{});
+    if (four) return make(fill(kv::format::quant<4, kv::format::value_axis::head_dim>{}), kv::select::all{}, kv::compact::none{});
+    return make(fill(kv::format::quant<2, kv::format::value_axis::head_dim>{}), kv::select::all{}, kv::compact::none{});
   }
-  reject("format", spec.format.name, "dense, bitmap_tiles or quant2");
+  reject("format", spec.format.name, "dense, bitmap_tiles, quant2 or quant4");
 }
 
 }  // namespace kvmosaic_torch

@@ -391,10 +391,13 @@ class engine {
     std::vector<step_sequence> sequences(batch.size());
     std::vector<std::int32_t> dense_rows(batch.size());  // the exact rows and the tail rows: one run
     std::int32_t longest = 1;
-    bool masked = false;  // a sequence has evicted tokens, or exact rows: the step reads live-row masks
+    // The step reads live-row masks where a sequence has evicted tokens or sealed rows attended
+    // from their exact copies: window rows, and sinks unless the format's kernel skips them itself.
+    bool masked = false;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
-      masked = masked || batch[b].live != nullptr || exact > 0;
+      const bool masks_exact_rows = exact > 0 && (geometry_.window_rows > 0 || !device::masks_sink_rows);
+      masked = masked || batch[b].live != nullptr || masks_exact_rows;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
       tail_rows[b] = static_cast<std::int32_t>(batch[b].length - static_cast<std::int64_t>(full_pages[b]) * shape_.page_size);
       slots[b] = batch[b].slot;

@@ -10,6 +10,9 @@
 /// ```cpp
 /// template <> struct device_format<format::X> {
 ///   static constexpr bool encodes_pages;          // false: rows are copied into pages as they are
+///   static constexpr bool masks_sink_rows;        // the split kernel skips the sink rows of a
+///                                                 // sequence's first page itself (p.sink_rows), so
+///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with

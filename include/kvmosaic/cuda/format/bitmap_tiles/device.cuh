@@ -28,6 +28,7 @@ namespace kvmosaic::cuda {
 template <>
 struct device_format<format::bitmap_tiles> {
   static constexpr bool encodes_pages = true;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::bitmap_decode_params;
   using traits = format_traits<format::bitmap_tiles>;

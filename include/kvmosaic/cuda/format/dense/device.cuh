@@ -27,6 +27,7 @@ namespace kvmosaic::cuda {
 template <>
 struct device_format<format::dense> {
   static constexpr bool encodes_pages = false;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::dense_decode_params;
 

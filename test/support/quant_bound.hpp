@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// What a quant2 cache attends over (its pages decoded, its tail as stored), and the error bounds
+// What a quantized (format::quant<Bits, ValueAxis>) cache attends over (its pages decoded, its tail as stored), and the error bounds
 // of its output: against exact attention on those values (the 8-bit q and p steps), and between
 // two implementations of Eq. 4 that draw the same codes (the host and the CUDA kernels).
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <type_traits>
 #include <vector>
 
 #include "kvmosaic/kvmosaic.hpp"
@@ -16,10 +17,10 @@ namespace kvmosaic::test {
 
 /// `stored` (the rows as the cache stores them, rounded to its dtype) with every token on a page
 /// replaced by what the page decodes to, but the sink tokens and the recent window (kept dense).
-/// `cache` is a host-backend quant2 cache.
+/// `cache` is a host-backend cache of a quantized format.
 template <class Cache>
-synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
-  using traits = format_traits<format::quant2>;
+synthetic::kv_data quant_decoded(const Cache& cache, sequence_id id, synthetic::kv_data stored) {
+  using traits = format_traits<std::decay_t<decltype(cache.format())>>;
   const cache_config& c = cache.config();
   const page_shape shape{c.page_size, c.head_dim, c.storage};
   std::vector<float> rows(static_cast<std::size_t>(c.page_size) * c.head_dim);
@@ -42,8 +43,33 @@ synthetic::kv_data quant2_decoded(const Cache& cache, sequence_id id, synthetic:
   return stored;
 }
 
+/// V per token (`value_axis::head_dim`): p' = p s_tj is quantized per partition of Pi tokens, so
+/// each p' is off by at most half a step of max_t p'_t / 255 and multiplies a code up to L: per
+/// partition P of a page, Pi L e^(m_b - M) max_(t in P) s_tj, the role sum_t e^(m_b(t) - M) |v_tc|
+/// plays for V per channel (the same factors 1/510, 1/255 then apply).
+template <class Cache, class Pages, class OnCodes>
+double folded_p_term(const Cache& cache, const Pages& pages, int h, int ch, const std::vector<double>& page_weight,
+                     const OnCodes& on_codes) {
+  using format_type = std::decay_t<decltype(cache.format())>;
+  const cache_config& c = cache.config();
+  const int page = c.page_size, pi = cache.format().partition;
+  const page_shape shape{page, c.head_dim, c.storage};
+  const detail::quant_layout layout = detail::quant_layout_of(cache.format(), shape, false);
+  double term = 0;
+  for (std::size_t pg = 0; pg < pages.size(); ++pg) {
+    const detail::quant_page_view view{layout, cache.engine().v_page(pages[pg], h)};
+    for (int j = 0; j < page / pi; ++j) {
+      double s_max = 0;
+      for (int t = j * pi; t < (j + 1) * pi; ++t)
+        if (on_codes(static_cast<int>(pg) * page + t)) s_max = std::max<double>(s_max, view.scale(layout.partition_of(t, ch)));
+      term += page_weight[pg] * pi * format_type::levels * s_max;
+    }
+  }
+  return term;
+}
+
 /// Per-output bounds for one sequence's attention output [num_q_heads][head_dim].
-struct quant2_bounds {
+struct quant_bounds {
   /// |out - exact| on the decoded values. With the page logits computed on the codes (8-bit q)
   /// off the exact ones by at most D (measured with the host's score), softmax weights move by
   /// at most a factor e^(2D): (e^(2D) - 1) max_t |v_tc|; each p (page-local, in (0, 1]) is off by
@@ -59,11 +85,12 @@ struct quant2_bounds {
 };
 
 /// The bounds for query q ([num_q_heads][head_dim], unscaled) of sequence `id` of the host quant2
-/// cache `cache`, whose decoded values are `decoded` (quant2_decoded).
+/// cache `cache`, whose decoded values are `decoded` (quant_decoded).
 template <class Cache>
-quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
+quant_bounds quant_attention_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
                                       const synthetic::kv_data& decoded, double scale) {
-  using traits = format_traits<format::quant2>;
+  using format_type = std::decay_t<decltype(cache.format())>;
+  using traits = format_traits<format_type>;
   const cache_config& c = cache.config();
   const int d = c.head_dim, heads = c.num_kv_heads, page = c.page_size, groups = c.group_size;
   const page_shape shape{page, d, c.storage};
@@ -73,7 +100,7 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
   const int sinks = pages.empty() ? 0 : cache.format().sink_tokens;  // dense, as the tail
   const int window_from = full - std::min(cache.format().recent_tokens, full);  // so is the window
   const auto on_codes = [&](int t) { return t >= sinks && t < window_from; };
-  quant2_bounds bounds;
+  quant_bounds bounds;
   bounds.vs_exact.resize(static_cast<std::size_t>(heads) * groups * d);
   bounds.vs_twin.resize(bounds.vs_exact.size());
   const auto k_at = [&](int t, int h, int ch) { return decoded.k[(static_cast<std::size_t>(t) * heads + h) * d + ch]; };
@@ -113,8 +140,11 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
       for (int t = 0; t < length; ++t) {
         const double value = std::abs(static_cast<double>(v_at(t, h, ch)));
         max_v = std::max(max_v, value);
-        if (on_codes(t)) p_term += page_weight[static_cast<std::size_t>(t / page)] * value;
+        if (on_codes(t) && format_type::v_axis == format::value_axis::tokens)
+          p_term += page_weight[static_cast<std::size_t>(t / page)] * value;
       }
+      if constexpr (format_type::v_axis == format::value_axis::head_dim)
+        p_term = folded_p_term(cache, pages, h, ch, page_weight, on_codes);
       const std::size_t i = static_cast<std::size_t>(j) * d + ch;
       bounds.vs_exact[i] = (std::exp(2 * worst) - 1) * max_v + std::exp(3 * worst) / 510 * p_term / l + 1e-5 * max_v;
       bounds.vs_twin[i] =
@@ -124,17 +154,19 @@ quant2_bounds quant2_attention_bounds(const Cache& cache, sequence_id id, const 
   return bounds;
 }
 
-/// `quant2_attention_bounds`' `vs_exact` for a sequence of a cache that evicts: the attended
+/// `quant_attention_bounds`' `vs_exact` for a sequence of a cache that evicts: the attended
 /// tokens are the live ones, `decoded` holds every position's values as attended (rows of live
 /// sealed slots decoded from their pages, sink and tail rows as stored), `slots` the sequence's
 /// sealed slots (per slot its position, -1 for a dead one; block-table order), `sealed` the first
 /// tail position. A page's p are quantized after its own softmax over its live rows (dead rows
 /// get p = 0), so the page term takes the maximum over the page's live rows on codes.
 template <class Cache>
-std::vector<double> quant2_live_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
+std::vector<double> quant_live_bounds(const Cache& cache, sequence_id id, const std::vector<float>& q,
                                        const synthetic::kv_data& decoded, const std::vector<std::int64_t>& slots,
                                        std::int64_t sealed, double scale) {
-  using traits = format_traits<format::quant2>;
+  using traits = format_traits<std::decay_t<decltype(cache.format())>>;
+  static_assert(std::decay_t<decltype(cache.format())>::v_axis == format::value_axis::tokens,
+                "quant_live_bounds: derived for V partitioned per channel (value_axis::tokens)");
   const cache_config& c = cache.config();
   const int d = c.head_dim, heads = c.num_kv_heads, page = c.page_size, groups = c.group_size;
   const page_shape shape{page, d, c.storage};

@@ -2,19 +2,23 @@
 #pragma once
 
 /// \file
-/// `quant2_warp_attend`: the warp collective of `format::quant2` decode attention (HACK, Eq. 4),
-/// computed on the 2-bit codes with int8 tensor cores; the cache is never dequantized.
+/// `quant_warp_attend`: the warp collective of `format::quant<Bits, ValueAxis>` decode attention
+/// (HACK, Eq. 4), computed on the 2- or 4-bit codes with int8 tensor cores; the cache is never
+/// dequantized.
 ///
-/// A warp folds a partition of Pi tokens (K partitioned along tokens per channel, V along tokens)
-/// into a running softmax state for every query head of its GQA group:
+/// A warp folds a partition of Pi tokens (K partitioned along tokens per channel; V along tokens
+/// per channel, or along head_dim per token) into a running softmax state for every query head of
+/// its GQA group:
 ///  1. q' = q * s_K (the partition's per-channel K scales) is quantized to 8 bits per group of Pi
 ///     channels, and base = q . m_K (the per-channel K mins) is one number per head;
-///  2. S^T = K Q'^T on tensor cores: int8 m16n8k32 products of the 2-bit codes, unpacked from the
-///     page by shift and mask (the page stores them as the A operand), with the quantized q';
+///  2. S^T = K Q'^T on tensor cores: int8 m16n8k32 products of the codes, unpacked from the page
+///     by shift and mask (the page stores them as the A operand), with the quantized q';
 ///     logit = base + sum over channel groups of (m_q' * code sum of the token + s_q' * dot);
-///  3. p = exp(logit - partition max) is quantized to 8 bits over the partition;
+///  3. p = exp(logit - partition max) is quantized to 8 bits over the partition (V per token:
+///     p' = p s_V, per group of Pi channels, with base = p . m_V per group: step 1 mirrored);
 ///  4. O^T = V^T P^T on tensor cores, with Eq. 4's corrections per (channel, head):
-///     o += Pi m_p m_v + m_p s_v sum(v codes) + s_p m_v sum(p codes) + s_p s_v dot.
+///     o += Pi m_p m_v + m_p s_v sum(v codes) + s_p m_v sum(p codes) + s_p s_v dot
+///     (V per token: o += base + m_p' sum(v codes) + s_p' dot, the sums along tokens).
 /// The quantization of q' and p is the host reference's (`detail::quantize8`) operation for
 /// operation, in round-to-nearest fp32 without contraction, so both draw the same 8-bit codes;
 /// the logits and outputs then differ by fp32 rounding only, and where that moves a p value
@@ -31,8 +35,9 @@
 /// (one instantiation serves groups 1-8).
 ///
 /// Cost per partition and warp: (Pi / 16) (D / 32) + (D / 16) (Pi / 32) tensor-core products,
-/// four shift-and-mask pairs per 16 codes, and O(G D / 32 + G Pi / 32) fp32 work per lane for
-/// the quantization of q' and p and the corrections.
+/// four shift-and-mask pairs per 16 codes (from Bits / 2 words), and O(G D / 32 + G Pi / 32) fp32
+/// work per lane for the quantization of q' and p and the corrections (V per token: G D / 32 for
+/// p' instead of G Pi / 32, and D / Pi 8-bit grids of p per head instead of one).
 
 #include <cmath>
 #include <cstddef>
@@ -40,36 +45,37 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/cuda/detail/mma.cuh"
+#include "kvmosaic/format/quant.hpp"
 
 namespace kvmosaic::cuda {
 
-/// Where the parts of one quant2 page (K or V of one head) lie, in bytes from its start (see
-/// format/quant2.hpp: mins, scales, code sums, codes).
-struct quant2_page_geometry {
+/// Where the parts of one quantized page (K or V of one head) lie, in bytes from its start (see
+/// format/quant.hpp: mins, scales, code sums, codes).
+struct quant_page_geometry {
   int page_size;
   int partitions;
   int per_channel;  ///< partitions per channel: page_size / Pi
   int sums_at;
   int codes_at;
 
-  __host__ __device__ static quant2_page_geometry of(int page_size, int head_dim, int partition) {
+  __host__ __device__ static quant_page_geometry of(int page_size, int head_dim, int partition, int bits) {
     const int partitions = page_size * head_dim / partition;
-    const int sum_bytes = partition * 3 > 255 ? 2 : 1;
-    return quant2_page_geometry{page_size, partitions, page_size / partition, partitions * 4,
+    const int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, partition);
+    return quant_page_geometry{page_size, partitions, page_size / partition, partitions * 4,
                                 partitions * (4 + sum_bytes)};
   }
 };
 
 /// `Storage`: the cache's 16-bit storage type (kvmosaic::half or kvmosaic::bfloat16), the type
-/// of the pages' mins and scales.
-template <int HeadDim, int Partition, class Storage>
-class quant2_warp_attend {
+/// of the pages' mins and scales. `Format`: the `format::quant<Bits, ValueAxis>` the pages hold.
+template <int HeadDim, int Partition, class Storage, class Format>
+class quant_warp_attend {
   static_assert(Partition == 32 || Partition == 64 || Partition == 128,
-                "quant2_warp_attend: Partition (format::quant2::partition) must be 32, 64 or 128");
+                "quant_warp_attend: Partition (format::quant::partition) must be 32, 64 or 128");
   static_assert(HeadDim % Partition == 0 && HeadDim % 32 == 0,
-                "quant2_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
+                "quant_warp_attend: HeadDim must be a multiple of Partition (K groups channels by Pi)");
   static_assert(sizeof(dtype_traits<Storage>) > 0 && sizeof(Storage) == 2,
-                "quant2_warp_attend: Storage must be kvmosaic::half or kvmosaic::bfloat16");
+                "quant_warp_attend: Storage must be kvmosaic::half or kvmosaic::bfloat16");
 
  public:
   static constexpr int max_group = 8;  ///< query heads per KV head: the product's N
@@ -80,16 +86,21 @@ class quant2_warp_attend {
   static constexpr int channel_steps = HeadDim / 32;               ///< K steps of q.k
   static constexpr int channel_tiles = HeadDim / 16;               ///< M tiles of p.v
   static constexpr int token_steps = Partition / 32;               ///< K steps of p.v
-  static constexpr int sum_bytes = Partition * 3 > 255 ? 2 : 1;
+  static constexpr int bits = Format::bits;
+  static constexpr int code_words = bits / 2;  ///< 32-bit words of codes per lane and tile
+  static constexpr bool v_per_token = Format::v_axis == format::value_axis::head_dim;
+  static constexpr int p_rows = v_per_token ? channel_groups : 1;  ///< 8-bit grids of p per head
+  static constexpr int sum_bytes = kvmosaic::detail::quant_sum_bytes(bits, Partition);
   // Rows of the operand tables padded by 4 words: lanes g = 0..7 reading column q land in
   // distinct banks.
   static constexpr int q_row_words = HeadDim / 4 + 4;
   static constexpr int p_row_words = Partition / 4 + 4;
 
-  /// Per-warp scratch: the partition's 8-bit q' and p operands and q's quantization constants.
+  /// Per-warp scratch: the partition's 8-bit q' and p (or p') operands and q's quantization
+  /// constants.
   struct temp_storage {
     std::uint32_t q_codes[8][q_row_words];
-    std::uint32_t p_codes[8][p_row_words];
+    std::uint32_t p_codes[8][p_rows][p_row_words];
     float q_min[8][channel_groups];
     float q_scale[8][channel_groups];
     float q_base[8];
@@ -123,13 +134,13 @@ class quant2_warp_attend {
     __syncwarp();
   }
 
-  /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quant2 K and
+  /// Folds partition `j` of a page in shared memory (`k_page`, `v_page`: one head's quantized K and
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
   /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0,
   /// and so do those whose bit in `rows_read` (bit t % 32 of word t / 32; null: all read) is clear.
   /// The partition must hold a token read (the caller skips the others: `reads_partition`).
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
-                                                 const quant2_page_geometry& geometry, int j, const float* q,
+                                                 const quant_page_geometry& geometry, int j, const float* q,
                                                  temp_storage& temp, int masked = 0,
                                                  const std::uint32_t* rows_read = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
@@ -163,7 +174,7 @@ class quant2_warp_attend {
 #pragma unroll
       for (int k = 0; k < channel_steps; ++k) {
         std::uint32_t a[4];
-        unpack(k_codes[(tile_row * channel_steps + k) * 32 + lane], a);
+        unpack(k_codes, tile_row * channel_steps + k, lane, a);
         detail::mma_u8_16832(dot[k * 32 / Partition], a, b_q[k][0], b_q[k][1]);
       }
 #pragma unroll
@@ -206,73 +217,72 @@ class quant2_warp_attend {
         s[t][e] = __expf(s[t][e] - block_max[e % 2]);
         p_lo[e % 2] = fminf(p_lo[e % 2], s[t][e]);
       }
-    // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
-    float p_step[2], p_inverse[2], p_bias[2];
+    if constexpr (v_per_token) {
+      fold_values_per_token(v_page, geometry, j, s, block_max, temp);
+    } else {  // V per channel
+      // The largest p is exp(0) = 1 exactly (ex2.approx(0) = 1), as on the host.
+      float p_step[2], p_inverse[2], p_bias[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
-      p_step[hh] = step_of(p_lo[hh], 1.0f);
-      p_inverse[hh] = inverse_of(p_step[hh]);
-      p_bias[hh] = bias_of(p_lo[hh], p_inverse[hh]);
-      p_sum[hh] = 0.0f;
-    }
-    int code_sum[2] = {0, 0};
-    auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0]);
-#pragma unroll
-    for (int t = 0; t < token_tiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hh = e % 2;
-        p_sum[hh] += s[t][e];
-        const int code = quantize8(s[t][e], p_inverse[hh], p_bias[hh]);
-        code_sum[hh] += code;
-        p_bytes[(2 * quad + hh) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
+      for (int hh = 0; hh < 2; ++hh) {
+        p_lo[hh] = reduce_min_over_rows(p_lo[hh]);
+        p_step[hh] = step_of(p_lo[hh], 1.0f);
+        p_inverse[hh] = inverse_of(p_step[hh]);
+        p_bias[hh] = bias_of(p_lo[hh], p_inverse[hh]);
+        p_sum[hh] = 0.0f;
       }
-    float alpha[2], b_mean[2], b_min[2], b_step[2];
+      int code_sum[2] = {0, 0};
+      auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0][0]);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
-      const float m_new = fmaxf(m[hh], block_max[hh]);
-      alpha[hh] = __expf(m[hh] - m_new);
-      const float beta = __expf(block_max[hh] - m_new);
-      m[hh] = m_new;
-      l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
-      // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
-      b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * small_to_float(code_sum[hh]));
-      b_min[hh] = beta * p_lo[hh];
-      b_step[hh] = beta * p_step[hh];
-    }
-    __syncwarp();
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e % 2;
+          p_sum[hh] += s[t][e];
+          const int code = quantize8(s[t][e], p_inverse[hh], p_bias[hh]);
+          code_sum[hh] += code;
+          p_bytes[(2 * quad + hh) * p_rows * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] = static_cast<std::uint8_t>(code);
+        }
+      float alpha[2], b_mean[2], b_min[2], b_step[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        code_sum[hh] = reduce_sum_over_rows(code_sum[hh]);
+        const float m_new = fmaxf(m[hh], block_max[hh]);
+        alpha[hh] = __expf(m[hh] - m_new);
+        const float beta = __expf(block_max[hh] - m_new);
+        m[hh] = m_new;
+        l[hh] = l[hh] * alpha[hh] + beta * p_sum[hh];
+        // Eq. 4 regrouped: o += m_v (Pi m_p + s_p sum_p) + s_v (m_p sum_v + s_p dot), all times beta.
+        b_mean[hh] = beta * (static_cast<float>(Partition) * p_lo[hh] + p_step[hh] * small_to_float(code_sum[hh]));
+        b_min[hh] = beta * p_lo[hh];
+        b_step[hh] = beta * p_step[hh];
+      }
+      __syncwarp();
 
-    // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
-    std::uint32_t b_p[token_steps][2];
-    load_b_fragments(temp.p_codes[g], quad, b_p);
-    const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
-    const int token_columns = geometry.page_size / 32;
+      // p.v: int8 products per 16-channel tile, Eq. 4's corrections per output.
+      std::uint32_t b_p[token_steps][2];
+      load_b_fragments(temp.p_codes[g][0], quad, b_p);
+      const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
+      const int token_columns = geometry.page_size / 32;
 #pragma unroll
-    for (int t = 0; t < channel_tiles; ++t) {
-      int dot[4] = {0, 0, 0, 0};
+      for (int t = 0; t < channel_tiles; ++t) {
+        int dot[4];
+        value_tile_dot(v_codes, t * token_columns + j * token_steps, lane, b_p, dot);
 #pragma unroll
-      for (int k = 0; k < token_steps; ++k) {
-        std::uint32_t a[4];
-        unpack(v_codes[(t * token_columns + j * token_steps + k) * 32 + lane], a);
-        detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
-      }
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
+          const float v_min = load_stored(v_page, part);
+          const float v_scale = load_stored(v_page + geometry.partitions * 2, part);
+          const float v_sum = load_sum(v_page + geometry.sums_at, part);
 #pragma unroll
-      for (int half_row = 0; half_row < 2; ++half_row) {
-        const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
-        const float v_min = load_stored(v_page, part);
-        const float v_scale = load_stored(v_page + geometry.partitions * 2, part);
-        const float v_sum = load_sum(v_page + geometry.sums_at, part);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int e = 2 * half_row + hh;
-          const float corrected = b_min[hh] * v_sum + b_step[hh] * small_to_float(dot[e]);
-          o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
+          for (int hh = 0; hh < 2; ++hh) {
+            const int e = 2 * half_row + hh;
+            const float corrected = b_min[hh] * v_sum + b_step[hh] * small_to_float(dot[e]);
+            o[t][e] = o[t][e] * alpha[hh] + v_min * b_mean[hh] + v_scale * corrected;
+          }
         }
       }
+      __syncwarp();  // temp is rewritten by the next partition
     }
-    __syncwarp();  // temp is rewritten by the next partition
   }
 
   /// Whether partition `j` of a page holds a token to fold: past the first `masked` of the page,
@@ -375,10 +385,124 @@ class quant2_warp_attend {
     }
   }
 
-  /// Register s of the A fragment is byte-wise bits 2 s, 2 s + 1 of the stored word.
-  __device__ __forceinline__ static void unpack(std::uint32_t word, std::uint32_t (&a)[4]) {
+  /// The A fragment of code tile `tile` (16 x 32 codes) for this lane: register s is, byte-wise,
+  /// bits (s % (8 / Bits)) Bits .. of word s / (8 / Bits) of the lane's Bits / 2 words
+  /// (`kvmosaic::detail::quant_code_bit`): one 4- or 8-byte load, four shift-and-mask pairs.
+  __device__ __forceinline__ static void unpack(const std::uint32_t* codes, int tile, int lane, std::uint32_t (&a)[4]) {
+    if constexpr (bits == 2) {
+      const std::uint32_t word = codes[tile * 32 + lane];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
+      for (int s = 0; s < 4; ++s) a[s] = (word >> (2 * s)) & 0x03030303u;
+    } else {
+      const uint2 words = reinterpret_cast<const uint2*>(codes)[tile * 32 + lane];
+      a[0] = words.x & 0x0f0f0f0fu;
+      a[1] = (words.x >> 4) & 0x0f0f0f0fu;
+      a[2] = words.y & 0x0f0f0f0fu;
+      a[3] = (words.y >> 4) & 0x0f0f0f0fu;
+    }
+  }
+
+  /// The integer part of one 16-channel tile of O^T = V^T P^T over a partition: `token_steps`
+  /// int8 products of the code tiles from `first_tile` on (along tokens) with the B operand `b_p`.
+  __device__ __forceinline__ static void value_tile_dot(const std::uint32_t* v_codes, int first_tile, int lane,
+                                                        const std::uint32_t (&b_p)[token_steps][2], int (&dot)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot[e] = 0;
+#pragma unroll
+    for (int k = 0; k < token_steps; ++k) {
+      std::uint32_t a[4];
+      unpack(v_codes, first_tile + k, lane, a);
+      detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
+    }
+  }
+
+  /// Steps 3 and 4 for V partitioned per token (`value_axis::head_dim`): for each group c of Pi
+  /// channels, p' = p s_V(token, c) is quantized to 8 bits over the partition's tokens and
+  /// base = p . m_V(., c) summed; then O^T = V^T P'^T with the group's own B operand per
+  /// 16-channel tile, o += base + m_p' sum_t(v codes) + s_p' dot, all times beta. `s`: this lane's
+  /// p (exp(logit - block_max)), rows g, g + 8 of each 16-token tile, heads 2q, 2q + 1.
+  __device__ __forceinline__ void fold_values_per_token(const std::byte* v_page, const quant_page_geometry& geometry,
+                                                        int j, const float (&s)[token_tiles][4],
+                                                        const float (&block_max)[2], temp_storage& temp) {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+    float alpha[2], beta[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float p_sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t) p_sum += s[t][hh] + s[t][2 + hh];
+      const float m_new = fmaxf(m[hh], block_max[hh]);
+      alpha[hh] = __expf(m[hh] - m_new);
+      beta[hh] = __expf(block_max[hh] - m_new);
+      m[hh] = m_new;
+      l[hh] = l[hh] * alpha[hh] + beta[hh] * p_sum;
+    }
+    float v_base[2][channel_groups], v_min[2][channel_groups], v_step[2][channel_groups];
+    auto* p_bytes = reinterpret_cast<std::uint8_t*>(&temp.p_codes[0][0][0]);
+    const std::byte* v_scales = v_page + geometry.partitions * 2;
+#pragma unroll
+    for (int c = 0; c < channel_groups; ++c) {
+      float folded[token_tiles][4], lo[2] = {HUGE_VALF, HUGE_VALF}, hi[2] = {-HUGE_VALF, -HUGE_VALF}, base[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int part = (j * Partition + t * 16 + g + 8 * half_row) * channel_groups + c;
+          const float v_scale = load_stored(v_scales, part), v_min_value = load_stored(v_page, part);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int e = 2 * half_row + hh;
+            folded[t][e] = __fmul_rn(s[t][e], v_scale);
+            lo[hh] = fminf(lo[hh], folded[t][e]);
+            hi[hh] = fmaxf(hi[hh], folded[t][e]);
+            base[hh] += s[t][e] * v_min_value;
+          }
+        }
+      float inverse[2], bias[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        lo[hh] = reduce_min_over_rows(lo[hh]);
+        hi[hh] = reduce_max_over_rows(hi[hh]);
+        const float step = step_of(lo[hh], hi[hh]);
+        inverse[hh] = inverse_of(step);
+        bias[hh] = bias_of(lo[hh], inverse[hh]);
+        v_base[hh][c] = beta[hh] * reduce_sum_over_rows(base[hh]);
+        v_min[hh][c] = beta[hh] * lo[hh];
+        v_step[hh][c] = beta[hh] * step;
+      }
+#pragma unroll
+      for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e % 2;
+          p_bytes[((2 * quad + hh) * p_rows + c) * p_row_words * 4 + t * 16 + g + 8 * (e / 2)] =
+              static_cast<std::uint8_t>(quantize8(folded[t][e], inverse[hh], bias[hh]));
+        }
+    }
+    __syncwarp();
+
+    // p'.v: int8 products per 16-channel tile against its channel group's p', then the corrections.
+    const auto* v_codes = reinterpret_cast<const std::uint32_t*>(v_page + geometry.codes_at);
+    const int token_columns = geometry.page_size / 32;
+#pragma unroll
+    for (int t = 0; t < channel_tiles; ++t) {
+      constexpr int tiles_per_group = Partition / 16;
+      const int c = t / tiles_per_group;
+      std::uint32_t b_p[token_steps][2];
+      load_b_fragments(temp.p_codes[g][c], quad, b_p);
+      int dot[4];
+      value_tile_dot(v_codes, t * token_columns + j * token_steps, lane, b_p, dot);
+#pragma unroll
+      for (int half_row = 0; half_row < 2; ++half_row) {
+        const float v_sum = load_sum(v_page + geometry.sums_at, (t * 16 + g + 8 * half_row) * geometry.per_channel + j);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int e = 2 * half_row + hh;
+          o[t][e] = o[t][e] * alpha[hh] + v_base[hh][c] + v_min[hh][c] * v_sum + v_step[hh][c] * small_to_float(dot[e]);
+        }
+      }
+    }
+    __syncwarp();  // temp is rewritten by the next partition
   }
 
   /// x as a float for 0 <= x < 2^22 (dot products and code sums are): 2^23 + x has x in its
@@ -446,7 +570,7 @@ class quant2_warp_attend {
   /// Step 1: q' = q * s_K of partition j quantized to 8 bits per group of Pi channels (lane owns
   /// channels_per_lane consecutive channels), its min, scale and base = q . m_K, into temp.
   __device__ __forceinline__ static void quantize_folded_query(const std::byte* k_page,
-                                                               const quant2_page_geometry& geometry, int j,
+                                                               const quant_page_geometry& geometry, int j,
                                                                const float* q, int group, temp_storage& temp) {
     const int lane = lane_id();
     const int first_channel = lane * channels_per_lane;

@@ -2,44 +2,50 @@
 #pragma once
 
 /// \file
-/// format::quant2 (HACK) on the device (cuda/format/device_format.cuh says what a device part
-/// provides): completed pages are quantized by `encode_quant2_pages_kernel` (bytes equal to the
-/// host encoder's); decode computes on the codes with int8 tensor cores
-/// (`decode_partial_quant2_kernel`), each of 4 warps streaming its own pages through shared-memory
-/// stages with bulk copies on sm_90, one stage with plain loads before. K is read partitioned per
-/// channel (`key_axis::tokens`); the per-token layout runs on the host backend.
+/// format::quant<Bits, ValueAxis> (HACK; quant2, quant4) on the device
+/// (cuda/format/device_format.cuh says what a device part provides): completed pages are quantized
+/// by `encode_quant_pages_kernel` (bytes equal to the host encoder's); decode computes on the codes
+/// with int8 tensor cores (`decode_partial_quant_kernel`), each of 4 warps streaming its own pages
+/// through shared-memory stages with bulk copies on sm_90, one stage with plain loads before. K is
+/// read partitioned per channel (`key_axis::tokens`); the per-token K layout runs on the host
+/// backend. V runs either way (the axis is a template parameter of the format and the kernel).
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kvmosaic/core/error.hpp"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/format/device_format.cuh"
-#include "kvmosaic/cuda/format/quant2/decode.cuh"
-#include "kvmosaic/cuda/format/quant2/encode.cuh"
-#include "kvmosaic/cuda/format/quant2/unpack.cuh"
+#include "kvmosaic/cuda/format/quant/decode.cuh"
+#include "kvmosaic/cuda/format/quant/encode.cuh"
+#include "kvmosaic/cuda/format/quant/unpack.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
-#include "kvmosaic/format/quant2.hpp"
+#include "kvmosaic/format/quant.hpp"
 
 namespace kvmosaic::cuda {
 
-template <>
-struct device_format<format::quant2> {
+template <int Bits, format::value_axis ValueAxis>
+struct device_format<format::quant<Bits, ValueAxis>> {
+  using format_type = format::quant<Bits, ValueAxis>;
   static constexpr bool encodes_pages = true;
+  /// The split kernel masks the sinks of a sequence's first page (`decode_partial_quant_kernel`'s
+  /// `masked`): a step whose only exact rows are sinks runs the kernel without row masks.
+  static constexpr bool masks_sink_rows = true;
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
-  using params = kernel::quant2_decode_params;
+  using params = kernel::quant_decode_params;
 
   struct state {
     int stages = 1;  ///< compressed page pairs in flight per warp (sm_90; 1 on the portable path)
   };
 
-  static void validate(const format::quant2& f, const kvmosaic::detail::engine_shape& shape) {
-    kvmosaic::detail::require(f.k_axis == format::key_axis::tokens, "cuda::engine", "format::quant2::k_axis",
+  static void validate(const format_type& f, const kvmosaic::detail::engine_shape& shape) {
+    kvmosaic::detail::require(f.k_axis == format::key_axis::tokens, "cuda::engine", k_axis_name(),
                               "key_axis::head_dim",
                               "key_axis::tokens (the CUDA kernels read K partitioned per channel; the per-token "
                               "layout runs on the host backend)");
@@ -48,7 +54,7 @@ struct device_format<format::quant2> {
 
   /// Up to 4 CTAs per SM (as tuned) and up to 4 stages per warp.
   template <class Shapes>
-  static void configure(state& s, const format::quant2& f, device_context& e) {
+  static void configure(state& s, const format_type& f, device_context& e) {
     s.stages = 1;
     if (!e.bulk_copy) return;
     int registers = 0;
@@ -60,7 +66,7 @@ struct device_format<format::quant2> {
     const int pair = 4 * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);  // a page pair per warp
     int stage_offset = 0;
     dispatch_partition(e.shape->head_dim, f.partition, [&](auto dim, auto partition) {
-      stage_offset = kernel::quant2_decode_layout<decltype(dim)::value, decltype(partition)::value>::stage_offset;
+      stage_offset = kernel::quant_decode_layout<decltype(dim)::value, decltype(partition)::value, format_type>::stage_offset;
     });
     const int stages = detail::stages_for(e.device, registers, 4, 4, [&](int n) { return stage_offset + 1024 + n * pair; });
     if (stages == 0) {
@@ -72,7 +78,7 @@ struct device_format<format::quant2> {
 
   /// The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
   template <class Shapes, class F>
-  static void with_decode_kernel(const state& s, const format::quant2& f, const device_context& e, bool row_masks, F&& call) {
+  static void with_decode_kernel(const state& s, const format_type& f, const device_context& e, bool row_masks, F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const int stage_bytes = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
@@ -80,20 +86,20 @@ struct device_format<format::quant2> {
       constexpr int head_dim = decltype(dim)::value;
       dispatch_partition_of<head_dim>(f.partition, [&](auto partition) {
         constexpr int pi = decltype(partition)::value;
-        using layout = kernel::quant2_decode_layout<head_dim, pi>;
+        using layout = kernel::quant_decode_layout<head_dim, pi, format_type>;
         if (e.bulk_copy && row_masks)  // row masks: their own instantiations
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true>, 128, layout::bytes(stage_bytes, s.stages));
         else if (e.bulk_copy)
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true>, 128, layout::bytes(stage_bytes, s.stages));
         else if (row_masks)
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false, true>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true>, 128, layout::bytes(stage_bytes, 1));
         else
-          call(kernel::decode_partial_quant2_kernel<T, head_dim, pi, false>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false>, 128, layout::bytes(stage_bytes, 1));
       });
     });
   }
 
-  static params params_for(const state& s, const format::quant2&, const device_context&) { return params{s.stages}; }
+  static params params_for(const state& s, const format_type&, const device_context&) { return params{s.stages}; }
 
   /// Page ids are read from the block table: no limit.
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
@@ -104,11 +110,11 @@ struct device_format<format::quant2> {
   /// Quantizes `n` completed pages (K and V of every KV head): one CTA per (page, head, K or V);
   /// a sequence's first page is quantized with its sinks hidden (`detail::hides_sink_rows`).
   template <class Shapes>
-  static void encode_pages(const state&, const format::quant2& f, const encode_context& c) {
+  static void encode_pages(const state&, const format_type& f, const encode_context& c) {
     const device_context& e = *c.engine;
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
-    kernel::quant2_encode_params p{};
+    kernel::quant_encode_params p{};
     p.rows = c.rows;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
     p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
@@ -128,19 +134,19 @@ struct device_format<format::quant2> {
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
       using S = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
-      const auto encode = kernel::encode_quant2_pages_kernel<S, head_dim>;
-      encode<<<grid, kernel::quant2_encode_threads, detail::opted_in_shared(encode, code_bytes), e.stream>>>(p);
+      const auto encode = kernel::encode_quant_pages_kernel<S, head_dim, format_type>;
+      encode<<<grid, kernel::quant_encode_threads, detail::opted_in_shared(encode, code_bytes), e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
 
   /// Unpacks `n` pages to dense rows (a compaction's sources): one CTA per (page, head, K or V).
   template <class Shapes>
-  static void unpack_pages(const state&, const format::quant2& f, const unpack_context& c) {
+  static void unpack_pages(const state&, const format_type& f, const unpack_context& c) {
     const device_context& e = *c.engine;
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
-    const kernel::quant2_unpack_params p{c.rows,
+    const kernel::quant_unpack_params p{c.rows,
                                          static_cast<std::int64_t>(g.tail_slot_bytes()),
                                          static_cast<std::int64_t>(g.tail_head_bytes),
                                          e.pages,
@@ -153,12 +159,21 @@ struct device_format<format::quant2> {
                                          shape.storage};
     const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto, auto dim, auto) {
-      kernel::unpack_quant2_pages_kernel<decltype(dim)::value><<<grid, kernel::quant2_unpack_threads, 0, e.stream>>>(p);
+      kernel::unpack_quant_pages_kernel<decltype(dim)::value, format_type><<<grid, kernel::quant_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
 
  private:
+  /// "format::quant2::k_axis" and the like, for messages.
+  static const char* k_axis_name() {
+    static const std::string name = std::string(kvmosaic::detail::quant_where<Bits, ValueAxis>()) + "::k_axis";
+    return name.c_str();
+  }
+  static const char* partition_name() {
+    static const std::string name = std::string(kvmosaic::detail::quant_where<Bits, ValueAxis>()) + "::partition";
+    return name.c_str();
+  }
   /// Calls f(partition constant) for Pi at most HeadDim.
   template <int HeadDim, class F>
   static void dispatch_partition_of(int partition, F&& f) {
@@ -169,9 +184,9 @@ struct device_format<format::quant2> {
         if constexpr (HeadDim >= 128) return f(std::integral_constant<int, 128>{});
         break;
     }
-    kvmosaic::detail::require(false, "cuda::engine", "format::quant2::partition", partition, "32, 64 or 128, at most head_dim");
+    kvmosaic::detail::require(false, "cuda::engine", partition_name(), partition, "32, 64 or 128, at most head_dim");
   }
-  /// Calls f(head_dim constant, partition constant) for a quant2 shape (Pi at most head_dim).
+  /// Calls f(head_dim constant, partition constant) for a quantized shape (Pi at most head_dim).
   template <class F>
   static void dispatch_partition(int head_dim, int partition, F&& f) {
     const auto by_partition = [&](auto dim) {
@@ -182,7 +197,7 @@ struct device_format<format::quant2> {
           if constexpr (decltype(dim)::value >= 128) return f(dim, std::integral_constant<int, 128>{});
           break;
       }
-      kvmosaic::detail::require(false, "cuda::engine", "format::quant2::partition", partition,
+      kvmosaic::detail::require(false, "cuda::engine", partition_name(), partition,
                                 "32, 64 or 128, at most head_dim");
     };
     switch (head_dim) {

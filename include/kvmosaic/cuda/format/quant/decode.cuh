@@ -2,35 +2,35 @@
 #pragma once
 
 /// \file
-/// Decode split kernel for `format::quant2` pages (HACK, Eq. 4): attention on the 2-bit codes with
-/// int8 tensor cores (`quant2_warp_attend`); the cache is never dequantized. The dense tail is
+/// Decode split kernel for `format::quant<Bits, ValueAxis>` pages (HACK, Eq. 4): attention on the
+/// 2- or 4-bit codes with int8 tensor cores (`quant_warp_attend`); the cache is never dequantized. The dense tail is
 /// folded in fp32 by the same collective. Partial states merge with the dense path's
 /// `merge_splits_kernel`.
 
 #include <cstddef>
 #include <cstdint>
 
-#include "kvmosaic/cuda/format/quant2/attend.cuh"
+#include "kvmosaic/cuda/format/quant/attend.cuh"
 #include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
-/// quant2's fields of its split kernel's params.
-struct quant2_decode_params {
+/// The quantized formats' fields of their split kernel's params.
+struct quant_decode_params {
   int stages;  ///< sm_90: compressed page pairs in flight per warp
 };
 
-/// Dynamic shared memory of the quant2 kernel: per-warp barriers, the group's scaled queries, one
+/// Dynamic shared memory of the quantized formats' kernel: per-warp barriers, the group's scaled queries, one
 /// `temp_storage` per warp, then `stages` compressed page pairs (K and V) per warp. The CTA's
 /// final reduction reuses the stage area. The same for either storage type (the collective's
 /// scratch holds no stored value; `attend` is the f16 instantiation, the bf16 one is checked
 /// equal in the kernel).
-template <int HeadDim, int Partition>
-struct quant2_decode_layout {
+template <int HeadDim, int Partition, class Format>
+struct quant_decode_layout {
   static constexpr int warps = 4;
   static constexpr int max_stages = 4;
-  using attend = quant2_warp_attend<HeadDim, Partition, half>;
+  using attend = quant_warp_attend<HeadDim, Partition, half, Format>;
   static constexpr int max_group = attend::max_group;
   static constexpr int barrier_offset = 0;
   static constexpr int query_offset = 128;
@@ -46,24 +46,24 @@ struct quant2_decode_layout {
   }
 };
 
-/// The quant2 split kernel. Each of the 4 warps takes every 4th page of the split and streams it
+/// The quantized formats' split kernel. Each of the 4 warps takes every 4th page of the split and streams it
 /// through its own ring of `p.format.stages` shared-memory slots: with `BulkCopy` (sm_90), lane 0 issues
 /// one bulk copy per page and cache on the slot's mbarrier, `stages` pages ahead; without (the
 /// portable path, sm_75+), the warp copies each page with 16-byte loads before folding it. Warps
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
-/// type, head_dim, Pi, copy path, `RowMasks`: whether a token-granular selection's row masks are
+/// type, head_dim, Pi, format (code width and V axis), copy path, `RowMasks`: whether a token-granular selection's row masks are
 /// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
 /// Grid: (splits capacity, num_kv_heads).
-template <class T, int HeadDim, int Partition, bool BulkCopy, bool RowMasks = false>
-__global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid_constant__ split_params<quant2_decode_params> p) {
-  using layout = quant2_decode_layout<HeadDim, Partition>;
-  using attend = quant2_warp_attend<HeadDim, Partition, T>;
+template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false>
+__global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_constant__ split_params<quant_decode_params> p) {
+  using layout = quant_decode_layout<HeadDim, Partition, Format>;
+  using attend = quant_warp_attend<HeadDim, Partition, T, Format>;
   static_assert(sizeof(typename attend::temp_storage) == sizeof(typename layout::attend::temp_storage) &&
                     attend::max_group == layout::max_group,
-                "decode_partial_quant2_kernel: the shared-memory layout must not depend on the storage type");
+                "decode_partial_quant_kernel: the shared-memory layout must not depend on the storage type");
   constexpr int warps = layout::warps, threads = warps * 32;
-  extern __shared__ __align__(128) std::byte quant2_shared[];
+  extern __shared__ __align__(128) std::byte quant_shared[];
   const int work_index = static_cast<int>(blockIdx.x);
   split_work w;
   if (!detail_decode::start_split(p, work_index, w)) return;
@@ -73,10 +73,10 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
   const int stage_bytes = k_bytes + v_bytes;
 
-  auto* full = reinterpret_cast<std::uint64_t*>(quant2_shared + layout::barrier_offset) + warp * layout::max_stages;
-  auto* q = reinterpret_cast<float*>(quant2_shared + layout::query_offset);
-  auto& temp = reinterpret_cast<typename attend::temp_storage*>(quant2_shared + layout::temp_offset)[warp];
-  std::byte* ring = quant2_shared + layout::stage_offset + warp * stages * stage_bytes;
+  auto* full = reinterpret_cast<std::uint64_t*>(quant_shared + layout::barrier_offset) + warp * layout::max_stages;
+  auto* q = reinterpret_cast<float*>(quant_shared + layout::query_offset);
+  auto& temp = reinterpret_cast<typename attend::temp_storage*>(quant_shared + layout::temp_offset)[warp];
+  std::byte* ring = quant_shared + layout::stage_offset + warp * stages * stage_bytes;
 
   const int group = p.group_size, num_q_heads = p.num_kv_heads * group;
   const float* q_group = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * group) * HeadDim;
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
-  const quant2_page_geometry geometry = quant2_page_geometry::of(p.page_size, HeadDim, Partition);
+  const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
     return p.pages + static_cast<std::size_t>(table[warp + k * warps]) * p.page_slot_bytes;
   };
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant2_kernel(const __grid
     }
   }
   __syncthreads();  // every warp is done with the stage area
-  auto& reduction = *reinterpret_cast<typename layout::reduction_storage*>(quant2_shared + layout::stage_offset);
+  auto& reduction = *reinterpret_cast<typename layout::reduction_storage*>(quant_shared + layout::stage_offset);
   state.for_each_output([&](int g, int c, float o) { reduction.o[warp][g][c] = o; },
                         [&](int g, float m, float l) {
                           reduction.m[warp][g] = m;
