@@ -38,6 +38,7 @@ SPEED_SPECS = {
     "kvmosaic dense": "dense:sinks=0/all",
     "kvmosaic quant2 Pi=64 nearest sinks4 (default)": "quant2:partition=64,rounding=nearest,sinks=4/all",
     "kvmosaic quant2 Pi=64 nearest no sinks": "quant2:partition=64,rounding=nearest,sinks=0/all",
+    "kvmosaic quant4 Pi=64 nearest sinks4 (default)": "quant4:partition=64,rounding=nearest,sinks=4/all",
     "kvmosaic dense quest 1/8 pages": "dense:sinks=0/quest:budget=0.125,block=0",
     "kvmosaic dense quest 1/8 blocks of 16 (default)": "dense:sinks=0/quest:budget=0.125,block=16",
 }
