@@ -55,8 +55,9 @@ format::bitmap_tiles make_format(rng& r, format::bitmap_tiles*) {
   f.k_layout = pick(r, 0, 1) ? format::bitmap_k_layout::along_channels : format::bitmap_k_layout::along_tokens;
   return f;
 }
-format::quant2 make_format(rng& r, format::quant2*) {
-  format::quant2 f;
+template <int Bits, format::value_axis V>
+format::quant<Bits, V> make_format(rng& r, format::quant<Bits, V>*) {
+  format::quant<Bits, V> f;
   f.partition = 32;
   f.mode = pick(r, 0, 1) ? format::rounding::stochastic : format::rounding::nearest;
   f.seed = static_cast<std::uint64_t>(pick(r, 0, 1000));
@@ -66,7 +67,8 @@ format::quant2 make_format(rng& r, format::quant2*) {
 }
 int page_size_for(rng& r, format::dense*) { return pick_of(r, {16, 32}); }
 int page_size_for(rng&, format::bitmap_tiles*) { return 64; }  // a multiple of the 64-element tile
-int page_size_for(rng& r, format::quant2*) { return pick_of(r, {32, 64}); }  // a multiple of the partition
+template <int Bits, format::value_axis V>
+int page_size_for(rng& r, format::quant<Bits, V>*) { return pick_of(r, {32, 64}); }  // a multiple of the partition
 
 select::token_budget random_budget(rng& r) {
   select::token_budget b;
@@ -227,4 +229,10 @@ TEST_CASE("random operations: quant2 / quest", "[random]") {
 }
 TEST_CASE("random operations: quant2 / sentence_chunks", "[random]") {
   run_all<combo<format::quant2, select::sentence_chunks>>(0x6b766d0900000000ull, 80);
+}
+TEST_CASE("random operations: quant4 / all", "[random]") {
+  run_all<combo<format::quant4, select::all>>(0x6b766d0a00000000ull, 40);
+}
+TEST_CASE("random operations: quant4 with V per token / all", "[random]") {
+  run_all<combo<format::quant<4, format::value_axis::head_dim>, select::all>>(0x6b766d0b00000000ull, 40);
 }
