@@ -11079,13 +11079,8 @@ class quant_warp_attend {
       const int token_columns = geometry.page_size / 32;
 #pragma unroll
       for (int t = 0; t < channel_tiles; ++t) {
-        int dot[4] = {0, 0, 0, 0};
-#pragma unroll
-        for (int k = 0; k < token_steps; ++k) {
-          std::uint32_t a[4];
-          unpack(v_codes, t * token_columns + j * token_steps + k, lane, a);
-          detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
-        }
+        int dot[4];
+        value_tile_dot(v_codes, t * token_columns + j * token_steps, lane, b_p, dot);
 #pragma unroll
         for (int half_row = 0; half_row < 2; ++half_row) {
           const int part = (t * 16 + g + 8 * half_row) * geometry.per_channel + j;
@@ -11221,6 +11216,20 @@ class quant_warp_attend {
     }
   }
 
+  /// The integer part of one 16-channel tile of O^T = V^T P^T over a partition: `token_steps`
+  /// int8 products of the code tiles from `first_tile` on (along tokens) with the B operand `b_p`.
+  __device__ __forceinline__ static void value_tile_dot(const std::uint32_t* v_codes, int first_tile, int lane,
+                                                        const std::uint32_t (&b_p)[token_steps][2], int (&dot)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot[e] = 0;
+#pragma unroll
+    for (int k = 0; k < token_steps; ++k) {
+      std::uint32_t a[4];
+      unpack(v_codes, first_tile + k, lane, a);
+      detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
+    }
+  }
+
   /// Steps 3 and 4 for V partitioned per token (`value_axis::head_dim`): for each group c of Pi
   /// channels, p' = p s_V(token, c) is quantized to 8 bits over the partition's tokens and
   /// base = p . m_V(., c) summed; then O^T = V^T P'^T with the group's own B operand per
@@ -11295,13 +11304,8 @@ class quant_warp_attend {
       const int c = t / tiles_per_group;
       std::uint32_t b_p[token_steps][2];
       load_b_fragments(temp.p_codes[g][c], quad, b_p);
-      int dot[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int k = 0; k < token_steps; ++k) {
-        std::uint32_t a[4];
-        unpack(v_codes, t * token_columns + j * token_steps + k, lane, a);
-        detail::mma_u8_16832(dot, a, b_p[k][0], b_p[k][1]);
-      }
+      int dot[4];
+      value_tile_dot(v_codes, t * token_columns + j * token_steps, lane, b_p, dot);
 #pragma unroll
       for (int half_row = 0; half_row < 2; ++half_row) {
         const float v_sum = load_sum(v_page + geometry.sums_at, (t * 16 + g + 8 * half_row) * geometry.per_channel + j);
