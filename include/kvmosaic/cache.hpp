@@ -182,7 +182,10 @@ class cache
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
   using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  using Backend = std::conditional_t<is_backend_v<BackendArg>, BackendArg, backend::host>;
+  static_assert(!has_segments_v<Format> || !is_backend_v<BackendArg> || std::is_same_v<BackendArg, backend::host>,
+                "kvmosaic::cache: a format with segments (format::packed_bitmap) runs on backend::host only: "
+                "its CUDA kernels are not written yet (docs/packed_bitmap.md)");
+  using Backend = std::conditional_t<is_backend_v<BackendArg> && !has_segments_v<Format>, BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
@@ -799,8 +802,14 @@ class cache
           const auto row0 = static_cast<std::int64_t>(first + i) * p;
           for (int h = 0; h < config_.num_kv_heads; ++h)
             for (const bool is_v : {false, true}) {
-              if (is_v) format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
-              else format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              if constexpr (has_segments_v<Format>) {  // in the page's segment: the engine keeps them
+                engine_.decode_page(slot_of(seq), static_cast<std::int64_t>(first + i), h, is_v,
+                                    slot + (is_v ? g.v_page_offset(h) : g.k_page_offset(h)), p, rows.data());
+              } else if (is_v) {
+                format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
+              } else {
+                format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              }
               for (int t = 0; t < p; ++t)
                 if (exact == 0 || !g.exact_position(row0 + t, sealed)) put(is_v ? v : k, row0, h, t, t + 1);
             }
@@ -835,7 +844,7 @@ class cache
     memory_stats m = pool_gauge();
     m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s) + segment_bytes(s);
     m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
@@ -847,7 +856,7 @@ class cache
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.stored;
-      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s) + segment_bytes(s);
       m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
@@ -874,6 +883,12 @@ class cache
   /// Bytes the selector keeps for a sequence (e.g. key bounds of its spans).
   std::int64_t selector_bytes(const sequence_state& s) const {
     return selector_traits<Selector>::extra_bytes(selector_shape_of(), s.selector_state);
+  }
+  /// Bytes the format keeps per sequence besides pages and tail: the segments' bases of a format
+  /// with segments (format::packed_bitmap), else 0.
+  std::int64_t segment_bytes(const sequence_state& s) const {
+    if constexpr (has_segments_v<Format>) return static_cast<std::int64_t>(engine_.segment_bytes(static_cast<std::int64_t>(s.pages.size())));
+    else return 0;
   }
   /// What the selector's hooks know of this cache.
   selector_shape selector_shape_of() const noexcept {

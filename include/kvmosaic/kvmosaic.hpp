@@ -17,6 +17,7 @@
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/bitmap_tiles.hpp"
 #include "kvmosaic/format/quant.hpp"
+#include "kvmosaic/format/packed_bitmap.hpp"
 
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/all.hpp"

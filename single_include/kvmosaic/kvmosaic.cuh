@@ -770,6 +770,24 @@ bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& 
 ///                        /*[head_dim] or null*/, std::byte* page);
 /// and `cache::set_key_weights` becomes available for it.
 ///
+/// Optional: a format whose pages are stored in a basis of their own segment (a run of
+/// `segment_pages` pages of one sequence; format::packed_bitmap) declares
+///   static constexpr bool has_segments = true;
+///   using segment = ...;  // what one KV head's pages of a segment share (bases, strategy)
+///   static int segment_pages(const Format&, const page_shape&);
+///   static int basis_dim(const Format&, const page_shape&);      // channels of the segment space
+///   static std::size_t segment_bytes(const Format&, const page_shape&);  // per segment, KV head
+///   static segment plan_segment(const Format&, const page_shape&, const float* k, const float* v,
+///                               std::int64_t n);                 // fit to a segment's rows
+///   static void enter_segment(const Format&, const page_shape&, const segment&, const float* q,
+///                             int G, float* q_basis /*[G][basis_dim]*/);
+///   static void leave_segment(const Format&, const page_shape&, const segment&,
+///                             const float* o_basis /*[G][basis_dim]*/, int G, float* o /*[G][D]*/);
+/// and takes `const segment&` after the shape in encode_k/v, decode_k/v, score and accumulate,
+/// whose queries and outputs are in the segment's space. The host engine keeps the segments per
+/// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
+/// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
@@ -801,6 +819,33 @@ struct key_weights_of {
 template <class Traits>
 struct key_weights_of<Traits, std::void_t<decltype(Traits::has_key_weights)>> {
   static constexpr bool value = Traits::has_key_weights;
+};
+
+/// format_traits<Format>::has_segments, false when a format does not declare it.
+template <class Traits, class = void>
+struct segments_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct segments_of<Traits, std::void_t<decltype(Traits::has_segments)>> {
+  static constexpr bool value = Traits::has_segments;
+};
+}  // namespace detail
+
+/// True when a format stores its pages in per-segment bases (`format_traits::has_segments`).
+template <class Format>
+inline constexpr bool has_segments_v = detail::segments_of<format_traits<Format>>::value;
+
+namespace detail {
+/// The segment type of a format with segments; an empty struct for the others.
+struct no_segment {};
+template <class Format, bool = has_segments_v<Format>>
+struct segment_type {
+  using type = no_segment;
+};
+template <class Format>
+struct segment_type<Format, true> {
+  using type = typename format_traits<Format>::segment;
 };
 }  // namespace detail
 
@@ -924,7 +969,8 @@ inline std::string describe_exact_tokens(int sink_tokens, int recent_tokens) {
 
 // ---- begin <kvmosaic/host/eigen.hpp> ----
 /// \file
-/// The one place kvmosaic includes Eigen. The host backend runs Eigen on the CPU only, so when this
+/// The one place kvmosaic configures and includes Eigen's core (format/packed_bitmap.hpp adds
+/// Eigen/Eigenvalues after this header). The host backend runs Eigen on the CPU only, so when this
 /// header is compiled by nvcc it asks Eigen not to annotate its functions for the device
 /// (`EIGEN_NO_CUDA`): that keeps `.cu` files that include kvmosaic free of Eigen's device warnings.
 /// Include kvmosaic before Eigen in a `.cu` file, or define `EIGEN_NO_CUDA` yourself.
@@ -2230,6 +2276,465 @@ struct hides_sink_rows<format::quant<Bits, V>> : std::true_type {};
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/format/quant.hpp> ----
+
+// ---- begin <kvmosaic/format/packed_bitmap.hpp> ----
+/// \file
+/// `format::packed_bitmap`: MosaicKV's stage-1 two-D compression, per-vector channel compression
+/// in a rotated basis (Qiang et al., "MosaicKV: Serving Long-Context LLM with Dynamic Two-D KV
+/// Cache Compression", sections 4.2, 5.1, 5.2, 5.3 and 5.5). Host part: the segment basis and
+/// strategy, encode, decode, and the host attend on the packed form (PackedAttention's math).
+///
+/// Segments. A sequence's pages are cut into segments of `segment_tokens` tokens (64K by
+/// default, the paper's prefill segment). Per segment and KV head, K and V each get a basis: the
+/// eigenvectors of the segment's uncentered covariance sum_t x_t x_t^T (the right singular
+/// vectors of the segment's matrix, the paper's "SVD rotation"), by decreasing eigenvalue, each
+/// signed so that its largest-magnitude component is positive (one answer for one input). The
+/// last `truncated` fraction of the rotated channels (the least variance) is never stored and has
+/// no bit in the bitmap (channel truncation, 5.2); the first `kept` = head_dim (1 - truncated)
+/// columns are the basis B ([head_dim][kept], fp32).
+///
+/// Per vector (5.1). y = x B; the kept channels form kept / g groups of g adjacent channels; the
+/// r / g groups of largest energy sum y_c^2 (ties: the lower group) are kept, the others are
+/// zero. A token's record is a bitmap of one bit per group (bit j of 32-bit word j / 32) and its
+/// r retained values, in group order, rounded to the storage dtype (16-bit). Decode is
+/// x^ = y^ B^T. Energy rather than the sum of |y_c| ranks groups of g > 1: it is the choice that
+/// minimizes ||y - y^||, and equals magnitude order at g = 1.
+///
+/// Strategy (5.5). `strategy::fixed` (the default) uses `retained` and `group` for every segment.
+/// `strategy::search` picks, per segment, KV head and K or V, the highest compression rate among
+/// 87.5%, 75%, 62.5% retaining at most `retained`, then the largest g in {4, 2, 1}, whose loss
+/// stays at or below `loss_threshold`; none passing, it keeps `retained` at g = 1. The loss of a
+/// candidate is the segment's relative squared error, sum_t ||x_t - x^_t||^2 / sum_t ||x_t||^2
+/// (truncated energy included), before the 16-bit rounding. The token block size of the mean
+/// keys (stage 2, `block_tokens` of the segment) is the largest of 16, 8, 4 whose mean
+/// intra-block key variance, relative to the mean squared key norm, is at most
+/// `block_variance_threshold`. Differences from the paper (docs/packed_bitmap.md): channels keep
+/// eigenvalue order (no reordering by selection pattern before grouping); a pool slot is sized
+/// for `retained` at the smallest group, so a searched segment that keeps less reads fewer bytes
+/// but frees no memory.
+///
+/// PackedAttention's math (5.3). The query is rotated once per segment, q' = q B_k; a score is
+/// q' . y^_k over a record's set bits (no unpacked tile); p . y^_v accumulates in the rotated V
+/// space ([G][kept]); the output is rotated back once per segment, o = o' B_v^T. Equal to
+/// attention over the decoded vectors, up to fp32 rounding.
+///
+/// Page layout (one head, K or V): [bitmaps: page_size x words x u32][values: page_size x r_slot
+/// x 16-bit] padded to 16 bytes; words = ceil(kept / g_slot / 32), where r_slot = `retained` x
+/// head_dim and g_slot = `group` (fixed) or 1 (search). A record shorter than the slot (a
+/// searched strategy) leaves the rest zero. Per segment and KV head: B_k and B_v in fp32 and the
+/// strategy, `format_traits::segment_bytes`. At head_dim 128, 25% retained, 25% truncated, g = 1:
+/// 76 bytes a token for K or V against dense 256 (3.37x), plus 2 x 48 KB of bases per 64K-token
+/// segment and KV head (0.3% of the dense bytes).
+///
+/// Non-finite inputs: a NaN or infinity in a segment makes its covariance non-finite; the
+/// segment then uses the identity basis (no rotation) and the non-finite values stay in the
+/// records that select them, so only the outputs that read them are affected.
+
+
+
+#include <Eigen/Eigenvalues>
+
+namespace kvmosaic {
+namespace format {
+
+/// How `packed_bitmap` chooses each segment's channel strategy.
+enum class strategy {
+  fixed,   ///< `retained` and `group` for every segment
+  search,  ///< per segment, KV head, K and V: MosaicKV's candidate search (section 5.5)
+};
+
+/// MosaicKV's packed bitmap (sections 4-5): per segment a rotated basis, channel truncation,
+/// and per vector the top groups by energy, stored as a bitmap and packed 16-bit values. Cost
+/// per token (K or V): ceil(kept / g / 32) x 4 + retained x head_dim x 2 bytes. Encode: one
+/// head_dim x kept product and a partial sort of kept / g groups per vector, plus per segment a
+/// covariance (n x head_dim^2) and one eigendecomposition (head_dim^3). Attend: per segment one
+/// rotation of the G queries and one of the G outputs (G x head_dim x kept each), per token r
+/// multiply-adds per query head for q.k and for p.v. Source: MosaicKV, sections 4.2, 5.1-5.3, 5.5.
+struct packed_bitmap {
+  using policy_category = format_tag;
+  float retained = 0.25f;        ///< channels a vector keeps, a fraction of head_dim (the paper: 25%); the slot's bound with `strategy::search`
+  int group = 1;                 ///< g: adjacent rotated channels per bitmap bit, 1, 2 or 4
+  float truncated = 0.25f;       ///< rotated channels never stored, a fraction of head_dim (the paper: the bottom 25%)
+  int segment_tokens = 65536;    ///< tokens per segment (one basis per segment and KV head), a multiple of page_size
+  strategy mode = strategy::fixed;
+  float loss_threshold = 0.05f;  ///< `strategy::search`: the largest relative squared error a candidate may lose
+  float block_variance_threshold = 0.5f;  ///< the largest relative intra-block key variance of a mean-key block
+  int sink_tokens = 0;           ///< leading tokens always read exactly (0 to 16)
+  int recent_tokens = 0;         ///< latest sealed tokens always read exactly (0 to 1024), besides the tail
+};
+
+}  // namespace format
+
+namespace detail {
+
+/// One segment's choice for K or for V: r retained channels in groups of g.
+struct packed_strategy {
+  int retained = 0;  ///< r, a multiple of `group`
+  int group = 1;     ///< g: 1, 2 or 4
+};
+
+/// A segment of one KV head: its K and V bases ([head_dim][kept], row-major, fp32), strategies,
+/// and the token block size of its mean keys.
+struct packed_segment {
+  int kept = 0;
+  std::vector<float> basis[2];  ///< [0]: K, [1]: V
+  packed_strategy strategy[2];
+  int block_tokens = 16;
+};
+
+/// Channel counts a format's fractions give at one head_dim.
+struct packed_geometry {
+  int head_dim = 0;
+  int kept = 0;          ///< rotated channels stored (head_dim minus the truncated ones)
+  int retained = 0;      ///< r of the slot
+  int slot_group = 1;    ///< the smallest g the slot holds a bitmap for
+  int words = 0;         ///< 32-bit bitmap words per record of the slot
+  int page_size = 0;
+
+  static packed_geometry of(const format::packed_bitmap& f, const page_shape& shape) {
+    packed_geometry g;
+    g.head_dim = shape.head_dim;
+    g.page_size = shape.page_size;
+    g.kept = shape.head_dim - static_cast<int>(std::lround(static_cast<double>(f.truncated) * shape.head_dim));
+    g.retained = static_cast<int>(std::lround(static_cast<double>(f.retained) * shape.head_dim));
+    g.slot_group = f.mode == format::strategy::fixed ? f.group : 1;
+    g.words = bitmap_words(g.kept, g.slot_group);
+    return g;
+  }
+  static int bitmap_words(int kept, int group) { return (kept / group + 31) / 32; }
+  std::size_t bitmap_bytes() const { return static_cast<std::size_t>(page_size) * words * 4; }
+  std::size_t page_bytes() const {
+    const std::size_t bytes = bitmap_bytes() + static_cast<std::size_t>(page_size) * retained * 2;
+    return (bytes + 15) / 16 * 16;
+  }
+  const std::uint32_t* bitmap(const std::byte* page, int t) const {
+    return reinterpret_cast<const std::uint32_t*>(page) + static_cast<std::size_t>(t) * words;
+  }
+  std::uint32_t* bitmap(std::byte* page, int t) const {
+    return reinterpret_cast<std::uint32_t*>(page) + static_cast<std::size_t>(t) * words;
+  }
+  std::size_t values_offset(int t) const { return bitmap_bytes() + static_cast<std::size_t>(t) * retained * 2; }
+};
+
+/// The basis of rows x ([n][head_dim]): the first `kept` eigenvectors of sum_t x_t x_t^T (fp64),
+/// by decreasing eigenvalue, each with its largest-magnitude component positive; [head_dim][kept]
+/// row-major. Non-finite input or n = 0: the first `kept` columns of the identity.
+inline std::vector<float> packed_basis(const float* rows, std::int64_t n, int head_dim, int kept) {
+  std::vector<float> basis(static_cast<std::size_t>(head_dim) * kept, 0.0f);
+  Eigen::MatrixXd covariance = Eigen::MatrixXd::Zero(head_dim, head_dim);
+  if (n > 0) {
+    const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
+    covariance.selfadjointView<Eigen::Lower>().rankUpdate(x.cast<double>().transpose());
+    covariance = covariance.selfadjointView<Eigen::Lower>();
+  }
+  if (n == 0 || !covariance.allFinite()) {
+    for (int j = 0; j < kept; ++j) basis[static_cast<std::size_t>(j) * kept + j] = 1.0f;
+    return basis;
+  }
+  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(covariance);
+  for (int j = 0; j < kept; ++j) {
+    Eigen::VectorXd column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
+    Eigen::Index largest = 0;
+    column.cwiseAbs().maxCoeff(&largest);
+    if (column(largest) < 0) column = -column;
+    for (int c = 0; c < head_dim; ++c) basis[static_cast<std::size_t>(c) * kept + j] = static_cast<float>(column(c));
+  }
+  return basis;
+}
+
+/// The groups a record keeps: of the kept / g groups of y ([kept]), the r / g of largest energy
+/// (ties: the lower group), in increasing order, into `chosen`.
+inline void packed_choose_groups(const float* y, int kept, const packed_strategy& s, std::vector<int>& order,
+                                 std::vector<float>& energy, std::vector<int>& chosen) {
+  const int groups = kept / s.group, keep = s.retained / s.group;
+  energy.assign(static_cast<std::size_t>(groups), 0.0f);
+  for (int j = 0; j < groups; ++j)
+    for (int i = 0; i < s.group; ++i) {
+      const float value = y[j * s.group + i];
+      energy[static_cast<std::size_t>(j)] += value * value;
+    }
+  order.resize(static_cast<std::size_t>(groups));
+  std::iota(order.begin(), order.end(), 0);
+  const auto greater = [&](int a, int b) {
+    const float ea = energy[static_cast<std::size_t>(a)], eb = energy[static_cast<std::size_t>(b)];
+    // NaN ranks first (a record keeps what it cannot judge), then energy, then the lower group.
+    if (std::isnan(ea) != std::isnan(eb)) return std::isnan(ea);
+    return ea > eb || (!(ea < eb) && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), greater);
+  chosen.assign(order.begin(), order.begin() + keep);
+  std::sort(chosen.begin(), chosen.end());
+}
+
+/// Relative squared error of `candidate` over rotated rows y ([n][kept]) of rows whose squared
+/// norms sum to `total` (the truncated energy counts as lost).
+inline double packed_loss(const std::vector<float>& y, std::int64_t n, int kept, double total, const packed_strategy& candidate) {
+  if (!(total > 0)) return 0.0;
+  std::vector<int> order, chosen;
+  std::vector<float> energy;
+  double stored = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* row = y.data() + static_cast<std::size_t>(t) * kept;
+    packed_choose_groups(row, kept, candidate, order, energy, chosen);
+    for (const int j : chosen) stored += energy[static_cast<std::size_t>(j)];
+  }
+  return std::max(0.0, (total - stored) / total);
+}
+
+/// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
+/// 62.5% compression: 1/8, 2/8, 3/8 of head_dim retained, none above the slot's r), then g = 4,
+/// 2, 1 (a g that does not divide kept and r is skipped).
+inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) {
+  std::vector<packed_strategy> candidates;
+  for (const int eighths : {1, 2, 3}) {
+    const int r = g.head_dim * eighths / 8;
+    if (r > g.retained) continue;
+    for (const int group : {4, 2, 1})
+      if (g.kept % group == 0 && r % group == 0) candidates.push_back({r, group});
+  }
+  return candidates;
+}
+
+/// The strategy of one K or V matrix of a segment: `strategy::fixed`'s, or the first candidate
+/// whose loss is at most `threshold`, else the slot's (r, g = 1).
+inline packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const float* rows,
+                                     std::int64_t n, const std::vector<float>& basis) {
+  if (f.mode == format::strategy::fixed) return {g.retained, f.group};
+  const packed_strategy fallback{g.retained, 1};
+  if (n == 0) return fallback;
+  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, g.head_dim);
+  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> b(basis.data(), g.head_dim, g.kept);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(y.data(), n, g.kept).noalias() = x * b;
+  const double total = x.cast<double>().squaredNorm();
+  if (!std::isfinite(total)) return fallback;
+  for (const packed_strategy& candidate : packed_candidates(g))
+    if (packed_loss(y, n, g.kept, total, candidate) <= f.loss_threshold) return candidate;
+  return fallback;
+}
+
+/// The mean-key block size of a segment's K rows: the largest of 16, 8, 4 whose intra-block
+/// variance (mean over the blocks' tokens of ||k_t - mean of its block||^2), relative to the mean
+/// ||k_t||^2, is at most `threshold` (4 when none; 16 for fewer than 4 rows or a zero segment).
+inline int packed_block_tokens(const float* rows, std::int64_t n, int head_dim, float threshold) {
+  double norm = 0;
+  for (std::int64_t i = 0; i < n * head_dim; ++i) norm += static_cast<double>(rows[i]) * rows[i];
+  if (n < 4 || !(norm > 0) || !std::isfinite(norm)) return 16;
+  norm /= static_cast<double>(n);
+  for (const int b : {16, 8, 4}) {
+    double variance = 0;
+    std::int64_t counted = 0;
+    std::vector<double> mean(static_cast<std::size_t>(head_dim));
+    for (std::int64_t first = 0; first + b <= n; first += b) {
+      std::fill(mean.begin(), mean.end(), 0.0);
+      for (int t = 0; t < b; ++t)
+        for (int c = 0; c < head_dim; ++c) mean[static_cast<std::size_t>(c)] += rows[(first + t) * head_dim + c];
+      for (double& m : mean) m /= b;
+      for (int t = 0; t < b; ++t)
+        for (int c = 0; c < head_dim; ++c) {
+          const double e = rows[(first + t) * head_dim + c] - mean[static_cast<std::size_t>(c)];
+          variance += e * e;
+        }
+      counted += b;
+    }
+    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return b;
+  }
+  return 4;
+}
+
+}  // namespace detail
+
+template <>
+struct format_traits<format::packed_bitmap> {
+  using format_type = format::packed_bitmap;
+  using segment = detail::packed_segment;
+  static constexpr const char* name = "packed_bitmap";
+  static constexpr bool has_segments = true;
+
+  static std::string describe(const format_type& f) {
+    char text[160];
+    std::snprintf(text, sizeof(text), "packed_bitmap(retained%g,g%d,truncated%g,segment%d%s", static_cast<double>(f.retained),
+                  f.group, static_cast<double>(f.truncated), f.segment_tokens, f.mode == format::strategy::search ? ",search" : "");
+    return std::string(text) + detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens) + ")";
+  }
+
+  static void validate(const format_type& f, const page_shape& shape) {
+    const char* where = "format::packed_bitmap";
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage", to_string(shape.storage), "f16 or bf16");
+    detail::require(f.group == 1 || f.group == 2 || f.group == 4, where, "group", f.group, "1, 2 or 4");
+    detail::require(f.truncated >= 0.0f && f.truncated < 1.0f, where, "truncated", f.truncated,
+                    "0 <= truncated < 1 (a truncation of every channel leaves nothing)");
+    const double kept_exact = (1.0 - static_cast<double>(f.truncated)) * shape.head_dim;
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    detail::require(std::abs(kept_exact - g.kept) < 1e-3 && g.kept >= 1, where, "truncated", f.truncated,
+                    "a fraction leaving a whole number (>= 1) of head_dim's channels");
+    detail::require(g.kept % f.group == 0, where, "group", f.group, "a divisor of the kept channel count");
+    detail::require(f.retained > 0.0f && std::abs(static_cast<double>(f.retained) * shape.head_dim - g.retained) < 1e-3 &&
+                        g.retained >= 1, where, "retained", f.retained, "a fraction giving a whole number (>= 1) of channels");
+    detail::require(g.retained <= g.kept, where, "retained", f.retained, "at most 1 - truncated (the kept channels)");
+    detail::require(g.retained % f.group == 0, where, "retained", f.retained, "a whole number of groups of `group` channels");
+    detail::require(f.segment_tokens >= shape.page_size && f.segment_tokens % shape.page_size == 0, where, "segment_tokens",
+                    f.segment_tokens, "a positive multiple of page_size");
+    detail::require(f.mode == format::strategy::fixed || f.mode == format::strategy::search, where, "mode",
+                    static_cast<int>(f.mode), "strategy::fixed or strategy::search");
+    detail::require(f.loss_threshold >= 0.0f && f.loss_threshold <= 1.0f, where, "loss_threshold", f.loss_threshold, "0 to 1");
+    detail::require(f.block_variance_threshold >= 0.0f, where, "block_variance_threshold", f.block_variance_threshold, ">= 0");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
+  }
+  static int sink_rows(const format_type& f) { return f.sink_tokens; }
+  static int window_rows(const format_type& f) { return f.recent_tokens; }
+
+  static std::size_t k_page_bytes(const format_type& f, const page_shape& shape) {
+    return detail::packed_geometry::of(f, shape).page_bytes();
+  }
+  static std::size_t v_page_bytes(const format_type& f, const page_shape& shape) { return k_page_bytes(f, shape); }
+
+  /// Pages per segment.
+  static int segment_pages(const format_type& f, const page_shape& shape) { return f.segment_tokens / shape.page_size; }
+  /// Channels of the rotated space (the query and output of a segment's attend have this many).
+  static int basis_dim(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).kept; }
+  /// Bytes one segment keeps per KV head besides its pages: B_k and B_v in fp32 and the two
+  /// strategies and block size (3 x 2 x 4 bytes).
+  static std::size_t segment_bytes(const format_type& f, const page_shape& shape) {
+    return 2 * static_cast<std::size_t>(shape.head_dim) * basis_dim(f, shape) * 4 + 24;
+  }
+
+  /// The segment of one KV head from its K and V rows ([n][head_dim], the rows the basis is fit
+  /// to): bases, strategies (searched or fixed) and mean-key block size. Cost: 2 covariances
+  /// (n x head_dim^2), 2 eigendecompositions, and with `strategy::search` up to 9 candidate
+  /// passes over the n rotated rows.
+  static segment plan_segment(const format_type& f, const page_shape& shape, const float* k, const float* v, std::int64_t n) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    segment s;
+    s.kept = g.kept;
+    for (int which = 0; which < 2; ++which) {
+      const float* rows = which == 0 ? k : v;
+      s.basis[which] = detail::packed_basis(rows, n, shape.head_dim, g.kept);
+      s.strategy[which] = detail::packed_search(f, g, rows, n, s.basis[which]);
+    }
+    s.block_tokens = detail::packed_block_tokens(k, n, shape.head_dim, f.block_variance_threshold);
+    return s;
+  }
+
+  static void encode_k(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {
+    encode(f, shape, s, 0, rows, page);
+  }
+  static void encode_v(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {
+    encode(f, shape, s, 1, rows, page);
+  }
+  /// x^ = y^ B^T for the first n records.
+  static void decode_k(const format_type& f, const page_shape& shape, const segment& s, const std::byte* page, int n, float* rows) {
+    decode(f, shape, s, 0, page, n, rows);
+  }
+  static void decode_v(const format_type& f, const page_shape& shape, const segment& s, const std::byte* page, int n, float* rows) {
+    decode(f, shape, s, 1, page, n, rows);
+  }
+
+  /// q' = q B_k: the G queries ([G][head_dim]) in the segment's K basis ([G][kept]).
+  static void enter_segment(const format_type&, const page_shape& shape, const segment& s, const float* q, int groups, float* q_basis) {
+    host::row_matrix_map(q_basis, groups, s.kept).noalias() =
+        host::const_row_matrix_map(q, groups, shape.head_dim) * host::const_row_matrix_map(s.basis[0].data(), shape.head_dim, s.kept);
+  }
+  /// o = o' B_v^T: the G outputs of a segment ([G][kept], rotated V space) back in head_dim.
+  static void leave_segment(const format_type&, const page_shape& shape, const segment& s, const float* o_basis, int groups, float* o) {
+    host::row_matrix_map(o, groups, shape.head_dim).noalias() =
+        host::const_row_matrix_map(o_basis, groups, s.kept) *
+        host::const_row_matrix_map(s.basis[1].data(), shape.head_dim, s.kept).transpose();
+  }
+
+  /// logits[g][t] = q'[g] . y^_t over record t's set bits, for the first n records. Cost: r
+  /// multiply-adds per token and query head, plus one pass over the bitmap.
+  static void score(const format_type& f, const page_shape& shape, const segment& s, const std::byte* k_page, int n,
+                    const float* q_basis, int groups, float* logits) {
+    for_each_record(f, shape, s, 0, k_page, n, [&](int t, int channel, float value) {
+      for (int g = 0; g < groups; ++g) logits[static_cast<std::size_t>(g) * n + t] += q_basis[static_cast<std::size_t>(g) * s.kept + channel] * value;
+    }, [&](int t) {
+      for (int g = 0; g < groups; ++g) logits[static_cast<std::size_t>(g) * n + t] = 0.0f;
+    });
+  }
+  /// o'[g] += sum_t p[g][t] y^_t (rotated V space, [G][kept]) for the first n records.
+  static void accumulate(const format_type& f, const page_shape& shape, const segment& s, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o_basis) {
+    for_each_record(f, shape, s, 1, v_page, n, [&](int t, int channel, float value) {
+      for (int g = 0; g < groups; ++g)
+        o_basis[static_cast<std::size_t>(g) * s.kept + channel] += p[static_cast<std::size_t>(g) * n + t] * value;
+    }, [](int) {});
+  }
+
+ private:
+  static void encode(const format_type& f, const page_shape& shape, const segment& s, int which, const float* rows, std::byte* page) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const detail::packed_strategy& st = s.strategy[which];
+    const int p = shape.page_size;
+    std::memset(page, 0, g.page_bytes());
+    std::vector<float> y(static_cast<std::size_t>(p) * g.kept);
+    host::row_matrix_map(y.data(), p, g.kept).noalias() =
+        host::const_row_matrix_map(rows, p, shape.head_dim) * host::const_row_matrix_map(s.basis[which].data(), shape.head_dim, g.kept);
+    std::vector<int> order, chosen;
+    std::vector<float> energy, values(static_cast<std::size_t>(st.retained));
+    for (int t = 0; t < p; ++t) {
+      const float* row = y.data() + static_cast<std::size_t>(t) * g.kept;
+      detail::packed_choose_groups(row, g.kept, st, order, energy, chosen);
+      std::uint32_t* bits = g.bitmap(page, t);
+      std::size_t at = 0;
+      for (const int j : chosen) {
+        bits[j / 32] |= std::uint32_t{1} << (j % 32);
+        for (int i = 0; i < st.group; ++i) values[at++] = row[j * st.group + i];
+      }
+      detail::store_dense_rows(shape.storage, values.data(), values.size(), page + g.values_offset(t));
+    }
+  }
+
+  static void decode(const format_type& f, const page_shape& shape, const segment& s, int which, const std::byte* page, int n, float* rows) {
+    std::vector<float> y(static_cast<std::size_t>(n) * s.kept, 0.0f);
+    for_each_record(f, shape, s, which, page, n,
+                    [&](int t, int channel, float value) { y[static_cast<std::size_t>(t) * s.kept + channel] = value; }, [](int) {});
+    host::row_matrix_map(rows, n, shape.head_dim).noalias() =
+        host::const_row_matrix_map(y.data(), n, s.kept) *
+        host::const_row_matrix_map(s.basis[which].data(), shape.head_dim, s.kept).transpose();
+  }
+
+  /// Calls start(t) then visit(t, channel, value) for every stored value of records [0, n).
+  template <class Visit, class Start>
+  static void for_each_record(const format_type& f, const page_shape& shape, const segment& s, int which, const std::byte* page,
+                              int n, Visit&& visit, Start&& start) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const int group = s.strategy[which].group, words = detail::packed_geometry::bitmap_words(g.kept, group);
+    std::vector<float>& values = detail::host_scratch(static_cast<std::size_t>(s.strategy[which].retained));
+    for (int t = 0; t < n; ++t) {
+      start(t);
+      detail::load_dense_rows(shape.storage, page + g.values_offset(t), static_cast<std::size_t>(s.strategy[which].retained), values.data());
+      const std::uint32_t* bits = g.bitmap(page, t);
+      std::size_t at = 0;
+      for (int w = 0; w < words; ++w)
+        for (std::uint32_t word = bits[w]; word != 0; word &= word - 1) {
+          const int j = w * 32 + lowest_bit(word);
+          for (int i = 0; i < group; ++i) visit(t, j * group + i, values[at++]);
+        }
+    }
+  }
+  static int lowest_bit(std::uint32_t word) noexcept {
+#if defined(__GNUC__)
+    return __builtin_ctz(word);
+#else
+    int bit = 0;
+    while ((word & 1u) == 0) {
+      word >>= 1;
+      ++bit;
+    }
+    return bit;
+#endif
+  }
+};
+
+namespace detail {
+/// A moved token is re-encoded in its new page's segment basis.
+template <>
+struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
+}  // namespace detail
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/format/packed_bitmap.hpp> ----
 
 // ---- begin <kvmosaic/select/selector_traits.hpp> ----
 /// \file
@@ -3765,6 +4270,9 @@ class engine {
   using dense_traits = format_traits<format::dense>;
 
  public:
+  /// What the pages of one segment and KV head share (formats with segments; else empty).
+  using segment_t = typename detail::segment_type<Format>::type;
+
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
   /// their host state and pass it with each step (`select::sentence_chunks`: `chunk_list`).
@@ -3814,6 +4322,7 @@ class engine {
         store(v, true, t, h);
       }
       if (++tail_rows == shape_.page_size) {
+        if constexpr (has_segments_v<Format>) plan_segment_at(slot, sealed_pages, k, v, t + 1);
         seal_tail(slot, *new_pages++, sealed_pages++);
         tail_rows = 0;
       }
@@ -3872,6 +4381,38 @@ class engine {
     if constexpr (has_key_weights_v<Format>) {
       key_weights_[static_cast<std::size_t>(to)] = key_weights_[static_cast<std::size_t>(from)];
     }
+    if constexpr (has_segments_v<Format>) segments_[static_cast<std::size_t>(to)] = segments_[static_cast<std::size_t>(from)];
+  }
+
+  /// The segment of KV head `head` that page `index` of the sequence in `slot` is stored in
+  /// (formats with segments).
+  const segment_t& segment(std::int32_t slot, std::int64_t index, int head) const {
+    const std::int64_t s = index / traits::segment_pages(format_, shape_.page());
+    return segments_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(s * shape_.num_kv_heads + head)];
+  }
+  /// Bytes the segments of a sequence of `pages` sealed pages keep (0 for formats without).
+  std::size_t segment_bytes(std::int64_t pages) const {
+    if constexpr (has_segments_v<Format>) {
+      const std::int64_t per = traits::segment_pages(format_, shape_.page());
+      return static_cast<std::size_t>((pages + per - 1) / per) * shape_.num_kv_heads * traits::segment_bytes(format_, shape_.page());
+    } else {
+      (void)pages;
+      return 0;
+    }
+  }
+  /// Decodes the first n rows of page `index` of the sequence in `slot` (stored at `page`), KV
+  /// head `head`, K or V: the format's host decode, in the page's segment where it has them.
+  void decode_page(std::int32_t slot, std::int64_t index, int head, bool is_v, const std::byte* page, int n, float* rows) const {
+    const page_shape shape = shape_.page();
+    if constexpr (has_segments_v<Format>) {
+      const segment_t& seg = segment(slot, index, head);
+      if (is_v) traits::decode_v(format_, shape, seg, page, n, rows);
+      else traits::decode_k(format_, shape, seg, page, n, rows);
+    } else {
+      (void)slot, (void)index, (void)head;
+      if (is_v) traits::decode_v(format_, shape, page, n, rows);
+      else traits::decode_k(format_, shape, page, n, rows);
+    }
   }
 
   /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
@@ -3914,8 +4455,8 @@ class engine {
     for (std::size_t i = 0; i < touched.size(); ++i)
       for (int h = 0; h < heads; ++h) {
         const page_id page = pages[static_cast<std::size_t>(touched[i])];
-        traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
-        traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
+        decode_page(slot, touched[i], h, false, k_page(page, h), p, rows_of(decoded, i, h, 0));
+        decode_page(slot, touched[i], h, true, v_page(page, h), p, rows_of(decoded, i, h, 1));
       }
     // Pages are encoded from storage-dtype rows, at seal and here alike (the CUDA backend's
     // scratch rows are 16-bit): a decoded value between two of them is rounded to the nearest.
@@ -3943,7 +4484,11 @@ class engine {
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
               detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
                                        bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
-          if (is_v == 1) {
+          if constexpr (has_segments_v<Format>) {
+            const segment_t& seg = segment(slot, index, h);
+            if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
+            else traits::encode_k(reencoding, shape, seg, rows.data(), base + geometry_.k_page_offset(h));
+          } else if (is_v == 1) {
             traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
           } else if constexpr (has_key_weights_v<Format>) {
             const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
@@ -4032,9 +4577,16 @@ class engine {
           o(q_group.size()),
           o_block(q_group.size()),
           state(static_cast<std::size_t>(groups)),
-          block(state.size()) {}
+          block(state.size()),
+          q_basis(q_group.size()),
+          o_segment(q_group.size()),
+          segment_state(state.size()) {}
     std::vector<float> q_group, logits, o, o_block;
     std::vector<softmax_state<float>> state, block;
+    // Formats with segments: the queries, output and state of the segment being folded, in its
+    // space (at most head_dim channels).
+    std::vector<float> q_basis, o_segment;
+    std::vector<softmax_state<float>> segment_state;
   };
 
   /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
@@ -4095,14 +4647,50 @@ class engine {
     std::fill(s.o.begin(), s.o.end(), 0.0f);
     std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
     const page_shape shape = shape_.page();
-    for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-      const page_id page = (*seq.pages)[i];
-      const std::uint64_t* page_keep = request != nullptr        ? keep.data() + i * mask_words
-                                       : rows_visible != nullptr ? rows_visible + i * mask_words
-                                                                 : nullptr;
-      if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
-        continue;
-      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
+    const auto keep_of = [&](std::size_t i) -> const std::uint64_t* {
+      return request != nullptr ? keep.data() + i * mask_words : rows_visible != nullptr ? rows_visible + i * mask_words : nullptr;
+    };
+    const auto skipped = [&](const std::uint64_t* page_keep) {
+      return page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; });
+    };
+    if constexpr (has_segments_v<Format>) {
+      // Per segment: the queries rotated in, its pages folded into a state of its own in the
+      // segment's space, the output rotated back and merged (PackedAttention, once per segment).
+      const std::size_t per = static_cast<std::size_t>(traits::segment_pages(format_, shape));
+      const int kept = traits::basis_dim(format_, shape);
+      for (std::size_t first = 0; first < seq.pages->size(); first += per) {
+        const std::size_t last = std::min(seq.pages->size(), first + per);
+        const segment_t& seg = segment(seq.slot, static_cast<std::int64_t>(first), h);
+        traits::enter_segment(format_, shape, seg, s.q_group.data(), groups, s.q_basis.data());
+        std::fill(s.o_segment.begin(), s.o_segment.end(), 0.0f);
+        std::fill(s.segment_state.begin(), s.segment_state.end(), softmax_state<float>{});
+        for (std::size_t i = first; i < last; ++i) {
+          const page_id page = (*seq.pages)[i];
+          const std::uint64_t* page_keep = keep_of(i);
+          if (skipped(page_keep)) continue;
+          fold_block(
+              p, kept, s, s.segment_state, s.o_segment,
+              [&](float* logits) { traits::score(format_, shape, seg, k_page(page, h), p, s.q_basis.data(), groups, logits); },
+              [&](const float* probabilities, float* o) {
+                traits::accumulate(format_, shape, seg, v_page(page, h), p, probabilities, groups, o);
+              },
+              0, page_keep);
+        }
+        traits::leave_segment(format_, shape, seg, s.o_segment.data(), groups, s.o_block.data());
+        for (int g = 0; g < groups; ++g) {
+          if (!(s.segment_state[static_cast<std::size_t>(g)].l > 0)) continue;  // nothing of this head read
+          float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
+          merge_into(s.state[static_cast<std::size_t>(g)], o_g, s.segment_state[static_cast<std::size_t>(g)],
+                     s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+        }
+      }
+    } else {
+      for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+        const page_id page = (*seq.pages)[i];
+        const std::uint64_t* page_keep = keep_of(i);
+        if (skipped(page_keep)) continue;
+        fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
+      }
     }
     if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
       const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
@@ -4124,10 +4712,22 @@ class engine {
   template <class Traits, class F>
   static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
                          attend_scratch& s, int masked = 0, const std::uint64_t* keep = nullptr) {
-    const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
+    const int groups = static_cast<int>(s.state.size());
+    fold_block(
+        n, shape.head_dim, s, s.state, s.o,
+        [&](float* logits) { Traits::score(format, shape, k, n, s.q_group.data(), groups, logits); },
+        [&](const float* probabilities, float* o) { Traits::accumulate(format, shape, v, n, probabilities, groups, o); }, masked,
+        keep);
+  }
+  /// The same, with the primitives given: score(logits [G][n]) and accumulate(p [G][n],
+  /// o [G][d] +=), folded into `state` and `o` ([G][d]).
+  template <class Score, class Accumulate>
+  static void fold_block(int n, int d, attend_scratch& s, std::vector<softmax_state<float>>& state, std::vector<float>& o,
+                         Score&& score, Accumulate&& accumulate, int masked = 0, const std::uint64_t* keep = nullptr) {
+    const int groups = static_cast<int>(state.size());
     constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
     bool any = false;
-    Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
+    score(s.logits.data());
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
       std::fill(row, row + masked, minus_infinity);
@@ -4148,11 +4748,11 @@ class engine {
       any = true;
     }
     if (!any) return;  // no head has a token left: nothing to fold
-    std::fill(s.o_block.begin(), s.o_block.end(), 0.0f);
-    Traits::accumulate(format, shape, v, n, s.logits.data(), groups, s.o_block.data());
+    std::fill(s.o_block.begin(), s.o_block.begin() + static_cast<std::ptrdiff_t>(groups) * d, 0.0f);
+    accumulate(s.logits.data(), s.o_block.data());
     for (int g = 0; g < groups; ++g) {
-      float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
-      merge_into(s.state[g], o_g, s.block[g], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+      float* o_g = o.data() + static_cast<std::size_t>(g) * d;
+      merge_into(state[static_cast<std::size_t>(g)], o_g, s.block[static_cast<std::size_t>(g)], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
     }
   }
 
@@ -4253,6 +4853,41 @@ class engine {
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
+  /// Before the first page of a segment (page `index`, a multiple of `segment_pages`) is sealed:
+  /// fits the segment of every KV head to the rows the engine has of it, the full tail and rows
+  /// [next, next + segment_tokens - page_size) of this call's `k`, `v` (a prefill gives the whole
+  /// segment; an append, its first page), the sinks left out; the slot's later segments are
+  /// dropped (they belonged to a removed or rolled-back sequence).
+  template <class T>
+  void plan_segment_at(std::int32_t slot, std::int64_t index, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
+                       std::int64_t next) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape);
+    if (index % per != 0) return;
+    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
+    const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+    const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+    const std::int64_t n = p - skip + ahead;
+    std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+    std::vector<segment_t> planned;
+    planned.reserve(static_cast<std::size_t>(heads));
+    for (int h = 0; h < heads; ++h) {
+      for (const bool is_v : {false, true}) {
+        std::vector<float>& rows = is_v ? v_rows : k_rows;
+        dense_traits::decode_k(format::dense{}, shape, tail_head(slot, is_v, h), p, page.data());
+        std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
+        const tensor_view<const T, 3>& src = is_v ? v : k;
+        for (std::int64_t t = 0; t < ahead; ++t)
+          for (int c = 0; c < d; ++c)
+            rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+      }
+      planned.push_back(traits::plan_segment(format_, shape, k_rows.data(), v_rows.data(), n));
+    }
+    list.resize(static_cast<std::size_t>(index / per) * heads);
+    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+  }
+
   /// Encodes a full tail into `page`, the sequence's page number `index`, with the format's
   /// encoder (reading the tail's exact values). The exact rows are copied first: the sinks (page
   /// 0) and the tokens among the last W sealed once this page is (the window ring); they are
@@ -4290,7 +4925,9 @@ class engine {
                                  bounds_geometry_.block_tokens, shape_.head_dim,
                                  bounds_.data() + bounds_geometry_.offset(page, h, block));
       hide_sinks();
-      if constexpr (has_key_weights_v<Format>) {
+      if constexpr (has_segments_v<Format>) {
+        traits::encode_k(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.k_page_offset(h));
+      } else if constexpr (has_key_weights_v<Format>) {
         const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
         traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * shape_.head_dim,
                          base + geometry_.k_page_offset(h));
@@ -4299,7 +4936,8 @@ class engine {
       }
       dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
       hide_sinks();
-      traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
+      if constexpr (has_segments_v<Format>) traits::encode_v(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.v_page_offset(h));
+      else traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
   }
 
@@ -4324,6 +4962,9 @@ class engine {
   };
   std::vector<saved_rows> saved_;
   std::vector<std::byte> saved_tail_;
+  /// Per tail slot: the segments of its sequence, [segment * num_kv_heads + head] (formats with
+  /// segments; empty otherwise).
+  std::vector<std::vector<segment_t>> segments_ = std::vector<std::vector<segment_t>>(static_cast<std::size_t>(shape_.max_sequences));
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };
@@ -4581,7 +5222,10 @@ class cache
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
   using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  using Backend = std::conditional_t<is_backend_v<BackendArg>, BackendArg, backend::host>;
+  static_assert(!has_segments_v<Format> || !is_backend_v<BackendArg> || std::is_same_v<BackendArg, backend::host>,
+                "kvmosaic::cache: a format with segments (format::packed_bitmap) runs on backend::host only: "
+                "its CUDA kernels are not written yet (docs/packed_bitmap.md)");
+  using Backend = std::conditional_t<is_backend_v<BackendArg> && !has_segments_v<Format>, BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
@@ -5198,8 +5842,14 @@ class cache
           const auto row0 = static_cast<std::int64_t>(first + i) * p;
           for (int h = 0; h < config_.num_kv_heads; ++h)
             for (const bool is_v : {false, true}) {
-              if (is_v) format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
-              else format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              if constexpr (has_segments_v<Format>) {  // in the page's segment: the engine keeps them
+                engine_.decode_page(slot_of(seq), static_cast<std::int64_t>(first + i), h, is_v,
+                                    slot + (is_v ? g.v_page_offset(h) : g.k_page_offset(h)), p, rows.data());
+              } else if (is_v) {
+                format_traits<Format>::decode_v(format_, shape, slot + g.v_page_offset(h), p, rows.data());
+              } else {
+                format_traits<Format>::decode_k(format_, shape, slot + g.k_page_offset(h), p, rows.data());
+              }
               for (int t = 0; t < p; ++t)
                 if (exact == 0 || !g.exact_position(row0 + t, sealed)) put(is_v ? v : k, row0, h, t, t + 1);
             }
@@ -5234,7 +5884,7 @@ class cache
     memory_stats m = pool_gauge();
     m.tokens = s.stored;
     m.stored_bytes = static_cast<std::int64_t>(s.pages.size()) * page_bytes() +
-                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+                     (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s) + segment_bytes(s);
     m.dense_bytes = s.stored * tail_row_bytes();
     return m;
   }
@@ -5246,7 +5896,7 @@ class cache
     for (const sequence_state& s : sequences_) {
       if (!s.live) continue;
       m.tokens += s.stored;
-      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s);
+      m.stored_bytes += (tail_rows(s) + exact_rows_of(s)) * tail_row_bytes() + selector_bytes(s) + segment_bytes(s);
       m.dense_bytes += s.stored * tail_row_bytes();
     }
     return m;
@@ -5273,6 +5923,12 @@ class cache
   /// Bytes the selector keeps for a sequence (e.g. key bounds of its spans).
   std::int64_t selector_bytes(const sequence_state& s) const {
     return selector_traits<Selector>::extra_bytes(selector_shape_of(), s.selector_state);
+  }
+  /// Bytes the format keeps per sequence besides pages and tail: the segments' bases of a format
+  /// with segments (format::packed_bitmap), else 0.
+  std::int64_t segment_bytes(const sequence_state& s) const {
+    if constexpr (has_segments_v<Format>) return static_cast<std::int64_t>(engine_.segment_bytes(static_cast<std::int64_t>(s.pages.size())));
+    else return 0;
   }
   /// What the selector's hooks know of this cache.
   selector_shape selector_shape_of() const noexcept {

@@ -36,6 +36,24 @@
 ///                        /*[head_dim] or null*/, std::byte* page);
 /// and `cache::set_key_weights` becomes available for it.
 ///
+/// Optional: a format whose pages are stored in a basis of their own segment (a run of
+/// `segment_pages` pages of one sequence; format::packed_bitmap) declares
+///   static constexpr bool has_segments = true;
+///   using segment = ...;  // what one KV head's pages of a segment share (bases, strategy)
+///   static int segment_pages(const Format&, const page_shape&);
+///   static int basis_dim(const Format&, const page_shape&);      // channels of the segment space
+///   static std::size_t segment_bytes(const Format&, const page_shape&);  // per segment, KV head
+///   static segment plan_segment(const Format&, const page_shape&, const float* k, const float* v,
+///                               std::int64_t n);                 // fit to a segment's rows
+///   static void enter_segment(const Format&, const page_shape&, const segment&, const float* q,
+///                             int G, float* q_basis /*[G][basis_dim]*/);
+///   static void leave_segment(const Format&, const page_shape&, const segment&,
+///                             const float* o_basis /*[G][basis_dim]*/, int G, float* o /*[G][D]*/);
+/// and takes `const segment&` after the shape in encode_k/v, decode_k/v, score and accumulate,
+/// whose queries and outputs are in the segment's space. The host engine keeps the segments per
+/// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
+/// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
@@ -74,6 +92,33 @@ struct key_weights_of {
 template <class Traits>
 struct key_weights_of<Traits, std::void_t<decltype(Traits::has_key_weights)>> {
   static constexpr bool value = Traits::has_key_weights;
+};
+
+/// format_traits<Format>::has_segments, false when a format does not declare it.
+template <class Traits, class = void>
+struct segments_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct segments_of<Traits, std::void_t<decltype(Traits::has_segments)>> {
+  static constexpr bool value = Traits::has_segments;
+};
+}  // namespace detail
+
+/// True when a format stores its pages in per-segment bases (`format_traits::has_segments`).
+template <class Format>
+inline constexpr bool has_segments_v = detail::segments_of<format_traits<Format>>::value;
+
+namespace detail {
+/// The segment type of a format with segments; an empty struct for the others.
+struct no_segment {};
+template <class Format, bool = has_segments_v<Format>>
+struct segment_type {
+  using type = no_segment;
+};
+template <class Format>
+struct segment_type<Format, true> {
+  using type = typename format_traits<Format>::segment;
 };
 }  // namespace detail
 

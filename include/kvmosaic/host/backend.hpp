@@ -231,6 +231,9 @@ class engine {
   using dense_traits = format_traits<format::dense>;
 
  public:
+  /// What the pages of one segment and KV head share (formats with segments; else empty).
+  using segment_t = typename detail::segment_type<Format>::type;
+
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
   /// their host state and pass it with each step (`select::sentence_chunks`: `chunk_list`).
@@ -280,6 +283,7 @@ class engine {
         store(v, true, t, h);
       }
       if (++tail_rows == shape_.page_size) {
+        if constexpr (has_segments_v<Format>) plan_segment_at(slot, sealed_pages, k, v, t + 1);
         seal_tail(slot, *new_pages++, sealed_pages++);
         tail_rows = 0;
       }
@@ -338,6 +342,38 @@ class engine {
     if constexpr (has_key_weights_v<Format>) {
       key_weights_[static_cast<std::size_t>(to)] = key_weights_[static_cast<std::size_t>(from)];
     }
+    if constexpr (has_segments_v<Format>) segments_[static_cast<std::size_t>(to)] = segments_[static_cast<std::size_t>(from)];
+  }
+
+  /// The segment of KV head `head` that page `index` of the sequence in `slot` is stored in
+  /// (formats with segments).
+  const segment_t& segment(std::int32_t slot, std::int64_t index, int head) const {
+    const std::int64_t s = index / traits::segment_pages(format_, shape_.page());
+    return segments_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(s * shape_.num_kv_heads + head)];
+  }
+  /// Bytes the segments of a sequence of `pages` sealed pages keep (0 for formats without).
+  std::size_t segment_bytes(std::int64_t pages) const {
+    if constexpr (has_segments_v<Format>) {
+      const std::int64_t per = traits::segment_pages(format_, shape_.page());
+      return static_cast<std::size_t>((pages + per - 1) / per) * shape_.num_kv_heads * traits::segment_bytes(format_, shape_.page());
+    } else {
+      (void)pages;
+      return 0;
+    }
+  }
+  /// Decodes the first n rows of page `index` of the sequence in `slot` (stored at `page`), KV
+  /// head `head`, K or V: the format's host decode, in the page's segment where it has them.
+  void decode_page(std::int32_t slot, std::int64_t index, int head, bool is_v, const std::byte* page, int n, float* rows) const {
+    const page_shape shape = shape_.page();
+    if constexpr (has_segments_v<Format>) {
+      const segment_t& seg = segment(slot, index, head);
+      if (is_v) traits::decode_v(format_, shape, seg, page, n, rows);
+      else traits::decode_k(format_, shape, seg, page, n, rows);
+    } else {
+      (void)slot, (void)index, (void)head;
+      if (is_v) traits::decode_v(format_, shape, page, n, rows);
+      else traits::decode_k(format_, shape, page, n, rows);
+    }
   }
 
   /// Output-aware K pruning for the pages of `slot` sealed from now on: weights [num_kv_heads]
@@ -380,8 +416,8 @@ class engine {
     for (std::size_t i = 0; i < touched.size(); ++i)
       for (int h = 0; h < heads; ++h) {
         const page_id page = pages[static_cast<std::size_t>(touched[i])];
-        traits::decode_k(format_, shape, k_page(page, h), p, rows_of(decoded, i, h, 0));
-        traits::decode_v(format_, shape, v_page(page, h), p, rows_of(decoded, i, h, 1));
+        decode_page(slot, touched[i], h, false, k_page(page, h), p, rows_of(decoded, i, h, 0));
+        decode_page(slot, touched[i], h, true, v_page(page, h), p, rows_of(decoded, i, h, 1));
       }
     // Pages are encoded from storage-dtype rows, at seal and here alike (the CUDA backend's
     // scratch rows are 16-bit): a decoded value between two of them is rounded to the nearest.
@@ -409,7 +445,11 @@ class engine {
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
               detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
                                        bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
-          if (is_v == 1) {
+          if constexpr (has_segments_v<Format>) {
+            const segment_t& seg = segment(slot, index, h);
+            if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
+            else traits::encode_k(reencoding, shape, seg, rows.data(), base + geometry_.k_page_offset(h));
+          } else if (is_v == 1) {
             traits::encode_v(reencoding, shape, rows.data(), base + geometry_.v_page_offset(h));
           } else if constexpr (has_key_weights_v<Format>) {
             const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
@@ -498,9 +538,16 @@ class engine {
           o(q_group.size()),
           o_block(q_group.size()),
           state(static_cast<std::size_t>(groups)),
-          block(state.size()) {}
+          block(state.size()),
+          q_basis(q_group.size()),
+          o_segment(q_group.size()),
+          segment_state(state.size()) {}
     std::vector<float> q_group, logits, o, o_block;
     std::vector<softmax_state<float>> state, block;
+    // Formats with segments: the queries, output and state of the segment being folded, in its
+    // space (at most head_dim channels).
+    std::vector<float> q_basis, o_segment;
+    std::vector<softmax_state<float>> segment_state;
   };
 
   /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
@@ -561,14 +608,50 @@ class engine {
     std::fill(s.o.begin(), s.o.end(), 0.0f);
     std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
     const page_shape shape = shape_.page();
-    for (std::size_t i = 0; i < seq.pages->size(); ++i) {
-      const page_id page = (*seq.pages)[i];
-      const std::uint64_t* page_keep = request != nullptr        ? keep.data() + i * mask_words
-                                       : rows_visible != nullptr ? rows_visible + i * mask_words
-                                                                 : nullptr;
-      if (page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; }))
-        continue;
-      fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
+    const auto keep_of = [&](std::size_t i) -> const std::uint64_t* {
+      return request != nullptr ? keep.data() + i * mask_words : rows_visible != nullptr ? rows_visible + i * mask_words : nullptr;
+    };
+    const auto skipped = [&](const std::uint64_t* page_keep) {
+      return page_keep != nullptr && std::all_of(page_keep, page_keep + mask_words, [](std::uint64_t w) { return w == 0; });
+    };
+    if constexpr (has_segments_v<Format>) {
+      // Per segment: the queries rotated in, its pages folded into a state of its own in the
+      // segment's space, the output rotated back and merged (PackedAttention, once per segment).
+      const std::size_t per = static_cast<std::size_t>(traits::segment_pages(format_, shape));
+      const int kept = traits::basis_dim(format_, shape);
+      for (std::size_t first = 0; first < seq.pages->size(); first += per) {
+        const std::size_t last = std::min(seq.pages->size(), first + per);
+        const segment_t& seg = segment(seq.slot, static_cast<std::int64_t>(first), h);
+        traits::enter_segment(format_, shape, seg, s.q_group.data(), groups, s.q_basis.data());
+        std::fill(s.o_segment.begin(), s.o_segment.end(), 0.0f);
+        std::fill(s.segment_state.begin(), s.segment_state.end(), softmax_state<float>{});
+        for (std::size_t i = first; i < last; ++i) {
+          const page_id page = (*seq.pages)[i];
+          const std::uint64_t* page_keep = keep_of(i);
+          if (skipped(page_keep)) continue;
+          fold_block(
+              p, kept, s, s.segment_state, s.o_segment,
+              [&](float* logits) { traits::score(format_, shape, seg, k_page(page, h), p, s.q_basis.data(), groups, logits); },
+              [&](const float* probabilities, float* o) {
+                traits::accumulate(format_, shape, seg, v_page(page, h), p, probabilities, groups, o);
+              },
+              0, page_keep);
+        }
+        traits::leave_segment(format_, shape, seg, s.o_segment.data(), groups, s.o_block.data());
+        for (int g = 0; g < groups; ++g) {
+          if (!(s.segment_state[static_cast<std::size_t>(g)].l > 0)) continue;  // nothing of this head read
+          float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
+          merge_into(s.state[static_cast<std::size_t>(g)], o_g, s.segment_state[static_cast<std::size_t>(g)],
+                     s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+        }
+      }
+    } else {
+      for (std::size_t i = 0; i < seq.pages->size(); ++i) {
+        const page_id page = (*seq.pages)[i];
+        const std::uint64_t* page_keep = keep_of(i);
+        if (skipped(page_keep)) continue;
+        fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
+      }
     }
     if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
       const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
@@ -590,10 +673,22 @@ class engine {
   template <class Traits, class F>
   static void fold_block(const F& format, const page_shape& shape, const std::byte* k, const std::byte* v, int n,
                          attend_scratch& s, int masked = 0, const std::uint64_t* keep = nullptr) {
-    const int groups = static_cast<int>(s.state.size()), d = shape.head_dim;
+    const int groups = static_cast<int>(s.state.size());
+    fold_block(
+        n, shape.head_dim, s, s.state, s.o,
+        [&](float* logits) { Traits::score(format, shape, k, n, s.q_group.data(), groups, logits); },
+        [&](const float* probabilities, float* o) { Traits::accumulate(format, shape, v, n, probabilities, groups, o); }, masked,
+        keep);
+  }
+  /// The same, with the primitives given: score(logits [G][n]) and accumulate(p [G][n],
+  /// o [G][d] +=), folded into `state` and `o` ([G][d]).
+  template <class Score, class Accumulate>
+  static void fold_block(int n, int d, attend_scratch& s, std::vector<softmax_state<float>>& state, std::vector<float>& o,
+                         Score&& score, Accumulate&& accumulate, int masked = 0, const std::uint64_t* keep = nullptr) {
+    const int groups = static_cast<int>(state.size());
     constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
     bool any = false;
-    Traits::score(format, shape, k, n, s.q_group.data(), groups, s.logits.data());
+    score(s.logits.data());
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
       std::fill(row, row + masked, minus_infinity);
@@ -614,11 +709,11 @@ class engine {
       any = true;
     }
     if (!any) return;  // no head has a token left: nothing to fold
-    std::fill(s.o_block.begin(), s.o_block.end(), 0.0f);
-    Traits::accumulate(format, shape, v, n, s.logits.data(), groups, s.o_block.data());
+    std::fill(s.o_block.begin(), s.o_block.begin() + static_cast<std::ptrdiff_t>(groups) * d, 0.0f);
+    accumulate(s.logits.data(), s.o_block.data());
     for (int g = 0; g < groups; ++g) {
-      float* o_g = s.o.data() + static_cast<std::size_t>(g) * d;
-      merge_into(s.state[g], o_g, s.block[g], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
+      float* o_g = o.data() + static_cast<std::size_t>(g) * d;
+      merge_into(state[static_cast<std::size_t>(g)], o_g, s.block[static_cast<std::size_t>(g)], s.o_block.data() + static_cast<std::size_t>(g) * d, d);
     }
   }
 
@@ -719,6 +814,41 @@ class engine {
   std::byte* tail_head(std::int32_t slot, bool is_v, int head) const {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
+  /// Before the first page of a segment (page `index`, a multiple of `segment_pages`) is sealed:
+  /// fits the segment of every KV head to the rows the engine has of it, the full tail and rows
+  /// [next, next + segment_tokens - page_size) of this call's `k`, `v` (a prefill gives the whole
+  /// segment; an append, its first page), the sinks left out; the slot's later segments are
+  /// dropped (they belonged to a removed or rolled-back sequence).
+  template <class T>
+  void plan_segment_at(std::int32_t slot, std::int64_t index, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
+                       std::int64_t next) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape);
+    if (index % per != 0) return;
+    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
+    const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+    const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
+    const std::int64_t n = p - skip + ahead;
+    std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+    std::vector<segment_t> planned;
+    planned.reserve(static_cast<std::size_t>(heads));
+    for (int h = 0; h < heads; ++h) {
+      for (const bool is_v : {false, true}) {
+        std::vector<float>& rows = is_v ? v_rows : k_rows;
+        dense_traits::decode_k(format::dense{}, shape, tail_head(slot, is_v, h), p, page.data());
+        std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
+        const tensor_view<const T, 3>& src = is_v ? v : k;
+        for (std::int64_t t = 0; t < ahead; ++t)
+          for (int c = 0; c < d; ++c)
+            rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+      }
+      planned.push_back(traits::plan_segment(format_, shape, k_rows.data(), v_rows.data(), n));
+    }
+    list.resize(static_cast<std::size_t>(index / per) * heads);
+    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+  }
+
   /// Encodes a full tail into `page`, the sequence's page number `index`, with the format's
   /// encoder (reading the tail's exact values). The exact rows are copied first: the sinks (page
   /// 0) and the tokens among the last W sealed once this page is (the window ring); they are
@@ -756,7 +886,9 @@ class engine {
                                  bounds_geometry_.block_tokens, shape_.head_dim,
                                  bounds_.data() + bounds_geometry_.offset(page, h, block));
       hide_sinks();
-      if constexpr (has_key_weights_v<Format>) {
+      if constexpr (has_segments_v<Format>) {
+        traits::encode_k(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.k_page_offset(h));
+      } else if constexpr (has_key_weights_v<Format>) {
         const std::vector<float>& w = key_weights_[static_cast<std::size_t>(slot)];
         traits::encode_k(format_, shape, rows.data(), w.empty() ? nullptr : w.data() + h * shape_.head_dim,
                          base + geometry_.k_page_offset(h));
@@ -765,7 +897,8 @@ class engine {
       }
       dense_traits::decode_v(format::dense{}, shape, tail_head(slot, true, h), shape_.page_size, rows.data());
       hide_sinks();
-      traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
+      if constexpr (has_segments_v<Format>) traits::encode_v(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.v_page_offset(h));
+      else traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
   }
 
@@ -790,6 +923,9 @@ class engine {
   };
   std::vector<saved_rows> saved_;
   std::vector<std::byte> saved_tail_;
+  /// Per tail slot: the segments of its sequence, [segment * num_kv_heads + head] (formats with
+  /// segments; empty otherwise).
+  std::vector<std::vector<segment_t>> segments_ = std::vector<std::vector<segment_t>>(static_cast<std::size_t>(shape_.max_sequences));
   /// Per tail slot: output-aware K weights [num_kv_heads][head_dim], empty for magnitudes.
   std::vector<std::vector<float>> key_weights_ = std::vector<std::vector<float>>(static_cast<std::size_t>(shape_.max_sequences));
 };

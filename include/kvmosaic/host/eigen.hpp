@@ -2,7 +2,8 @@
 #pragma once
 
 /// \file
-/// The one place kvmosaic includes Eigen. The host backend runs Eigen on the CPU only, so when this
+/// The one place kvmosaic configures and includes Eigen's core (format/packed_bitmap.hpp adds
+/// Eigen/Eigenvalues after this header). The host backend runs Eigen on the CPU only, so when this
 /// header is compiled by nvcc it asks Eigen not to annotate its functions for the device
 /// (`EIGEN_NO_CUDA`): that keeps `.cu` files that include kvmosaic free of Eigen's device warnings.
 /// Include kvmosaic before Eigen in a `.cu` file, or define `EIGEN_NO_CUDA` yourself.

@@ -1,0 +1,473 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `format::packed_bitmap`: MosaicKV's stage-1 two-D compression, per-vector channel compression
+/// in a rotated basis (Qiang et al., "MosaicKV: Serving Long-Context LLM with Dynamic Two-D KV
+/// Cache Compression", sections 4.2, 5.1, 5.2, 5.3 and 5.5). Host part: the segment basis and
+/// strategy, encode, decode, and the host attend on the packed form (PackedAttention's math).
+///
+/// Segments. A sequence's pages are cut into segments of `segment_tokens` tokens (64K by
+/// default, the paper's prefill segment). Per segment and KV head, K and V each get a basis: the
+/// eigenvectors of the segment's uncentered covariance sum_t x_t x_t^T (the right singular
+/// vectors of the segment's matrix, the paper's "SVD rotation"), by decreasing eigenvalue, each
+/// signed so that its largest-magnitude component is positive (one answer for one input). The
+/// last `truncated` fraction of the rotated channels (the least variance) is never stored and has
+/// no bit in the bitmap (channel truncation, 5.2); the first `kept` = head_dim (1 - truncated)
+/// columns are the basis B ([head_dim][kept], fp32).
+///
+/// Per vector (5.1). y = x B; the kept channels form kept / g groups of g adjacent channels; the
+/// r / g groups of largest energy sum y_c^2 (ties: the lower group) are kept, the others are
+/// zero. A token's record is a bitmap of one bit per group (bit j of 32-bit word j / 32) and its
+/// r retained values, in group order, rounded to the storage dtype (16-bit). Decode is
+/// x^ = y^ B^T. Energy rather than the sum of |y_c| ranks groups of g > 1: it is the choice that
+/// minimizes ||y - y^||, and equals magnitude order at g = 1.
+///
+/// Strategy (5.5). `strategy::fixed` (the default) uses `retained` and `group` for every segment.
+/// `strategy::search` picks, per segment, KV head and K or V, the highest compression rate among
+/// 87.5%, 75%, 62.5% retaining at most `retained`, then the largest g in {4, 2, 1}, whose loss
+/// stays at or below `loss_threshold`; none passing, it keeps `retained` at g = 1. The loss of a
+/// candidate is the segment's relative squared error, sum_t ||x_t - x^_t||^2 / sum_t ||x_t||^2
+/// (truncated energy included), before the 16-bit rounding. The token block size of the mean
+/// keys (stage 2, `block_tokens` of the segment) is the largest of 16, 8, 4 whose mean
+/// intra-block key variance, relative to the mean squared key norm, is at most
+/// `block_variance_threshold`. Differences from the paper (docs/packed_bitmap.md): channels keep
+/// eigenvalue order (no reordering by selection pattern before grouping); a pool slot is sized
+/// for `retained` at the smallest group, so a searched segment that keeps less reads fewer bytes
+/// but frees no memory.
+///
+/// PackedAttention's math (5.3). The query is rotated once per segment, q' = q B_k; a score is
+/// q' . y^_k over a record's set bits (no unpacked tile); p . y^_v accumulates in the rotated V
+/// space ([G][kept]); the output is rotated back once per segment, o = o' B_v^T. Equal to
+/// attention over the decoded vectors, up to fp32 rounding.
+///
+/// Page layout (one head, K or V): [bitmaps: page_size x words x u32][values: page_size x r_slot
+/// x 16-bit] padded to 16 bytes; words = ceil(kept / g_slot / 32), where r_slot = `retained` x
+/// head_dim and g_slot = `group` (fixed) or 1 (search). A record shorter than the slot (a
+/// searched strategy) leaves the rest zero. Per segment and KV head: B_k and B_v in fp32 and the
+/// strategy, `format_traits::segment_bytes`. At head_dim 128, 25% retained, 25% truncated, g = 1:
+/// 76 bytes a token for K or V against dense 256 (3.37x), plus 2 x 48 KB of bases per 64K-token
+/// segment and KV head (0.3% of the dense bytes).
+///
+/// Non-finite inputs: a NaN or infinity in a segment makes its covariance non-finite; the
+/// segment then uses the identity basis (no rotation) and the non-finite values stay in the
+/// records that select them, so only the outputs that read them are affected.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/format/dense.hpp"
+#include "kvmosaic/format/format_traits.hpp"
+#include "kvmosaic/host/eigen.hpp"  // first: it configures Eigen for nvcc
+
+#include <Eigen/Eigenvalues>
+
+namespace kvmosaic {
+namespace format {
+
+/// How `packed_bitmap` chooses each segment's channel strategy.
+enum class strategy {
+  fixed,   ///< `retained` and `group` for every segment
+  search,  ///< per segment, KV head, K and V: MosaicKV's candidate search (section 5.5)
+};
+
+/// MosaicKV's packed bitmap (sections 4-5): per segment a rotated basis, channel truncation,
+/// and per vector the top groups by energy, stored as a bitmap and packed 16-bit values. Cost
+/// per token (K or V): ceil(kept / g / 32) x 4 + retained x head_dim x 2 bytes. Encode: one
+/// head_dim x kept product and a partial sort of kept / g groups per vector, plus per segment a
+/// covariance (n x head_dim^2) and one eigendecomposition (head_dim^3). Attend: per segment one
+/// rotation of the G queries and one of the G outputs (G x head_dim x kept each), per token r
+/// multiply-adds per query head for q.k and for p.v. Source: MosaicKV, sections 4.2, 5.1-5.3, 5.5.
+struct packed_bitmap {
+  using policy_category = format_tag;
+  float retained = 0.25f;        ///< channels a vector keeps, a fraction of head_dim (the paper: 25%); the slot's bound with `strategy::search`
+  int group = 1;                 ///< g: adjacent rotated channels per bitmap bit, 1, 2 or 4
+  float truncated = 0.25f;       ///< rotated channels never stored, a fraction of head_dim (the paper: the bottom 25%)
+  int segment_tokens = 65536;    ///< tokens per segment (one basis per segment and KV head), a multiple of page_size
+  strategy mode = strategy::fixed;
+  float loss_threshold = 0.05f;  ///< `strategy::search`: the largest relative squared error a candidate may lose
+  float block_variance_threshold = 0.5f;  ///< the largest relative intra-block key variance of a mean-key block
+  int sink_tokens = 0;           ///< leading tokens always read exactly (0 to 16)
+  int recent_tokens = 0;         ///< latest sealed tokens always read exactly (0 to 1024), besides the tail
+};
+
+}  // namespace format
+
+namespace detail {
+
+/// One segment's choice for K or for V: r retained channels in groups of g.
+struct packed_strategy {
+  int retained = 0;  ///< r, a multiple of `group`
+  int group = 1;     ///< g: 1, 2 or 4
+};
+
+/// A segment of one KV head: its K and V bases ([head_dim][kept], row-major, fp32), strategies,
+/// and the token block size of its mean keys.
+struct packed_segment {
+  int kept = 0;
+  std::vector<float> basis[2];  ///< [0]: K, [1]: V
+  packed_strategy strategy[2];
+  int block_tokens = 16;
+};
+
+/// Channel counts a format's fractions give at one head_dim.
+struct packed_geometry {
+  int head_dim = 0;
+  int kept = 0;          ///< rotated channels stored (head_dim minus the truncated ones)
+  int retained = 0;      ///< r of the slot
+  int slot_group = 1;    ///< the smallest g the slot holds a bitmap for
+  int words = 0;         ///< 32-bit bitmap words per record of the slot
+  int page_size = 0;
+
+  static packed_geometry of(const format::packed_bitmap& f, const page_shape& shape) {
+    packed_geometry g;
+    g.head_dim = shape.head_dim;
+    g.page_size = shape.page_size;
+    g.kept = shape.head_dim - static_cast<int>(std::lround(static_cast<double>(f.truncated) * shape.head_dim));
+    g.retained = static_cast<int>(std::lround(static_cast<double>(f.retained) * shape.head_dim));
+    g.slot_group = f.mode == format::strategy::fixed ? f.group : 1;
+    g.words = bitmap_words(g.kept, g.slot_group);
+    return g;
+  }
+  static int bitmap_words(int kept, int group) { return (kept / group + 31) / 32; }
+  std::size_t bitmap_bytes() const { return static_cast<std::size_t>(page_size) * words * 4; }
+  std::size_t page_bytes() const {
+    const std::size_t bytes = bitmap_bytes() + static_cast<std::size_t>(page_size) * retained * 2;
+    return (bytes + 15) / 16 * 16;
+  }
+  const std::uint32_t* bitmap(const std::byte* page, int t) const {
+    return reinterpret_cast<const std::uint32_t*>(page) + static_cast<std::size_t>(t) * words;
+  }
+  std::uint32_t* bitmap(std::byte* page, int t) const {
+    return reinterpret_cast<std::uint32_t*>(page) + static_cast<std::size_t>(t) * words;
+  }
+  std::size_t values_offset(int t) const { return bitmap_bytes() + static_cast<std::size_t>(t) * retained * 2; }
+};
+
+/// The basis of rows x ([n][head_dim]): the first `kept` eigenvectors of sum_t x_t x_t^T (fp64),
+/// by decreasing eigenvalue, each with its largest-magnitude component positive; [head_dim][kept]
+/// row-major. Non-finite input or n = 0: the first `kept` columns of the identity.
+inline std::vector<float> packed_basis(const float* rows, std::int64_t n, int head_dim, int kept) {
+  std::vector<float> basis(static_cast<std::size_t>(head_dim) * kept, 0.0f);
+  Eigen::MatrixXd covariance = Eigen::MatrixXd::Zero(head_dim, head_dim);
+  if (n > 0) {
+    const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
+    covariance.selfadjointView<Eigen::Lower>().rankUpdate(x.cast<double>().transpose());
+    covariance = covariance.selfadjointView<Eigen::Lower>();
+  }
+  if (n == 0 || !covariance.allFinite()) {
+    for (int j = 0; j < kept; ++j) basis[static_cast<std::size_t>(j) * kept + j] = 1.0f;
+    return basis;
+  }
+  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(covariance);
+  for (int j = 0; j < kept; ++j) {
+    Eigen::VectorXd column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
+    Eigen::Index largest = 0;
+    column.cwiseAbs().maxCoeff(&largest);
+    if (column(largest) < 0) column = -column;
+    for (int c = 0; c < head_dim; ++c) basis[static_cast<std::size_t>(c) * kept + j] = static_cast<float>(column(c));
+  }
+  return basis;
+}
+
+/// The groups a record keeps: of the kept / g groups of y ([kept]), the r / g of largest energy
+/// (ties: the lower group), in increasing order, into `chosen`.
+inline void packed_choose_groups(const float* y, int kept, const packed_strategy& s, std::vector<int>& order,
+                                 std::vector<float>& energy, std::vector<int>& chosen) {
+  const int groups = kept / s.group, keep = s.retained / s.group;
+  energy.assign(static_cast<std::size_t>(groups), 0.0f);
+  for (int j = 0; j < groups; ++j)
+    for (int i = 0; i < s.group; ++i) {
+      const float value = y[j * s.group + i];
+      energy[static_cast<std::size_t>(j)] += value * value;
+    }
+  order.resize(static_cast<std::size_t>(groups));
+  std::iota(order.begin(), order.end(), 0);
+  const auto greater = [&](int a, int b) {
+    const float ea = energy[static_cast<std::size_t>(a)], eb = energy[static_cast<std::size_t>(b)];
+    // NaN ranks first (a record keeps what it cannot judge), then energy, then the lower group.
+    if (std::isnan(ea) != std::isnan(eb)) return std::isnan(ea);
+    return ea > eb || (!(ea < eb) && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), greater);
+  chosen.assign(order.begin(), order.begin() + keep);
+  std::sort(chosen.begin(), chosen.end());
+}
+
+/// Relative squared error of `candidate` over rotated rows y ([n][kept]) of rows whose squared
+/// norms sum to `total` (the truncated energy counts as lost).
+inline double packed_loss(const std::vector<float>& y, std::int64_t n, int kept, double total, const packed_strategy& candidate) {
+  if (!(total > 0)) return 0.0;
+  std::vector<int> order, chosen;
+  std::vector<float> energy;
+  double stored = 0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const float* row = y.data() + static_cast<std::size_t>(t) * kept;
+    packed_choose_groups(row, kept, candidate, order, energy, chosen);
+    for (const int j : chosen) stored += energy[static_cast<std::size_t>(j)];
+  }
+  return std::max(0.0, (total - stored) / total);
+}
+
+/// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
+/// 62.5% compression: 1/8, 2/8, 3/8 of head_dim retained, none above the slot's r), then g = 4,
+/// 2, 1 (a g that does not divide kept and r is skipped).
+inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) {
+  std::vector<packed_strategy> candidates;
+  for (const int eighths : {1, 2, 3}) {
+    const int r = g.head_dim * eighths / 8;
+    if (r > g.retained) continue;
+    for (const int group : {4, 2, 1})
+      if (g.kept % group == 0 && r % group == 0) candidates.push_back({r, group});
+  }
+  return candidates;
+}
+
+/// The strategy of one K or V matrix of a segment: `strategy::fixed`'s, or the first candidate
+/// whose loss is at most `threshold`, else the slot's (r, g = 1).
+inline packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const float* rows,
+                                     std::int64_t n, const std::vector<float>& basis) {
+  if (f.mode == format::strategy::fixed) return {g.retained, f.group};
+  const packed_strategy fallback{g.retained, 1};
+  if (n == 0) return fallback;
+  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, g.head_dim);
+  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> b(basis.data(), g.head_dim, g.kept);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(y.data(), n, g.kept).noalias() = x * b;
+  const double total = x.cast<double>().squaredNorm();
+  if (!std::isfinite(total)) return fallback;
+  for (const packed_strategy& candidate : packed_candidates(g))
+    if (packed_loss(y, n, g.kept, total, candidate) <= f.loss_threshold) return candidate;
+  return fallback;
+}
+
+/// The mean-key block size of a segment's K rows: the largest of 16, 8, 4 whose intra-block
+/// variance (mean over the blocks' tokens of ||k_t - mean of its block||^2), relative to the mean
+/// ||k_t||^2, is at most `threshold` (4 when none; 16 for fewer than 4 rows or a zero segment).
+inline int packed_block_tokens(const float* rows, std::int64_t n, int head_dim, float threshold) {
+  double norm = 0;
+  for (std::int64_t i = 0; i < n * head_dim; ++i) norm += static_cast<double>(rows[i]) * rows[i];
+  if (n < 4 || !(norm > 0) || !std::isfinite(norm)) return 16;
+  norm /= static_cast<double>(n);
+  for (const int b : {16, 8, 4}) {
+    double variance = 0;
+    std::int64_t counted = 0;
+    std::vector<double> mean(static_cast<std::size_t>(head_dim));
+    for (std::int64_t first = 0; first + b <= n; first += b) {
+      std::fill(mean.begin(), mean.end(), 0.0);
+      for (int t = 0; t < b; ++t)
+        for (int c = 0; c < head_dim; ++c) mean[static_cast<std::size_t>(c)] += rows[(first + t) * head_dim + c];
+      for (double& m : mean) m /= b;
+      for (int t = 0; t < b; ++t)
+        for (int c = 0; c < head_dim; ++c) {
+          const double e = rows[(first + t) * head_dim + c] - mean[static_cast<std::size_t>(c)];
+          variance += e * e;
+        }
+      counted += b;
+    }
+    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return b;
+  }
+  return 4;
+}
+
+}  // namespace detail
+
+template <>
+struct format_traits<format::packed_bitmap> {
+  using format_type = format::packed_bitmap;
+  using segment = detail::packed_segment;
+  static constexpr const char* name = "packed_bitmap";
+  static constexpr bool has_segments = true;
+
+  static std::string describe(const format_type& f) {
+    char text[160];
+    std::snprintf(text, sizeof(text), "packed_bitmap(retained%g,g%d,truncated%g,segment%d%s", static_cast<double>(f.retained),
+                  f.group, static_cast<double>(f.truncated), f.segment_tokens, f.mode == format::strategy::search ? ",search" : "");
+    return std::string(text) + detail::describe_exact_tokens(f.sink_tokens, f.recent_tokens) + ")";
+  }
+
+  static void validate(const format_type& f, const page_shape& shape) {
+    const char* where = "format::packed_bitmap";
+    detail::require(shape.storage == dtype::f16 || shape.storage == dtype::bf16, where, "storage", to_string(shape.storage), "f16 or bf16");
+    detail::require(f.group == 1 || f.group == 2 || f.group == 4, where, "group", f.group, "1, 2 or 4");
+    detail::require(f.truncated >= 0.0f && f.truncated < 1.0f, where, "truncated", f.truncated,
+                    "0 <= truncated < 1 (a truncation of every channel leaves nothing)");
+    const double kept_exact = (1.0 - static_cast<double>(f.truncated)) * shape.head_dim;
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    detail::require(std::abs(kept_exact - g.kept) < 1e-3 && g.kept >= 1, where, "truncated", f.truncated,
+                    "a fraction leaving a whole number (>= 1) of head_dim's channels");
+    detail::require(g.kept % f.group == 0, where, "group", f.group, "a divisor of the kept channel count");
+    detail::require(f.retained > 0.0f && std::abs(static_cast<double>(f.retained) * shape.head_dim - g.retained) < 1e-3 &&
+                        g.retained >= 1, where, "retained", f.retained, "a fraction giving a whole number (>= 1) of channels");
+    detail::require(g.retained <= g.kept, where, "retained", f.retained, "at most 1 - truncated (the kept channels)");
+    detail::require(g.retained % f.group == 0, where, "retained", f.retained, "a whole number of groups of `group` channels");
+    detail::require(f.segment_tokens >= shape.page_size && f.segment_tokens % shape.page_size == 0, where, "segment_tokens",
+                    f.segment_tokens, "a positive multiple of page_size");
+    detail::require(f.mode == format::strategy::fixed || f.mode == format::strategy::search, where, "mode",
+                    static_cast<int>(f.mode), "strategy::fixed or strategy::search");
+    detail::require(f.loss_threshold >= 0.0f && f.loss_threshold <= 1.0f, where, "loss_threshold", f.loss_threshold, "0 to 1");
+    detail::require(f.block_variance_threshold >= 0.0f, where, "block_variance_threshold", f.block_variance_threshold, ">= 0");
+    detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
+  }
+  static int sink_rows(const format_type& f) { return f.sink_tokens; }
+  static int window_rows(const format_type& f) { return f.recent_tokens; }
+
+  static std::size_t k_page_bytes(const format_type& f, const page_shape& shape) {
+    return detail::packed_geometry::of(f, shape).page_bytes();
+  }
+  static std::size_t v_page_bytes(const format_type& f, const page_shape& shape) { return k_page_bytes(f, shape); }
+
+  /// Pages per segment.
+  static int segment_pages(const format_type& f, const page_shape& shape) { return f.segment_tokens / shape.page_size; }
+  /// Channels of the rotated space (the query and output of a segment's attend have this many).
+  static int basis_dim(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).kept; }
+  /// Bytes one segment keeps per KV head besides its pages: B_k and B_v in fp32 and the two
+  /// strategies and block size (3 x 2 x 4 bytes).
+  static std::size_t segment_bytes(const format_type& f, const page_shape& shape) {
+    return 2 * static_cast<std::size_t>(shape.head_dim) * basis_dim(f, shape) * 4 + 24;
+  }
+
+  /// The segment of one KV head from its K and V rows ([n][head_dim], the rows the basis is fit
+  /// to): bases, strategies (searched or fixed) and mean-key block size. Cost: 2 covariances
+  /// (n x head_dim^2), 2 eigendecompositions, and with `strategy::search` up to 9 candidate
+  /// passes over the n rotated rows.
+  static segment plan_segment(const format_type& f, const page_shape& shape, const float* k, const float* v, std::int64_t n) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    segment s;
+    s.kept = g.kept;
+    for (int which = 0; which < 2; ++which) {
+      const float* rows = which == 0 ? k : v;
+      s.basis[which] = detail::packed_basis(rows, n, shape.head_dim, g.kept);
+      s.strategy[which] = detail::packed_search(f, g, rows, n, s.basis[which]);
+    }
+    s.block_tokens = detail::packed_block_tokens(k, n, shape.head_dim, f.block_variance_threshold);
+    return s;
+  }
+
+  static void encode_k(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {
+    encode(f, shape, s, 0, rows, page);
+  }
+  static void encode_v(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {
+    encode(f, shape, s, 1, rows, page);
+  }
+  /// x^ = y^ B^T for the first n records.
+  static void decode_k(const format_type& f, const page_shape& shape, const segment& s, const std::byte* page, int n, float* rows) {
+    decode(f, shape, s, 0, page, n, rows);
+  }
+  static void decode_v(const format_type& f, const page_shape& shape, const segment& s, const std::byte* page, int n, float* rows) {
+    decode(f, shape, s, 1, page, n, rows);
+  }
+
+  /// q' = q B_k: the G queries ([G][head_dim]) in the segment's K basis ([G][kept]).
+  static void enter_segment(const format_type&, const page_shape& shape, const segment& s, const float* q, int groups, float* q_basis) {
+    host::row_matrix_map(q_basis, groups, s.kept).noalias() =
+        host::const_row_matrix_map(q, groups, shape.head_dim) * host::const_row_matrix_map(s.basis[0].data(), shape.head_dim, s.kept);
+  }
+  /// o = o' B_v^T: the G outputs of a segment ([G][kept], rotated V space) back in head_dim.
+  static void leave_segment(const format_type&, const page_shape& shape, const segment& s, const float* o_basis, int groups, float* o) {
+    host::row_matrix_map(o, groups, shape.head_dim).noalias() =
+        host::const_row_matrix_map(o_basis, groups, s.kept) *
+        host::const_row_matrix_map(s.basis[1].data(), shape.head_dim, s.kept).transpose();
+  }
+
+  /// logits[g][t] = q'[g] . y^_t over record t's set bits, for the first n records. Cost: r
+  /// multiply-adds per token and query head, plus one pass over the bitmap.
+  static void score(const format_type& f, const page_shape& shape, const segment& s, const std::byte* k_page, int n,
+                    const float* q_basis, int groups, float* logits) {
+    for_each_record(f, shape, s, 0, k_page, n, [&](int t, int channel, float value) {
+      for (int g = 0; g < groups; ++g) logits[static_cast<std::size_t>(g) * n + t] += q_basis[static_cast<std::size_t>(g) * s.kept + channel] * value;
+    }, [&](int t) {
+      for (int g = 0; g < groups; ++g) logits[static_cast<std::size_t>(g) * n + t] = 0.0f;
+    });
+  }
+  /// o'[g] += sum_t p[g][t] y^_t (rotated V space, [G][kept]) for the first n records.
+  static void accumulate(const format_type& f, const page_shape& shape, const segment& s, const std::byte* v_page, int n,
+                         const float* p, int groups, float* o_basis) {
+    for_each_record(f, shape, s, 1, v_page, n, [&](int t, int channel, float value) {
+      for (int g = 0; g < groups; ++g)
+        o_basis[static_cast<std::size_t>(g) * s.kept + channel] += p[static_cast<std::size_t>(g) * n + t] * value;
+    }, [](int) {});
+  }
+
+ private:
+  static void encode(const format_type& f, const page_shape& shape, const segment& s, int which, const float* rows, std::byte* page) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const detail::packed_strategy& st = s.strategy[which];
+    const int p = shape.page_size;
+    std::memset(page, 0, g.page_bytes());
+    std::vector<float> y(static_cast<std::size_t>(p) * g.kept);
+    host::row_matrix_map(y.data(), p, g.kept).noalias() =
+        host::const_row_matrix_map(rows, p, shape.head_dim) * host::const_row_matrix_map(s.basis[which].data(), shape.head_dim, g.kept);
+    std::vector<int> order, chosen;
+    std::vector<float> energy, values(static_cast<std::size_t>(st.retained));
+    for (int t = 0; t < p; ++t) {
+      const float* row = y.data() + static_cast<std::size_t>(t) * g.kept;
+      detail::packed_choose_groups(row, g.kept, st, order, energy, chosen);
+      std::uint32_t* bits = g.bitmap(page, t);
+      std::size_t at = 0;
+      for (const int j : chosen) {
+        bits[j / 32] |= std::uint32_t{1} << (j % 32);
+        for (int i = 0; i < st.group; ++i) values[at++] = row[j * st.group + i];
+      }
+      detail::store_dense_rows(shape.storage, values.data(), values.size(), page + g.values_offset(t));
+    }
+  }
+
+  static void decode(const format_type& f, const page_shape& shape, const segment& s, int which, const std::byte* page, int n, float* rows) {
+    std::vector<float> y(static_cast<std::size_t>(n) * s.kept, 0.0f);
+    for_each_record(f, shape, s, which, page, n,
+                    [&](int t, int channel, float value) { y[static_cast<std::size_t>(t) * s.kept + channel] = value; }, [](int) {});
+    host::row_matrix_map(rows, n, shape.head_dim).noalias() =
+        host::const_row_matrix_map(y.data(), n, s.kept) *
+        host::const_row_matrix_map(s.basis[which].data(), shape.head_dim, s.kept).transpose();
+  }
+
+  /// Calls start(t) then visit(t, channel, value) for every stored value of records [0, n).
+  template <class Visit, class Start>
+  static void for_each_record(const format_type& f, const page_shape& shape, const segment& s, int which, const std::byte* page,
+                              int n, Visit&& visit, Start&& start) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const int group = s.strategy[which].group, words = detail::packed_geometry::bitmap_words(g.kept, group);
+    std::vector<float>& values = detail::host_scratch(static_cast<std::size_t>(s.strategy[which].retained));
+    for (int t = 0; t < n; ++t) {
+      start(t);
+      detail::load_dense_rows(shape.storage, page + g.values_offset(t), static_cast<std::size_t>(s.strategy[which].retained), values.data());
+      const std::uint32_t* bits = g.bitmap(page, t);
+      std::size_t at = 0;
+      for (int w = 0; w < words; ++w)
+        for (std::uint32_t word = bits[w]; word != 0; word &= word - 1) {
+          const int j = w * 32 + lowest_bit(word);
+          for (int i = 0; i < group; ++i) visit(t, j * group + i, values[at++]);
+        }
+    }
+  }
+  static int lowest_bit(std::uint32_t word) noexcept {
+#if defined(__GNUC__)
+    return __builtin_ctz(word);
+#else
+    int bit = 0;
+    while ((word & 1u) == 0) {
+      word >>= 1;
+      ++bit;
+    }
+    return bit;
+#endif
+  }
+};
+
+namespace detail {
+/// A moved token is re-encoded in its new page's segment basis.
+template <>
+struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
+}  // namespace detail
+
+}  // namespace kvmosaic

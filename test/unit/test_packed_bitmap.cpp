@@ -1,0 +1,495 @@
+// SPDX-License-Identifier: Apache-2.0
+// format::packed_bitmap (MosaicKV stage 1) on the host: the segment basis is orthonormal and
+// ordered by variance; a hand-computed case (a diagonal covariance: the basis is a permutation,
+// so the kept channels are known by hand) for g = 1 and g = 2; every record keeps exactly the
+// top-r groups of its rotated vector (checked against an fp64 brute force); exact byte
+// accounting; the strategy search against a brute-force evaluation of every candidate; attention
+// through the cache, in the rotated spaces, equal to fp64 attention over the decoded vectors
+// within a derived bound (one segment, several, appends, a fork, a compaction); fidelity against
+// exact attention improving with the retained fraction; and clear rejections.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "../support/oracle.hpp"
+#include "kvmosaic/kvmosaic.hpp"
+#include "kvmosaic/support/synthetic.hpp"
+
+using namespace kvmosaic;
+
+namespace {
+
+using traits = format_traits<format::packed_bitmap>;
+
+format::packed_bitmap make(float retained, int group, float truncated = 0.25f, int segment_tokens = 65536) {
+  format::packed_bitmap f;
+  f.retained = retained;
+  f.group = group;
+  f.truncated = truncated;
+  f.segment_tokens = segment_tokens;
+  return f;
+}
+
+/// Rows [n][d] of one head of a synthetic K (or V) matrix, rounded to bf16 as the cache stores them.
+std::vector<float> head_rows(const synthetic::kv_data& kv, int head, bool is_v) {
+  std::vector<float> rows(static_cast<std::size_t>(kv.num_tokens) * kv.head_dim);
+  for (int t = 0; t < kv.num_tokens; ++t)
+    for (int c = 0; c < kv.head_dim; ++c) {
+      const float x = is_v ? kv.v_at(t, head, c) : kv.k_at(t, head, c);
+      rows[static_cast<std::size_t>(t) * kv.head_dim + c] = to_float(bfloat16(x));
+    }
+  return rows;
+}
+
+/// Brute force, fp64: the groups of the largest energy of y (ties: the lower group), sorted.
+std::vector<int> top_groups(const std::vector<double>& y, int group, int keep) {
+  const int groups = static_cast<int>(y.size()) / group;
+  std::vector<std::pair<double, int>> energy;
+  for (int j = 0; j < groups; ++j) {
+    double e = 0;
+    for (int i = 0; i < group; ++i) e += y[static_cast<std::size_t>(j * group + i)] * y[static_cast<std::size_t>(j * group + i)];
+    energy.emplace_back(-e, j);
+  }
+  std::sort(energy.begin(), energy.end());
+  std::vector<int> chosen;
+  for (int i = 0; i < keep; ++i) chosen.push_back(energy[static_cast<std::size_t>(i)].second);
+  std::sort(chosen.begin(), chosen.end());
+  return chosen;
+}
+
+/// y = x B in fp64 for one row.
+std::vector<double> rotate(const float* x, const std::vector<float>& basis, int d, int kept) {
+  std::vector<double> y(static_cast<std::size_t>(kept), 0.0);
+  for (int j = 0; j < kept; ++j)
+    for (int c = 0; c < d; ++c) y[static_cast<std::size_t>(j)] += static_cast<double>(x[c]) * basis[static_cast<std::size_t>(c) * kept + j];
+  return y;
+}
+
+/// A cache's decoded K and V (`cache::read`) as a kv_data.
+template <class Cache>
+synthetic::kv_data decoded(const Cache& kv, sequence_id seq, int heads, int d) {
+  synthetic::kv_data out;
+  out.num_tokens = static_cast<int>(kv.stored_tokens(seq));
+  out.num_kv_heads = heads;
+  out.head_dim = d;
+  out.k.resize(static_cast<std::size_t>(out.num_tokens) * heads * d);
+  out.v.resize(out.k.size());
+  kv.read(seq, tensor_view<float, 3>(out.k.data(), out.num_tokens, heads, d), tensor_view<float, 3>(out.v.data(), out.num_tokens, heads, d));
+  return out;
+}
+
+/// The bound on |attend - exact attention over the decoded vectors| per output element, derived
+/// for the rotated computation. A logit is fl(fl(q B_k) . y): its error is at most
+/// gamma_{D + kept} sum_j sum_c |q_c| |B_cj| |y_tj|, and the decoded key fl(y B_k^T) the oracle
+/// reads differs from y B_k^T by gamma_kept sum_j |y_j| |B_cj| per channel, the same order: twice
+/// the first term bounds both (y is recovered from the decoded rows as x B, exact in reals). A
+/// logit error of delta moves the output by at most (e^{2 delta} - 1) max_t |v_tc|; p . y_v, the
+/// merges and the rotation back add gamma_{kept + page + pages + 4} sum_j max_t |y_tj| |B_cj|,
+/// also counted twice for the oracle's decoded V.
+std::vector<double> rotated_bound(const std::vector<float>& q, const synthetic::kv_data& dec, int group_size, double scale,
+                                  const traits::segment& seg, int page_size) {
+  const int d = dec.head_dim, kept = seg.kept, n = dec.num_tokens;
+  std::vector<double> bound(q.size());
+  const double pages = std::ceil(static_cast<double>(n) / page_size);
+  for (int h = 0; h < dec.num_kv_heads; ++h) {
+    std::vector<double> y_max(static_cast<std::size_t>(kept), 0.0), v_max(static_cast<std::size_t>(d), 0.0);
+    for (int t = 0; t < n; ++t) {
+      const std::vector<double> yv = rotate(dec.v_row(t, h), seg.basis[1], d, kept);
+      for (int j = 0; j < kept; ++j) y_max[static_cast<std::size_t>(j)] = std::max(y_max[static_cast<std::size_t>(j)], std::abs(yv[static_cast<std::size_t>(j)]));
+      for (int c = 0; c < d; ++c) v_max[static_cast<std::size_t>(c)] = std::max(v_max[static_cast<std::size_t>(c)], std::abs(static_cast<double>(dec.v_at(t, h, c))));
+    }
+    for (int g = 0; g < group_size; ++g) {
+      const float* qg = q.data() + static_cast<std::size_t>(h * group_size + g) * d;
+      std::vector<double> qb(static_cast<std::size_t>(kept), 0.0);  // sum_c |q_c| |B_cj|
+      for (int j = 0; j < kept; ++j)
+        for (int c = 0; c < d; ++c) qb[static_cast<std::size_t>(j)] += std::abs(static_cast<double>(qg[c])) * std::abs(seg.basis[0][static_cast<std::size_t>(c) * kept + j]);
+      double delta = 0;
+      for (int t = 0; t < n; ++t) {
+        const std::vector<double> yk = rotate(dec.k_row(t, h), seg.basis[0], d, kept);
+        double m = 0;
+        for (int j = 0; j < kept; ++j) m += qb[static_cast<std::size_t>(j)] * std::abs(yk[static_cast<std::size_t>(j)]);
+        delta = std::max(delta, 2 * scale * test::gamma(d + kept + 2) * m);
+      }
+      for (int c = 0; c < d; ++c) {
+        double back = 0;
+        for (int j = 0; j < kept; ++j) back += y_max[static_cast<std::size_t>(j)] * std::abs(seg.basis[1][static_cast<std::size_t>(c) * kept + j]);
+        bound[static_cast<std::size_t>(h * group_size + g) * d + c] =
+            std::expm1(2 * delta) * v_max[static_cast<std::size_t>(c)] + 2 * test::gamma(kept + page_size + pages + 4) * back;
+      }
+    }
+  }
+  return bound;
+}
+
+/// Attends q over `seq` and checks every element against fp64 attention over the decoded
+/// vectors within `rotated_bound` (for caches whose sequence has one segment), or returns the
+/// largest relative L2 error (several segments: the same math, checked by the caller).
+template <class Cache>
+double check_against_decoded(Cache& kv, sequence_id seq, const cache_config& c, const std::vector<float>& q, bool bounded) {
+  const int heads = c.num_kv_heads, d = c.head_dim, qh = c.num_q_heads();
+  synthetic::kv_data dec = decoded(kv, seq, heads, d);
+  if constexpr (compactor_traits<typename Cache::compactor_type>::frees_memory) {  // live slots only
+    std::vector<std::int64_t> live;
+    const std::vector<std::int64_t> positions = kv.positions(seq);
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (positions[i] >= 0) live.push_back(static_cast<std::int64_t>(i));
+    dec = test::tokens_of(dec, live);
+  }
+  std::vector<float> out(q.size());
+  kv.attend(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(q.data(), 1, qh, d), tensor_view<float, 3>(out.data(), 1, qh, d));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const std::vector<double> exact = host::exact_attention(tensor_view<const float, 2>(q.data(), qh, d), test::k_view(dec), test::v_view(dec), scale);
+  if (bounded) {
+    std::vector<double> per_head(q.size());  // each KV head's rows against its own segment
+    for (int h = 0; h < heads; ++h) {
+      const std::vector<double> b = rotated_bound(q, dec, c.group_size, scale, kv.engine().segment(kv.slot(seq), 0, h), c.page_size);
+      std::copy_n(b.begin() + static_cast<std::ptrdiff_t>(h) * c.group_size * d, c.group_size * d,
+                  per_head.begin() + static_cast<std::ptrdiff_t>(h) * c.group_size * d);
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      INFO("element " << i);
+      CHECK(std::abs(out[i] - exact[i]) <= per_head[i]);
+    }
+  }
+  return host::compare(out.data(), exact.data(), out.size()).rel_l2_error;
+}
+
+cache_config small_config(int d = 128, int group = 4) {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = group;
+  c.head_dim = d;
+  c.page_size = 64;
+  c.max_pages = 512;
+  c.max_sequences = 4;
+  return c;
+}
+
+synthetic::kv_config synthetic_config(const cache_config& c) {
+  synthetic::kv_config s;
+  s.num_kv_heads = c.num_kv_heads;
+  s.group_size = c.group_size;
+  s.head_dim = c.head_dim;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("packed_bitmap: the basis is orthonormal and ordered by decreasing variance", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  const synthetic::kv_data kv = synthetic::generate_kv(synthetic_config(c), 0, 1024);
+  const page_shape shape{64, 128, dtype::bf16};
+  for (const bool is_v : {false, true}) {
+    const std::vector<float> rows = head_rows(kv, 1, is_v);
+    const traits::segment seg = traits::plan_segment(make(0.25f, 1), shape, rows.data(), rows.data(), kv.num_tokens);
+    REQUIRE(seg.kept == 96);
+    const std::vector<float>& b = seg.basis[0];
+    double worst = 0, previous = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 96; ++i) {
+      for (int j = 0; j < 96; ++j) {
+        double dot = 0;
+        for (int ch = 0; ch < 128; ++ch) dot += static_cast<double>(b[static_cast<std::size_t>(ch) * 96 + i]) * b[static_cast<std::size_t>(ch) * 96 + j];
+        worst = std::max(worst, std::abs(dot - (i == j ? 1.0 : 0.0)));
+      }
+      double variance = 0;  // sum_t y_ti^2: the eigenvalue of column i
+      for (int t = 0; t < kv.num_tokens; ++t) {
+        const double y = rotate(rows.data() + static_cast<std::size_t>(t) * 128, b, 128, 96)[static_cast<std::size_t>(i)];
+        variance += y * y;
+      }
+      CHECK(variance <= previous * (1 + 1e-6));
+      previous = variance;
+    }
+    CHECK(worst < 1e-6);  // fp64 eigenvectors stored in fp32
+  }
+}
+
+TEST_CASE("packed_bitmap: hand-computed records (a diagonal covariance makes the basis a permutation)", "[packed_bitmap]") {
+  // 16 rows of 8 channels: x_t[c] = w_c h_t[c], h the +-1 columns of a 16 x 16 Hadamard matrix
+  // (orthogonal, so the covariance is diag(16 w_c^2)). By variance: channels 3 (w 8), 1 (5), 7 (4),
+  // 5 (3), 2 (2), 0 (1), 4 (0.5), 6 (0.25). truncated 0.25 keeps 6: rotated channel j is
+  // original channel {3, 1, 7, 5, 2, 0}[j], sign +.
+  const float w[8] = {1, 5, 2, 8, 0.5f, 3, 0.25f, 4};
+  const int order[6] = {3, 1, 7, 5, 2, 0};
+  const page_shape shape{16, 8, dtype::bf16};
+  std::vector<float> rows(16 * 8);
+  for (int t = 0; t < 16; ++t)
+    for (int ch = 0; ch < 8; ++ch) {
+      const int bits = t & (ch + 1);  // Sylvester Hadamard entry (t, ch + 1): (-1)^popcount(t & (ch + 1))
+      rows[static_cast<std::size_t>(t) * 8 + ch] = (__builtin_popcount(static_cast<unsigned>(bits)) % 2 ? -1.0f : 1.0f) * w[ch];
+    }
+  for (const int group : {1, 2}) {
+    // g = 1, r = 2: every row keeps rotated channels 0 and 1 (|x| = 8 and 5 everywhere).
+    // g = 2, r = 4: groups (0,1) energy 89, (2,3) 25, (4,5) 5: keeps rotated channels 0-3.
+    const format::packed_bitmap f = make(group == 1 ? 0.25f : 0.5f, group);
+    const traits::segment seg = traits::plan_segment(f, shape, rows.data(), rows.data(), 16);
+    REQUIRE(seg.kept == 6);
+    for (int j = 0; j < 6; ++j)
+      for (int ch = 0; ch < 8; ++ch)
+        CHECK(seg.basis[0][static_cast<std::size_t>(ch) * 6 + j] == Approx(ch == order[j] ? 1.0 : 0.0).margin(1e-6));
+    std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+    traits::encode_k(f, shape, seg, rows.data(), page.data());
+    const std::uint32_t* bitmap = reinterpret_cast<const std::uint32_t*>(page.data());
+    for (int t = 0; t < 16; ++t) CHECK(bitmap[t] == (group == 1 ? 0x3u : 0x3u));  // bits 0, 1: channels 0-1, or groups 0-1
+    std::vector<float> back(rows.size());
+    traits::decode_k(f, shape, seg, page.data(), 16, back.data());
+    const int kept_channels = group == 1 ? 2 : 4;
+    for (int t = 0; t < 16; ++t)
+      for (int ch = 0; ch < 8; ++ch) {
+        const bool kept = std::find(order, order + kept_channels, ch) != order + kept_channels;
+        CHECK(back[static_cast<std::size_t>(t) * 8 + ch] == Approx(kept ? rows[static_cast<std::size_t>(t) * 8 + ch] : 0.0f).margin(1e-5));
+      }
+  }
+}
+
+TEST_CASE("packed_bitmap: every record keeps exactly the top-r groups of its rotated vector", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  const synthetic::kv_data kv = synthetic::generate_kv(synthetic_config(c), 3, 64);
+  const page_shape shape{64, 128, dtype::bf16};
+  for (const int group : {1, 2, 4})
+    for (const float retained : {0.125f, 0.25f, 0.5f}) {
+      const format::packed_bitmap f = make(retained, group);
+      const std::vector<float> k = head_rows(kv, 0, false), v = head_rows(kv, 0, true);
+      const traits::segment seg = traits::plan_segment(f, shape, k.data(), v.data(), 64);
+      const int r = static_cast<int>(retained * 128), words = (96 / group + 31) / 32;
+      std::vector<std::byte> page(traits::k_page_bytes(f, shape));
+      traits::encode_v(f, shape, seg, v.data(), page.data());
+      for (int t = 0; t < 64; ++t) {
+        const std::vector<double> y = rotate(v.data() + static_cast<std::size_t>(t) * 128, seg.basis[1], 128, 96);
+        const std::vector<int> expect = top_groups(y, group, r / group);
+        const std::uint32_t* bits = reinterpret_cast<const std::uint32_t*>(page.data()) + static_cast<std::size_t>(t) * words;
+        std::vector<int> got;
+        for (int j = 0; j < 96 / group; ++j)
+          if ((bits[j / 32] >> (j % 32)) & 1u) got.push_back(j);
+        INFO("g " << group << " retained " << retained << " token " << t);
+        CHECK(got == expect);
+        // The values: the rotated channels of those groups, rounded to bf16 (y from fp32 rows
+        // and fp32 B: within a few fp32 ulps of y in fp64, before the bf16 rounding).
+        const std::uint16_t* values = reinterpret_cast<const std::uint16_t*>(page.data() + static_cast<std::size_t>(64) * words * 4) +
+                                      static_cast<std::size_t>(t) * r;
+        std::size_t at = 0;
+        for (const int j : expect)
+          for (int i = 0; i < group; ++i) {
+            const double exact = y[static_cast<std::size_t>(j * group + i)];
+            const double stored = detail::bfloat16_bits_to_float(values[at++]);
+            CHECK(std::abs(stored - exact) <= std::abs(exact) * (1.0 / 256) + 1e-6);
+          }
+      }
+    }
+}
+
+TEST_CASE("packed_bitmap: exact byte accounting", "[packed_bitmap]") {
+  const page_shape shape{64, 128, dtype::bf16};
+  // kept 96: g = 1 3 words (12 bytes), g = 2 48 bits in 2 words, g = 4 24 bits in 1 word.
+  CHECK(traits::k_page_bytes(make(0.25f, 1), shape) == 64 * (12 + 32 * 2));
+  CHECK(traits::k_page_bytes(make(0.25f, 2), shape) == 64 * (8 + 32 * 2));
+  CHECK(traits::k_page_bytes(make(0.25f, 4), shape) == 64 * (4 + 32 * 2));
+  CHECK(traits::v_page_bytes(make(0.5f, 1), shape) == 64 * (12 + 64 * 2));
+  format::packed_bitmap searched = make(0.375f, 4);
+  searched.mode = format::strategy::search;  // slot for r = 48 at g = 1
+  CHECK(traits::k_page_bytes(searched, shape) == 64 * (12 + 48 * 2));
+  CHECK(traits::k_page_bytes(make(0.25f, 1, 0.0f), shape) == 64 * (16 + 32 * 2));
+  // head_dim 64, page 16: kept 48 -> 2 words; r 16: 16 * (8 + 32) = 640, a multiple of 16.
+  CHECK(traits::k_page_bytes(make(0.25f, 1), page_shape{16, 64, dtype::f16}) == 640);
+  CHECK(traits::segment_bytes(make(0.25f, 1), shape) == 2 * 128 * 96 * 4 + 24);
+
+  // The cache's gauge: pages, tail rows and the segments' bases, nothing else.
+  const cache_config c = small_config();
+  const format::packed_bitmap f = make(0.25f, 1, 0.25f, 256);
+  cache<format::packed_bitmap> kv(c, f);
+  const sequence_id seq = kv.add_sequence();
+  const synthetic::kv_data data = synthetic::generate_kv(synthetic_config(c), 1, 600);
+  kv.prefill(seq, test::k_view(data), test::v_view(data));
+  const memory_stats m = kv.memory();
+  // 9 pages (3 segments of 4, 4, 1 pages), 24 tail rows; 2 heads.
+  CHECK(kv.pages(seq).size() == 9);
+  CHECK(m.stored_bytes == 9 * 2 * 2 * 64 * 76 + 24 * 2 * 2 * 128 * 2 + 3 * 2 * static_cast<std::int64_t>(traits::segment_bytes(f, shape)));
+  CHECK(m.dense_bytes == 600 * 2 * 2 * 128 * 2);
+}
+
+TEST_CASE("packed_bitmap: the strategy search picks what a brute-force evaluation of the candidates picks", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  synthetic::kv_config sc = synthetic_config(c);
+  const synthetic::kv_data kv = synthetic::generate_kv(sc, 5, 512);
+  const page_shape shape{64, 128, dtype::bf16};
+  const std::vector<float> k = head_rows(kv, 0, false), v = head_rows(kv, 0, true);
+  format::packed_bitmap f = make(0.375f, 1);
+  f.mode = format::strategy::search;
+  const traits::segment reference = traits::plan_segment(f, shape, k.data(), v.data(), 512);
+  for (int which = 0; which < 2; ++which) {
+    const std::vector<float>& rows = which == 0 ? k : v;
+    // Brute force: every candidate's relative squared error in fp64.
+    double total = 0;
+    for (const float x : rows) total += static_cast<double>(x) * x;
+    std::vector<std::pair<int, int>> candidates;
+    for (const int r : {16, 32, 48})
+      for (const int g : {4, 2, 1}) candidates.emplace_back(r, g);
+    std::vector<double> loss;
+    for (const auto& [r, g] : candidates) {
+      double stored = 0;
+      for (int t = 0; t < 512; ++t) {
+        const std::vector<double> y = rotate(rows.data() + static_cast<std::size_t>(t) * 128, reference.basis[which], 128, 96);
+        for (const int j : top_groups(y, g, r / g))
+          for (int i = 0; i < g; ++i) stored += y[static_cast<std::size_t>(j * g + i)] * y[static_cast<std::size_t>(j * g + i)];
+      }
+      loss.push_back((total - stored) / total);
+    }
+    // Thresholds around each candidate's loss: the search must take the first candidate at or
+    // below it (fp32 vs fp64 sums: thresholds 1e-4 away from every loss).
+    std::vector<double> thresholds = {0.0, 1.0};
+    for (const double l : loss) thresholds.push_back(l + 1e-3);
+    for (const double threshold : thresholds) {
+      bool clear = true;
+      for (const double l : loss) clear = clear && std::abs(l - threshold) > 1e-4;
+      if (!clear) continue;
+      f.loss_threshold = static_cast<float>(threshold);
+      const traits::segment seg = traits::plan_segment(f, shape, k.data(), v.data(), 512);
+      std::pair<int, int> expect{48, 1};
+      for (std::size_t i = 0; i < candidates.size(); ++i)
+        if (loss[i] <= threshold) {
+          expect = candidates[i];
+          break;
+        }
+      INFO("K/V " << which << " threshold " << threshold);
+      CHECK(seg.strategy[which].retained == expect.first);
+      CHECK(seg.strategy[which].group == expect.second);
+    }
+  }
+  // Block size: the largest of 16, 8, 4 whose relative intra-block variance is under the threshold.
+  double norm = 0;
+  for (const float x : k) norm += static_cast<double>(x) * x;
+  norm /= 512;
+  std::vector<double> variance;
+  for (const int b : {16, 8, 4}) {
+    double sum = 0;
+    for (int first = 0; first < 512; first += b)
+      for (int ch = 0; ch < 128; ++ch) {
+        double mean = 0;
+        for (int t = first; t < first + b; ++t) mean += k[static_cast<std::size_t>(t) * 128 + ch];
+        mean /= b;
+        for (int t = first; t < first + b; ++t) sum += (k[static_cast<std::size_t>(t) * 128 + ch] - mean) * (k[static_cast<std::size_t>(t) * 128 + ch] - mean);
+      }
+    variance.push_back(sum / 512 / norm);
+  }
+  CHECK(variance[0] >= variance[1]);
+  CHECK(variance[1] >= variance[2]);
+  for (const double threshold : {variance[0] + 1e-3, variance[1] + 1e-3, variance[2] + 1e-3, 0.0}) {
+    f.block_variance_threshold = static_cast<float>(threshold);
+    const int expect = threshold >= variance[0] ? 16 : threshold >= variance[1] ? 8 : 4;
+    CHECK(traits::plan_segment(f, shape, k.data(), v.data(), 512).block_tokens == expect);
+  }
+}
+
+TEST_CASE("packed_bitmap: attention in the rotated spaces equals fp64 attention over the decoded vectors", "[packed_bitmap]") {
+  for (const int d : {64, 128, 256})
+    for (const int group : {1, 4, 8}) {
+      const cache_config c = small_config(d, group);
+      const synthetic::kv_config sc = synthetic_config(c);
+      for (const int g : {1, 2, 4}) {
+        for (const int n : {1, 64, 300}) {
+          cache<format::packed_bitmap> kv(c, make(0.25f, g));
+          const sequence_id seq = kv.add_sequence();
+          const synthetic::kv_data data = synthetic::generate_kv(sc, 7, n);
+          kv.prefill(seq, test::k_view(data), test::v_view(data));
+          const std::vector<float> q = synthetic::generate_query(sc, 7, n);
+          INFO("head_dim " << d << " group " << group << " g " << g << " tokens " << n);
+          if (n < 64) {  // all in the tail: dense
+            (void)check_against_decoded(kv, seq, c, q, false);
+            continue;
+          }
+          CHECK(check_against_decoded(kv, seq, c, q, true) < 1e-5);
+        }
+      }
+    }
+}
+
+TEST_CASE("packed_bitmap: several segments, appends, a fork and a compaction", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  const synthetic::kv_config sc = synthetic_config(c);
+  const synthetic::kv_data data = synthetic::generate_kv(sc, 9, 1400);
+  format::packed_bitmap f = make(0.25f, 2, 0.25f, 256);
+  f.sink_tokens = 4;
+  cache<format::packed_bitmap, select::all, compact::repack> kv(c, f);
+  const sequence_id seq = kv.add_sequence();
+  const synthetic::kv_data prompt = test::tokens_of(data, [] {
+    std::vector<std::int64_t> t(1000);
+    std::iota(t.begin(), t.end(), 0);
+    return t;
+  }());
+  kv.prefill(seq, test::k_view(prompt), test::v_view(prompt));
+  // Appends: 400 tokens, one at a time (pages 16-21 start segment 4 from its first page).
+  for (int t = 1000; t < 1400; ++t) {
+    const synthetic::kv_data one = test::tokens_of(data, {t});
+    kv.append(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(one.k.data(), 1, 2, 128),
+              tensor_view<const float, 3>(one.v.data(), 1, 2, 128));
+  }
+  REQUIRE(kv.pages(seq).size() == 21);
+  const std::vector<float> q = synthetic::generate_query(sc, 9, 1400);
+  const double before = check_against_decoded(kv, seq, c, q, false);
+  CHECK(before < 1e-5);
+  // Each segment has its own basis: segments 0 and 1 differ.
+  CHECK(kv.engine().segment(kv.slot(seq), 0, 0).basis[0] != kv.engine().segment(kv.slot(seq), 4, 0).basis[0]);
+  // A fork shares the pages and the segments: the same outputs.
+  const sequence_id child = kv.fork_sequence(seq);
+  std::vector<float> a(q.size()), b(q.size());
+  kv.attend(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(q.data(), 1, 8, 128), tensor_view<float, 3>(a.data(), 1, 8, 128));
+  kv.attend(span<const sequence_id>(&child, 1), tensor_view<const float, 3>(q.data(), 1, 8, 128), tensor_view<float, 3>(b.data(), 1, 8, 128));
+  CHECK(a == b);
+  kv.remove_sequence(child);
+  // Evict every third token of the first 900 and compact: moved tokens are re-encoded in their
+  // new page's segment; attention still equals attention over what the cache holds.
+  std::vector<std::int64_t> evicted;
+  for (std::int64_t t = 5; t < 900; t += 3) evicted.push_back(t);
+  kv.evict(seq, span<const std::int64_t>(evicted.data(), evicted.size()));
+  const compaction_report report = kv.compact(seq);
+  CHECK(report.pages_freed >= 4);
+  CHECK(check_against_decoded(kv, seq, c, q, false) < 1e-5);
+}
+
+TEST_CASE("packed_bitmap: fidelity against exact attention improves with the retained fraction", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  const synthetic::kv_config sc = synthetic_config(c);
+  const synthetic::kv_data data = synthetic::generate_kv(sc, 11, 2048);
+  const std::vector<float> q = synthetic::generate_query(sc, 11, 2048);
+  const double scale = 1.0 / std::sqrt(128.0);
+  const std::vector<double> exact = host::exact_attention(tensor_view<const float, 2>(q.data(), 8, 128), test::k_view(data), test::v_view(data), scale);
+  double previous = 1e9;
+  for (const float retained : {0.25f, 0.375f, 0.5f}) {
+    cache<format::packed_bitmap> kv(c, make(retained, 1));
+    const sequence_id seq = kv.add_sequence();
+    kv.prefill(seq, test::k_view(data), test::v_view(data));
+    std::vector<float> out(q.size());
+    kv.attend(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(q.data(), 1, 8, 128), tensor_view<float, 3>(out.data(), 1, 8, 128));
+    const host::fidelity fid = host::compare(out.data(), exact.data(), out.size());
+    INFO("retained " << retained << ": rel L2 " << fid.rel_l2_error << ", cosine " << fid.cosine);
+    CHECK(fid.rel_l2_error < previous);
+    previous = fid.rel_l2_error;
+  }
+  CHECK(previous < 0.5);  // half the channels after the rotation: well short of a random output
+}
+
+TEST_CASE("packed_bitmap: bad parameters are rejected naming them", "[packed_bitmap]") {
+  const cache_config c = small_config();
+  const auto rejects = [&](const format::packed_bitmap& f, const std::string& parameter) {
+    try {
+      cache<format::packed_bitmap> kv(c, f);
+      FAIL("accepted " << format_traits<format::packed_bitmap>::describe(f));
+    } catch (const invalid_argument& e) {
+      CHECK(std::string(e.what()).find("format::packed_bitmap") != std::string::npos);
+      CHECK(std::string(e.what()).find(parameter + " =") != std::string::npos);
+    }
+  };
+  rejects(make(0.25f, 3), "group");
+  rejects(make(0.8f, 1), "retained");           // more than the 96 kept channels
+  rejects(make(0.3f, 1), "retained");           // 38.4 channels
+  rejects(make(0.0f, 1), "retained");
+  rejects(make(0.25f, 1, 1.0f), "truncated");   // nothing left
+  rejects(make(0.25f, 1, 0.1f), "truncated");   // 115.2 channels
+  rejects(make(0.046875f, 4), "retained");      // 6 channels: not whole groups of 4
+  rejects(make(0.25f, 1, 0.25f, 100), "segment_tokens");
+}
