@@ -87,6 +87,15 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
                     q2.format(pi=64, r="nearest", x=exact(4, 128)) + "/quest:budget=0.125,block=16"))
     configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
                     q2.format(pi=64, r="nearest", x=exact(4)) + "/streaming:budget=0.25,sinks=4/hole_fill"))
+    # MosaicKV's stage 1 (host backend only): per-segment SVD rotation, the bottom 25% of the
+    # rotated channels truncated, each vector's top r of the rest kept (g = 1). One segment of
+    # 64K tokens holds the whole context here.
+    pb = "packed_bitmap:retained={r},group=1,truncated=0.25,segment=65536,mode={m},loss=0.05,{x}"
+    for r in (0.25, 0.375, 0.5):
+        configs.append((f"packed_bitmap r={r} g=1 t=0.25 sinks4", pb.format(r=r, m="fixed", x=exact(4)) + "/all"))
+    configs.append(("packed_bitmap r=0.25 g=1 t=0.25", pb.format(r=0.25, m="fixed", x=exact()) + "/all"))
+    configs.append(("packed_bitmap r<=0.25 search loss=0.05 t=0.25 sinks4",
+                    pb.format(r=0.25, m="search", x=exact(4)) + "/all"))
     return configs
 
 
@@ -352,7 +361,7 @@ def plot(path: Path, meta: dict, results: list[dict]):
     import matplotlib.pyplot as plt
     fig, (ax, key) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw={"width_ratios": [3, 2]})
     families = {"dense": "k", "bitmap": "tab:blue", "quant4": "tab:brown", "quant2": "tab:red", "quest": "tab:green",
-                "sentence": "tab:purple", "streaming": "tab:orange"}
+                "sentence": "tab:purple", "streaming": "tab:orange", "packed_bitmap": "tab:cyan"}
     lines = []
     for i, r in enumerate(results, start=1):
         color = next((c for k, c in reversed(list(families.items())) if k in r["name"]), "gray")

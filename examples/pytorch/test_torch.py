@@ -148,6 +148,42 @@ def test_bad_input_is_a_clear_python_error():
         ModelCache(1, 3, 3, 64, "dense/streaming", device=DEVICE)
 
 
+def test_packed_bitmap_on_cpu_attends_close_to_dense():
+    """packed_bitmap (MosaicKV's stage 1) runs on the host backend only, so this test runs on the
+    CPU whatever the device: its output equals exact attention over what it stores (read back),
+    and K and V with a few dominant directions, as a model's are, come back close to the rows
+    written, so that it attends close to dense."""
+    torch.manual_seed(4)
+    kvh, group, d, n = 3, 3, 64, 600
+    spec = "packed_bitmap:retained=0.5,group=1,truncated=0.25,segment=1024,mode=fixed,sinks=4/all"
+    cache = ModelCache(1, kvh, group, d, spec, max_tokens=1024, max_sequences=1, device="cpu")
+    seq = cache.add_sequence()
+    # rank-8 rows plus a little noise: the top quarter of the rotated channels holds their energy
+    basis = torch.randn(kvh, 8, d)
+    k = torch.einsum("thr,hrd->thd", torch.randn(n, kvh, 8), basis) + 0.01 * torch.randn(n, kvh, d)
+    v = torch.einsum("thr,hrd->thd", torch.randn(n, kvh, 8), basis) + 0.01 * torch.randn(n, kvh, d)
+    cache.prefill(0, seq, k, v)
+    q = 0.2 * torch.randn(1, kvh * group, d)
+    out = cache.attend(0, [seq], q)
+    rk, rv = cache.read(0, seq)
+    assert rk.shape == (n, kvh, d) and "packed_bitmap" in cache.describe(0)
+    assert rel_l2(out[0], exact_attention(q[0], rk, rv, group, d ** -0.5)) < 1e-3
+    assert rel_l2(rk, k) < 5e-2 and rel_l2(rv, v) < 5e-2
+    assert rel_l2(out[0], exact_attention(q[0], k, v, group, d ** -0.5)) < 5e-2
+    assert cache.compression() < 0.8  # 72 of 128 bytes a row, plus the bases (2 x 64 x 48 fp32 per KV head) and tail
+    with pytest.raises(ValueError, match="selector"):  # compiled with select::all only
+        ModelCache(1, kvh, group, d, "packed_bitmap/quest", device="cpu")
+    with pytest.raises(ValueError, match="group"):
+        ModelCache(1, kvh, group, d, "packed_bitmap:group=3/all", device="cpu")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs KVMOSAIC_TORCH_DEVICE=cuda (the CUDA build of the extension)")
+def test_packed_bitmap_is_refused_on_cuda():
+    with pytest.raises(ValueError, match="packed_bitmap runs on the host backend only"):
+        ModelCache(1, 3, 3, 64, "packed_bitmap:retained=0.25,sinks=4/all", max_tokens=256, max_sequences=1,
+                   device=DEVICE)
+
+
 def test_ops_are_registered():
     cache = ModelCache(1, 3, 3, 64, "dense/all", max_tokens=128, max_sequences=1, device=DEVICE)
     seq = cache.add_sequence()
