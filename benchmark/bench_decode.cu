@@ -41,15 +41,10 @@ namespace {
 
 using namespace kvmosaic;
 using namespace kvmosaic_bench;
-template <class Format>
-struct is_quantized : std::false_type {};
-template <int Bits, format::value_axis V>
-struct is_quantized<format::quant<Bits, V>> : std::true_type {};
-
 /// The kernels a row compiles: every shape for the formats timed over several shapes, the shape of
 /// record (bf16, head_dim 128, groups of 4) for the quantized formats other than quant2.
 template <class Format>
-using backend_for = std::conditional_t<is_quantized<Format>::value && !std::is_same<Format, format::quant2>::value,
+using backend_for = std::conditional_t<format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value,
                                        backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>, backend::cuda>;
 
 /// Keep-less selectors (select::streaming) compact by hole filling; the others keep everything.
@@ -126,7 +121,7 @@ void decode(benchmark::State& state) {
   c.num_kv_heads = 8;
   c.group_size = state.range(2) > 0 ? static_cast<int>(state.range(2)) : 4;
   c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
-  constexpr bool is_quant2 = is_quantized<Format>::value;  // any width, either V axis
+  constexpr bool is_quant2 = format::is_quant_v<Format>;  // any width, either V axis
   c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : 64;
   if (selects && state.range(6) > 0) c.page_size = static_cast<int>(state.range(6));  // quest with smaller pages
   c.storage = dtype::bf16;
@@ -153,7 +148,8 @@ void decode(benchmark::State& state) {
   if constexpr (selects || evicts) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
   if constexpr (evicts) state.counters["budget"] = 1.0 / static_cast<double>(state.range(5));
   constexpr bool chunked = selector_traits<Selector>::needs_token_ids;
-  if constexpr (std::is_same<Selector, select::quest>::value) selector.block_tokens = static_cast<int>(state.range(7));
+  if constexpr (std::is_same<Selector, select::quest>::value || std::is_same<Selector, select::mean_keys>::value)
+    selector.block_tokens = static_cast<int>(state.range(7));
   if constexpr (chunked)
     for (const auto& b : synthetic::boundary_tokens) selector.boundaries.push_back(select::boundary{b.id, b.weight});
   cuda_cache<Format, Selector> kv(c, format, selector);
@@ -428,6 +424,22 @@ BENCHMARK(decode<format::dense, select::quest>)
     ->Name("dense_quest_blocks_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}, {16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// select::mean_keys (MosaicKV's stage 2: blocks scored by q . mean key) at the same budgets, over
+// whole pages and over blocks of 16 (the paper's), dense and quant2: against the quest rows above.
+BENCHMARK(decode<format::dense, select::mean_keys>)
+    ->Name("dense_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {16, 8}, {0}, {0, 16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::quant2, select::mean_keys>)
+    ->Name("quant2_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {16, 8}, {0}, {0}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

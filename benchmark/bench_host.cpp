@@ -6,7 +6,12 @@
 // Shapes: SmolLM2 (3 KV heads, group 3, head_dim 64) at 2K and 8K tokens, and the demo's
 // (8 KV heads, group 4, head_dim 128) at 32K; pages of 64. Formats: dense, bitmap_tiles at
 // s = 0.5 and 0.7, quant2 at Pi = 32 and 64, nearest and stochastic rounding, without and with 4
-// sink tokens.
+// sink tokens, and packed_bitmap at 25% retained (g = 1, the bottom 25% truncated).
+//
+// `host_prefill/<shape>/bf16/<format>` times a whole prefill instead (a fresh cache, every page
+// encoded): for packed_bitmap the segment's covariances, eigendecompositions and (strategy
+// search) candidate passes included, against dense's prefill and one dense attend step
+// (MosaicKV's Table 2 compares its encoding with the model's prefill).
 //
 // Each benchmark times one `attend` per iteration (wall time: the host backend may run threads).
 // Counters:
@@ -197,6 +202,43 @@ format::quant2 quant2_of(int partition, format::rounding mode, int sinks) {
   return f;
 }
 
+/// Seconds of one prefill of shape `s` into a fresh cache of `Format` (construction included).
+template <class Format>
+double prefill_seconds(const shape_case& s, const Format& f) {
+  const auto start = std::chrono::steady_clock::now();
+  typed_cache<Format> c(config_of(s, dtype::bf16), f, workload_of(s));
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <class Format>
+void add_prefill(const shape_case& s, const std::string& format_name, const Format& f) {
+  const std::string name = std::string("host_prefill/") + s.name + "/bf16/" + format_name;
+  benchmark::RegisterBenchmark(name.c_str(), [=](benchmark::State& state) {
+    const double dense = prefill_seconds(s, format::dense{});
+    std::vector<float> out(workload_of(s).q.size());
+    typed_cache<format::dense> step(config_of(s, dtype::bf16), format::dense{}, workload_of(s));
+    const double dense_step = time_steps(step, workload_of(s).q.data(), out.data(), 0.5);
+    double total = 0;
+    for (auto _ : state) {
+      const double seconds = prefill_seconds(s, f);
+      state.SetIterationTime(seconds);
+      total += seconds;
+    }
+    const double per = total / static_cast<double>(state.iterations());
+    const double pages = static_cast<double>(s.context / 64);
+    state.counters["us_per_page"] = per * 1e6 / pages;  // a page of every KV head, K and V
+    state.counters["ratio_to_dense_prefill"] = per / dense;
+    state.counters["ratio_to_dense_step"] = per / dense_step;
+    state.counters["context"] = s.context;
+  })->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(2);
+}
+
+format::packed_bitmap packed_of(format::strategy mode) {
+  format::packed_bitmap f;  // 25% retained, g = 1, the bottom 25% truncated: the paper's setting
+  f.mode = mode;
+  return f;
+}
+
 int register_all() {
   for (const shape_case& s : shapes)
     for (const dtype storage : {dtype::bf16, dtype::f16}) {
@@ -215,7 +257,14 @@ int register_all() {
                                      (sinks > 0 ? "_sinks4" : "");
             add(s, storage, name, quant2_of(partition, mode, sinks));
           }
+      add(s, storage, "packed_bitmap_r0.25", packed_of(format::strategy::fixed));
     }
+  for (const shape_case& s : shapes) {
+    add_prefill(s, "dense", format::dense{});
+    add_prefill(s, "quant2_pi64_nearest", quant2_of(64, format::rounding::nearest, 0));
+    add_prefill(s, "packed_bitmap_r0.25", packed_of(format::strategy::fixed));
+    add_prefill(s, "packed_bitmap_search", packed_of(format::strategy::search));
+  }
   return 0;
 }
 

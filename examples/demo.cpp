@@ -42,7 +42,19 @@ int main(int argc, char** argv) {
         cache<format::dense, select::sentence_chunks> c(w.config, {}, selector);
         rows.push_back(demo::run_host(c, w, o.steps));
       }
+      for (const auto& selector : demo::mean_keys_variants()) {
+        cache<format::dense, select::mean_keys> c(w.config, {}, selector);
+        rows.push_back(demo::run_host(c, w, o.steps));
+      }
       demo::for_each_streaming_cache<backend::host>(w.config, o.seed, [&](auto& c) { rows.push_back(demo::run_host(c, w, o.steps)); });
+    }
+    // MosaicKV's packed format has host kernels only so far: its rows run on the host backend in
+    // either build (docs/packed_bitmap.md), with every token and with mean keys at 1/16.
+    if (format::packed_bitmap packed; demo::mosaic(w.config, packed)) {
+      cache<format::packed_bitmap> c(w.config, packed);
+      rows.push_back(demo::run_host(c, w, o.steps));
+      cache<format::packed_bitmap, select::mean_keys> selected(w.config, packed, demo::mean_keys_variants().front());
+      rows.push_back(demo::run_host(selected, w, o.steps));
     }
     demo::print_table(rows, o);
     if (!o.json.empty()) {

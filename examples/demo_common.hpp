@@ -339,6 +339,29 @@ inline std::vector<kvmosaic::select::sentence_chunks> sentence_chunk_variants() 
   return v;
 }
 
+/// select::mean_keys (MosaicKV's stage 2) at budgets 1/16 and 1/8 of the context, blocks of 16.
+inline std::vector<kvmosaic::select::mean_keys> mean_keys_variants() {
+  std::vector<kvmosaic::select::mean_keys> v;
+  for (const int inverse : {16, 8}) {
+    kvmosaic::select::mean_keys s;
+    s.budget.ratio = 1.0 / inverse;
+    s.block_tokens = 16;
+    v.push_back(s);
+  }
+  return v;
+}
+
+/// MosaicKV's packed format at the paper's setting (25% of the channels retained per vector, the
+/// bottom 25% truncated, g = 1) with 4 sinks, segments of the whole pages nearest 64K tokens;
+/// false where head_dim / 4 is not a whole number.
+inline bool mosaic(const kvmosaic::cache_config& base, kvmosaic::format::packed_bitmap& format) {
+  if (base.head_dim % 4 != 0) return false;
+  format = kvmosaic::format::packed_bitmap{};
+  format.sink_tokens = 4;
+  format.segment_tokens = base.page_size * std::max(1, 65536 / base.page_size);
+  return true;
+}
+
 /// select::streaming at budgets 1/8 and 1/4 of the context (4 sinks and the most recent tokens).
 inline std::vector<kvmosaic::select::streaming> streaming_variants() {
   std::vector<kvmosaic::select::streaming> v;

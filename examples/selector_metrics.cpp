@@ -2,7 +2,9 @@
 // kvmosaic_selector_metrics: how well the read-less selectors read, on the synthetic workload with
 // sentence structure (host backend). For select::quest and select::sentence_chunks over dense,
 // bitmap_tiles (s = 0.7) and quant2 (Pi = 64, 4 sinks) (and quest with blocks of 16 tokens, the
-// Quest paper's page size, over dense), at budgets 1/16, 1/8 and 1/4 of the
+// Quest paper's page size, over dense), select::mean_keys (whole pages and blocks of 16) over
+// dense and quant2, and quest and mean_keys (blocks of 16) over packed_bitmap (25% retained, 4
+// sinks), at budgets 1/16, 1/8 and 1/4 of the
 // context, per decode step:
 //   - recall of the exact top-k attention tokens (k = the budget; per query head, fp64 weights over
 //     every token), and the exact attention mass of the tokens read;
@@ -310,6 +312,19 @@ int main(int argc, char** argv) {
     measure(w, sparse, chunks, rows);
     measure(w, codes, quest, rows);
     measure(w, codes, chunks, rows);
+    // MosaicKV's stage 2 (select::mean_keys) against quest on the same data: whole pages and blocks
+    // of 16, over dense and quant2, and over MosaicKV's own format (packed_bitmap, 25% retained).
+    select::mean_keys means;  // one block per page
+    means.block_tokens = 0;
+    select::mean_keys means16;
+    means16.block_tokens = 16;
+    measure(w, format::dense{}, means, rows);
+    measure(w, format::dense{}, means16, rows);
+    measure(w, codes, means, rows);
+    format::packed_bitmap packed;
+    packed.sink_tokens = 4;
+    measure(w, packed, quest16, rows);
+    measure(w, packed, means16, rows);
     std::vector<combine_row> combine;
     measure_combine(w, combine);
     if (!o.json.empty()) {

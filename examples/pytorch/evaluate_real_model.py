@@ -96,6 +96,13 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
     configs.append(("packed_bitmap r=0.25 g=1 t=0.25", pb.format(r=0.25, m="fixed", x=exact()) + "/all"))
     configs.append(("packed_bitmap r<=0.25 search loss=0.05 t=0.25 sinks4",
                     pb.format(r=0.25, m="search", x=exact(4)) + "/all"))
+    # Without truncation (at head_dim 64 and g = 1 the bitmap is two words either way: the same
+    # bytes), and the search with a loss limit that the truncated energy alone does not exceed.
+    pb0 = pb.replace("truncated=0.25", "truncated=0")
+    for r in (0.25, 0.375):
+        configs.append((f"packed_bitmap r={r} g=1 t=0 sinks4", pb0.format(r=r, m="fixed", x=exact(4)) + "/all"))
+    configs.append(("packed_bitmap r<=0.375 search loss=0.2 t=0 sinks4",
+                    pb0.replace("loss=0.05", "loss=0.2").format(r=0.375, m="search", x=exact(4)) + "/all"))
     return configs
 
 

@@ -26,6 +26,7 @@
 // The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/quest.cuh"
+#include "kvmosaic/cuda/select/mean_keys.cuh"
 #include "kvmosaic/cuda/select/sentence_chunks.cuh"
 #include "kvmosaic/cuda/select/streaming.cuh"
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).

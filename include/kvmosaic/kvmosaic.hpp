@@ -22,6 +22,7 @@
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/all.hpp"
 #include "kvmosaic/select/quest.hpp"
+#include "kvmosaic/select/mean_keys.hpp"
 #include "kvmosaic/select/sentence_chunks.hpp"
 #include "kvmosaic/select/streaming.hpp"
 

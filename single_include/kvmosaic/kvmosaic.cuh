@@ -1596,6 +1596,15 @@ using quant2 = quant<2>;
 /// 4-bit codes, V per channel.
 using quant4 = quant<4>;
 
+/// True for every `quant<Bits, ValueAxis>` (quant2, quant4, either V axis): formats whose pages
+/// hold codes, compared within the 8-bit bound and re-encoded by compaction.
+template <class Format>
+struct is_quant : std::false_type {};
+template <int Bits, value_axis ValueAxis>
+struct is_quant<quant<Bits, ValueAxis>> : std::true_type {};
+template <class Format>
+inline constexpr bool is_quant_v = is_quant<Format>::value;
+
 }  // namespace format
 
 namespace detail {
@@ -2359,7 +2368,7 @@ struct packed_bitmap {
   strategy mode = strategy::fixed;
   float loss_threshold = 0.05f;  ///< `strategy::search`: the largest relative squared error a candidate may lose
   float block_variance_threshold = 0.5f;  ///< the largest relative intra-block key variance of a mean-key block
-  int sink_tokens = 0;           ///< leading tokens always read exactly (0 to 16)
+  int sink_tokens = 4;           ///< leading tokens always read exactly (0 to 16); 4 by measurement (docs/defaults.md)
   int recent_tokens = 0;         ///< latest sealed tokens always read exactly (0 to 1024), besides the tail
 };
 
@@ -2757,6 +2766,8 @@ struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
 ///   static void validate(const Selector&, int page_size);  // throws invalid_argument
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
+///   static constexpr block_summary summary;         // optional, default block_summary::bounds:
+///                                                   // what each block keeps (span_score.hpp)
 ///   static constexpr bool keeps_token_ranges;       // optional, default false: true when the
 ///                                                   // selector's metadata names runs of slots
 ///                                                   // (sentence chunks), which a compaction
@@ -2854,6 +2865,18 @@ namespace kvmosaic {
 enum class group_combine { max, sum };
 
 inline const char* to_string(group_combine c) noexcept { return c == group_combine::max ? "max" : "sum"; }
+
+/// What a read-less selector keeps per block of a page to score it, and how it scores it:
+///   - `bounds` (select::quest): the channel-wise min and max rows of the block's keys; the score is
+///     Quest's upper bound of q . k, sum_c q_c (q_c >= 0 ? hi_c : lo_c). Two rows per block.
+///   - `mean` (select::mean_keys): the mean key row (MosaicKV's per-block key); the score is
+///     q . mean. One row per block.
+/// Both are scored by `span_score`, `mean` as bounds with lo = hi = mean: the same canonical order
+/// on both backends.
+enum class block_summary { bounds, mean };
+
+/// Stored rows per block of a summary.
+constexpr int summary_rows(block_summary s) noexcept { return s == block_summary::bounds ? 2 : 1; }
 
 namespace select {
 
@@ -3050,6 +3073,16 @@ struct selector_cache_members<Selector, Cache, true> {
   using type = typename selector_traits<Selector>::template cache_members<Cache>;
 };
 
+/// `selector_traits<Selector>::summary`, block_summary::bounds when the traits do not declare it.
+template <class Selector, class = void>
+struct block_summary_of {
+  static constexpr block_summary value = block_summary::bounds;
+};
+template <class Selector>
+struct block_summary_of<Selector, std::void_t<decltype(selector_traits<Selector>::summary)>> {
+  static constexpr block_summary value = selector_traits<Selector>::summary;
+};
+
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
 template <class Selector, class = void>
 struct keeps_token_ranges : std::false_type {};
@@ -3136,32 +3169,39 @@ struct quest {
 
 }  // namespace select
 
-/// Quest keeps nothing per sequence: its bounds live with each page, in the engine.
-template <>
-struct selector_traits<select::quest> : stateless_selector_hooks {
-  static constexpr const char* name = "quest";
+namespace detail {
+/// The traits of a selector that scores fixed blocks of every page from a summary kept with the
+/// page (`select::quest`, `select::mean_keys`): a `Selector` with `budget`, `block_tokens`,
+/// `combine` and `block_for`; `Name` its name ("quest"). Keeps nothing per sequence: the
+/// summaries live with each page, in the engine.
+template <class Selector, const char* Name, block_summary Summary>
+struct page_block_selector_traits : stateless_selector_hooks {
+  static constexpr const char* name = Name;
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
   static constexpr bool needs_token_ids = false;
-  static std::string describe(const select::quest& s) {
-    std::string text = "quest(";
+  static constexpr block_summary summary = Summary;
+  static std::string describe(const Selector& s) {
+    std::string text = std::string(Name) + "(";
     text += s.budget.describe();
     if (s.block_tokens != 0) text += ", block " + std::to_string(s.block_tokens);
     text += std::string(", ") + to_string(s.combine) + ")";
     return text;
   }
-  /// Checks the parameters against the cache's page size (throws `invalid_argument`).
-  static void validate(const select::quest& s, int page_size) {
-    s.budget.validate("select::quest");
+  /// Checks the parameters against the cache's page size (throws `invalid_argument` naming
+  /// select::<name>).
+  static void validate(const Selector& s, int page_size) {
+    const std::string where = std::string("select::") + Name;
+    s.budget.validate(where.c_str());
     const int block = s.block_for(page_size);
-    detail::require(block >= 8 && block % 8 == 0 && page_size % block == 0, "select::quest", "block_tokens",
-                    s.block_tokens, "0 (the page size) or a multiple of 8 that divides page_size");
+    require(block >= 8 && block % 8 == 0 && page_size % block == 0, where.c_str(), "block_tokens", s.block_tokens,
+            "0 (the page size) or a multiple of 8 that divides page_size");
   }
-  /// Tokens per block whose key bounds the cache keeps with each page (0: none).
-  static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
+  /// Tokens per block whose summary the cache keeps with each page.
+  static int bounds_block_tokens(const Selector& s, int page_size) noexcept { return s.block_for(page_size); }
   /// A step scores the page blocks of every sequence.
-  static detail::selection_request start_request(const select::quest& s, const selector_shape& shape) {
-    detail::selection_request r;
+  static selection_request start_request(const Selector& s, const selector_shape& shape) {
+    selection_request r;
     r.combine = s.combine;
     r.block_tokens = s.block_for(shape.page_size);
     return r;
@@ -3169,16 +3209,80 @@ struct selector_traits<select::quest> : stateless_selector_hooks {
   /// One sequence's entry: the budget for its length, and nothing read besides the selection but
   /// the tail. A sequence whose tail is empty reads at least one block, so that every step attends
   /// to a token. Cost: O(1).
-  static void request(const select::quest& s, const selector_shape&, const sequence_state&, std::int64_t length,
-                      std::int64_t tail_rows, detail::selection_request& r) {
+  static void request(const Selector& s, const selector_shape&, const sequence_state&, std::int64_t length,
+                      std::int64_t tail_rows, selection_request& r) {
     const std::int64_t budget = s.budget.resolve(length);
     r.budget.push_back(tail_rows == 0 ? std::max<std::int64_t>(budget, r.block_tokens) : budget);
     r.always_from.push_back(length);
   }
 };
+inline constexpr char quest_name[] = "quest";
+}  // namespace detail
+
+/// Quest's bounds live with each page, in the engine.
+template <>
+struct selector_traits<select::quest>
+    : detail::page_block_selector_traits<select::quest, detail::quest_name, block_summary::bounds> {};
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/quest.hpp> ----
+
+// ---- begin <kvmosaic/select/mean_keys.hpp> ----
+/// \file
+/// `select::mean_keys`: MosaicKV's stage-2 dynamic sequence compression (Qiang et al.,
+/// "MosaicKV", sections 4.2 and 5.3): blocks of a page scored by the query against the block's
+/// mean key, the top blocks read within a token budget.
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Reads, per (sequence, KV head) and step, the blocks of sealed pages whose mean key scores
+/// highest against the query, within a token budget, plus the dense tail and the exact rows
+/// (sinks, recent window) that every selector reads.
+///
+/// What it computes: each block of `block_tokens` tokens of a page keeps the mean of its keys
+/// (one row, in the storage dtype; per channel an fp32 sum in token order divided by the count),
+/// written when the page is sealed from its exact rows, before the format encodes them. A step
+/// scores every block with q . mean (`span_score` with lo = hi = mean: both backends round alike),
+/// combines the group's query heads (`combine`, as `select::quest`), and reads the top
+/// floor(budget / block_tokens) blocks (higher score first, ties to the earlier block).
+///
+/// Against `select::quest`: half its metadata (one row per block instead of two) and a score that
+/// estimates the block's logits instead of bounding them; MosaicKV pairs it with its packed
+/// format. Differences from the paper (docs/selectors.md): the mean row is 16-bit and dense for
+/// every format (the paper packs it with the keys of its format), and the block size is the
+/// selector's parameter, not the segment strategy's (`format::packed_bitmap` computes the
+/// strategy's block size per segment; using it here is future work).
+///
+/// Cost: head_dim 16-bit values per block and KV head of memory (1/block_tokens of the dense K
+/// bytes; counted in `memory_stats`); per step, reading those rows and a top-k per (sequence, KV
+/// head). Memory is not freed: a read-less selector.
+struct mean_keys {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                      ///< tokens picked per (sequence, KV head) and step
+  int block_tokens = 16;                      ///< tokens per block (MosaicKV: 4, 8 or 16): 0 = the
+                                              ///< page size, or a multiple of 8 dividing it
+  group_combine combine = group_combine::max; ///< how the group's scores select for its KV head
+
+  /// The block size for pages of `page_size` tokens.
+  int block_for(int page_size) const noexcept { return block_tokens == 0 ? page_size : block_tokens; }
+};
+
+}  // namespace select
+
+namespace detail {
+inline constexpr char mean_keys_name[] = "mean_keys";
+}  // namespace detail
+
+/// The mean rows live with each page, in the engine.
+template <>
+struct selector_traits<select::mean_keys>
+    : detail::page_block_selector_traits<select::mean_keys, detail::mean_keys_name, block_summary::mean> {};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/mean_keys.hpp> ----
 
 // ---- begin <kvmosaic/select/sentence_chunks.hpp> ----
 /// \file
@@ -4182,22 +4286,28 @@ struct append_item {
   std::int64_t sealed_pages;
 };
 
-/// Key bounds kept per block of every page for a read-less selector (`select::quest`): the
-/// channel-wise min row then max row of each block's keys, per KV head, in the storage dtype.
+/// Block summaries kept per block of every page for a read-less selector (`block_summary`):
+/// `select::quest`'s key bounds (the channel-wise min row then max row of each block's keys) or
+/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype.
 struct bounds_geometry {
-  bounds_geometry(const engine_shape& shape, int block)
+  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds)
       : block_tokens(block),
         blocks_per_page(block > 0 ? shape.page_size / block : 0),
+        summary(kind),
+        rows_per_block(summary_rows(kind)),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        head_bytes(static_cast<std::size_t>(blocks_per_page) * 2 * row_bytes),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * rows_per_block * row_bytes),
         page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
-  int block_tokens;        ///< 0: no bounds kept
+  int block_tokens;        ///< 0: no summaries kept
   int blocks_per_page;
+  block_summary summary;
+  int rows_per_block;      ///< 2 (lo row, hi row) or 1 (mean row)
   std::size_t row_bytes;   ///< one row of head_dim values
-  std::size_t head_bytes;  ///< the bounds of one page of one KV head: [blocks][lo row, hi row]
-  std::size_t page_bytes;  ///< the bounds of one page (every KV head): what a page costs on top
+  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][rows_per_block rows]
+  std::size_t page_bytes;  ///< the summaries of one page (every KV head): what a page costs on top
   std::size_t offset(page_id page, int head, int block) const noexcept {
-    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * 2 * row_bytes;
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes +
+           static_cast<std::size_t>(block) * rows_per_block * row_bytes;
   }
 };
 
@@ -4216,6 +4326,25 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
     bounds[static_cast<std::size_t>(head_dim + c)] = hi;
   }
   store_dense_rows(storage, bounds.data(), bounds.size(), out);
+}
+
+/// Writes the mean of `n` rows (head_dim floats each, exact in the storage dtype) as one stored
+/// row at `out`: per channel an fp32 sum in token order, divided by n, rounded to the storage
+/// dtype (the CUDA summary kernel computes it in the same order: the same bits).
+inline void store_mean_key(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  std::vector<float> mean(static_cast<std::size_t>(head_dim));
+  for (int c = 0; c < head_dim; ++c) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
+    mean[static_cast<std::size_t>(c)] = sum / static_cast<float>(n);
+  }
+  store_dense_rows(storage, mean.data(), mean.size(), out);
+}
+
+/// Writes the summary `kind` of `n` rows at `out`.
+inline void store_block_summary(block_summary kind, dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  if (kind == block_summary::mean) store_mean_key(storage, rows, n, head_dim, out);
+  else store_key_bounds(storage, rows, n, head_dim, out);
 }
 
 /// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
@@ -4281,7 +4410,8 @@ class engine {
       : shape_(shape),
         format_(format),
         geometry_(shape, format),
-        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size)),
+        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size),
+                         detail::block_summary_of<Selector>::value),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
@@ -4482,8 +4612,9 @@ class engine {
             std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-              detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
-                                       bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+              detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
+                                          rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
+                                          bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
           if constexpr (has_segments_v<Format>) {
             const segment_t& seg = segment(slot, index, h);
             if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
@@ -4806,11 +4937,14 @@ class engine {
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
+    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean); chunks
+    // keep bounds.
+    const int rows = r.block_tokens > 0 ? bounds_geometry_.rows_per_block : 2;
     for (std::size_t i = 0; i < begin.size(); ++i) {
-      dense_traits::decode_k(format::dense{}, page_shape{2, d, shape_.storage}, bounds[i], 2, lo_hi.data());
+      dense_traits::decode_k(format::dense{}, page_shape{rows, d, shape_.storage}, bounds[i], rows, lo_hi.data());
       for (int g = 0; g < groups; ++g)
         head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
-          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>(d + c)]);
+          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>((rows - 1) * d + c)]);
         });
       scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
     }
@@ -4921,8 +5055,9 @@ class engine {
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
       for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-        detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
-                                 bounds_geometry_.block_tokens, shape_.head_dim,
+        detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
+                                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
+                                    bounds_geometry_.block_tokens, shape_.head_dim,
                                  bounds_.data() + bounds_geometry_.offset(page, h, block));
       hide_sinks();
       if constexpr (has_segments_v<Format>) {
@@ -12676,13 +12811,20 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 // ---- begin <kvmosaic/cuda/select/quest.cuh> ----
 /// \file
 /// `select::quest` on the CUDA backend (Quest, Tang et al., ICML 2024): the key bounds of every
-/// block of each sealed page, written on the device when the page is sealed (from its exact dense
-/// rows, before a format encodes them), and per step a scoring and top-k pass over them
-/// (`span_selection`) that writes each KV head's page table, with row masks when blocks are
+/// block of each sealed page and the per-step scoring and top-k, `page_block_selection`'s.
+
+// ---- begin <kvmosaic/cuda/select/page_blocks.cuh> ----
+/// \file
+/// The CUDA part every selector that scores fixed blocks of each page from a summary kept with the
+/// page shares (`select::quest`: key bounds; `select::mean_keys`: mean keys; `block_summary`): the
+/// summary of every block of each sealed page, written on the device when the page is sealed (from
+/// its exact dense rows, before a format encodes them), and per step a scoring and top-k pass over
+/// them (`span_selection`) that writes each KV head's page table, with row masks when blocks are
 /// smaller than a page.
 ///
-/// Cost: 2 x head_dim 16-bit values per block, KV head and page of device memory (counted in
-/// `memory_stats`); per sealed page one pass over its K rows; per step the span selection's.
+/// Cost: `summary_rows` x head_dim 16-bit values per block, KV head and page of device memory
+/// (counted in `memory_stats`); per sealed page one pass over its K rows; per step the span
+/// selection's.
 
 
 
@@ -12709,12 +12851,14 @@ namespace kvmosaic::cuda::kernel {
 ///
 /// The scoring kernel sees a sequence as `span_counts[b]` spans with key bounds: span i lies in
 /// entry i / spans_per_entry of its span table, whose bounds are a block of `bounds_entry_bytes`:
-/// [num_kv_heads][spans_per_entry][lo row, hi row]. For `select::quest` the entries are the pages
-/// (spans_per_entry = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
+/// [num_kv_heads][spans_per_entry][lo row, hi row] (or one mean row, `summary_rows` = 1, scored as
+/// lo = hi). For `select::quest` and `select::mean_keys` the entries are the pages (spans_per_entry
+/// = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
 struct select_params {
   const std::byte* bounds;            ///< bounds arena, in the storage dtype
   std::int64_t bounds_entry_bytes;    ///< one entry's bounds, every KV head
   int spans_per_entry;
+  int summary_rows;                   ///< rows per span: 2 (lo, hi) or 1 (mean)
   const std::int32_t* span_tables;    ///< [batch][span_table_stride] entry ids
   int span_table_stride;
   const std::int32_t* span_counts;    ///< [batch] spans of each sequence
@@ -12794,9 +12938,9 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
   for (int k = 0; k < per_warp; ++k) {
     const int in_entry = min(first + k, pages - 1) % per_entry;
     const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_entry_bytes) +
-                  (static_cast<std::size_t>(head) * per_entry + in_entry) * 2 * HeadDim + lane * width;
+                  (static_cast<std::size_t>(head) * per_entry + in_entry) * p.summary_rows * HeadDim + lane * width;
     detail_select::load_floats<T, width>(lo, low[k]);
-    detail_select::load_floats<T, width>(lo + HeadDim, high[k]);
+    detail_select::load_floats<T, width>(lo + (p.summary_rows - 1) * HeadDim, high[k]);  // a mean: lo = hi
   }
   __syncthreads();  // the queries are staged
   if (first >= pages) return;
@@ -13088,21 +13232,30 @@ struct bounds_params {
   std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
   const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
   const std::int32_t* new_pages;      ///< [n] page ids
-  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][lo row, hi row]
+  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][summary rows]
   std::int64_t bounds_page_bytes;
   int block_tokens;                   ///< tokens per block: the page size, or a multiple of 8 dividing it
 };
 
-/// The channel-wise min and max of the keys of each block of each new page, per KV head
-/// (`select::quest`); the same values as the host's `store_key_bounds`.
-/// Grid: (n, num_kv_heads, blocks per page), one thread per channel.
-template <class T, int HeadDim>
+/// The summary of the keys of each block of each new page, per KV head: with `Mean` the mean row
+/// (`select::mean_keys`: an fp32 sum in token order divided by the count, the host's
+/// `store_mean_key` to the bit), else the channel-wise min and max rows (`select::quest`, the
+/// host's `store_key_bounds`). Grid: (n, num_kv_heads, blocks per page), one thread per channel.
+template <class T, int HeadDim, bool Mean = false>
 __global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
   const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
   const int block = static_cast<int>(blockIdx.z), blocks = static_cast<int>(gridDim.z);
   const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
                                              static_cast<std::size_t>(head) * p.rows_head_bytes) +
                   static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
+  if constexpr (Mean) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
+    T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
+             (static_cast<std::size_t>(head) * blocks + block) * HeadDim;
+    out[c] = T(__fdiv_rn(sum, static_cast<float>(p.block_tokens)));
+    return;
+  }
   float lo = to_float(rows[c]), hi = lo;
   for (int t = 1; t < p.block_tokens; ++t) {
     const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);
@@ -13141,13 +13294,14 @@ namespace kvmosaic::cuda {
 
 /// Where a stage's spans and their key bounds live on the device.
 struct span_source {
-  const std::byte* bounds;          ///< [entries][num_kv_heads][spans_per_entry][lo row, hi row], storage dtype
+  const std::byte* bounds;          ///< [entries][num_kv_heads][spans_per_entry][summary_rows rows], storage dtype
   std::int64_t entry_bytes;         ///< one entry's bounds, every KV head
   int spans_per_entry;
   int span_tokens;                  ///< > 0: span i is tokens [i * span_tokens, (i + 1) * span_tokens) (entries: pages)
   const int2* ranges;               ///< span_tokens == 0: {begin, end} per span slot (entry * spans_per_entry + k)
   int longest_span;                 ///< tokens of the longest span
   bool own_tables;                  ///< entries from the stage's span tables (else the sequences' block tables)
+  int summary_rows = 2;             ///< rows per span: 2 (lo, hi: key bounds) or 1 (a mean key, scored as lo = hi)
 };
 
 template <class Shapes>
@@ -13237,6 +13391,7 @@ class span_selection {
     s.bounds = source_.bounds;
     s.bounds_entry_bytes = source_.entry_bytes;
     s.spans_per_entry = source_.spans_per_entry;
+    s.summary_rows = source_.summary_rows;
     s.span_tables = source_.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
     s.span_table_stride = source_.own_tables ? span_table_stride_ : table_stride_;
     s.span_tokens = source_.span_tokens;
@@ -13404,30 +13559,34 @@ class span_selection {
 namespace kvmosaic::cuda {
 
 /// The spans are the blocks of the pages; staging, outputs, the launch and the read-back are
-/// `span_selection`'s.
-template <class Shapes>
-class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
+/// `span_selection`'s. `Selector` has `block_for(page_size)`; its traits' `summary` says what a
+/// block keeps.
+template <class Selector, class Shapes>
+class page_block_selection : public span_selection<Shapes> {
   using spans = span_selection<Shapes>;
+  static constexpr block_summary summary = kvmosaic::detail::block_summary_of<Selector>::value;
 
  public:
-  /// Bounds for every page of the pool, `selector.block_for(page_size)` tokens per block.
-  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::quest& selector)
+  /// Summaries for every page of the pool, `selector.block_for(page_size)` tokens per block.
+  page_block_selection(const kvmosaic::detail::engine_shape& shape, const Selector& selector)
       : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
         shape_(shape),
-        geometry_(shape, selector.block_for(shape.page_size)),
+        geometry_(shape, selector.block_for(shape.page_size), summary),
         bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
     kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
-                              "cuda::engine", "select::quest::block_tokens", geometry_.block_tokens,
+                              "cuda::engine", "block_tokens", geometry_.block_tokens,
                               "a multiple of 8 that divides the page size");
-    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
-                                  geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false});
+    span_source source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
+                       geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false};
+    source.summary_rows = geometry_.rows_per_block;
+    spans::use_source(source);
   }
 
-  /// Device key bounds of each page: [max_pages][num_kv_heads][blocks][lo row, hi row], storage dtype.
+  /// Device summaries of each page: [max_pages][num_kv_heads][blocks][summary rows], storage dtype.
   std::size_t page_bytes() const noexcept { return geometry_.page_bytes; }
   const std::byte* bounds_data() const noexcept { return bounds_.as<const std::byte>(); }
 
-  /// The bounds of every block of the sealed pages, from their dense rows. One CTA per page, KV
+  /// The summary of every block of the sealed pages, from their dense rows. One CTA per page, KV
   /// head and block; one thread per channel.
   void seal(const sealed_pages& sealed, cudaStream_t stream) {
     if (sealed.n == 0) return;
@@ -13442,7 +13601,7 @@ class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
     b.block_tokens = geometry_.block_tokens;
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       constexpr int head_dim = decltype(dim)::value;
-      kernel::page_bounds_kernel<decltype(element), head_dim>
+      kernel::page_bounds_kernel<decltype(element), head_dim, summary == block_summary::mean>
           <<<dim3(static_cast<unsigned>(sealed.n), static_cast<unsigned>(shape_.num_kv_heads),
                   static_cast<unsigned>(geometry_.blocks_per_page)),
              head_dim, 0, stream>>>(b);
@@ -13475,11 +13634,39 @@ class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
  private:
   kvmosaic::detail::engine_shape shape_;
   kvmosaic::detail::bounds_geometry geometry_;
-  device_buffer bounds_;  ///< [max_pages][num_kv_heads][blocks][lo row, hi row]
+  device_buffer bounds_;  ///< [max_pages][num_kv_heads][blocks][summary rows]
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/select/page_blocks.cuh> ----
+
+namespace kvmosaic::cuda {
+
+template <class Shapes>
+class selection_stage<select::quest, Shapes> : public page_block_selection<select::quest, Shapes> {
+ public:
+  using page_block_selection<select::quest, Shapes>::page_block_selection;
 };
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/select/quest.cuh> ----
+
+// ---- begin <kvmosaic/cuda/select/mean_keys.cuh> ----
+/// \file
+/// `select::mean_keys` on the CUDA backend (MosaicKV's stage 2): the mean key of every block of
+/// each sealed page and the per-step scoring (q . mean) and top-k, `page_block_selection`'s.
+
+
+namespace kvmosaic::cuda {
+
+template <class Shapes>
+class selection_stage<select::mean_keys, Shapes> : public page_block_selection<select::mean_keys, Shapes> {
+ public:
+  using page_block_selection<select::mean_keys, Shapes>::page_block_selection;
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/select/mean_keys.cuh> ----
 
 // ---- begin <kvmosaic/cuda/select/sentence_chunks.cuh> ----
 /// \file

@@ -81,13 +81,6 @@ struct rows {
 
 using ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
-/// Whether a format is `format::quant<Bits, ValueAxis>` (quant2, quant4, V per token): stored
-/// codes, compared within the 8-bit bound and re-encoded by compaction.
-template <class Format>
-struct is_quantized : std::false_type {};
-template <int Bits, format::value_axis V>
-struct is_quantized<format::quant<Bits, V>> : std::true_type {};
-
 namespace detail {
 
 inline ranges merged(ranges r) {
@@ -359,7 +352,7 @@ class harness {
   /// The passes that may re-encode a page: quant2's max_reencodes; -1 for formats whose moves
   /// keep the values (dense, bitmap_tiles), which no limit freezes.
   int reencode_limit() const {
-    if constexpr (is_quantized<format_type>::value)
+    if constexpr (format::is_quant_v<format_type>)
       return cache_.format().max_reencodes;
     else
       return -1;
@@ -804,7 +797,7 @@ class harness {
     std::int64_t sinks = 0;
     if constexpr (std::is_same<format_type, format::bitmap_tiles>::value) {
       held = pruned_cache(stored, config_.page_size, cache_.format().s_k, cache_.format().s_v);
-    } else if constexpr (is_quantized<format_type>::value) {
+    } else if constexpr (format::is_quant_v<format_type>) {
       held = quant_decoded(cache_, s.id, stored);
       sinks = s.pages.empty() ? 0 : cache_.format().sink_tokens;
       if constexpr (reads_all) {
@@ -959,7 +952,7 @@ class harness {
       expected.pages_written += one.pages_written;
       if (one.slot_copies > 0) moved.push_back(model_.live()[j].id);
     }
-    const std::int32_t reencoded = is_quantized<format_type>::value ? expected.pages_written : 0;
+    const std::int32_t reencoded = format::is_quant_v<format_type> ? expected.pages_written : 0;
     if (got.pages_freed != expected.pages_freed || got.slot_copies != expected.slot_copies ||
         got.tokens_evicted != expected.tokens_evicted || got.pages_reencoded != reencoded)
       fail("compact reported pages_freed " + std::to_string(got.pages_freed) + ", slot_copies " +
@@ -1037,7 +1030,7 @@ class harness {
             if (pass.written[pg] && s.slots[slot] < 0) continue;  // a dead row of a re-encoded page: never read
             const float* got = after.data() + slot_row(slot, h, is_v);
             const float* want = before.data() + slot_row(static_cast<std::size_t>(source[slot]), h, is_v);
-            const bool exact = !pass.written[pg] || !is_quantized<format_type>::value;
+            const bool exact = !pass.written[pg] || !format::is_quant_v<format_type>;
             const double tolerance = exact ? 0.0 : (hi - lo) / 6 * 1.01 + std::ldexp(top, -6);
             for (int c = 0; c < d; ++c)
               if (exact ? !detail::same_bits(got + c, want + c, 1) : !(std::abs(static_cast<double>(got[c]) - want[c]) <= tolerance)) {
@@ -1103,7 +1096,7 @@ class harness {
           }
       std::copy_n(s.memo_k.begin(), static_cast<std::size_t>(s.sealed) * row, held.k.begin());
       std::copy_n(s.memo_v.begin(), static_cast<std::size_t>(s.sealed) * row, held.v.begin());
-    } else if constexpr (is_quantized<format_type>::value) {
+    } else if constexpr (format::is_quant_v<format_type>) {
       using traits = format_traits<format_type>;
       const page_shape shape{page, d, config_.storage};
       const auto& pages = cache_.pages(s.id);

@@ -19,11 +19,6 @@ using test::gpu_available;
 
 namespace {
 
-template <class Format>
-struct is_quantized : std::false_type {};
-template <int Bits, format::value_axis V>
-struct is_quantized<format::quant<Bits, V>> : std::true_type {};
-
 /// The one kernel shape of `evicted_twins`' configuration (bf16, head_dim 128, groups of 4): enough
 /// for the formats added after the first three, whose kernels would otherwise be compiled for every
 /// shape.
@@ -114,7 +109,7 @@ struct evicted_twins {
   /// The formats' own host-device tolerance: a few fp32 ulps of the outputs' scale for dense and
   /// bitmap_tiles (order of summation, q and p split in two 16-bit halves on tensor cores), one
   /// 8-bit rounding step of p for the quantized formats.
-  static double tolerance() { return is_quantized<Format>::value ? 2e-2 : 2e-3; }
+  static double tolerance() { return format::is_quant_v<Format> ? 2e-2 : 2e-3; }
 
   Format format;
   cache_config config;

@@ -20,13 +20,16 @@ namespace {
 
 using ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
-/// Quest over whole pages (the page-granular path; sub-page blocks are set where a case says).
-select::quest quest_of(double ratio) {
-  select::quest s;
+/// A page-block selector (quest, mean_keys) over whole pages (the page-granular path; sub-page
+/// blocks are set where a case says).
+template <class Selector = select::quest>
+Selector selector_of(double ratio) {
+  Selector s;
   s.budget.ratio = ratio;
   s.block_tokens = 0;
   return s;
 }
+select::quest quest_of(double ratio) { return selector_of<select::quest>(ratio); }
 
 /// The tokens of `kv` inside `read`, for one KV head.
 synthetic::kv_data head_subset(const synthetic::kv_data& kv, int head, const ranges& read) {
@@ -77,9 +80,12 @@ void check_selected_step(test::twin<Format, Selector>& t, bool check_exact = tru
         for (std::int64_t token = from; token < std::min(to, sealed); ++token)
           rows[static_cast<std::size_t>(token / page * words + token % page / 32)] |= 1u << (token % page % 32);
       // The rows a page is read for: the exact tokens (sinks, recent window) are read from their
-      // exact copies, so their page copies are masked out of the device's row masks.
+      // exact copies, so their page copies are masked out of the device's row masks -- except
+      // the sinks of a format whose split kernel skips a first page's sinks itself
+      // (`device_format::masks_sink_rows`, quant2), when there is no window to mask besides.
       std::vector<std::uint32_t> page_rows = rows;
-      const std::int64_t sinks = sink_rows(t.host.format()), window = window_rows(t.host.format());
+      const std::int64_t window = window_rows(t.host.format());
+      const std::int64_t sinks = window > 0 || !kvmosaic::cuda::device_format<Format>::masks_sink_rows ? sink_rows(t.host.format()) : 0;
       for (std::int64_t token = 0; token < sealed; ++token)
         if (token < sinks || token >= sealed - window)
           page_rows[static_cast<std::size_t>(token / page * words + token % page / 32)] &= ~(1u << (token % page % 32));
@@ -126,17 +132,18 @@ void check_selected_step(test::twin<Format, Selector>& t, bool check_exact = tru
   }
 }
 
-template <class Format>
-void run_selection_matrix(const Format& format, bool check_exact, int page_size) {
+template <class Format, class Selector = select::quest>
+void run_selection_matrix(const Format& format, bool check_exact, int page_size, int block_tokens = 0) {
   for (const dtype storage : {dtype::bf16, dtype::f16})
     for (const int head_dim : {64, 128, 256})
       for (const int group : {1, 3, 8})
         for (const double ratio : {1.0 / 16, 1.0 / 4}) {
           CAPTURE(to_string(storage), head_dim, group, ratio);
           const cache_config c = small_config(head_dim, group, storage, page_size);
-          select::quest s = quest_of(ratio);
+          Selector s = selector_of<Selector>(ratio);
+          s.block_tokens = block_tokens;
           s.combine = group == 3 ? group_combine::sum : group_combine::max;
-          test::twin<Format, select::quest> t(c, 41 + head_dim + group, format, s);
+          test::twin<Format, Selector> t(c, 41 + head_dim + group, format, s);
           for (const int length : {1, page_size - 1, page_size, 3 * page_size + 5, 40 * page_size + 17})
             t.add(length, static_cast<std::uint64_t>(length));
           check_selected_step(t, check_exact);
@@ -272,6 +279,41 @@ TEST_CASE("GPU quest keeps the host's key bounds, per page and per block", "[gpu
   odd.block_tokens = 12;
   CHECK_THROWS_WITH((cache<format::dense, select::quest, compact::none, backend::cuda>(c, {}, odd)),
                     Catch::Contains("block_tokens"));
+}
+
+TEST_CASE("GPU mean_keys over dense, bitmap_tiles and quant2: the host's blocks, and exact attention over them",
+          "[gpu][select][mean_keys]") {
+  if (!gpu_available()) return;
+  run_selection_matrix<format::dense, select::mean_keys>(format::dense{}, true, 64, 16);
+  run_selection_matrix<format::dense, select::mean_keys>(format::dense{}, true, 64, 0);
+  format::bitmap_tiles bt;
+  bt.s_k = bt.s_v = 0.7;
+  run_selection_matrix<format::bitmap_tiles, select::mean_keys>(bt, true, 64, 16);
+  format::quant2 q2;
+  q2.sink_tokens = 4;
+  run_selection_matrix<format::quant2, select::mean_keys>(q2, false, 64, 16);
+}
+
+TEST_CASE("GPU mean_keys keeps the host's mean rows, per block", "[gpu][select][mean_keys]") {
+  if (!gpu_available()) return;
+  for (const dtype storage : {dtype::f16, dtype::bf16})
+    for (const int block : {0, 16, 8}) {
+      CAPTURE(to_string(storage), block);
+      const cache_config c = small_config(128, 4, storage, 64);
+      select::mean_keys s = selector_of<select::mean_keys>(0.25);
+      s.block_tokens = block;
+      test::twin<format::dense, select::mean_keys> t(c, 3, format::dense{}, s);
+      t.add(3000, 1);
+      t.append_step();
+      const std::size_t bytes = t.host.engine().page_bounds_bytes();
+      REQUIRE(bytes == static_cast<std::size_t>(c.num_kv_heads) * (64 / (block == 0 ? 64 : block)) * 128 * 2);
+      std::vector<std::byte> device_rows(bytes);
+      for (const page_id page : t.host.pages(t.seqs[0])) {
+        KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_rows.data(), t.device.engine().selection().bounds_data() + page * bytes, bytes,
+                                       cudaMemcpyDeviceToHost));
+        REQUIRE(std::memcmp(device_rows.data(), t.host.engine().page_bounds(page, 0, 0), bytes) == 0);
+      }
+    }
 }
 
 TEST_CASE("GPU quest with blocks smaller than a page: the host's rows, and exact attention over them",

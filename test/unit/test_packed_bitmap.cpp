@@ -33,6 +33,7 @@ format::packed_bitmap make(float retained, int group, float truncated = 0.25f, i
   f.group = group;
   f.truncated = truncated;
   f.segment_tokens = segment_tokens;
+  f.sink_tokens = 0;  // the paper's setting: every token in the pages
   return f;
 }
 

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -133,14 +134,12 @@ double fp64_group_score(const synthetic::kv_data& stored, const std::vector<floa
   return best;
 }
 
-/// Brute-force Quest selection in fp64 from the stored keys: per block the channel min and max,
-/// the group's bound scores combined by max, the top floor(budget / block) blocks. Returns the
-/// ranges and the gap between the last chosen and the first rejected score (relative).
-std::pair<ranges, double> brute_force_quest(const synthetic::kv_data& stored, const std::vector<float>& q, int head,
-                                            int group, std::int64_t sealed, int block, std::int64_t budget) {
+/// The top floor(budget / block) of the blocks of [0, sealed) by `score(first, end)` (fp64):
+/// their ranges, and the gap between the last chosen and the first rejected score (relative).
+template <class Score>
+std::pair<ranges, double> brute_force_blocks(std::int64_t sealed, int block, std::int64_t budget, Score&& score) {
   std::vector<std::pair<double, std::int64_t>> scored;  // (-score, block)
-  for (std::int64_t first = 0; first < sealed; first += block)
-    scored.emplace_back(-fp64_group_score(stored, q, head, group, first, first + block), first / block);
+  for (std::int64_t first = 0; first < sealed; first += block) scored.emplace_back(-score(first, first + block), first / block);
   std::sort(scored.begin(), scored.end());
   const auto k = static_cast<std::size_t>(std::min<std::int64_t>(budget / block, static_cast<std::int64_t>(scored.size())));
   ranges chosen;
@@ -149,6 +148,36 @@ std::pair<ranges, double> brute_force_quest(const synthetic::kv_data& stored, co
   if (k > 0 && k < scored.size())
     gap = (scored[k].first - scored[k - 1].first) / std::max(1.0, std::abs(scored[k - 1].first));
   return {merged(chosen), gap};
+}
+
+/// Brute-force Quest selection in fp64 from the stored keys: per block the channel min and max,
+/// the group's bound scores combined by max.
+std::pair<ranges, double> brute_force_quest(const synthetic::kv_data& stored, const std::vector<float>& q, int head,
+                                            int group, std::int64_t sealed, int block, std::int64_t budget) {
+  return brute_force_blocks(sealed, block, budget, [&](std::int64_t first, std::int64_t end) {
+    return fp64_group_score(stored, q, head, group, first, end);
+  });
+}
+
+/// MosaicKV's stage 2 in fp64 from the stored keys: per block the mean key, the group's scores
+/// q . mean combined by max.
+std::pair<ranges, double> brute_force_mean_keys(const synthetic::kv_data& stored, const std::vector<float>& q, int head,
+                                                int group, std::int64_t sealed, int block, std::int64_t budget) {
+  const int d = stored.head_dim;
+  return brute_force_blocks(sealed, block, budget, [&](std::int64_t first, std::int64_t end) {
+    double best = -INFINITY;
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q.data() + static_cast<std::size_t>(head * group + g) * d;
+      double score = 0;
+      for (int c = 0; c < d; ++c) {
+        double mean = 0;
+        for (std::int64_t t = first; t < end; ++t) mean += stored.k_at(static_cast<int>(t), head, c);
+        score += qg[c] * (mean / static_cast<double>(end - first));
+      }
+      best = std::max(best, score);
+    }
+    return best;
+  });
 }
 
 }  // namespace
@@ -469,6 +498,96 @@ TEST_CASE("quest over compressed formats reads only selected pages; sinks and ta
   const int blocks_per_page = c.page_size / everything.block_for(c.page_size);
   CHECK(sel.memory().stored_bytes - plain.memory().stored_bytes ==
         static_cast<std::int64_t>(sel.memory().pages_used) * blocks_per_page * c.num_kv_heads * 2 * c.head_dim * 2);
+}
+
+TEST_CASE("mean_keys selects the blocks a brute-force fp64 mean-key selection picks, and attends exactly those",
+          "[selectors][mean_keys]") {
+  for (const int block : {8, 16, 64}) {
+    for (const double ratio : {1.0 / 16, 1.0 / 8, 1.0 / 4}) {
+      CAPTURE(block, ratio);
+      const cache_config c = small_config();
+      const synthetic::kv_config syn = synthetic_for(c, 21);
+      const int n = 1000;
+      const auto kv = synthetic::generate_kv(syn, 3, n);
+      select::mean_keys s;
+      s.block_tokens = block;
+      s.budget.ratio = ratio;
+      cache<format::dense, select::mean_keys> m_cache(c, {}, s);
+      const sequence_id seq = m_cache.add_sequence();
+      m_cache.prefill(seq, test::k_view(kv), test::v_view(kv));
+      const auto q = synthetic::generate_query(syn, 3, n);
+      const auto out = attend_one(m_cache, seq, q);
+      const synthetic::kv_data stored = test::rounded(kv, c.storage);
+      const std::int64_t sealed = n / c.page_size * c.page_size;
+      const std::int64_t budget = static_cast<std::int64_t>(std::floor(ratio * n));
+      int compared = 0;
+      for (int h = 0; h < c.num_kv_heads; ++h) {
+        const auto [expected, gap] = brute_force_mean_keys(stored, q, h, c.group_size, sealed, block, budget);
+        // The mean row is rounded to bf16 before scoring: skip a head whose cut is that close.
+        if (gap < 1e-2) continue;
+        ++compared;
+        CHECK(m_cache.selected_ranges(seq, h) == expected);
+        ranges read = expected;
+        read.emplace_back(sealed, n);  // the tail
+        check_head_against_exact(out, q, stored, merged(read), c, h);
+      }
+      CHECK(compared >= c.num_kv_heads / 2);
+      CHECK(m_cache.selection(seq).tokens_selected == Approx(static_cast<double>(budget / block * block)));
+    }
+  }
+}
+
+TEST_CASE("mean_keys keeps one mean row per block; a whole-context budget is select::all; bad parameters named",
+          "[selectors][mean_keys]") {
+  const cache_config c = small_config();
+  const synthetic::kv_config syn = synthetic_for(c, 23);
+  const int n = 700;
+  const auto kv = synthetic::generate_kv(syn, 4, n);
+  const auto q = synthetic::generate_query(syn, 4, n);
+  select::mean_keys everything;
+  everything.budget.ratio = 1.0;
+  everything.block_tokens = 16;
+  format::quant2 f;
+  f.sink_tokens = 4;
+  cache<format::quant2, select::mean_keys> sel(c, f, everything);
+  cache<format::quant2> plain(c, f);
+  const sequence_id a = sel.add_sequence(), b = plain.add_sequence();
+  sel.prefill(a, test::k_view(kv), test::v_view(kv));
+  plain.prefill(b, test::k_view(kv), test::v_view(kv));
+  CHECK(attend_one(sel, a, q) == attend_one(plain, b, q));
+  // One row of head_dim per block and KV head on top of each page (quest keeps two).
+  CHECK(sel.memory().stored_bytes - plain.memory().stored_bytes ==
+        static_cast<std::int64_t>(sel.memory().pages_used) * (c.page_size / 16) * c.num_kv_heads * c.head_dim * 2);
+  // The stored row is the fp32 mean of the block's stored keys, rounded to bf16.
+  const synthetic::kv_data stored = test::rounded(kv, c.storage);
+  const page_id page = sel.pages(a)[1];
+  const std::byte* row = sel.engine().page_bounds(page, 1, 2);  // KV head 1, tokens 64 + 32 .. 64 + 47
+  for (int ch = 0; ch < c.head_dim; ++ch) {
+    float sum = 0.0f;
+    for (int t = 96; t < 112; ++t) sum = sum + stored.k_at(t, 1, ch);
+    std::uint16_t bits;
+    std::memcpy(&bits, row + 2 * ch, 2);
+    CHECK(detail::bfloat16_bits_to_float(bits) == to_float(bfloat16(sum / 16.0f)));
+  }
+  CHECK(selector_traits<select::mean_keys>::describe(everything) == "mean_keys(1/1, block 16, max)");
+  select::mean_keys bad_block;
+  bad_block.block_tokens = 12;
+  CHECK_THROWS_WITH((cache<format::dense, select::mean_keys>(c, {}, bad_block)),
+                    Catch::Contains("select::mean_keys") && Catch::Contains("block_tokens"));
+  select::mean_keys bad_ratio;
+  bad_ratio.budget.ratio = -0.5;
+  CHECK_THROWS_WITH((cache<format::dense, select::mean_keys>(c, {}, bad_ratio)), Catch::Contains("budget.ratio"));
+  // Over packed_bitmap (host): the selection comes from the exact keys, the reads from the pages.
+  format::packed_bitmap pb;
+  pb.sink_tokens = 4;
+  select::mean_keys eighth;
+  eighth.budget.ratio = 1.0 / 8;
+  cache<format::packed_bitmap, select::mean_keys> packed(c, pb, eighth);
+  const sequence_id p = packed.add_sequence();
+  packed.prefill(p, test::k_view(kv), test::v_view(kv));
+  const auto got = attend_one(packed, p, q);
+  for (const float x : got) CHECK(std::isfinite(x));
+  CHECK(packed.selection(p).tokens_selected == Approx(static_cast<double>(n / 8 / 16 * 16)));
 }
 
 TEST_CASE("selectors reject bad parameters naming them", "[selectors]") {

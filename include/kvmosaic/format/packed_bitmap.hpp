@@ -96,7 +96,7 @@ struct packed_bitmap {
   strategy mode = strategy::fixed;
   float loss_threshold = 0.05f;  ///< `strategy::search`: the largest relative squared error a candidate may lose
   float block_variance_threshold = 0.5f;  ///< the largest relative intra-block key variance of a mean-key block
-  int sink_tokens = 0;           ///< leading tokens always read exactly (0 to 16)
+  int sink_tokens = 4;           ///< leading tokens always read exactly (0 to 16); 4 by measurement (docs/defaults.md)
   int recent_tokens = 0;         ///< latest sealed tokens always read exactly (0 to 1024), besides the tail
 };
 

@@ -67,6 +67,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvmosaic/core/dtype.hpp"
@@ -145,6 +146,15 @@ struct quant {
 using quant2 = quant<2>;
 /// 4-bit codes, V per channel.
 using quant4 = quant<4>;
+
+/// True for every `quant<Bits, ValueAxis>` (quant2, quant4, either V axis): formats whose pages
+/// hold codes, compared within the 8-bit bound and re-encoded by compaction.
+template <class Format>
+struct is_quant : std::false_type {};
+template <int Bits, value_axis ValueAxis>
+struct is_quant<quant<Bits, ValueAxis>> : std::true_type {};
+template <class Format>
+inline constexpr bool is_quant_v = is_quant<Format>::value;
 
 }  // namespace format
 

@@ -143,22 +143,28 @@ struct append_item {
   std::int64_t sealed_pages;
 };
 
-/// Key bounds kept per block of every page for a read-less selector (`select::quest`): the
-/// channel-wise min row then max row of each block's keys, per KV head, in the storage dtype.
+/// Block summaries kept per block of every page for a read-less selector (`block_summary`):
+/// `select::quest`'s key bounds (the channel-wise min row then max row of each block's keys) or
+/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype.
 struct bounds_geometry {
-  bounds_geometry(const engine_shape& shape, int block)
+  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds)
       : block_tokens(block),
         blocks_per_page(block > 0 ? shape.page_size / block : 0),
+        summary(kind),
+        rows_per_block(summary_rows(kind)),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        head_bytes(static_cast<std::size_t>(blocks_per_page) * 2 * row_bytes),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * rows_per_block * row_bytes),
         page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
-  int block_tokens;        ///< 0: no bounds kept
+  int block_tokens;        ///< 0: no summaries kept
   int blocks_per_page;
+  block_summary summary;
+  int rows_per_block;      ///< 2 (lo row, hi row) or 1 (mean row)
   std::size_t row_bytes;   ///< one row of head_dim values
-  std::size_t head_bytes;  ///< the bounds of one page of one KV head: [blocks][lo row, hi row]
-  std::size_t page_bytes;  ///< the bounds of one page (every KV head): what a page costs on top
+  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][rows_per_block rows]
+  std::size_t page_bytes;  ///< the summaries of one page (every KV head): what a page costs on top
   std::size_t offset(page_id page, int head, int block) const noexcept {
-    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * 2 * row_bytes;
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes +
+           static_cast<std::size_t>(block) * rows_per_block * row_bytes;
   }
 };
 
@@ -177,6 +183,25 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
     bounds[static_cast<std::size_t>(head_dim + c)] = hi;
   }
   store_dense_rows(storage, bounds.data(), bounds.size(), out);
+}
+
+/// Writes the mean of `n` rows (head_dim floats each, exact in the storage dtype) as one stored
+/// row at `out`: per channel an fp32 sum in token order, divided by n, rounded to the storage
+/// dtype (the CUDA summary kernel computes it in the same order: the same bits).
+inline void store_mean_key(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  std::vector<float> mean(static_cast<std::size_t>(head_dim));
+  for (int c = 0; c < head_dim; ++c) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
+    mean[static_cast<std::size_t>(c)] = sum / static_cast<float>(n);
+  }
+  store_dense_rows(storage, mean.data(), mean.size(), out);
+}
+
+/// Writes the summary `kind` of `n` rows at `out`.
+inline void store_block_summary(block_summary kind, dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
+  if (kind == block_summary::mean) store_mean_key(storage, rows, n, head_dim, out);
+  else store_key_bounds(storage, rows, n, head_dim, out);
 }
 
 /// What one step read for one (sequence, KV head): the selected spans' token ranges (merged,
@@ -242,7 +267,8 @@ class engine {
       : shape_(shape),
         format_(format),
         geometry_(shape, format),
-        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size)),
+        bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size),
+                         detail::block_summary_of<Selector>::value),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
@@ -443,8 +469,9 @@ class engine {
             std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-              detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
-                                       bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+              detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
+                                          rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
+                                          bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
           if constexpr (has_segments_v<Format>) {
             const segment_t& seg = segment(slot, index, h);
             if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
@@ -767,11 +794,14 @@ class engine {
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
+    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean); chunks
+    // keep bounds.
+    const int rows = r.block_tokens > 0 ? bounds_geometry_.rows_per_block : 2;
     for (std::size_t i = 0; i < begin.size(); ++i) {
-      dense_traits::decode_k(format::dense{}, page_shape{2, d, shape_.storage}, bounds[i], 2, lo_hi.data());
+      dense_traits::decode_k(format::dense{}, page_shape{rows, d, shape_.storage}, bounds[i], rows, lo_hi.data());
       for (int g = 0; g < groups; ++g)
         head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
-          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>(d + c)]);
+          return std::make_pair(lo_hi[static_cast<std::size_t>(c)], lo_hi[static_cast<std::size_t>((rows - 1) * d + c)]);
         });
       scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
     }
@@ -882,8 +912,9 @@ class engine {
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
       for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-        detail::store_key_bounds(shape_.storage, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
-                                 bounds_geometry_.block_tokens, shape_.head_dim,
+        detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
+                                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
+                                    bounds_geometry_.block_tokens, shape_.head_dim,
                                  bounds_.data() + bounds_geometry_.offset(page, h, block));
       hide_sinks();
       if constexpr (has_segments_v<Format>) {

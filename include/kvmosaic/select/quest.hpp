@@ -52,32 +52,39 @@ struct quest {
 
 }  // namespace select
 
-/// Quest keeps nothing per sequence: its bounds live with each page, in the engine.
-template <>
-struct selector_traits<select::quest> : stateless_selector_hooks {
-  static constexpr const char* name = "quest";
+namespace detail {
+/// The traits of a selector that scores fixed blocks of every page from a summary kept with the
+/// page (`select::quest`, `select::mean_keys`): a `Selector` with `budget`, `block_tokens`,
+/// `combine` and `block_for`; `Name` its name ("quest"). Keeps nothing per sequence: the
+/// summaries live with each page, in the engine.
+template <class Selector, const char* Name, block_summary Summary>
+struct page_block_selector_traits : stateless_selector_hooks {
+  static constexpr const char* name = Name;
   static constexpr bool reads_all_pages = false;
   static constexpr bool evicts = false;
   static constexpr bool needs_token_ids = false;
-  static std::string describe(const select::quest& s) {
-    std::string text = "quest(";
+  static constexpr block_summary summary = Summary;
+  static std::string describe(const Selector& s) {
+    std::string text = std::string(Name) + "(";
     text += s.budget.describe();
     if (s.block_tokens != 0) text += ", block " + std::to_string(s.block_tokens);
     text += std::string(", ") + to_string(s.combine) + ")";
     return text;
   }
-  /// Checks the parameters against the cache's page size (throws `invalid_argument`).
-  static void validate(const select::quest& s, int page_size) {
-    s.budget.validate("select::quest");
+  /// Checks the parameters against the cache's page size (throws `invalid_argument` naming
+  /// select::<name>).
+  static void validate(const Selector& s, int page_size) {
+    const std::string where = std::string("select::") + Name;
+    s.budget.validate(where.c_str());
     const int block = s.block_for(page_size);
-    detail::require(block >= 8 && block % 8 == 0 && page_size % block == 0, "select::quest", "block_tokens",
-                    s.block_tokens, "0 (the page size) or a multiple of 8 that divides page_size");
+    require(block >= 8 && block % 8 == 0 && page_size % block == 0, where.c_str(), "block_tokens", s.block_tokens,
+            "0 (the page size) or a multiple of 8 that divides page_size");
   }
-  /// Tokens per block whose key bounds the cache keeps with each page (0: none).
-  static int bounds_block_tokens(const select::quest& s, int page_size) noexcept { return s.block_for(page_size); }
+  /// Tokens per block whose summary the cache keeps with each page.
+  static int bounds_block_tokens(const Selector& s, int page_size) noexcept { return s.block_for(page_size); }
   /// A step scores the page blocks of every sequence.
-  static detail::selection_request start_request(const select::quest& s, const selector_shape& shape) {
-    detail::selection_request r;
+  static selection_request start_request(const Selector& s, const selector_shape& shape) {
+    selection_request r;
     r.combine = s.combine;
     r.block_tokens = s.block_for(shape.page_size);
     return r;
@@ -85,12 +92,19 @@ struct selector_traits<select::quest> : stateless_selector_hooks {
   /// One sequence's entry: the budget for its length, and nothing read besides the selection but
   /// the tail. A sequence whose tail is empty reads at least one block, so that every step attends
   /// to a token. Cost: O(1).
-  static void request(const select::quest& s, const selector_shape&, const sequence_state&, std::int64_t length,
-                      std::int64_t tail_rows, detail::selection_request& r) {
+  static void request(const Selector& s, const selector_shape&, const sequence_state&, std::int64_t length,
+                      std::int64_t tail_rows, selection_request& r) {
     const std::int64_t budget = s.budget.resolve(length);
     r.budget.push_back(tail_rows == 0 ? std::max<std::int64_t>(budget, r.block_tokens) : budget);
     r.always_from.push_back(length);
   }
 };
+inline constexpr char quest_name[] = "quest";
+}  // namespace detail
+
+/// Quest's bounds live with each page, in the engine.
+template <>
+struct selector_traits<select::quest>
+    : detail::page_block_selector_traits<select::quest, detail::quest_name, block_summary::bounds> {};
 
 }  // namespace kvmosaic

@@ -21,6 +21,8 @@
 ///   static void validate(const Selector&, int page_size);  // throws invalid_argument
 ///   static int bounds_block_tokens(const Selector&, int page_size);  // key bounds kept per block
 ///                                                   // of a page (0: none)
+///   static constexpr block_summary summary;         // optional, default block_summary::bounds:
+///                                                   // what each block keeps (span_score.hpp)
 ///   static constexpr bool keeps_token_ranges;       // optional, default false: true when the
 ///                                                   // selector's metadata names runs of slots
 ///                                                   // (sentence chunks), which a compaction
@@ -86,6 +88,7 @@
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/core/view.hpp"
 #include "kvmosaic/select/selection_request.hpp"
+#include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic {
 
@@ -140,6 +143,16 @@ struct selector_cache_members {
 template <class Selector, class Cache>
 struct selector_cache_members<Selector, Cache, true> {
   using type = typename selector_traits<Selector>::template cache_members<Cache>;
+};
+
+/// `selector_traits<Selector>::summary`, block_summary::bounds when the traits do not declare it.
+template <class Selector, class = void>
+struct block_summary_of {
+  static constexpr block_summary value = block_summary::bounds;
+};
+template <class Selector>
+struct block_summary_of<Selector, std::void_t<decltype(selector_traits<Selector>::summary)>> {
+  static constexpr block_summary value = selector_traits<Selector>::summary;
 };
 
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.

@@ -39,6 +39,18 @@ enum class group_combine { max, sum };
 
 inline const char* to_string(group_combine c) noexcept { return c == group_combine::max ? "max" : "sum"; }
 
+/// What a read-less selector keeps per block of a page to score it, and how it scores it:
+///   - `bounds` (select::quest): the channel-wise min and max rows of the block's keys; the score is
+///     Quest's upper bound of q . k, sum_c q_c (q_c >= 0 ? hi_c : lo_c). Two rows per block.
+///   - `mean` (select::mean_keys): the mean key row (MosaicKV's per-block key); the score is
+///     q . mean. One row per block.
+/// Both are scored by `span_score`, `mean` as bounds with lo = hi = mean: the same canonical order
+/// on both backends.
+enum class block_summary { bounds, mean };
+
+/// Stored rows per block of a summary.
+constexpr int summary_rows(block_summary s) noexcept { return s == block_summary::bounds ? 2 : 1; }
+
 namespace select {
 
 /// The tokens a read-less selector may pick per (sequence, KV head) and step: `tokens` when it is

@@ -27,12 +27,14 @@ namespace kvmosaic::cuda::kernel {
 ///
 /// The scoring kernel sees a sequence as `span_counts[b]` spans with key bounds: span i lies in
 /// entry i / spans_per_entry of its span table, whose bounds are a block of `bounds_entry_bytes`:
-/// [num_kv_heads][spans_per_entry][lo row, hi row]. For `select::quest` the entries are the pages
-/// (spans_per_entry = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
+/// [num_kv_heads][spans_per_entry][lo row, hi row] (or one mean row, `summary_rows` = 1, scored as
+/// lo = hi). For `select::quest` and `select::mean_keys` the entries are the pages (spans_per_entry
+/// = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
 struct select_params {
   const std::byte* bounds;            ///< bounds arena, in the storage dtype
   std::int64_t bounds_entry_bytes;    ///< one entry's bounds, every KV head
   int spans_per_entry;
+  int summary_rows;                   ///< rows per span: 2 (lo, hi) or 1 (mean)
   const std::int32_t* span_tables;    ///< [batch][span_table_stride] entry ids
   int span_table_stride;
   const std::int32_t* span_counts;    ///< [batch] spans of each sequence
@@ -112,9 +114,9 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
   for (int k = 0; k < per_warp; ++k) {
     const int in_entry = min(first + k, pages - 1) % per_entry;
     const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_entry_bytes) +
-                  (static_cast<std::size_t>(head) * per_entry + in_entry) * 2 * HeadDim + lane * width;
+                  (static_cast<std::size_t>(head) * per_entry + in_entry) * p.summary_rows * HeadDim + lane * width;
     detail_select::load_floats<T, width>(lo, low[k]);
-    detail_select::load_floats<T, width>(lo + HeadDim, high[k]);
+    detail_select::load_floats<T, width>(lo + (p.summary_rows - 1) * HeadDim, high[k]);  // a mean: lo = hi
   }
   __syncthreads();  // the queries are staged
   if (first >= pages) return;
@@ -406,21 +408,30 @@ struct bounds_params {
   std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
   const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
   const std::int32_t* new_pages;      ///< [n] page ids
-  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][lo row, hi row]
+  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][summary rows]
   std::int64_t bounds_page_bytes;
   int block_tokens;                   ///< tokens per block: the page size, or a multiple of 8 dividing it
 };
 
-/// The channel-wise min and max of the keys of each block of each new page, per KV head
-/// (`select::quest`); the same values as the host's `store_key_bounds`.
-/// Grid: (n, num_kv_heads, blocks per page), one thread per channel.
-template <class T, int HeadDim>
+/// The summary of the keys of each block of each new page, per KV head: with `Mean` the mean row
+/// (`select::mean_keys`: an fp32 sum in token order divided by the count, the host's
+/// `store_mean_key` to the bit), else the channel-wise min and max rows (`select::quest`, the
+/// host's `store_key_bounds`). Grid: (n, num_kv_heads, blocks per page), one thread per channel.
+template <class T, int HeadDim, bool Mean = false>
 __global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
   const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
   const int block = static_cast<int>(blockIdx.z), blocks = static_cast<int>(gridDim.z);
   const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
                                              static_cast<std::size_t>(head) * p.rows_head_bytes) +
                   static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
+  if constexpr (Mean) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
+    T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
+             (static_cast<std::size_t>(head) * blocks + block) * HeadDim;
+    out[c] = T(__fdiv_rn(sum, static_cast<float>(p.block_tokens)));
+    return;
+  }
   float lo = to_float(rows[c]), hi = lo;
   for (int t = 1; t < p.block_tokens; ++t) {
     const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);

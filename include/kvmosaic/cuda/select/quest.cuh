@@ -3,106 +3,17 @@
 
 /// \file
 /// `select::quest` on the CUDA backend (Quest, Tang et al., ICML 2024): the key bounds of every
-/// block of each sealed page, written on the device when the page is sealed (from its exact dense
-/// rows, before a format encodes them), and per step a scoring and top-k pass over them
-/// (`span_selection`) that writes each KV head's page table, with row masks when blocks are
-/// smaller than a page.
-///
-/// Cost: 2 x head_dim 16-bit values per block, KV head and page of device memory (counted in
-/// `memory_stats`); per sealed page one pass over its K rows; per step the span selection's.
+/// block of each sealed page and the per-step scoring and top-k, `page_block_selection`'s.
 
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstddef>
-#include <cstdint>
-#include <vector>
-
-#include "kvmosaic/core/error.hpp"
-#include "kvmosaic/cuda/device_buffer.cuh"
-#include "kvmosaic/cuda/error.cuh"
-#include "kvmosaic/cuda/kernel/select_pages.cuh"
-#include "kvmosaic/cuda/select/selection_stage.cuh"
-#include "kvmosaic/cuda/select/span_selection.cuh"
-#include "kvmosaic/cuda/shapes.cuh"
-#include "kvmosaic/host/backend.hpp"
+#include "kvmosaic/cuda/select/page_blocks.cuh"
 #include "kvmosaic/select/quest.hpp"
 
 namespace kvmosaic::cuda {
 
-/// The spans are the blocks of the pages; staging, outputs, the launch and the read-back are
-/// `span_selection`'s.
 template <class Shapes>
-class selection_stage<select::quest, Shapes> : public span_selection<Shapes> {
-  using spans = span_selection<Shapes>;
-
+class selection_stage<select::quest, Shapes> : public page_block_selection<select::quest, Shapes> {
  public:
-  /// Bounds for every page of the pool, `selector.block_for(page_size)` tokens per block.
-  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::quest& selector)
-      : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
-        shape_(shape),
-        geometry_(shape, selector.block_for(shape.page_size)),
-        bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
-    kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
-                              "cuda::engine", "select::quest::block_tokens", geometry_.block_tokens,
-                              "a multiple of 8 that divides the page size");
-    spans::use_source(span_source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
-                                  geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false});
-  }
-
-  /// Device key bounds of each page: [max_pages][num_kv_heads][blocks][lo row, hi row], storage dtype.
-  std::size_t page_bytes() const noexcept { return geometry_.page_bytes; }
-  const std::byte* bounds_data() const noexcept { return bounds_.as<const std::byte>(); }
-
-  /// The bounds of every block of the sealed pages, from their dense rows. One CTA per page, KV
-  /// head and block; one thread per channel.
-  void seal(const sealed_pages& sealed, cudaStream_t stream) {
-    if (sealed.n == 0) return;
-    kernel::bounds_params b{};
-    b.rows = sealed.rows;
-    b.rows_slot_bytes = sealed.rows_slot_bytes;
-    b.rows_head_bytes = sealed.rows_head_bytes;
-    b.row_slots = sealed.row_slots;
-    b.new_pages = sealed.page_ids;
-    b.bounds = bounds_.as<std::byte>();
-    b.bounds_page_bytes = static_cast<std::int64_t>(geometry_.page_bytes);
-    b.block_tokens = geometry_.block_tokens;
-    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      constexpr int head_dim = decltype(dim)::value;
-      kernel::page_bounds_kernel<decltype(element), head_dim>
-          <<<dim3(static_cast<unsigned>(sealed.n), static_cast<unsigned>(shape_.num_kv_heads),
-                  static_cast<unsigned>(geometry_.blocks_per_page)),
-             head_dim, 0, stream>>>(b);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    });
-  }
-  // Bounds are written only to pages not yet committed: nothing to undo or apply.
-  void commit() noexcept {}
-  void rollback() noexcept {}
-
-  /// Pages each sequence's splits cover: whole pages, min(budget / page_size, sealed pages); with
-  /// sub-page blocks at most min(budget / block, sealed pages), which the splits share as the
-  /// device marks them.
-  void plan(const kvmosaic::detail::selection_request* request, const std::vector<step_sequence>& batch,
-            std::vector<std::int32_t>& read_pages) {
-    if (request == nullptr) {
-      for (std::size_t b = 0; b < batch.size(); ++b) read_pages[b] = batch[b].sealed_pages;
-      spans::start_unselected();
-      return;
-    }
-    const bool masks = geometry_.block_tokens < shape_.page_size;
-    spans::start(*request, batch.size(), masks, 0);
-    for (std::size_t b = 0; b < batch.size(); ++b) {
-      const std::int64_t spans_read = std::max<std::int64_t>(request->budget[b], 0) / (masks ? geometry_.block_tokens : shape_.page_size);
-      read_pages[b] = static_cast<std::int32_t>(std::min<std::int64_t>(spans_read, batch[b].sealed_pages));
-      spans::add(b, batch[b].sealed_pages * geometry_.blocks_per_page, *request, read_pages[b]);
-    }
-  }
-
- private:
-  kvmosaic::detail::engine_shape shape_;
-  kvmosaic::detail::bounds_geometry geometry_;
-  device_buffer bounds_;  ///< [max_pages][num_kv_heads][blocks][lo row, hi row]
+  using page_block_selection<select::quest, Shapes>::page_block_selection;
 };
 
 }  // namespace kvmosaic::cuda

@@ -41,13 +41,14 @@ namespace kvmosaic::cuda {
 
 /// Where a stage's spans and their key bounds live on the device.
 struct span_source {
-  const std::byte* bounds;          ///< [entries][num_kv_heads][spans_per_entry][lo row, hi row], storage dtype
+  const std::byte* bounds;          ///< [entries][num_kv_heads][spans_per_entry][summary_rows rows], storage dtype
   std::int64_t entry_bytes;         ///< one entry's bounds, every KV head
   int spans_per_entry;
   int span_tokens;                  ///< > 0: span i is tokens [i * span_tokens, (i + 1) * span_tokens) (entries: pages)
   const int2* ranges;               ///< span_tokens == 0: {begin, end} per span slot (entry * spans_per_entry + k)
   int longest_span;                 ///< tokens of the longest span
   bool own_tables;                  ///< entries from the stage's span tables (else the sequences' block tables)
+  int summary_rows = 2;             ///< rows per span: 2 (lo, hi: key bounds) or 1 (a mean key, scored as lo = hi)
 };
 
 template <class Shapes>
@@ -137,6 +138,7 @@ class span_selection {
     s.bounds = source_.bounds;
     s.bounds_entry_bytes = source_.entry_bytes;
     s.spans_per_entry = source_.spans_per_entry;
+    s.summary_rows = source_.summary_rows;
     s.span_tables = source_.own_tables ? reinterpret_cast<const std::int32_t*>(staged + 3 * row) : p.sequence_tables;
     s.span_table_stride = source_.own_tables ? span_table_stride_ : table_stride_;
     s.span_tokens = source_.span_tokens;
