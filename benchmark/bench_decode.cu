@@ -44,7 +44,8 @@ using namespace kvmosaic_bench;
 /// The kernels a row compiles: every shape for the formats timed over several shapes, the shape of
 /// record (bf16, head_dim 128, groups of 4) for the quantized formats other than quant2.
 template <class Format>
-using backend_for = std::conditional_t<format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value,
+using backend_for = std::conditional_t<(format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value) ||
+                                           std::is_same<Format, format::packed_bitmap>::value,
                                        backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>, backend::cuda>;
 
 /// Keep-less selectors (select::streaming) compact by hole filling; the others keep everything.
@@ -143,6 +144,8 @@ void decode(benchmark::State& state) {
     state.counters["k_along_tokens"] = format.k_layout == format::bitmap_k_layout::along_tokens ? 1 : 0;
   }
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
+  constexpr bool is_packed = std::is_same<Format, format::packed_bitmap>::value;
+  if constexpr (is_packed) format.retained = static_cast<float>(state.range(4)) / 100.0f;
   Selector selector{};
   constexpr bool evicts = selector_traits<Selector>::evicts;
   if constexpr (selects || evicts) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
@@ -307,6 +310,8 @@ void decode(benchmark::State& state) {
   state.counters["prefill_us_per_page"] = prefill_seconds * 1e6 / (context / c.page_size);
   if constexpr (is_quant2)
     state.counters["partition"] = static_cast<double>(state.range(4));
+  else if constexpr (is_packed)
+    state.counters["retained"] = static_cast<double>(state.range(4)) / 100.0;
   else
     state.counters["sparsity"] = static_cast<double>(state.range(4)) / 100.0;
   state.counters["plan_us"] = median(plan_times) * 1e6;
@@ -355,6 +360,17 @@ BENCHMARK(decode<format::quant2>)
     ->ArgsProduct({{1, 8, 32}, {4096, 32768, 131072}, {4}, {128}, {64}})
     ->Args({1, 524288, 4, 128, 64})
     ->ArgsProduct({{8}, {32768, 131072}, {4}, {128}, {32, 128}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// MosaicKV's packed_bitmap at 25% of the channels retained (the paper's setting; 25% truncated,
+// g = 1, 64K-token segments), select::all: batch 1 and 8, 32K and 128K. Its prefill plans each
+// segment on the host (prefill_us_per_page counts it).
+BENCHMARK(decode<format::packed_bitmap>)
+    ->Name("packed_bitmap_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

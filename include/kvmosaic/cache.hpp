@@ -182,10 +182,13 @@ class cache
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
   using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  static_assert(!has_segments_v<Format> || !is_backend_v<BackendArg> || std::is_same_v<BackendArg, backend::host>,
-                "kvmosaic::cache: a format with segments (format::packed_bitmap) runs on backend::host only: "
-                "its CUDA kernels are not written yet (docs/packed_bitmap.md)");
-  using Backend = std::conditional_t<is_backend_v<BackendArg> && !has_segments_v<Format>, BackendArg, backend::host>;
+  static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
+                                             !std::is_same_v<BackendArg, backend::host>;
+  static_assert(!segments_on_device || !compactor_traits<Compactor>::frees_memory,
+                "kvmosaic::cache: a format with segments (format::packed_bitmap) on backend::cuda does not compact: "
+                "use compact::none there, or backend::host (docs/packed_bitmap.md)");
+  using Backend = std::conditional_t<is_backend_v<BackendArg> && (!segments_on_device || !compactor_traits<Compactor>::frees_memory),
+                                     BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "

@@ -23,6 +23,7 @@
 #include "kvmosaic/cuda/format/dense/device.cuh"
 #include "kvmosaic/cuda/format/bitmap_tiles/device.cuh"
 #include "kvmosaic/cuda/format/quant/device.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/device.cuh"
 // The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/quest.cuh"

@@ -4387,6 +4387,43 @@ class host_buffer {
   std::unique_ptr<std::byte[], free_aligned> data_;
 };
 
+/// The segments (one per KV head) of a sequence's segment whose first page is page `index` (a
+/// multiple of `segment_pages`), about to be sealed from the full tail slot `tail` (host bytes):
+/// each fitted (`format_traits::plan_segment`) to the rows an engine has of the segment, the
+/// page's rows (the sinks left out of a first segment) and rows [next, next + segment_tokens -
+/// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
+/// append, its first page). One function for both backends, so both fit the same bases to the
+/// same rows. Cost: the format's plan_segment per KV head.
+template <class Format, class T>
+std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
+                                                               const arena_geometry& geometry, const std::byte* tail,
+                                                               std::int64_t index, const tensor_view<const T, 3>& k,
+                                                               const tensor_view<const T, 3>& v, std::int64_t next) {
+  using traits = format_traits<Format>;
+  const page_shape shape = engine.page();
+  const int per = traits::segment_pages(format, shape);
+  const int p = engine.page_size, d = engine.head_dim, heads = engine.num_kv_heads;
+  const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+  const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
+  const std::int64_t n = p - skip + ahead;
+  std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+  std::vector<typename segment_type<Format>::type> planned;
+  planned.reserve(static_cast<std::size_t>(heads));
+  for (int h = 0; h < heads; ++h) {
+    for (const bool is_v : {false, true}) {
+      std::vector<float>& rows = is_v ? v_rows : k_rows;
+      load_dense_rows(shape.storage, tail + geometry.tail_offset(is_v, h) + geometry.tail_row_offset(),
+                      static_cast<std::size_t>(p) * d, page.data());
+      std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
+      const tensor_view<const T, 3>& src = is_v ? v : k;
+      for (std::int64_t t = 0; t < ahead; ++t)
+        for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+    }
+    planned.push_back(traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n));
+  }
+  return planned;
+}
+
 }  // namespace detail
 
 namespace host {
@@ -4988,37 +5025,17 @@ class engine {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
   /// Before the first page of a segment (page `index`, a multiple of `segment_pages`) is sealed:
-  /// fits the segment of every KV head to the rows the engine has of it, the full tail and rows
-  /// [next, next + segment_tokens - page_size) of this call's `k`, `v` (a prefill gives the whole
-  /// segment; an append, its first page), the sinks left out; the slot's later segments are
-  /// dropped (they belonged to a removed or rolled-back sequence).
+  /// fits the segment of every KV head (`detail::plan_segments`) to the full tail and this call's
+  /// rows from `next` on; the slot's later segments are dropped (they belonged to a removed or
+  /// rolled-back sequence).
   template <class T>
   void plan_segment_at(std::int32_t slot, std::int64_t index, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                        std::int64_t next) {
-    const page_shape shape = shape_.page();
-    const int per = traits::segment_pages(format_, shape);
+    const int per = traits::segment_pages(format_, shape_.page());
     if (index % per != 0) return;
-    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
-    const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
-    const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
-    const std::int64_t n = p - skip + ahead;
-    std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+    std::vector<segment_t> planned = detail::plan_segments(format_, shape_, geometry_, tail_slot(slot), index, k, v, next);
     std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-    std::vector<segment_t> planned;
-    planned.reserve(static_cast<std::size_t>(heads));
-    for (int h = 0; h < heads; ++h) {
-      for (const bool is_v : {false, true}) {
-        std::vector<float>& rows = is_v ? v_rows : k_rows;
-        dense_traits::decode_k(format::dense{}, shape, tail_head(slot, is_v, h), p, page.data());
-        std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
-        const tensor_view<const T, 3>& src = is_v ? v : k;
-        for (std::int64_t t = 0; t < ahead; ++t)
-          for (int c = 0; c < d; ++c)
-            rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
-      }
-      planned.push_back(traits::plan_segment(format_, shape, k_rows.data(), v_rows.data(), n));
-    }
-    list.resize(static_cast<std::size_t>(index / per) * heads);
+    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
     list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
   }
 
@@ -5357,10 +5374,13 @@ class cache
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
   using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  static_assert(!has_segments_v<Format> || !is_backend_v<BackendArg> || std::is_same_v<BackendArg, backend::host>,
-                "kvmosaic::cache: a format with segments (format::packed_bitmap) runs on backend::host only: "
-                "its CUDA kernels are not written yet (docs/packed_bitmap.md)");
-  using Backend = std::conditional_t<is_backend_v<BackendArg> && !has_segments_v<Format>, BackendArg, backend::host>;
+  static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
+                                             !std::is_same_v<BackendArg, backend::host>;
+  static_assert(!segments_on_device || !compactor_traits<Compactor>::frees_memory,
+                "kvmosaic::cache: a format with segments (format::packed_bitmap) on backend::cuda does not compact: "
+                "use compact::none there, or backend::host (docs/packed_bitmap.md)");
+  using Backend = std::conditional_t<is_backend_v<BackendArg> && (!segments_on_device || !compactor_traits<Compactor>::frees_memory),
+                                     BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
@@ -7324,11 +7344,13 @@ struct split_plan {
 /// Splits never exceed `max_pages_per_split` (kernels keep a split's page ids on chip), even if
 /// that takes more than one wave. With `page_multiple` > 1, split sizes and boundaries are
 /// multiples of it (but a sequence's last split): for kernels that deal a split's pages to that
-/// many workers, none of which should idle at the end (quant2's 4 warps). Cost: O(batch log
-/// pages) host work.
+/// many workers, none of which should idle at the end (quant2's 4 warps). With `segment_pages`
+/// > 0 (formats with segments, whose kernels work in one segment's basis at a time), no split
+/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)). Cost:
+/// O(batch log pages) host work.
 inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, const std::vector<std::int32_t>& tail_rows,
                                   std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30,
-                                  std::int32_t page_multiple = 1) {
+                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0) {
   detail::require(full_pages.size() == tail_rows.size(), "make_split_plan", "tail_rows.size()", tail_rows.size(),
                   "full_pages.size()");
   detail::require(target_splits >= 1, "make_split_plan", "target_splits", target_splits, ">= 1");
@@ -7345,9 +7367,20 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     const std::int32_t up = (pages_per_split + page_multiple - 1) / page_multiple * page_multiple;
     return up <= max_pages_per_split ? up : max_pages_per_split / page_multiple * page_multiple;
   };
+  detail::require(segment_pages >= 0, "make_split_plan", "segment_pages", segment_pages, ">= 0 (0: no segments)");
+  // The pieces a sequence's pages are split within: its segments, or all of them.
+  const auto for_each_piece = [&](std::int32_t pages, auto&& f) {
+    if (segment_pages == 0 || pages == 0) return f(0, pages);
+    for (std::int32_t first = 0; first < pages; first += segment_pages) f(first, std::min(pages, first + segment_pages));
+  };
   const auto splits_for = [&](std::int32_t pages_per_split) {
     std::int64_t splits = 0;
-    for (const std::int32_t pages : full_pages) splits += std::max<std::int32_t>(1, (pages + pages_per_split - 1) / pages_per_split);
+    for (std::size_t b = 0; b < full_pages.size(); ++b) {
+      for_each_piece(full_pages[b], [&](std::int32_t begin, std::int32_t end) {
+        splits += std::max<std::int32_t>(1, (end - begin + pages_per_split - 1) / pages_per_split);
+      });
+      if (segment_pages > 0 && full_pages[b] > 0 && tail_rows[b] > 0) ++splits;
+    }
     return splits;
   };
   // The smallest split size whose split count fits in `waves` waves of target_splits.
@@ -7377,19 +7410,25 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
   plan.partial_offset.reserve(full_pages.size() + 1);
   for (std::size_t b = 0; b < full_pages.size(); ++b) {
     plan.partial_offset.push_back(plan.num_splits());
-    const std::int32_t pages = full_pages[b];
-    // Even splits: the sequence's pages, in units of page_multiple, spread over its split count,
-    // sizes differing by at most one unit.
-    const std::int32_t count = std::max<std::int32_t>(1, (pages + lo - 1) / lo);
-    const std::int64_t units = (pages + page_multiple - 1) / page_multiple;
-    const auto boundary = [&](std::int32_t i) {
-      return static_cast<std::int32_t>(std::min<std::int64_t>(pages, units * i / count * page_multiple));
-    };
-    for (std::int32_t i = 0; i < count; ++i) {
-      const std::int32_t begin = boundary(i);
-      const std::int32_t end = i + 1 == count ? pages : boundary(i + 1);
-      plan.work.push_back(split_work{static_cast<std::int32_t>(b), begin, end, i + 1 == count && tail_rows[b] > 0 ? 1 : 0});
-    }
+    const bool tail_alone = segment_pages > 0 && full_pages[b] > 0;
+    for_each_piece(full_pages[b], [&](std::int32_t piece_begin, std::int32_t piece_end) {
+      // Even splits: the piece's pages, in units of page_multiple, spread over its split count,
+      // sizes differing by at most one unit.
+      const std::int32_t pages = piece_end - piece_begin;
+      const std::int32_t count = std::max<std::int32_t>(1, (pages + lo - 1) / lo);
+      const std::int64_t units = (pages + page_multiple - 1) / page_multiple;
+      const auto boundary = [&](std::int32_t i) {
+        return piece_begin + static_cast<std::int32_t>(std::min<std::int64_t>(pages, units * i / count * page_multiple));
+      };
+      const bool last_piece = piece_end == full_pages[b];
+      for (std::int32_t i = 0; i < count; ++i) {
+        const std::int32_t begin = boundary(i);
+        const std::int32_t end = i + 1 == count ? piece_end : boundary(i + 1);
+        const bool with_tail = !tail_alone && last_piece && i + 1 == count && tail_rows[b] > 0;
+        plan.work.push_back(split_work{static_cast<std::int32_t>(b), begin, end, with_tail ? 1 : 0});
+      }
+    });
+    if (tail_alone && tail_rows[b] > 0) plan.work.push_back(split_work{static_cast<std::int32_t>(b), full_pages[b], full_pages[b], 1});
   }
   plan.partial_offset.push_back(plan.num_splits());
   return plan;
@@ -8805,6 +8844,10 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   static void encode_pages(const state&, const format::X&, const encode_context&);
 ///   template <class Shapes>                                              // encoded formats only: the
 ///   static void unpack_pages(const state&, const format::X&, const unpack_context&);  // inverse
+///   // formats with segments (format_traits::has_segments) only: a segment of one KV head in the
+///   // engine's segment arena (device_context::segments), as the kernels read it
+///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
+///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
 /// };
 /// ```
 ///
@@ -8826,6 +8869,10 @@ struct device_context {
   int device;                  ///< CUDA device ordinal
   bool bulk_copy;              ///< sm_90 bulk-copy pipelines in use (false: the portable sm_75+ path)
   cudaStream_t stream;
+  /// Formats with segments: the segment arena, [max_sequences][segments_per_sequence]
+  /// [num_kv_heads] entries of `segment_entry_bytes` (null for other formats).
+  const std::byte* segments;
+  int segments_per_sequence;
 };
 
 /// What an encode pass is given: `n` completed pages whose dense rows are in scratch slots
@@ -8838,6 +8885,8 @@ struct encode_context {
   const float* key_weights;           ///< [max_sequences][num_kv_heads][head_dim] (device), or null
   const std::int32_t* sink_slots;     ///< [n] tail slot keeping a first page's sink rows, or -1
   std::int32_t n;
+  const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
+                                        ///< arena (slot x segments_per_sequence + segment); else null
 };
 
 /// What an unpack pass is given: `n` pages `page_ids` (device array) whose dense rows, in the
@@ -9148,7 +9197,10 @@ inline unsigned grid_for(std::int64_t count, int threads) {
 template <class Format, class Selector = select::all, class Shapes = detail::shape_list<>>
 class engine {
   using device = device_format<Format>;
+  using traits = format_traits<Format>;
   static constexpr bool encodes_pages = device::encodes_pages;
+  /// What the pages of one segment and KV head share (formats with segments; else empty).
+  using segment_t = typename kvmosaic::detail::segment_type<Format>::type;
 
  public:
   /// The selector's device part.
@@ -9197,6 +9249,12 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaMemset(pages_.data(), 0, pages_.size()));
     KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    if constexpr (has_segments_v<Format>) {
+      const int per = traits::segment_pages(format_, shape_.page());
+      segments_per_sequence_ = (shape.max_pages + per - 1) / per;
+      segment_arena_ = device_buffer(static_cast<std::size_t>(shape.max_sequences) * segments_per_sequence_ * shape.num_kv_heads *
+                                     device::segment_entry_bytes(format_, shape_.page()));
+    }
     configure_format();
     prepare_decode_kernel();
   }
@@ -9241,6 +9299,7 @@ class engine {
       const auto count = static_cast<std::int32_t>(std::min(room, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
+      if constexpr (has_segments_v<Format>) plan_segments_in(slot, tail_rows, k, v, first, pages, sealed_pages);
       std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
       for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
       run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
@@ -9263,6 +9322,9 @@ class engine {
       work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
                                          static_cast<std::int32_t>(new_pages.size())});
       if (items[b].new_page >= 0) {
+        if constexpr (has_segments_v<Format>)
+          plan_segments_in(items[b].slot, items[b].tail_rows, kvmosaic::detail::row_of(k, static_cast<std::int64_t>(b)),
+                           kvmosaic::detail::row_of(v, static_cast<std::int64_t>(b)), 0, 1, items[b].sealed_pages);
         new_pages.push_back(items[b].new_page);
         sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
@@ -9321,6 +9383,12 @@ class engine {
     const std::size_t bytes = geometry_.tail_slot_bytes();
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * bytes, tails_.as<std::byte>() + from * bytes, bytes,
                                         cudaMemcpyDeviceToDevice, stream_));
+    if constexpr (has_segments_v<Format>) {  // a fork reads its shared pages in the same segments
+      segments_[static_cast<std::size_t>(to)] = segments_[static_cast<std::size_t>(from)];
+      const std::size_t slot_bytes = segment_arena_.size() / static_cast<std::size_t>(shape_.max_sequences);
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + to * slot_bytes, segment_arena_.as<std::byte>() + from * slot_bytes,
+                                          slot_bytes, cudaMemcpyDeviceToDevice, stream_));
+    }
     if constexpr (has_key_weights_v<Format>) {
       has_key_weights_[static_cast<std::size_t>(to)] = has_key_weights_[static_cast<std::size_t>(from)];
       if (has_key_weights_[static_cast<std::size_t>(from)]) {
@@ -9329,6 +9397,23 @@ class engine {
                                             row, cudaMemcpyDeviceToDevice, stream_));
       }
     }
+  }
+
+  /// Formats with segments: the segment of KV head `head` that page `index` of the sequence in
+  /// `slot` is stored in (the host copy of what the kernels read), the bytes the segments of a
+  /// sequence of `pages` pages keep, and the host decode of a page copied out of the device.
+  const segment_t& segment(std::int32_t slot, std::int64_t index, int head) const {
+    const std::int64_t s = index / traits::segment_pages(format_, shape_.page());
+    return segments_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(s * shape_.num_kv_heads + head)];
+  }
+  std::size_t segment_bytes(std::int64_t pages) const {
+    const std::int64_t per = traits::segment_pages(format_, shape_.page());
+    return static_cast<std::size_t>((pages + per - 1) / per) * shape_.num_kv_heads * traits::segment_bytes(format_, shape_.page());
+  }
+  void decode_page(std::int32_t slot, std::int64_t index, int head, bool is_v, const std::byte* page, int n, float* rows) const {
+    const segment_t& seg = segment(slot, index, head);
+    if (is_v) traits::decode_v(format_, shape_.page(), seg, page, n, rows);
+    else traits::decode_k(format_, shape_.page(), seg, page, n, rows);
   }
 
   /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
@@ -9483,7 +9568,7 @@ class engine {
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
         make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
-                        split_page_multiple);
+                        split_page_multiple, plan_segment_pages());
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
     batch_ = n;
@@ -9660,7 +9745,68 @@ class engine {
   /// pipelines off); then the kernel's occupancy sizes the split plan.
   void configure_format();
   device_context context() const {
-    return device_context{&shape_, &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_, stream_};
+    return device_context{&shape_,  &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_,
+                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_};
+  }
+  /// Pages per segment for the split plan (its splits stay within one), 0 for formats without.
+  std::int32_t plan_segment_pages() const {
+    if constexpr (has_segments_v<Format>) return traits::segment_pages(format_, shape_.page());
+    else return 0;
+  }
+
+  /// Formats with segments: before pages [sealed_pages, sealed_pages + pages) of the sequence in
+  /// `slot` are sealed from its tail (`tail_rows` rows) and rows [first, ...) of the call's
+  /// device rows `k`, `v`, plans each of them that starts a segment on the host from the rows the
+  /// host engine would see (`detail::plan_segments`: the tail as it will be at that seal, and the
+  /// call's rows after it), keeps the host copy and writes the device entries. Cost per segment:
+  /// a copy of the segment's rows to the host, the format's plan, a copy of the entries back
+  /// (synchronizes the stream).
+  template <class T>
+  void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
+                        std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape), p = shape_.page_size;
+    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
+    for (std::int32_t i = 0; i < pages; ++i) {
+      const std::int64_t index = sealed_pages + i;
+      if (index % per != 0) continue;
+      const std::int64_t page_first = first + static_cast<std::int64_t>(i) * p - tail_rows;  // call row of the page's row 0
+      const std::int64_t next = page_first + p;
+      const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+      const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
+      std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
+      std::vector<std::byte> tail(geometry_.tail_slot_bytes());
+      const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
+                                          cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+      const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+      // The tail as it is at the seal: the call's rows of the page after the tail's own.
+      std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+      for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
+        for (int h = 0; h < shape_.num_kv_heads; ++h)
+          for (const bool is_v : {false, true}) {
+            for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
+            kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
+                                               tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
+                                                   static_cast<std::size_t>(r) * geometry_.row_bytes);
+          }
+      std::vector<segment_t> planned =
+          kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base);
+      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+      std::vector<std::byte> entries(planned.size() * entry_bytes);
+      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+      const std::size_t at = (static_cast<std::size_t>(slot) * segments_per_sequence_ + static_cast<std::size_t>(index / per)) *
+                             shape_.num_kv_heads * entry_bytes;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+    }
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",
@@ -9778,6 +9924,11 @@ class engine {
   device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
   std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
   typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
+  /// Formats with segments: per tail slot the host copies of its sequence's segments,
+  /// [segment * num_kv_heads + head], and the device arena of their entries.
+  std::vector<std::vector<segment_t>> segments_ = std::vector<std::vector<segment_t>>(static_cast<std::size_t>(shape_.max_sequences));
+  device_buffer segment_arena_;
+  int segments_per_sequence_ = 0;
   Format reencoding_ = kvmosaic::detail::reencoding<Format>::format(format_);  ///< what a compaction encodes with
 };
 
@@ -10021,7 +10172,7 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
   const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
   const bool exact = geometry_.exact_rows > 0 && num_new_pages > 0;
-  const std::size_t exact_at = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const std::size_t exact_at = items_bytes + (encodes_pages ? 5 : 1) * pages_bytes;
   const std::size_t bytes = exact_at + (exact ? align(static_cast<std::size_t>(num_new_pages) * sizeof(kernel::exact_item)) : 0);
   KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
   extend_staging_.reserve(bytes);
@@ -10042,6 +10193,13 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
     auto* sink_slots = reinterpret_cast<std::int32_t*>(staging + items_bytes + 3 * pages_bytes);
     for (std::int32_t i = 0; i < num_new_pages; ++i)
       sink_slots[i] = sealed[static_cast<std::size_t>(i)].first == 0 && geometry_.sink_rows > 0 ? sealed[static_cast<std::size_t>(i)].slot : -1;
+    auto* segment_entries = reinterpret_cast<std::int32_t*>(staging + items_bytes + 4 * pages_bytes);
+    for (std::int32_t i = 0; i < num_new_pages; ++i) {
+      const kernel::exact_item& page = sealed[static_cast<std::size_t>(i)];
+      segment_entries[i] = plan_segment_pages() > 0
+                               ? page.slot * segments_per_sequence_ + static_cast<std::int32_t>(page.first / shape_.page_size / plan_segment_pages())
+                               : -1;
+    }
     reserve_scratch(num_new_pages);
   }
   if (exact) std::memcpy(staging + exact_at, sealed.data(), sealed.size() * sizeof(kernel::exact_item));
@@ -10099,7 +10257,8 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr,
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes),
-                             num_new_pages};
+                             num_new_pages,
+                             reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 4 * pages_bytes)};
       device::template encode_pages<Shapes>(format_state_, format_, e);
     }
   }
@@ -12806,6 +12965,562 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/quant/device.cuh> ----
+
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/device.cuh> ----
+/// \file
+/// format::packed_bitmap (MosaicKV) on the device (cuda/format/device_format.cuh says what a
+/// device part provides; a format with segments adds `segment_entry_bytes` and `store_segment`).
+/// The segments are planned on the host from the rows the host backend would fit them to (the
+/// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
+/// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
+/// (`decode_partial_packed_kernel`, PackedAttention on CUDA cores, sm_75+; no sm_90 pipeline yet).
+
+
+
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
+/// \file
+/// The split kernel of `format::packed_bitmap` (MosaicKV's PackedAttention, section 5.3). Per
+/// segment of the pages a split reads, the CTA rotates the group's queries once into the
+/// segment's K basis, scores every record on its set bits (no K tile), accumulates p.v in the
+/// rotated V space from V records expanded 64 tokens at a time into a dense shared tile, and
+/// rotates the segment's merged output back once, into the split's state in head_dim space. The
+/// engine's plan keeps a `select::all` split within one segment (one rotation each way per split);
+/// a selection's pages may span several. The dense tail is a split of its own, read as the dense
+/// portable kernel reads it. Portable (sm_75+) CUDA cores; the partials merge with
+/// `merge_splits_kernel`.
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// packed_bitmap's fields of its split kernels' params.
+struct packed_decode_params {
+  const std::byte* segments;   ///< [max_sequences][segments_per_sequence][num_kv_heads] entries (`packed_entry`)
+  std::int32_t* page_segments; ///< [max_pages] the segment (of its sequence) each page was sealed in
+  std::int64_t entry_bytes;
+  int segments_per_sequence;
+  int segment_pages;           ///< pages per segment
+  int kept;                    ///< channels of the rotated space
+  int words;                   ///< bitmap words per record of a page slot (its stride)
+  int retained;                ///< 16-bit values per record of a page slot (its stride)
+  std::int64_t bitmap_bytes;   ///< the bitmaps of a page (page_size x words x 4): values follow
+};
+
+/// One segment of one KV head on the device: B_k ([head_dim][kept] fp32, rotates a query in),
+/// B_v transposed ([kept][head_dim] fp32, rotates an output back), then r and g of K and of V.
+/// `entry_bytes` = 2 x head_dim x kept x 4 + 16.
+struct packed_entry {
+  const float* k_basis;
+  const float* v_basis_t;
+  int retained[2];
+  int group[2];
+
+  __host__ __device__ static std::int64_t bytes(int head_dim, int kept) {
+    return 2 * static_cast<std::int64_t>(head_dim) * kept * 4 + 16;
+  }
+  __device__ static packed_entry at(const packed_decode_params& f, int head_dim, int num_kv_heads, int slot, int segment,
+                                    int head) {
+    const std::byte* base = f.segments + ((static_cast<std::int64_t>(slot) * f.segments_per_sequence + segment) * num_kv_heads + head) *
+                                             f.entry_bytes;
+    const std::int64_t basis = static_cast<std::int64_t>(head_dim) * f.kept;
+    const auto* strategy = reinterpret_cast<const std::int32_t*>(base + 2 * basis * 4);
+    return packed_entry{reinterpret_cast<const float*>(base), reinterpret_cast<const float*>(base) + basis,
+                        {strategy[0], strategy[2]}, {strategy[1], strategy[3]}};
+  }
+};
+
+/// Shared memory of the packed kernel: the rotated queries ([kept][Group] fp32), the logits of a
+/// 64-token tile ([Group][64]), a segment's merged rotated output ([Group][HeadDim]), the split's
+/// state in head_dim space (o [Group][HeadDim], then m and l [Group]), and one dense V tile,
+/// which the CTA reduction of each segment reuses.
+template <int HeadDim, int Group, int Rows>
+struct packed_decode_layout {
+  static constexpr int tile_tokens = 64;
+  static constexpr int query_offset = 0;
+  static constexpr int logits_offset = query_offset + HeadDim * Group * 4;
+  static constexpr int output_offset = logits_offset + Group * tile_tokens * 4;
+  static constexpr int split_offset = output_offset + Group * HeadDim * 4;
+  static constexpr int tile_offset = (split_offset + Group * (HeadDim + 4) * 4 + 15) / 16 * 16;
+  static constexpr int tile_bytes = tile_tokens * HeadDim * 2;
+  static constexpr int reduction_bytes = static_cast<int>(sizeof(decode_temp_storage<Group, HeadDim, Rows>));
+  static constexpr int bytes = tile_offset + (tile_bytes > reduction_bytes ? tile_bytes : reduction_bytes);
+};
+
+namespace detail_packed {
+
+/// Token t's record of a K or V page: its bitmap words and its 16-bit values.
+struct record {
+  const std::uint32_t* bits;
+  const std::uint16_t* values;
+};
+__device__ __forceinline__ record record_of(const packed_decode_params& f, const std::byte* page, int t) {
+  return record{reinterpret_cast<const std::uint32_t*>(page) + static_cast<std::size_t>(t) * f.words,
+                reinterpret_cast<const std::uint16_t*>(page + f.bitmap_bytes) + static_cast<std::size_t>(t) * f.retained};
+}
+
+/// The group's logits of token t: q' . y^ over the record's set bits, q' the rotated, pre-scaled
+/// queries in shared memory ([kept][Group]). Cost: r x Group FMAs and one pass over the bitmap.
+template <class T, int Group>
+__device__ __forceinline__ void score_record(const record& r, int group, int kept, const float* q_rotated,
+                                             float (&logit)[Group]) {
+#pragma unroll
+  for (int g = 0; g < Group; ++g) logit[g] = 0.0f;
+  const int words = (kept / group + 31) / 32;
+  int at = 0;
+  for (int w = 0; w < words; ++w)
+    for (std::uint32_t word = r.bits[w]; word != 0; word &= word - 1) {
+      const int j = w * 32 + __ffs(static_cast<int>(word)) - 1;
+      for (int i = 0; i < group; ++i, ++at) {
+        const float value = to_float(T::from_bits(__ldg(r.values + at)));
+        const float* q = q_rotated + (j * group + i) * Group;
+#pragma unroll
+        for (int g = 0; g < Group; ++g) logit[g] = fmaf(q[g], value, logit[g]);
+      }
+    }
+}
+
+/// Writes the 8 channels [8 k, 8 k + 8) of record r, zeros where nothing is kept, as 16 bytes at
+/// `out` (shared): the set groups among them and their values, found by the popcount of the bits
+/// before them. g divides 8, so no group straddles two chunks.
+__device__ __forceinline__ void expand_chunk(const record& r, int group, int kept, int k, std::byte* out) {
+  std::uint16_t chunk[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (8 * k < kept) {
+    const int first = 8 * k / group;  // the chunk's first group
+    int at = 0;
+    for (int w = 0; w < first / 32; ++w) at += __popc(r.bits[w]);
+    const std::uint32_t word = r.bits[first / 32];
+    at += __popc(word & ((1u << (first % 32)) - 1u));  // first % 32 <= 24: no full shift
+    at *= group;
+    const int groups = 8 / group;
+    for (int jj = 0; jj < groups; ++jj) {
+      const int j = first + jj;
+      if (j * group >= kept) break;
+      if (((r.bits[j / 32] >> (j % 32)) & 1u) == 0) continue;
+      for (int i = 0; i < group; ++i) chunk[jj * group + i] = __ldg(r.values + at++);
+    }
+  }
+  uint4 packed;
+  packed.x = chunk[0] | (static_cast<std::uint32_t>(chunk[1]) << 16);
+  packed.y = chunk[2] | (static_cast<std::uint32_t>(chunk[3]) << 16);
+  packed.z = chunk[4] | (static_cast<std::uint32_t>(chunk[5]) << 16);
+  packed.w = chunk[6] | (static_cast<std::uint32_t>(chunk[7]) << 16);
+  *reinterpret_cast<uint4*>(out) = packed;
+}
+
+}  // namespace detail_packed
+
+/// The packed_bitmap split kernel (sm_75+). Grid: (splits capacity, num_kv_heads); `Threads`
+/// threads as the dense portable kernel (its collective folds the p.v of every tile).
+/// Per segment of the split's pages: q' = scale x q B_k (Group x head_dim x kept FMAs); per
+/// 64-token tile one thread per token scores its K record into shared logits, the CTA expands the
+/// V records into a dense [64][head_dim] tile (channels past kept are zero) and
+/// `page_attend<dense>::fold_scored` accumulates; at the segment's end (`leave_segment`) the rows'
+/// states merge in shared memory and o = o' B_v^T (Group x head_dim x kept FMAs) merges into the
+/// split's state. A split without pages reads the exact rows and the tail, dense, as
+/// `decode_partial_kernel`.
+template <class T, int HeadDim, int Group, int Threads, int Unroll>
+__global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const split_params<packed_decode_params> p) {
+  using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
+  constexpr int rows = collective::rows;
+  constexpr int vec = detail::vector_elements;
+  using layout = packed_decode_layout<HeadDim, Group, rows>;
+  constexpr int tile = layout::tile_tokens;
+  extern __shared__ __align__(16) std::byte packed_shared[];
+  float* q_rotated = reinterpret_cast<float*>(packed_shared + layout::query_offset);
+  float* logits = reinterpret_cast<float*>(packed_shared + layout::logits_offset);
+  float* o_rotated = reinterpret_cast<float*>(packed_shared + layout::output_offset);
+  float* split_o = reinterpret_cast<float*>(packed_shared + layout::split_offset);  // [Group][HeadDim]
+  float* split_m = split_o + Group * HeadDim;
+  float* split_l = split_m + Group;
+  float* segment_m = split_l + Group;  // the segment's merged (m, l), [Group] each
+  float* segment_l = segment_m + Group;
+  std::byte* v_tile = packed_shared + layout::tile_offset;
+  auto& temp = *reinterpret_cast<decode_temp_storage<Group, HeadDim, rows>*>(v_tile);
+
+  const int work_index = static_cast<int>(blockIdx.x);
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  thread_state<Group> s;
+  detail_decode::start_state<HeadDim, Group, collective::lanes_per_row>(p, w, head, s);
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+
+  if (range.begin == range.end) {  // the exact rows and the tail rows, dense, in head_dim space
+    if (w.with_tail) {
+      const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+      const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                              static_cast<std::size_t>(run.first) * HeadDim * 2;
+      collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+    }
+    detail_decode::write_partial<HeadDim, Group, Threads, collective::lanes_per_row>(p, work_index, head, s, temp);
+    return;
+  }
+
+  const packed_decode_params& f = p.format;
+  const int kept = f.kept, slot_index = p.tail_slots[w.batch_index];
+  const int num_q_heads = p.num_kv_heads * Group;
+  const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
+  for (int index = tid; index < Group * HeadDim; index += Threads) split_o[index] = 0.0f;
+  if (tid < Group) {
+    split_m[tid] = -HUGE_VALF;
+    split_l[tid] = 0.0f;
+  }
+
+  // Enters a segment: q' = scale x q B_k, [kept][Group] (B_k's rows are read along j: coalesced),
+  // and an empty state for its rows.
+  const auto enter_segment = [&](const packed_entry& segment) {
+    for (int index = tid; index < kept * Group; index += Threads) {
+      const int g = index / kept, j = index % kept;
+      float acc = 0.0f;
+      for (int c = 0; c < HeadDim; ++c) acc = fmaf(q[g * HeadDim + c], segment.k_basis[c * kept + j], acc);
+      q_rotated[j * Group + g] = acc * p.softmax_scale;
+    }
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+      s.m[g] = -HUGE_VALF;
+      s.l[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < vec; ++i) s.o[g][i] = 0.0f;
+    }
+    __syncthreads();
+  };
+  // Leaves a segment: the rows' states merged (rotated V space), rotated back once and merged
+  // into the split's state. Every thread calls it after the last tile's barrier.
+  const auto leave_segment = [&](const packed_entry& segment) {
+    const int lane = tid % collective::lanes_per_row, row = tid / collective::lanes_per_row;
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+#pragma unroll
+      for (int i = 0; i < vec; ++i) temp.o[row][g][lane * vec + i] = s.o[g][i];
+      if (lane == 0) {
+        temp.m[row][g] = s.m[g];
+        temp.l[row][g] = s.l[g];
+      }
+    }
+    __syncthreads();
+    for (int index = tid; index < Group * kept; index += Threads) {
+      const int g = index / kept, c = index % kept;
+      softmax_state<float> total;
+      float o = 0.0f;
+      for (int r = 0; r < rows; ++r) {
+        softmax_state<float> part;
+        part.m = temp.m[r][g];
+        part.l = temp.l[r][g];
+        const merge_weights<float> mw = total.merge(part);
+        o = o * mw.self + temp.o[r][g][c] * mw.other;
+      }
+      o_rotated[g * HeadDim + c] = o;  // relative to the segment's m
+      if (c == 0) {
+        segment_m[g] = total.m;
+        segment_l[g] = total.l;
+      }
+    }
+    __syncthreads();
+    for (int index = tid; index < Group * HeadDim; index += Threads) {
+      const int g = index / HeadDim, c = index % HeadDim;
+      float o = 0.0f;
+      for (int j = 0; j < kept; ++j) o = fmaf(o_rotated[g * HeadDim + j], segment.v_basis_t[j * HeadDim + c], o);
+      softmax_state<float> split{split_m[g], split_l[g]};
+      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
+      split_o[index] = split_o[index] * mw.self + o * mw.other;
+    }
+    __syncthreads();
+    if (tid < Group) {
+      softmax_state<float> split{split_m[tid], split_l[tid]};
+      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
+      split_m[tid] = split.m;
+      split_l[tid] = split.l;
+    }
+    __syncthreads();
+  };
+
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
+  int current = -1;
+  packed_entry segment{};
+  for (int i = range.begin; i < range.end; ++i) {
+    const std::int32_t page = table[i];
+    const int page_segment = f.page_segments[page];
+    if (page_segment != current) {
+      if (current >= 0) leave_segment(segment);
+      current = page_segment;
+      segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
+      enter_segment(segment);
+    }
+    const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
+    const std::byte* k_page = slot + head * p.k_page_bytes;
+    const std::byte* v_page = slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes;
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
+    for (int first = 0; first < p.page_size; first += tile) {
+      const int n = min(tile, p.page_size - first);
+      for (int t = tid; t < n; t += Threads) {
+        const int row = first + t;
+        float logit[Group];
+        detail_packed::score_record<T, Group>(detail_packed::record_of(f, k_page, row), segment.group[0], kept, q_rotated, logit);
+        const bool read = rows_read == nullptr || ((rows_read[row >> 5] >> (row & 31)) & 1u) != 0;
+#pragma unroll
+        for (int g = 0; g < Group; ++g) logits[g * tile + t] = read ? logit[g] : -HUGE_VALF;
+      }
+      constexpr int chunks = HeadDim / 8;
+      for (int index = tid; index < n * chunks; index += Threads) {
+        const int t = index / chunks, k = index % chunks;
+        detail_packed::expand_chunk(detail_packed::record_of(f, v_page, first + t), segment.group[1], kept, k,
+                                    v_tile + (t * HeadDim + k * 8) * 2);
+      }
+      __syncthreads();
+      collective::template fold_scored<from_shared>(logits, tile, v_tile, n, s);
+      __syncthreads();
+    }
+  }
+  leave_segment(segment);
+
+  // The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
+  // empty state, which merges as nothing).
+  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+  for (int index = tid; index < Group * HeadDim; index += Threads) {
+    const int g = index / HeadDim;
+    const softmax_state<float> split{split_m[g], split_l[g]};
+    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
+    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
+
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
+/// \file
+/// Device encode of `format::packed_bitmap` pages (MosaicKV section 5.1) in their segment's
+/// basis, the host encoder's records: y = x B (fp32, channels summed in order), the r / g groups
+/// of largest energy sum y_c^2 (NaN first, then energy, then the lower group), a bitmap of one
+/// bit per group and the kept values rounded to the storage dtype. The host multiplies with
+/// Eigen's blocked product, whose summation order differs: a y may differ in its last fp32 bits,
+/// so a value may round to the neighbouring 16-bit number and a group whose energy ties the
+/// r-th within that difference may be swapped (the GPU test bounds both).
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
+/// first page_size rows 16-bit), written packed to page `new_pages[i]` in the segment
+/// `segment_entries[i]` (an index of the engine's segment arena, per sequence slot and segment).
+struct packed_encode_params {
+  const std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t page_bytes;  ///< one K (= one V) page
+  const std::int32_t* new_pages;
+  const std::int32_t* segment_entries;
+  int num_kv_heads;
+  int page_size;
+  packed_decode_params format;
+};
+
+constexpr int packed_encode_threads = 128;
+/// Tokens whose rotated rows a CTA holds at once.
+constexpr int packed_encode_tokens = 16;
+
+/// Grid (pages, num_kv_heads, 2: K then V); static shared memory: the rotated rows and group
+/// energies of 16 tokens at kept <= 192 (24 KB).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_kernel(const packed_encode_params e) {
+  constexpr int max_kept = HeadDim;
+  constexpr int tokens = packed_encode_tokens;
+  __shared__ float y[tokens][max_kept];
+  __shared__ float energy[tokens][max_kept];
+  __shared__ std::uint8_t keep[tokens][max_kept];
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int which = static_cast<int>(blockIdx.z);  // 0: K, 1: V
+  const int tid = static_cast<int>(threadIdx.x);
+  const packed_decode_params& f = e.format;
+  const int kept = f.kept;
+  const std::int64_t head_at = (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
+  const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
+  std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
+                    (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.page_bytes;
+  const std::byte* entry = f.segments + (static_cast<std::int64_t>(e.segment_entries[page_index]) * e.num_kv_heads + head) * f.entry_bytes;
+  const std::int64_t basis_floats = static_cast<std::int64_t>(HeadDim) * kept;
+  const auto* k_basis = reinterpret_cast<const float*>(entry);
+  const auto* v_basis_t = k_basis + basis_floats;
+  const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * basis_floats * 4);
+  const int retained = strategy[which * 2], group = strategy[which * 2 + 1];
+  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.new_pages[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
+  const int groups = kept / group, keep_groups = retained / group;
+
+  // The page is zeroed first: a record shorter than the slot leaves the rest zero, as the host's.
+  for (std::int64_t i = tid; i < e.page_bytes / 16; i += packed_encode_threads)
+    reinterpret_cast<uint4*>(page)[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  for (int first = 0; first < e.page_size; first += tokens) {
+    const int n = min(tokens, e.page_size - first);
+    // y[t][j] = sum_c x[t][c] B[c][j], in channel order.
+    for (int index = tid; index < n * kept; index += packed_encode_threads) {
+      const int t = index / kept, j = index % kept;
+      const T* x = rows + static_cast<std::size_t>(first + t) * HeadDim;
+      float acc = 0.0f;
+      for (int c = 0; c < HeadDim; ++c) {
+        const float b = which == 0 ? k_basis[c * kept + j] : v_basis_t[j * HeadDim + c];
+        acc = fmaf(to_float(x[c]), b, acc);
+      }
+      y[t][j] = acc;
+    }
+    __syncthreads();
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      float sum = 0.0f;
+      for (int i = 0; i < group; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * group + i], y[t][j * group + i]));
+      energy[t][j] = sum;
+    }
+    __syncthreads();
+    // A group is kept when fewer than keep_groups groups rank before it.
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      const float mine = energy[t][j];
+      int before = 0;
+      for (int o = 0; o < groups; ++o) {
+        const float other = energy[t][o];
+        const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+        before += o != j && ranks_before ? 1 : 0;
+      }
+      keep[t][j] = before < keep_groups ? 1 : 0;
+    }
+    __syncthreads();
+    const int words = (groups + 31) / 32;
+    for (int index = tid; index < n * words; index += packed_encode_threads) {
+      const int t = index / words, wd = index % words;
+      std::uint32_t bits = 0;
+      for (int b = 0; b < 32 && wd * 32 + b < groups; ++b) bits |= static_cast<std::uint32_t>(keep[t][wd * 32 + b]) << b;
+      reinterpret_cast<std::uint32_t*>(page)[static_cast<std::size_t>(first + t) * f.words + wd] = bits;
+    }
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      if (keep[t][j] == 0) continue;
+      int at = 0;
+      for (int o = 0; o < j; ++o) at += keep[t][o];
+      auto* values = reinterpret_cast<std::uint16_t*>(page + f.bitmap_bytes) + static_cast<std::size_t>(first + t) * f.retained;
+      for (int i = 0; i < group; ++i) values[at * group + i] = T(y[t][j * group + i]).bits;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
+
+namespace kvmosaic::cuda {
+
+template <>
+struct device_format<format::packed_bitmap> {
+  static constexpr bool encodes_pages = true;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
+  static constexpr std::int32_t split_page_multiple = 1;
+  using params = kernel::packed_decode_params;
+  using traits = format_traits<format::packed_bitmap>;
+
+  struct state {
+    int stages = 0;               ///< no compressed stages: one portable kernel
+    device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
+  };
+
+  static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
+
+  /// One kernel on every device: the sm_90 pipelines are off for this format.
+  template <class Shapes>
+  static void configure(state& s, const format::packed_bitmap&, device_context& e) {
+    s.stages = 0;
+    e.bulk_copy = false;
+    if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
+  }
+
+  template <class Shapes, class F>
+  static void with_decode_kernel(const state&, const format::packed_bitmap&, const device_context& e, bool /*row_masks*/,
+                                 F&& call) {
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, shape.group_size, [&](auto element, auto dim, auto group) {
+      using T = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      constexpr int group_size = decltype(group)::value;
+      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+      using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
+      call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes);
+    });
+  }
+
+  static params params_for(const state& s, const format::packed_bitmap& f, const device_context& e) {
+    const page_shape shape = e.shape->page();
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape);
+    return params{e.segments,
+                  s.page_segments.as<std::int32_t>(),
+                  kernel::packed_entry::bytes(g.head_dim, g.kept),
+                  e.segments_per_sequence,
+                  traits::segment_pages(f, shape),
+                  g.kept,
+                  g.words,
+                  g.retained,
+                  static_cast<std::int64_t>(g.bitmap_bytes())};
+  }
+
+  static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
+  static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
+
+  /// Bytes of one segment of one KV head in the engine's segment arena (`kernel::packed_entry`).
+  static std::size_t segment_entry_bytes(const format::packed_bitmap& f, const page_shape& shape) {
+    return static_cast<std::size_t>(kernel::packed_entry::bytes(shape.head_dim, traits::basis_dim(f, shape)));
+  }
+  /// Writes `s` as the device reads it (`kernel::packed_entry`): B_k as it is, B_v transposed,
+  /// then r and g of K and of V.
+  static void store_segment(const format::packed_bitmap&, const page_shape& shape, const traits::segment& s, std::byte* out) {
+    const int d = shape.head_dim, kept = s.kept;
+    auto* floats = reinterpret_cast<float*>(out);
+    std::memcpy(floats, s.basis[0].data(), static_cast<std::size_t>(d) * kept * sizeof(float));
+    float* v_t = floats + static_cast<std::size_t>(d) * kept;
+    for (int c = 0; c < d; ++c)
+      for (int j = 0; j < kept; ++j) v_t[static_cast<std::size_t>(j) * d + c] = s.basis[1][static_cast<std::size_t>(c) * kept + j];
+    const std::int32_t strategy[4] = {s.strategy[0].retained, s.strategy[0].group, s.strategy[1].retained, s.strategy[1].group};
+    std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
+  }
+
+  /// Packs `n` completed pages (K and V of every KV head) in their segments: one CTA per (page,
+  /// head, K or V).
+  template <class Shapes>
+  static void encode_pages(const state& s, const format::packed_bitmap& f, const encode_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_encode_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
+    p.pages = e.pages;
+    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
+    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
+    p.new_pages = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.num_kv_heads = shape.num_kv_heads;
+    p.page_size = shape.page_size;
+    p.format = params_for(s, f, e);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Compaction of a format with segments is not on the CUDA backend yet (cache.hpp rejects the
+  /// combination at compile time); this is never reached.
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::packed_bitmap&, const unpack_context&) {
+    kvmosaic::detail::require(false, "cuda::device_format<packed_bitmap>::unpack_pages", "compactor", "a compactor that moves rows",
+                              "compact::none (compaction of format::packed_bitmap runs on backend::host)");
+  }
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/format/packed_bitmap/device.cuh> ----
 // The selectors' device parts (cuda/select/selection_stage.cuh): one line per selector.
 
 // ---- begin <kvmosaic/cuda/select/quest.cuh> ----

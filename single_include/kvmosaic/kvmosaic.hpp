@@ -4377,6 +4377,43 @@ class host_buffer {
   std::unique_ptr<std::byte[], free_aligned> data_;
 };
 
+/// The segments (one per KV head) of a sequence's segment whose first page is page `index` (a
+/// multiple of `segment_pages`), about to be sealed from the full tail slot `tail` (host bytes):
+/// each fitted (`format_traits::plan_segment`) to the rows an engine has of the segment, the
+/// page's rows (the sinks left out of a first segment) and rows [next, next + segment_tokens -
+/// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
+/// append, its first page). One function for both backends, so both fit the same bases to the
+/// same rows. Cost: the format's plan_segment per KV head.
+template <class Format, class T>
+std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
+                                                               const arena_geometry& geometry, const std::byte* tail,
+                                                               std::int64_t index, const tensor_view<const T, 3>& k,
+                                                               const tensor_view<const T, 3>& v, std::int64_t next) {
+  using traits = format_traits<Format>;
+  const page_shape shape = engine.page();
+  const int per = traits::segment_pages(format, shape);
+  const int p = engine.page_size, d = engine.head_dim, heads = engine.num_kv_heads;
+  const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+  const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
+  const std::int64_t n = p - skip + ahead;
+  std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+  std::vector<typename segment_type<Format>::type> planned;
+  planned.reserve(static_cast<std::size_t>(heads));
+  for (int h = 0; h < heads; ++h) {
+    for (const bool is_v : {false, true}) {
+      std::vector<float>& rows = is_v ? v_rows : k_rows;
+      load_dense_rows(shape.storage, tail + geometry.tail_offset(is_v, h) + geometry.tail_row_offset(),
+                      static_cast<std::size_t>(p) * d, page.data());
+      std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
+      const tensor_view<const T, 3>& src = is_v ? v : k;
+      for (std::int64_t t = 0; t < ahead; ++t)
+        for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+    }
+    planned.push_back(traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n));
+  }
+  return planned;
+}
+
 }  // namespace detail
 
 namespace host {
@@ -4978,37 +5015,17 @@ class engine {
     return tail_slot(slot) + geometry_.tail_offset(is_v, head) + geometry_.tail_row_offset();
   }
   /// Before the first page of a segment (page `index`, a multiple of `segment_pages`) is sealed:
-  /// fits the segment of every KV head to the rows the engine has of it, the full tail and rows
-  /// [next, next + segment_tokens - page_size) of this call's `k`, `v` (a prefill gives the whole
-  /// segment; an append, its first page), the sinks left out; the slot's later segments are
-  /// dropped (they belonged to a removed or rolled-back sequence).
+  /// fits the segment of every KV head (`detail::plan_segments`) to the full tail and this call's
+  /// rows from `next` on; the slot's later segments are dropped (they belonged to a removed or
+  /// rolled-back sequence).
   template <class T>
   void plan_segment_at(std::int32_t slot, std::int64_t index, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                        std::int64_t next) {
-    const page_shape shape = shape_.page();
-    const int per = traits::segment_pages(format_, shape);
+    const int per = traits::segment_pages(format_, shape_.page());
     if (index % per != 0) return;
-    const int p = shape_.page_size, d = shape_.head_dim, heads = shape_.num_kv_heads;
-    const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
-    const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;
-    const std::int64_t n = p - skip + ahead;
-    std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
+    std::vector<segment_t> planned = detail::plan_segments(format_, shape_, geometry_, tail_slot(slot), index, k, v, next);
     std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-    std::vector<segment_t> planned;
-    planned.reserve(static_cast<std::size_t>(heads));
-    for (int h = 0; h < heads; ++h) {
-      for (const bool is_v : {false, true}) {
-        std::vector<float>& rows = is_v ? v_rows : k_rows;
-        dense_traits::decode_k(format::dense{}, shape, tail_head(slot, is_v, h), p, page.data());
-        std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
-        const tensor_view<const T, 3>& src = is_v ? v : k;
-        for (std::int64_t t = 0; t < ahead; ++t)
-          for (int c = 0; c < d; ++c)
-            rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
-      }
-      planned.push_back(traits::plan_segment(format_, shape, k_rows.data(), v_rows.data(), n));
-    }
-    list.resize(static_cast<std::size_t>(index / per) * heads);
+    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
     list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
   }
 
@@ -5347,10 +5364,13 @@ class cache
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
   using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  static_assert(!has_segments_v<Format> || !is_backend_v<BackendArg> || std::is_same_v<BackendArg, backend::host>,
-                "kvmosaic::cache: a format with segments (format::packed_bitmap) runs on backend::host only: "
-                "its CUDA kernels are not written yet (docs/packed_bitmap.md)");
-  using Backend = std::conditional_t<is_backend_v<BackendArg> && !has_segments_v<Format>, BackendArg, backend::host>;
+  static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
+                                             !std::is_same_v<BackendArg, backend::host>;
+  static_assert(!segments_on_device || !compactor_traits<Compactor>::frees_memory,
+                "kvmosaic::cache: a format with segments (format::packed_bitmap) on backend::cuda does not compact: "
+                "use compact::none there, or backend::host (docs/packed_bitmap.md)");
+  using Backend = std::conditional_t<is_backend_v<BackendArg> && (!segments_on_device || !compactor_traits<Compactor>::frees_memory),
+                                     BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "

@@ -99,3 +99,29 @@ TEST_CASE("page_multiple keeps split boundaries on multiples, so every worker of
   }
   CHECK_THROWS_WITH(make_split_plan(pages, tails, 66, 16, 32), Catch::Contains("page_multiple = 32"));
 }
+
+TEST_CASE("segment_pages: no split crosses a segment boundary and the tail is a split of its own", "[split_plan]") {
+  // Formats with segments (format::packed_bitmap): a split works in one segment's basis.
+  const std::vector<std::int32_t> pages{2048, 1000, 0, 64, 7}, tails{5, 0, 3, 1, 0};
+  for (const std::int32_t per : {1, 64, 100, 1024, 4096})
+    for (const std::int32_t target : {1, 49, 132}) {
+      CAPTURE(per, target);
+      const split_plan plan = make_split_plan(pages, tails, target, 1 << 30, 1, per);
+      check_covers(plan, pages, tails);
+      for (std::size_t b = 0; b < pages.size(); ++b)
+        for (std::int32_t i = plan.partial_offset[b]; i < plan.partial_offset[b + 1]; ++i) {
+          const split_work& w = plan.work[static_cast<std::size_t>(i)];
+          if (w.page_end > w.page_begin) REQUIRE(w.page_begin / per == (w.page_end - 1) / per);  // one segment
+          if (w.with_tail && pages[b] > 0) REQUIRE(w.page_begin == w.page_end);                // the tail alone
+        }
+      // Without segments the tail rides in the last split of pages: one split fewer per such sequence.
+      const split_plan plain = make_split_plan(pages, tails, target);
+      check_covers(plain, pages, tails);
+    }
+  // A segment boundary cuts a split the plan would otherwise make whole.
+  const split_plan one = make_split_plan({8}, {0}, 1, 1 << 30, 1, 4);
+  REQUIRE(one.num_splits() == 2);
+  CHECK(one.work[0].page_end == 4);
+  CHECK(one.work[1].page_begin == 4);
+  REQUIRE_THROWS_WITH(make_split_plan({8}, {0}, 1, 1 << 30, 1, -1), Catch::Contains("segment_pages"));
+}

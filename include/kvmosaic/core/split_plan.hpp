@@ -44,11 +44,13 @@ struct split_plan {
 /// Splits never exceed `max_pages_per_split` (kernels keep a split's page ids on chip), even if
 /// that takes more than one wave. With `page_multiple` > 1, split sizes and boundaries are
 /// multiples of it (but a sequence's last split): for kernels that deal a split's pages to that
-/// many workers, none of which should idle at the end (quant2's 4 warps). Cost: O(batch log
-/// pages) host work.
+/// many workers, none of which should idle at the end (quant2's 4 warps). With `segment_pages`
+/// > 0 (formats with segments, whose kernels work in one segment's basis at a time), no split
+/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)). Cost:
+/// O(batch log pages) host work.
 inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, const std::vector<std::int32_t>& tail_rows,
                                   std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30,
-                                  std::int32_t page_multiple = 1) {
+                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0) {
   detail::require(full_pages.size() == tail_rows.size(), "make_split_plan", "tail_rows.size()", tail_rows.size(),
                   "full_pages.size()");
   detail::require(target_splits >= 1, "make_split_plan", "target_splits", target_splits, ">= 1");
@@ -65,9 +67,20 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     const std::int32_t up = (pages_per_split + page_multiple - 1) / page_multiple * page_multiple;
     return up <= max_pages_per_split ? up : max_pages_per_split / page_multiple * page_multiple;
   };
+  detail::require(segment_pages >= 0, "make_split_plan", "segment_pages", segment_pages, ">= 0 (0: no segments)");
+  // The pieces a sequence's pages are split within: its segments, or all of them.
+  const auto for_each_piece = [&](std::int32_t pages, auto&& f) {
+    if (segment_pages == 0 || pages == 0) return f(0, pages);
+    for (std::int32_t first = 0; first < pages; first += segment_pages) f(first, std::min(pages, first + segment_pages));
+  };
   const auto splits_for = [&](std::int32_t pages_per_split) {
     std::int64_t splits = 0;
-    for (const std::int32_t pages : full_pages) splits += std::max<std::int32_t>(1, (pages + pages_per_split - 1) / pages_per_split);
+    for (std::size_t b = 0; b < full_pages.size(); ++b) {
+      for_each_piece(full_pages[b], [&](std::int32_t begin, std::int32_t end) {
+        splits += std::max<std::int32_t>(1, (end - begin + pages_per_split - 1) / pages_per_split);
+      });
+      if (segment_pages > 0 && full_pages[b] > 0 && tail_rows[b] > 0) ++splits;
+    }
     return splits;
   };
   // The smallest split size whose split count fits in `waves` waves of target_splits.
@@ -97,19 +110,25 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
   plan.partial_offset.reserve(full_pages.size() + 1);
   for (std::size_t b = 0; b < full_pages.size(); ++b) {
     plan.partial_offset.push_back(plan.num_splits());
-    const std::int32_t pages = full_pages[b];
-    // Even splits: the sequence's pages, in units of page_multiple, spread over its split count,
-    // sizes differing by at most one unit.
-    const std::int32_t count = std::max<std::int32_t>(1, (pages + lo - 1) / lo);
-    const std::int64_t units = (pages + page_multiple - 1) / page_multiple;
-    const auto boundary = [&](std::int32_t i) {
-      return static_cast<std::int32_t>(std::min<std::int64_t>(pages, units * i / count * page_multiple));
-    };
-    for (std::int32_t i = 0; i < count; ++i) {
-      const std::int32_t begin = boundary(i);
-      const std::int32_t end = i + 1 == count ? pages : boundary(i + 1);
-      plan.work.push_back(split_work{static_cast<std::int32_t>(b), begin, end, i + 1 == count && tail_rows[b] > 0 ? 1 : 0});
-    }
+    const bool tail_alone = segment_pages > 0 && full_pages[b] > 0;
+    for_each_piece(full_pages[b], [&](std::int32_t piece_begin, std::int32_t piece_end) {
+      // Even splits: the piece's pages, in units of page_multiple, spread over its split count,
+      // sizes differing by at most one unit.
+      const std::int32_t pages = piece_end - piece_begin;
+      const std::int32_t count = std::max<std::int32_t>(1, (pages + lo - 1) / lo);
+      const std::int64_t units = (pages + page_multiple - 1) / page_multiple;
+      const auto boundary = [&](std::int32_t i) {
+        return piece_begin + static_cast<std::int32_t>(std::min<std::int64_t>(pages, units * i / count * page_multiple));
+      };
+      const bool last_piece = piece_end == full_pages[b];
+      for (std::int32_t i = 0; i < count; ++i) {
+        const std::int32_t begin = boundary(i);
+        const std::int32_t end = i + 1 == count ? piece_end : boundary(i + 1);
+        const bool with_tail = !tail_alone && last_piece && i + 1 == count && tail_rows[b] > 0;
+        plan.work.push_back(split_work{static_cast<std::int32_t>(b), begin, end, with_tail ? 1 : 0});
+      }
+    });
+    if (tail_alone && tail_rows[b] > 0) plan.work.push_back(split_work{static_cast<std::int32_t>(b), full_pages[b], full_pages[b], 1});
   }
   plan.partial_offset.push_back(plan.num_splits());
   return plan;

@@ -74,7 +74,10 @@ inline unsigned grid_for(std::int64_t count, int threads) {
 template <class Format, class Selector = select::all, class Shapes = detail::shape_list<>>
 class engine {
   using device = device_format<Format>;
+  using traits = format_traits<Format>;
   static constexpr bool encodes_pages = device::encodes_pages;
+  /// What the pages of one segment and KV head share (formats with segments; else empty).
+  using segment_t = typename kvmosaic::detail::segment_type<Format>::type;
 
  public:
   /// The selector's device part.
@@ -123,6 +126,12 @@ class engine {
     KVMOSAIC_CUDA_CHECK(cudaMemset(pages_.data(), 0, pages_.size()));
     KVMOSAIC_CUDA_CHECK(cudaMemset(tails_.data(), 0, tails_.size()));
     KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&staged_, cudaEventDisableTiming));
+    if constexpr (has_segments_v<Format>) {
+      const int per = traits::segment_pages(format_, shape_.page());
+      segments_per_sequence_ = (shape.max_pages + per - 1) / per;
+      segment_arena_ = device_buffer(static_cast<std::size_t>(shape.max_sequences) * segments_per_sequence_ * shape.num_kv_heads *
+                                     device::segment_entry_bytes(format_, shape_.page()));
+    }
     configure_format();
     prepare_decode_kernel();
   }
@@ -167,6 +176,7 @@ class engine {
       const auto count = static_cast<std::int32_t>(std::min(room, rows - first));
       const kernel::extend_item item{first, count, slot, tail_rows, 0};
       const std::int32_t pages = (tail_rows + count) / shape_.page_size;
+      if constexpr (has_segments_v<Format>) plan_segments_in(slot, tail_rows, k, v, first, pages, sealed_pages);
       std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
       for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
       run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
@@ -189,6 +199,9 @@ class engine {
       work.push_back(kernel::extend_item{static_cast<std::int64_t>(b), 1, items[b].slot, items[b].tail_rows,
                                          static_cast<std::int32_t>(new_pages.size())});
       if (items[b].new_page >= 0) {
+        if constexpr (has_segments_v<Format>)
+          plan_segments_in(items[b].slot, items[b].tail_rows, kvmosaic::detail::row_of(k, static_cast<std::int64_t>(b)),
+                           kvmosaic::detail::row_of(v, static_cast<std::int64_t>(b)), 0, 1, items[b].sealed_pages);
         new_pages.push_back(items[b].new_page);
         sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
@@ -247,6 +260,12 @@ class engine {
     const std::size_t bytes = geometry_.tail_slot_bytes();
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tails_.as<std::byte>() + to * bytes, tails_.as<std::byte>() + from * bytes, bytes,
                                         cudaMemcpyDeviceToDevice, stream_));
+    if constexpr (has_segments_v<Format>) {  // a fork reads its shared pages in the same segments
+      segments_[static_cast<std::size_t>(to)] = segments_[static_cast<std::size_t>(from)];
+      const std::size_t slot_bytes = segment_arena_.size() / static_cast<std::size_t>(shape_.max_sequences);
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + to * slot_bytes, segment_arena_.as<std::byte>() + from * slot_bytes,
+                                          slot_bytes, cudaMemcpyDeviceToDevice, stream_));
+    }
     if constexpr (has_key_weights_v<Format>) {
       has_key_weights_[static_cast<std::size_t>(to)] = has_key_weights_[static_cast<std::size_t>(from)];
       if (has_key_weights_[static_cast<std::size_t>(from)]) {
@@ -255,6 +274,23 @@ class engine {
                                             row, cudaMemcpyDeviceToDevice, stream_));
       }
     }
+  }
+
+  /// Formats with segments: the segment of KV head `head` that page `index` of the sequence in
+  /// `slot` is stored in (the host copy of what the kernels read), the bytes the segments of a
+  /// sequence of `pages` pages keep, and the host decode of a page copied out of the device.
+  const segment_t& segment(std::int32_t slot, std::int64_t index, int head) const {
+    const std::int64_t s = index / traits::segment_pages(format_, shape_.page());
+    return segments_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(s * shape_.num_kv_heads + head)];
+  }
+  std::size_t segment_bytes(std::int64_t pages) const {
+    const std::int64_t per = traits::segment_pages(format_, shape_.page());
+    return static_cast<std::size_t>((pages + per - 1) / per) * shape_.num_kv_heads * traits::segment_bytes(format_, shape_.page());
+  }
+  void decode_page(std::int32_t slot, std::int64_t index, int head, bool is_v, const std::byte* page, int n, float* rows) const {
+    const segment_t& seg = segment(slot, index, head);
+    if (is_v) traits::decode_v(format_, shape_.page(), seg, page, n, rows);
+    else traits::decode_k(format_, shape_.page(), seg, page, n, rows);
   }
 
   /// A compaction pass over the sealed pages `pages` of the sequence in `slot` (`plan`, from
@@ -409,7 +445,7 @@ class engine {
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
         make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
-                        split_page_multiple);
+                        split_page_multiple, plan_segment_pages());
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
     batch_ = n;
@@ -586,7 +622,68 @@ class engine {
   /// pipelines off); then the kernel's occupancy sizes the split plan.
   void configure_format();
   device_context context() const {
-    return device_context{&shape_, &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_, stream_};
+    return device_context{&shape_,  &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_,
+                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_};
+  }
+  /// Pages per segment for the split plan (its splits stay within one), 0 for formats without.
+  std::int32_t plan_segment_pages() const {
+    if constexpr (has_segments_v<Format>) return traits::segment_pages(format_, shape_.page());
+    else return 0;
+  }
+
+  /// Formats with segments: before pages [sealed_pages, sealed_pages + pages) of the sequence in
+  /// `slot` are sealed from its tail (`tail_rows` rows) and rows [first, ...) of the call's
+  /// device rows `k`, `v`, plans each of them that starts a segment on the host from the rows the
+  /// host engine would see (`detail::plan_segments`: the tail as it will be at that seal, and the
+  /// call's rows after it), keeps the host copy and writes the device entries. Cost per segment:
+  /// a copy of the segment's rows to the host, the format's plan, a copy of the entries back
+  /// (synchronizes the stream).
+  template <class T>
+  void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
+                        std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape), p = shape_.page_size;
+    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
+    for (std::int32_t i = 0; i < pages; ++i) {
+      const std::int64_t index = sealed_pages + i;
+      if (index % per != 0) continue;
+      const std::int64_t page_first = first + static_cast<std::int64_t>(i) * p - tail_rows;  // call row of the page's row 0
+      const std::int64_t next = page_first + p;
+      const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
+      const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
+      std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
+      std::vector<std::byte> tail(geometry_.tail_slot_bytes());
+      const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
+                                          cudaMemcpyDeviceToHost, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+      const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+      // The tail as it is at the seal: the call's rows of the page after the tail's own.
+      std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+      for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
+        for (int h = 0; h < shape_.num_kv_heads; ++h)
+          for (const bool is_v : {false, true}) {
+            for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
+            kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
+                                               tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
+                                                   static_cast<std::size_t>(r) * geometry_.row_bytes);
+          }
+      std::vector<segment_t> planned =
+          kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base);
+      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+      std::vector<std::byte> entries(planned.size() * entry_bytes);
+      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+      const std::size_t at = (static_cast<std::size_t>(slot) * segments_per_sequence_ + static_cast<std::size_t>(index / per)) *
+                             shape_.num_kv_heads * entry_bytes;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+    }
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",
@@ -704,6 +801,11 @@ class engine {
   device_buffer saved_tail_;      ///< one tail slot kept for `rollback`
   std::int32_t saved_slot_ = -1;  ///< its slot, -1: nothing to restore
   typename device::state format_state_{};  ///< the format's device decisions (kernel path, stages)
+  /// Formats with segments: per tail slot the host copies of its sequence's segments,
+  /// [segment * num_kv_heads + head], and the device arena of their entries.
+  std::vector<std::vector<segment_t>> segments_ = std::vector<std::vector<segment_t>>(static_cast<std::size_t>(shape_.max_sequences));
+  device_buffer segment_arena_;
+  int segments_per_sequence_ = 0;
   Format reencoding_ = kvmosaic::detail::reencoding<Format>::format(format_);  ///< what a compaction encodes with
 };
 
@@ -947,7 +1049,7 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   const std::size_t items_bytes = align(items.size() * sizeof(kernel::extend_item));
   const std::size_t pages_bytes = align(static_cast<std::size_t>(num_new_pages) * sizeof(page_id));
   const bool exact = geometry_.exact_rows > 0 && num_new_pages > 0;
-  const std::size_t exact_at = items_bytes + (encodes_pages ? 4 : 1) * pages_bytes;
+  const std::size_t exact_at = items_bytes + (encodes_pages ? 5 : 1) * pages_bytes;
   const std::size_t bytes = exact_at + (exact ? align(static_cast<std::size_t>(num_new_pages) * sizeof(kernel::exact_item)) : 0);
   KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(staged_));
   extend_staging_.reserve(bytes);
@@ -968,6 +1070,13 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
     auto* sink_slots = reinterpret_cast<std::int32_t*>(staging + items_bytes + 3 * pages_bytes);
     for (std::int32_t i = 0; i < num_new_pages; ++i)
       sink_slots[i] = sealed[static_cast<std::size_t>(i)].first == 0 && geometry_.sink_rows > 0 ? sealed[static_cast<std::size_t>(i)].slot : -1;
+    auto* segment_entries = reinterpret_cast<std::int32_t*>(staging + items_bytes + 4 * pages_bytes);
+    for (std::int32_t i = 0; i < num_new_pages; ++i) {
+      const kernel::exact_item& page = sealed[static_cast<std::size_t>(i)];
+      segment_entries[i] = plan_segment_pages() > 0
+                               ? page.slot * segments_per_sequence_ + static_cast<std::int32_t>(page.first / shape_.page_size / plan_segment_pages())
+                               : -1;
+    }
     reserve_scratch(num_new_pages);
   }
   if (exact) std::memcpy(staging + exact_at, sealed.data(), sealed.size() * sizeof(kernel::exact_item));
@@ -1025,7 +1134,8 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 2 * pages_bytes),
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr,
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 3 * pages_bytes),
-                             num_new_pages};
+                             num_new_pages,
+                             reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 4 * pages_bytes)};
       device::template encode_pages<Shapes>(format_state_, format_, e);
     }
   }

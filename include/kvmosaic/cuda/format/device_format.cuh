@@ -31,6 +31,10 @@
 ///   static void encode_pages(const state&, const format::X&, const encode_context&);
 ///   template <class Shapes>                                              // encoded formats only: the
 ///   static void unpack_pages(const state&, const format::X&, const unpack_context&);  // inverse
+///   // formats with segments (format_traits::has_segments) only: a segment of one KV head in the
+///   // engine's segment arena (device_context::segments), as the kernels read it
+///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
+///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
 /// };
 /// ```
 ///
@@ -59,6 +63,10 @@ struct device_context {
   int device;                  ///< CUDA device ordinal
   bool bulk_copy;              ///< sm_90 bulk-copy pipelines in use (false: the portable sm_75+ path)
   cudaStream_t stream;
+  /// Formats with segments: the segment arena, [max_sequences][segments_per_sequence]
+  /// [num_kv_heads] entries of `segment_entry_bytes` (null for other formats).
+  const std::byte* segments;
+  int segments_per_sequence;
 };
 
 /// What an encode pass is given: `n` completed pages whose dense rows are in scratch slots
@@ -71,6 +79,8 @@ struct encode_context {
   const float* key_weights;           ///< [max_sequences][num_kv_heads][head_dim] (device), or null
   const std::int32_t* sink_slots;     ///< [n] tail slot keeping a first page's sink rows, or -1
   std::int32_t n;
+  const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
+                                        ///< arena (slot x segments_per_sequence + segment); else null
 };
 
 /// What an unpack pass is given: `n` pages `page_ids` (device array) whose dense rows, in the

@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// format::packed_bitmap (MosaicKV) on the device (cuda/format/device_format.cuh says what a
+/// device part provides; a format with segments adds `segment_entry_bytes` and `store_segment`).
+/// The segments are planned on the host from the rows the host backend would fit them to (the
+/// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
+/// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
+/// (`decode_partial_packed_kernel`, PackedAttention on CUDA cores, sm_75+; no sm_90 pipeline yet).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kvmosaic/cuda/device_buffer.cuh"
+#include "kvmosaic/cuda/error.cuh"
+#include "kvmosaic/cuda/format/device_format.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
+#include "kvmosaic/cuda/shapes.cuh"
+#include "kvmosaic/cuda/tuning.cuh"
+#include "kvmosaic/format/packed_bitmap.hpp"
+
+namespace kvmosaic::cuda {
+
+template <>
+struct device_format<format::packed_bitmap> {
+  static constexpr bool encodes_pages = true;
+  static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
+  static constexpr std::int32_t split_page_multiple = 1;
+  using params = kernel::packed_decode_params;
+  using traits = format_traits<format::packed_bitmap>;
+
+  struct state {
+    int stages = 0;               ///< no compressed stages: one portable kernel
+    device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
+  };
+
+  static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
+
+  /// One kernel on every device: the sm_90 pipelines are off for this format.
+  template <class Shapes>
+  static void configure(state& s, const format::packed_bitmap&, device_context& e) {
+    s.stages = 0;
+    e.bulk_copy = false;
+    if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
+  }
+
+  template <class Shapes, class F>
+  static void with_decode_kernel(const state&, const format::packed_bitmap&, const device_context& e, bool /*row_masks*/,
+                                 F&& call) {
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, shape.group_size, [&](auto element, auto dim, auto group) {
+      using T = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      constexpr int group_size = decltype(group)::value;
+      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+      using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
+      call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes);
+    });
+  }
+
+  static params params_for(const state& s, const format::packed_bitmap& f, const device_context& e) {
+    const page_shape shape = e.shape->page();
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape);
+    return params{e.segments,
+                  s.page_segments.as<std::int32_t>(),
+                  kernel::packed_entry::bytes(g.head_dim, g.kept),
+                  e.segments_per_sequence,
+                  traits::segment_pages(f, shape),
+                  g.kept,
+                  g.words,
+                  g.retained,
+                  static_cast<std::int64_t>(g.bitmap_bytes())};
+  }
+
+  static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
+  static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
+
+  /// Bytes of one segment of one KV head in the engine's segment arena (`kernel::packed_entry`).
+  static std::size_t segment_entry_bytes(const format::packed_bitmap& f, const page_shape& shape) {
+    return static_cast<std::size_t>(kernel::packed_entry::bytes(shape.head_dim, traits::basis_dim(f, shape)));
+  }
+  /// Writes `s` as the device reads it (`kernel::packed_entry`): B_k as it is, B_v transposed,
+  /// then r and g of K and of V.
+  static void store_segment(const format::packed_bitmap&, const page_shape& shape, const traits::segment& s, std::byte* out) {
+    const int d = shape.head_dim, kept = s.kept;
+    auto* floats = reinterpret_cast<float*>(out);
+    std::memcpy(floats, s.basis[0].data(), static_cast<std::size_t>(d) * kept * sizeof(float));
+    float* v_t = floats + static_cast<std::size_t>(d) * kept;
+    for (int c = 0; c < d; ++c)
+      for (int j = 0; j < kept; ++j) v_t[static_cast<std::size_t>(j) * d + c] = s.basis[1][static_cast<std::size_t>(c) * kept + j];
+    const std::int32_t strategy[4] = {s.strategy[0].retained, s.strategy[0].group, s.strategy[1].retained, s.strategy[1].group};
+    std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
+  }
+
+  /// Packs `n` completed pages (K and V of every KV head) in their segments: one CTA per (page,
+  /// head, K or V).
+  template <class Shapes>
+  static void encode_pages(const state& s, const format::packed_bitmap& f, const encode_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_encode_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
+    p.pages = e.pages;
+    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
+    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
+    p.new_pages = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.num_kv_heads = shape.num_kv_heads;
+    p.page_size = shape.page_size;
+    p.format = params_for(s, f, e);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// Compaction of a format with segments is not on the CUDA backend yet (cache.hpp rejects the
+  /// combination at compile time); this is never reached.
+  template <class Shapes>
+  static void unpack_pages(const state&, const format::packed_bitmap&, const unpack_context&) {
+    kvmosaic::detail::require(false, "cuda::device_format<packed_bitmap>::unpack_pages", "compactor", "a compactor that moves rows",
+                              "compact::none (compaction of format::packed_bitmap runs on backend::host)");
+  }
+};
+
+}  // namespace kvmosaic::cuda

@@ -1,0 +1,126 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Device encode of `format::packed_bitmap` pages (MosaicKV section 5.1) in their segment's
+/// basis, the host encoder's records: y = x B (fp32, channels summed in order), the r / g groups
+/// of largest energy sum y_c^2 (NaN first, then energy, then the lower group), a bitmap of one
+/// bit per group and the kept values rounded to the storage dtype. The host multiplies with
+/// Eigen's blocked product, whose summation order differs: a y may differ in its last fp32 bits,
+/// so a value may round to the neighbouring 16-bit number and a group whose energy ties the
+/// r-th within that difference may be swapped (the GPU test bounds both).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
+/// first page_size rows 16-bit), written packed to page `new_pages[i]` in the segment
+/// `segment_entries[i]` (an index of the engine's segment arena, per sequence slot and segment).
+struct packed_encode_params {
+  const std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t page_bytes;  ///< one K (= one V) page
+  const std::int32_t* new_pages;
+  const std::int32_t* segment_entries;
+  int num_kv_heads;
+  int page_size;
+  packed_decode_params format;
+};
+
+constexpr int packed_encode_threads = 128;
+/// Tokens whose rotated rows a CTA holds at once.
+constexpr int packed_encode_tokens = 16;
+
+/// Grid (pages, num_kv_heads, 2: K then V); static shared memory: the rotated rows and group
+/// energies of 16 tokens at kept <= 192 (24 KB).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_kernel(const packed_encode_params e) {
+  constexpr int max_kept = HeadDim;
+  constexpr int tokens = packed_encode_tokens;
+  __shared__ float y[tokens][max_kept];
+  __shared__ float energy[tokens][max_kept];
+  __shared__ std::uint8_t keep[tokens][max_kept];
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int which = static_cast<int>(blockIdx.z);  // 0: K, 1: V
+  const int tid = static_cast<int>(threadIdx.x);
+  const packed_decode_params& f = e.format;
+  const int kept = f.kept;
+  const std::int64_t head_at = (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
+  const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
+  std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
+                    (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.page_bytes;
+  const std::byte* entry = f.segments + (static_cast<std::int64_t>(e.segment_entries[page_index]) * e.num_kv_heads + head) * f.entry_bytes;
+  const std::int64_t basis_floats = static_cast<std::int64_t>(HeadDim) * kept;
+  const auto* k_basis = reinterpret_cast<const float*>(entry);
+  const auto* v_basis_t = k_basis + basis_floats;
+  const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * basis_floats * 4);
+  const int retained = strategy[which * 2], group = strategy[which * 2 + 1];
+  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.new_pages[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
+  const int groups = kept / group, keep_groups = retained / group;
+
+  // The page is zeroed first: a record shorter than the slot leaves the rest zero, as the host's.
+  for (std::int64_t i = tid; i < e.page_bytes / 16; i += packed_encode_threads)
+    reinterpret_cast<uint4*>(page)[i] = make_uint4(0, 0, 0, 0);
+  __syncthreads();
+  for (int first = 0; first < e.page_size; first += tokens) {
+    const int n = min(tokens, e.page_size - first);
+    // y[t][j] = sum_c x[t][c] B[c][j], in channel order.
+    for (int index = tid; index < n * kept; index += packed_encode_threads) {
+      const int t = index / kept, j = index % kept;
+      const T* x = rows + static_cast<std::size_t>(first + t) * HeadDim;
+      float acc = 0.0f;
+      for (int c = 0; c < HeadDim; ++c) {
+        const float b = which == 0 ? k_basis[c * kept + j] : v_basis_t[j * HeadDim + c];
+        acc = fmaf(to_float(x[c]), b, acc);
+      }
+      y[t][j] = acc;
+    }
+    __syncthreads();
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      float sum = 0.0f;
+      for (int i = 0; i < group; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * group + i], y[t][j * group + i]));
+      energy[t][j] = sum;
+    }
+    __syncthreads();
+    // A group is kept when fewer than keep_groups groups rank before it.
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      const float mine = energy[t][j];
+      int before = 0;
+      for (int o = 0; o < groups; ++o) {
+        const float other = energy[t][o];
+        const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+        before += o != j && ranks_before ? 1 : 0;
+      }
+      keep[t][j] = before < keep_groups ? 1 : 0;
+    }
+    __syncthreads();
+    const int words = (groups + 31) / 32;
+    for (int index = tid; index < n * words; index += packed_encode_threads) {
+      const int t = index / words, wd = index % words;
+      std::uint32_t bits = 0;
+      for (int b = 0; b < 32 && wd * 32 + b < groups; ++b) bits |= static_cast<std::uint32_t>(keep[t][wd * 32 + b]) << b;
+      reinterpret_cast<std::uint32_t*>(page)[static_cast<std::size_t>(first + t) * f.words + wd] = bits;
+    }
+    for (int index = tid; index < n * groups; index += packed_encode_threads) {
+      const int t = index / groups, j = index % groups;
+      if (keep[t][j] == 0) continue;
+      int at = 0;
+      for (int o = 0; o < j; ++o) at += keep[t][o];
+      auto* values = reinterpret_cast<std::uint16_t*>(page + f.bitmap_bytes) + static_cast<std::size_t>(first + t) * f.retained;
+      for (int i = 0; i < group; ++i) values[at * group + i] = T(y[t][j * group + i]).bits;
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
