@@ -375,6 +375,16 @@ BENCHMARK(decode<format::packed_bitmap>)
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 
+// MosaicKV's pairing: select::mean_keys (blocks of 16) at budgets 1/16 and 1/8 over packed_bitmap
+// at 25% retained, batch 1 and 8, 32K and 128K.
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys>)
+    ->Name("packed_bitmap_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {0}, {16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
 // 4-bit codes (quant4) at Pi = 32, 64 and 128, V per channel (the paper's axis) and V per token
 // (KIVI's), batch 1 and 8, 32K and 128K, the paper's settings as the quant2 rows.
 BENCHMARK(decode<format::quant4>)

@@ -24,6 +24,38 @@ __device__ __forceinline__ uint4 load_shared(const void* address) {
   return v;
 }
 
+/// An asynchronous copy of `Bytes` (4, 8 or 16, both addresses aligned to it) from global to
+/// shared memory (sm_80+ `cp.async`: the issuing thread does not wait for it, so a thread's
+/// copies are all in flight together); `async_copy_commit` groups the thread's copies and
+/// `async_copy_wait` waits for its groups. Before sm_80, a load and a store.
+template <int Bytes>
+__device__ __forceinline__ void async_copy(void* shared, const void* global) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared)), "l"(global) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(shared_address(shared)), "l"(global), "n"(Bytes) : "memory");
+#else
+  if constexpr (Bytes == 16) *static_cast<uint4*>(shared) = __ldg(static_cast<const uint4*>(global));
+  else if constexpr (Bytes == 8) *static_cast<uint2*>(shared) = __ldg(static_cast<const uint2*>(global));
+  else *static_cast<unsigned*>(shared) = __ldg(static_cast<const unsigned*>(global));
+#endif
+}
+/// Closes the thread's copies issued since the last commit into one group.
+__device__ __forceinline__ void async_copy_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+/// Waits until at most `Pending` of the thread's committed groups are in flight.
+template <int Pending>
+__device__ __forceinline__ void async_copy_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+#endif
+}
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #  define KVMOSAIC_HAS_BULK_COPY 1
 #else

@@ -13,9 +13,12 @@
 /// `merge_splits_kernel`.
 
 #include <cstddef>
+#include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmosaic/cuda/collective/page_attend.cuh"
+#include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/kernel/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
@@ -56,21 +59,34 @@ struct packed_entry {
   }
 };
 
-/// Shared memory of the packed kernel: the rotated queries ([kept][Group] fp32), the logits of a
-/// 64-token tile ([Group][64]), a segment's merged rotated output ([Group][HeadDim]), the split's
-/// state in head_dim space (o [Group][HeadDim], then m and l [Group]), and one dense V tile,
-/// which the CTA reduction of each segment reuses.
+/// Shared memory of the packed kernel: the rotated queries ([kept][Group] fp32), a tile's
+/// probabilities ([64][Group]), a segment's merged rotated output ([Group][HeadDim]), the split's
+/// state in head_dim space (o [Group][HeadDim], then m, l, the segment's m, l and two warps'
+/// partial sums of p, [Group] each), and a tile's K and V records (the bitmaps as stored, at most
+/// head_dim / 32 words a token; the values at a padded stride, `padded_values`), whose space the
+/// warps' reduction and the tail's reuse.
 template <int HeadDim, int Group, int Rows>
 struct packed_decode_layout {
   static constexpr int tile_tokens = 64;
+  static constexpr int warps = 4;
   static constexpr int query_offset = 0;
-  static constexpr int logits_offset = query_offset + HeadDim * Group * 4;
-  static constexpr int output_offset = logits_offset + Group * tile_tokens * 4;
+  static constexpr int p_offset = query_offset + HeadDim * Group * 4;
+  static constexpr int output_offset = p_offset + tile_tokens * Group * 4;
   static constexpr int split_offset = output_offset + Group * HeadDim * 4;
-  static constexpr int tile_offset = (split_offset + Group * (HeadDim + 4) * 4 + 15) / 16 * 16;
-  static constexpr int tile_bytes = tile_tokens * HeadDim * 2;
-  static constexpr int reduction_bytes = static_cast<int>(sizeof(decode_temp_storage<Group, HeadDim, Rows>));
-  static constexpr int bytes = tile_offset + (tile_bytes > reduction_bytes ? tile_bytes : reduction_bytes);
+  static constexpr int records_offset = (split_offset + Group * (HeadDim + 6) * 4 + 15) / 16 * 16;
+  static constexpr int reduction_bytes = static_cast<int>(sizeof(decode_temp_storage<Group, HeadDim, Rows>)) >
+                                                 warps * Group * HeadDim * 4
+                                             ? static_cast<int>(sizeof(decode_temp_storage<Group, HeadDim, Rows>))
+                                             : warps * Group * HeadDim * 4;
+  /// One stage: a tile's K records, then its V records, each the bitmaps (`words` a token) and
+  /// the values at a stride of `padded_values(retained)`.
+  __host__ __device__ static constexpr int stage_bytes(int words, int retained) {
+    return 2 * tile_tokens * (words * 4 + ((retained + 1) / 2 * 2 + 2) * 2);
+  }
+  /// The dynamic shared memory of a launch for a slot of `words` and `retained`.
+  __host__ __device__ static constexpr int bytes(int words, int retained) {
+    return records_offset + (2 * stage_bytes(words, retained) > reduction_bytes ? 2 * stage_bytes(words, retained) : reduction_bytes);
+  }
 };
 
 namespace detail_packed {
@@ -85,107 +101,153 @@ __device__ __forceinline__ record record_of(const packed_decode_params& f, const
                 reinterpret_cast<const std::uint16_t*>(page + f.bitmap_bytes) + static_cast<std::size_t>(t) * f.retained};
 }
 
-/// The group's logits of token t: q' . y^ over the record's set bits, q' the rotated, pre-scaled
-/// queries in shared memory ([kept][Group]). Cost: r x Group FMAs and one pass over the bitmap.
-template <class T, int Group>
-__device__ __forceinline__ void score_record(const record& r, int group, int kept, const float* q_rotated,
-                                             float (&logit)[Group]) {
+/// Starts copying `bytes` (a multiple of 16, both ends 16-byte aligned) from global to shared
+/// memory, the CTA's threads striding over 16-byte words (`detail::async_copy`: in flight until
+/// `detail::async_copy_wait`).
+template <int Threads>
+__device__ __forceinline__ void copy_to_shared(const std::byte* from, std::byte* to, int bytes) {
+  for (int i = static_cast<int>(threadIdx.x); i < bytes / 16; i += Threads)
+    detail::async_copy<16>(to + static_cast<std::size_t>(i) * 16, from + static_cast<std::size_t>(i) * 16);
+}
+
+/// Starts copying the values of `n` records (`retained` 16-bit values each, contiguous in global
+/// memory) to shared memory with a record stride of `padded_values(retained)` values: whole
+/// 32-bit words and one more, so the threads that read one record each, at about the same
+/// offset, hit different banks.
+__host__ __device__ constexpr int padded_values(int retained) { return (retained + 1) / 2 * 2 + 2; }
+template <int Threads>
+__device__ __forceinline__ void copy_values_padded(const std::byte* from, std::uint16_t* to, int n, int retained) {
+  const int stride = padded_values(retained);
+  if (retained % 2 == 0) {
+    const int words = retained / 2;
+    for (int i = static_cast<int>(threadIdx.x); i < n * words; i += Threads)
+      detail::async_copy<4>(reinterpret_cast<std::uint32_t*>(to) + i / words * (stride / 2) + i % words,
+                            reinterpret_cast<const std::uint32_t*>(from) + i);
+  } else {
+    for (int i = static_cast<int>(threadIdx.x); i < n * retained; i += Threads)
+      to[i / retained * stride + i % retained] = __ldg(reinterpret_cast<const std::uint16_t*>(from) + i);
+  }
+}
+
+/// The group's logits of one token: q' . y^ over its record's set bits (groups of `G` channels),
+/// q' the rotated, pre-scaled queries in shared memory ([kept][Group]). Cost: r x Group FMAs and
+/// one pass over the bitmap.
+template <class T, int Group, int G>
+__device__ __forceinline__ void score_record(const std::uint32_t* bits, const std::uint16_t* values, int words,
+                                             const float* q_rotated, float (&logit)[Group]) {
 #pragma unroll
   for (int g = 0; g < Group; ++g) logit[g] = 0.0f;
-  const int words = (kept / group + 31) / 32;
   int at = 0;
   for (int w = 0; w < words; ++w)
-    for (std::uint32_t word = r.bits[w]; word != 0; word &= word - 1) {
+    for (std::uint32_t word = bits[w]; word != 0; word &= word - 1) {
       const int j = w * 32 + __ffs(static_cast<int>(word)) - 1;
-      for (int i = 0; i < group; ++i, ++at) {
-        const float value = to_float(T::from_bits(__ldg(r.values + at)));
-        const float* q = q_rotated + (j * group + i) * Group;
+#pragma unroll
+      for (int i = 0; i < G; ++i, ++at) {
+        const float value = to_float(T::from_bits(values[at]));
+        const float* q = q_rotated + (j * G + i) * Group;
 #pragma unroll
         for (int g = 0; g < Group; ++g) logit[g] = fmaf(q[g], value, logit[g]);
       }
     }
 }
 
-/// Writes the 8 channels [8 k, 8 k + 8) of record r, zeros where nothing is kept, as 16 bytes at
-/// `out` (shared): the set groups among them and their values, found by the popcount of the bits
-/// before them. g divides 8, so no group straddles two chunks.
-__device__ __forceinline__ void expand_chunk(const record& r, int group, int kept, int k, std::byte* out) {
-  std::uint16_t chunk[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (8 * k < kept) {
-    const int first = 8 * k / group;  // the chunk's first group
-    int at = 0;
-    for (int w = 0; w < first / 32; ++w) at += __popc(r.bits[w]);
-    const std::uint32_t word = r.bits[first / 32];
-    at += __popc(word & ((1u << (first % 32)) - 1u));  // first % 32 <= 24: no full shift
-    at *= group;
-    const int groups = 8 / group;
-    for (int jj = 0; jj < groups; ++jj) {
-      const int j = first + jj;
-      if (j * group >= kept) break;
-      if (((r.bits[j / 32] >> (j % 32)) & 1u) == 0) continue;
-      for (int i = 0; i < group; ++i) chunk[jj * group + i] = __ldg(r.values + at++);
+/// One token's p.v into a lane's accumulators: lane l owns the rotated channels c = 32 k + l; in
+/// groups of `G` channels, channel c is bit (c / G) mod 32 of bitmap word k / G (G divides 32),
+/// and its value's index is G x (the set bits before its group) + c mod G. Channels from `kept`
+/// on are not stored. Cost per lane: head_dim / 32 bit tests and popcounts, Group FMAs per set one.
+template <class T, int HeadDim, int Group, int G>
+__device__ __forceinline__ void accumulate_record(const std::uint32_t* bits, const std::uint16_t* values, int words, int kept,
+                                                  int lane, const float (&p)[Group], float (&acc)[HeadDim / 32][Group]) {
+  constexpr int lane_channels = HeadDim / 32;
+  constexpr int word_count = (lane_channels + G - 1) / G;  // the words the lane's channels lie in
+  std::uint32_t word[word_count];
+  int below[word_count];
+  int count = 0;
+#pragma unroll
+  for (int x = 0; x < word_count; ++x) {
+    word[x] = x < words ? bits[x] : 0u;
+    below[x] = count;
+    count += __popc(word[x]);
+  }
+#pragma unroll
+  for (int k = 0; k < lane_channels; ++k) {
+    const int c = k * 32 + lane, b = (c / G) & 31;
+    const std::uint32_t wk = word[k / G];
+    if (c < kept && ((wk >> b) & 1u) != 0) {
+      const int at = (below[k / G] + __popc(wk & ((1u << b) - 1u))) * G + c % G;
+      const float value = to_float(T::from_bits(values[at]));
+#pragma unroll
+      for (int g = 0; g < Group; ++g) acc[k][g] = fmaf(p[g], value, acc[k][g]);
     }
   }
-  uint4 packed;
-  packed.x = chunk[0] | (static_cast<std::uint32_t>(chunk[1]) << 16);
-  packed.y = chunk[2] | (static_cast<std::uint32_t>(chunk[3]) << 16);
-  packed.z = chunk[4] | (static_cast<std::uint32_t>(chunk[5]) << 16);
-  packed.w = chunk[6] | (static_cast<std::uint32_t>(chunk[7]) << 16);
-  *reinterpret_cast<uint4*>(out) = packed;
+}
+
+/// Calls f(std::integral_constant<int, g>) for a group size g of 1, 2 or 4.
+template <class F>
+__device__ __forceinline__ void with_group(int group, F&& f) {
+  if (group == 1) f(std::integral_constant<int, 1>{});
+  else if (group == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 4>{});
 }
 
 }  // namespace detail_packed
 
-/// The packed_bitmap split kernel (sm_75+). Grid: (splits capacity, num_kv_heads); `Threads`
-/// threads as the dense portable kernel (its collective folds the p.v of every tile).
-/// Per segment of the split's pages: q' = scale x q B_k (Group x head_dim x kept FMAs); per
-/// 64-token tile one thread per token scores its K record into shared logits, the CTA expands the
-/// V records into a dense [64][head_dim] tile (channels past kept are zero) and
-/// `page_attend<dense>::fold_scored` accumulates; at the segment's end (`leave_segment`) the rows'
-/// states merge in shared memory and o = o' B_v^T (Group x head_dim x kept FMAs) merges into the
-/// split's state. A split without pages reads the exact rows and the tail, dense, as
-/// `decode_partial_kernel`.
+/// The packed_bitmap split kernel (sm_75+). Grid: (splits capacity, num_kv_heads); 128 threads.
+/// Per segment of the split's pages: q' = scale x q B_k (Group x head_dim x kept FMAs). Per
+/// 64-token tile the CTA stages the K and V records in shared memory as stored (coalesced), one
+/// thread per token scores its K record on its set bits, the tile's softmax step is taken once
+/// for the CTA, and each warp accumulates p.v for a quarter of the tokens straight from the V
+/// records: lane l owns the rotated channels l, l + 32, ..., finds its bit in the token's bitmap
+/// and its value by the popcount of the bits below it (no dense tile: r x Group FMAs a token). At
+/// the segment's end (`leave_segment`) the warps' accumulators add up in shared memory and o =
+/// o' B_v^T (Group x head_dim x kept FMAs) merges into the split's state in head_dim space. A
+/// split without pages reads the exact rows and the tail, dense, as `decode_partial_kernel`.
 template <class T, int HeadDim, int Group, int Threads, int Unroll>
 __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const split_params<packed_decode_params> p) {
+  static_assert(Threads == 128, "the packed kernel runs 4 warps");
   using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
   constexpr int rows = collective::rows;
-  constexpr int vec = detail::vector_elements;
   using layout = packed_decode_layout<HeadDim, Group, rows>;
-  constexpr int tile = layout::tile_tokens;
+  constexpr int tile = layout::tile_tokens, warps = layout::warps;
+  constexpr int lane_channels = HeadDim / 32;  // rotated channels a lane owns: kept <= head_dim
   extern __shared__ __align__(16) std::byte packed_shared[];
   float* q_rotated = reinterpret_cast<float*>(packed_shared + layout::query_offset);
-  float* logits = reinterpret_cast<float*>(packed_shared + layout::logits_offset);
+  float* tile_p = reinterpret_cast<float*>(packed_shared + layout::p_offset);  // [tile][Group]
   float* o_rotated = reinterpret_cast<float*>(packed_shared + layout::output_offset);
   float* split_o = reinterpret_cast<float*>(packed_shared + layout::split_offset);  // [Group][HeadDim]
   float* split_m = split_o + Group * HeadDim;
   float* split_l = split_m + Group;
-  float* segment_m = split_l + Group;  // the segment's merged (m, l), [Group] each
+  float* segment_m = split_l + Group;  // the segment's running (m, l), [Group] each
   float* segment_l = segment_m + Group;
-  std::byte* v_tile = packed_shared + layout::tile_offset;
-  auto& temp = *reinterpret_cast<decode_temp_storage<Group, HeadDim, rows>*>(v_tile);
+  float* rescale = segment_l + Group;  // the tile's partial sums of p, [2][Group]
+  std::byte* records = packed_shared + layout::records_offset;  // two stages of a tile's K and V records
+  float* warp_o = reinterpret_cast<float*>(records);  // [warps][Group][HeadDim], after a segment's tiles
 
   const int work_index = static_cast<int>(blockIdx.x);
   split_work w;
   if (!detail_decode::start_split(p, work_index, w)) return;
   const int head = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
-  thread_state<Group> s;
-  detail_decode::start_state<HeadDim, Group, collective::lanes_per_row>(p, w, head, s);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
 
   if (range.begin == range.end) {  // the exact rows and the tail rows, dense, in head_dim space
+    thread_state<Group> s;
+    detail_decode::start_state<HeadDim, Group, collective::lanes_per_row>(p, w, head, s);
     if (w.with_tail) {
       const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
       const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                               static_cast<std::size_t>(run.first) * HeadDim * 2;
       collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
     }
-    detail_decode::write_partial<HeadDim, Group, Threads, collective::lanes_per_row>(p, work_index, head, s, temp);
+    detail_decode::write_partial<HeadDim, Group, Threads, collective::lanes_per_row>(
+        p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, rows>*>(records));
     return;
   }
 
   const packed_decode_params& f = p.format;
   const int kept = f.kept, slot_index = p.tail_slots[w.batch_index];
+  const int stride = detail_packed::padded_values(f.retained);
+  const int stage_bytes = layout::stage_bytes(f.words, f.retained);
   const int num_q_heads = p.num_kv_heads * Group;
   const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
   for (int index = tid; index < Group * HeadDim; index += Threads) split_o[index] = 0.0f;
@@ -193,61 +255,56 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
     split_m[tid] = -HUGE_VALF;
     split_l[tid] = 0.0f;
   }
+  float acc[lane_channels][Group];  // this warp's p.v for the lane's channels, relative to segment_m
+#pragma unroll
+  for (int k = 0; k < lane_channels; ++k)
+#pragma unroll
+    for (int g = 0; g < Group; ++g) acc[k][g] = 0.0f;
 
   // Enters a segment: q' = scale x q B_k, [kept][Group] (B_k's rows are read along j: coalesced),
-  // and an empty state for its rows.
+  // and an empty state.
   const auto enter_segment = [&](const packed_entry& segment) {
     for (int index = tid; index < kept * Group; index += Threads) {
       const int g = index / kept, j = index % kept;
-      float acc = 0.0f;
-      for (int c = 0; c < HeadDim; ++c) acc = fmaf(q[g * HeadDim + c], segment.k_basis[c * kept + j], acc);
-      q_rotated[j * Group + g] = acc * p.softmax_scale;
+      float dot = 0.0f;
+#pragma unroll 8
+      for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(segment.k_basis + c * kept + j), dot);
+      q_rotated[j * Group + g] = dot * p.softmax_scale;
     }
-#pragma unroll
-    for (int g = 0; g < Group; ++g) {
-      s.m[g] = -HUGE_VALF;
-      s.l[g] = 0.0f;
-#pragma unroll
-      for (int i = 0; i < vec; ++i) s.o[g][i] = 0.0f;
+    if (tid < Group) {
+      segment_m[tid] = -HUGE_VALF;
+      segment_l[tid] = 0.0f;
     }
     __syncthreads();
   };
-  // Leaves a segment: the rows' states merged (rotated V space), rotated back once and merged
-  // into the split's state. Every thread calls it after the last tile's barrier.
+  // The warps' accumulators to shared memory (the records' space: every thread calls it after
+  // the last tile's barrier), and zero. Not in a lambda: `acc` stays in registers.
+#define KVMOSAIC_PACKED_STORE_ACCUMULATORS()                                                   \
+  do {                                                                                          \
+    _Pragma("unroll") for (int k = 0; k < lane_channels; ++k) {                                \
+      _Pragma("unroll") for (int g = 0; g < Group; ++g) {                                      \
+        warp_o[(warp * Group + g) * HeadDim + k * 32 + lane] = acc[k][g];                      \
+        acc[k][g] = 0.0f;                                                                       \
+      }                                                                                         \
+    }                                                                                           \
+  } while (false)
+  // Leaves a segment: the warps' accumulators (in warp_o) added up (rotated V space), rotated
+  // back once and merged into the split's state.
   const auto leave_segment = [&](const packed_entry& segment) {
-    const int lane = tid % collective::lanes_per_row, row = tid / collective::lanes_per_row;
-#pragma unroll
-    for (int g = 0; g < Group; ++g) {
-#pragma unroll
-      for (int i = 0; i < vec; ++i) temp.o[row][g][lane * vec + i] = s.o[g][i];
-      if (lane == 0) {
-        temp.m[row][g] = s.m[g];
-        temp.l[row][g] = s.l[g];
-      }
-    }
     __syncthreads();
     for (int index = tid; index < Group * kept; index += Threads) {
       const int g = index / kept, c = index % kept;
-      softmax_state<float> total;
       float o = 0.0f;
-      for (int r = 0; r < rows; ++r) {
-        softmax_state<float> part;
-        part.m = temp.m[r][g];
-        part.l = temp.l[r][g];
-        const merge_weights<float> mw = total.merge(part);
-        o = o * mw.self + temp.o[r][g][c] * mw.other;
-      }
-      o_rotated[g * HeadDim + c] = o;  // relative to the segment's m
-      if (c == 0) {
-        segment_m[g] = total.m;
-        segment_l[g] = total.l;
-      }
+#pragma unroll
+      for (int v = 0; v < warps; ++v) o += warp_o[(v * Group + g) * HeadDim + c];
+      o_rotated[g * HeadDim + c] = o;
     }
     __syncthreads();
     for (int index = tid; index < Group * HeadDim; index += Threads) {
       const int g = index / HeadDim, c = index % HeadDim;
       float o = 0.0f;
-      for (int j = 0; j < kept; ++j) o = fmaf(o_rotated[g * HeadDim + j], segment.v_basis_t[j * HeadDim + c], o);
+#pragma unroll 8
+      for (int j = 0; j < kept; ++j) o = fmaf(o_rotated[g * HeadDim + j], __ldg(segment.v_basis_t + j * HeadDim + c), o);
       softmax_state<float> split{split_m[g], split_l[g]};
       const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
       split_o[index] = split_o[index] * mw.self + o * mw.other;
@@ -262,44 +319,143 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
     __syncthreads();
   };
 
+  // The split's pages segment by segment, in increasing order: a selection's page list may
+  // interleave segments, and each entry and exit costs a rotation.
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
-  int current = -1;
-  packed_entry segment{};
-  for (int i = range.begin; i < range.end; ++i) {
-    const std::int32_t page = table[i];
-    const int page_segment = f.page_segments[page];
-    if (page_segment != current) {
-      if (current >= 0) leave_segment(segment);
-      current = page_segment;
-      segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
-      enter_segment(segment);
+  for (int current = -1;;) {
+    int next = INT_MAX;
+    for (int i = range.begin; i < range.end; ++i) {
+      const int page_segment = f.page_segments[table[i]];
+      if (page_segment > current && page_segment < next) next = page_segment;
     }
-    const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
-    const std::byte* k_page = slot + head * p.k_page_bytes;
-    const std::byte* v_page = slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes;
-    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
-    for (int first = 0; first < p.page_size; first += tile) {
+    if (next == INT_MAX) break;
+    current = next;
+    const packed_entry segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
+    enter_segment(segment);
+    const int k_words = (kept / segment.group[0] + 31) / 32, v_words = (kept / segment.group[1] + 31) / 32;
+    // The segment's tiles (entry i, first row), the next one's records in flight while a tile is
+    // folded: two stages of K and V records.
+    const auto next_entry = [&](int i) {
+      while (i < range.end && f.page_segments[table[i]] != current) ++i;
+      return i;
+    };
+    const auto stage_tile = [&](int i, int first, int stage) {
+      const std::byte* slot = p.pages + static_cast<std::size_t>(table[i]) * p.page_slot_bytes;
+      const std::byte* k_page = slot + head * p.k_page_bytes;
+      const std::byte* v_page = slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes;
+      const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
+      std::byte* k_stage = records + stage * stage_bytes;
+      std::byte* v_stage = k_stage + stage_bytes / 2;
       const int n = min(tile, p.page_size - first);
-      for (int t = tid; t < n; t += Threads) {
-        const int row = first + t;
-        float logit[Group];
-        detail_packed::score_record<T, Group>(detail_packed::record_of(f, k_page, row), segment.group[0], kept, q_rotated, logit);
-        const bool read = rows_read == nullptr || ((rows_read[row >> 5] >> (row & 31)) & 1u) != 0;
+      // The bitmaps as stored, the values at a padded stride (`copy_values_padded`), 16 rows at a
+      // time, skipping the blocks of 16 rows a selection's row masks leave out entirely (their
+      // logits are -inf and their p 0 below).
+      for (int block = 0; block < n; block += 16) {
+        if (detail_decode::sixteen_rows_read(rows_read, first + block) == 0) continue;
+        const std::size_t row = static_cast<std::size_t>(first + block);
+        for (int which = 0; which < 2; ++which) {
+          const std::byte* page = which == 0 ? k_page : v_page;
+          std::byte* to = which == 0 ? k_stage : v_stage;
+          detail_packed::copy_to_shared<Threads>(page + row * f.words * 4, to + block * f.words * 4, 16 * f.words * 4);
+          detail_packed::copy_values_padded<Threads>(page + f.bitmap_bytes + row * f.retained * 2,
+                                                     reinterpret_cast<std::uint16_t*>(to + tile * f.words * 4) + block * stride, 16,
+                                                     f.retained);
+        }
+      }
+      detail::async_copy_commit();
+    };
+    int i = next_entry(range.begin), first = 0, stage = 0;
+    if (i < range.end) stage_tile(i, 0, 0);
+    while (i < range.end) {
+      int next_i = i, next_first = first + tile;
+      if (next_first >= p.page_size) {
+        next_i = next_entry(i + 1);
+        next_first = 0;
+      }
+      if (next_i < range.end) {
+        stage_tile(next_i, next_first, stage ^ 1);
+        detail::async_copy_wait<1>();  // this tile's copies are done, the next tile's in flight
+      } else {
+        detail::async_copy_wait<0>();
+      }
+      __syncthreads();
+      const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
+      const int n = min(tile, p.page_size - first);
+      const std::byte* k_records = records + stage * stage_bytes;
+      const std::byte* v_records = k_records + stage_bytes / 2;
+      const auto* k_values = reinterpret_cast<const std::uint16_t*>(k_records + tile * f.words * 4);
+      const auto* v_values = reinterpret_cast<const std::uint16_t*>(v_records + tile * f.words * 4);
+      // Logits, one thread per token (tile <= 64: warps 0 and 1).
+      float logit[Group];
 #pragma unroll
-        for (int g = 0; g < Group; ++g) logits[g * tile + t] = read ? logit[g] : -HUGE_VALF;
+      for (int g = 0; g < Group; ++g) logit[g] = -HUGE_VALF;
+      if (tid < n) {
+        const int row = first + tid;
+        if (rows_read == nullptr || ((rows_read[row >> 5] >> (row & 31)) & 1u) != 0)
+          detail_packed::with_group(segment.group[0], [&](auto g) {
+            detail_packed::score_record<T, Group, decltype(g)::value>(reinterpret_cast<const std::uint32_t*>(k_records) + tid * f.words,
+                                                                      k_values + tid * stride, k_words, q_rotated, logit);
+          });
       }
-      constexpr int chunks = HeadDim / 8;
-      for (int index = tid; index < n * chunks; index += Threads) {
-        const int t = index / chunks, k = index % chunks;
-        detail_packed::expand_chunk(detail_packed::record_of(f, v_page, first + t), segment.group[1], kept, k,
-                                    v_tile + (t * HeadDim + k * 8) * 2);
+      // The tile's softmax step, once for the CTA: the max and the sum of p by warp shuffles.
+      if (warp < 2) {
+#pragma unroll
+        for (int g = 0; g < Group; ++g) {
+          float m = logit[g];
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+          if (lane == 0) tile_p[warp * Group + g] = m;  // tile_p is free until the p are written
+        }
       }
       __syncthreads();
-      collective::template fold_scored<from_shared>(logits, tile, v_tile, n, s);
+      float m_new[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) m_new[g] = fmaxf(segment_m[g], fmaxf(tile_p[g], tile_p[Group + g]));
+      __syncthreads();  // every thread has read the maxima
+      if (warp < 2) {
+#pragma unroll
+        for (int g = 0; g < Group; ++g) {
+          const float pt = logit[g] == -HUGE_VALF ? 0.0f : __expf(logit[g] - m_new[g]);
+          if (tid < n) tile_p[tid * Group + g] = pt;
+          float sum = pt;
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+          if (lane == 0) rescale[warp * Group + g] = sum;  // [2][Group] partial sums, after rescale's [Group]
+        }
+      }
+      float factor[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) factor[g] = segment_m[g] == -HUGE_VALF ? 0.0f : __expf(segment_m[g] - m_new[g]);
       __syncthreads();
+      if (tid < Group) {
+        segment_l[tid] = segment_l[tid] * factor[tid] + rescale[tid] + rescale[Group + tid];
+        segment_m[tid] = m_new[tid];
+      }
+      // p.v: warp `warp` takes tokens warp, warp + 4, ...; lane owns channels lane + 32 k.
+#pragma unroll
+      for (int g = 0; g < Group; ++g)
+#pragma unroll
+        for (int k = 0; k < lane_channels; ++k) acc[k][g] *= factor[g];
+      detail_packed::with_group(segment.group[1], [&](auto g) {
+        for (int t = warp; t < n; t += warps) {
+          const int row = first + t;
+          if (rows_read != nullptr && ((rows_read[row >> 5] >> (row & 31)) & 1u) == 0) continue;  // p = 0
+          float pt[Group];
+#pragma unroll
+          for (int x = 0; x < Group; ++x) pt[x] = tile_p[t * Group + x];
+          detail_packed::accumulate_record<T, HeadDim, Group, decltype(g)::value>(
+              reinterpret_cast<const std::uint32_t*>(v_records) + t * f.words, v_values + t * stride, v_words, kept, lane, pt, acc);
+        }
+      });
+      __syncthreads();  // this stage and tile_p are free for the tile after next
+      i = next_i;
+      first = next_first;
+      stage ^= 1;
     }
+    KVMOSAIC_PACKED_STORE_ACCUMULATORS();
+    leave_segment(segment);
   }
-  leave_segment(segment);
+#undef KVMOSAIC_PACKED_STORE_ACCUMULATORS
 
   // The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
   // empty state, which merges as nothing).

@@ -50,9 +50,10 @@ struct device_format<format::packed_bitmap> {
   }
 
   template <class Shapes, class F>
-  static void with_decode_kernel(const state&, const format::packed_bitmap&, const device_context& e, bool /*row_masks*/,
+  static void with_decode_kernel(const state&, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape.page());
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, shape.group_size, [&](auto element, auto dim, auto group) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
@@ -60,7 +61,7 @@ struct device_format<format::packed_bitmap> {
       constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
       using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
       call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
-           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes);
+           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
     });
   }
 
