@@ -87,7 +87,7 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
                     q2.format(pi=64, r="nearest", x=exact(4, 128)) + "/quest:budget=0.125,block=16"))
     configs.append(("quant2 Pi=64 nearest sinks4 streaming 1/4",
                     q2.format(pi=64, r="nearest", x=exact(4)) + "/streaming:budget=0.25,sinks=4/hole_fill"))
-    # MosaicKV's stage 1 (host backend only): per-segment SVD rotation, the bottom 25% of the
+    # MosaicKV's stage 1 (either backend, select::all): per-segment SVD rotation, the bottom 25% of the
     # rotated channels truncated, each vector's top r of the rest kept (g = 1). One segment of
     # 64K tokens holds the whole context here.
     pb = "packed_bitmap:retained={r},group=1,truncated=0.25,segment=65536,mode={m},loss=0.05,{x}"

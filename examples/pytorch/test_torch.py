@@ -149,10 +149,10 @@ def test_bad_input_is_a_clear_python_error():
 
 
 def test_packed_bitmap_on_cpu_attends_close_to_dense():
-    """packed_bitmap (MosaicKV's stage 1) runs on the host backend only, so this test runs on the
-    CPU whatever the device: its output equals exact attention over what it stores (read back),
-    and K and V with a few dominant directions, as a model's are, come back close to the rows
-    written, so that it attends close to dense."""
+    """packed_bitmap (MosaicKV's stage 1) on the CPU whatever the device (on CUDA tensors:
+    test_packed_bitmap_on_cuda_matches_cpu): its output equals exact attention over what it
+    stores (read back), and K and V with a few dominant directions, as a model's are, come back
+    close to the rows written, so that it attends close to dense."""
     torch.manual_seed(4)
     kvh, group, d, n = 3, 3, 64, 600
     spec = "packed_bitmap:retained=0.5,group=1,truncated=0.25,segment=1024,mode=fixed,sinks=4/all"
@@ -178,10 +178,61 @@ def test_packed_bitmap_on_cpu_attends_close_to_dense():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs KVMOSAIC_TORCH_DEVICE=cuda (the CUDA build of the extension)")
-def test_packed_bitmap_is_refused_on_cuda():
-    with pytest.raises(ValueError, match="packed_bitmap runs on the host backend only"):
-        ModelCache(1, 3, 3, 64, "packed_bitmap:retained=0.25,sinks=4/all", max_tokens=256, max_sequences=1,
-                   device=DEVICE)
+@pytest.mark.parametrize("strategy", ["group=1,mode=fixed", "group=2,mode=search,loss=0.2"])
+def test_packed_bitmap_on_cuda_matches_cpu(strategy):
+    """A packed_bitmap layer on CUDA tensors attends as the same layer on CPU tensors, and the rows
+    it stores read back as the host's: several segments (256 tokens each), two sequences, prefill
+    and appends across a segment boundary.
+
+    Tolerance: relative L2 < 1e-2. Both backends plan a segment (its rotation) with the same host
+    code on the same rows, but the device encoder sums each row's rotation in fp32 in another order
+    than the host's, so a stored 16-bit value may differ by one bf16 step (2^-8 relative), and a
+    group whose energy ties another's within that rounding may be kept on one backend and not the
+    other; both move a row by far less than 1e-2. The rows written are rank 8 plus noise that the
+    format drops in part, so the format's own error (checked below to exceed 2e-2) is above the
+    tolerance: a layer that stored the rows unpacked, or with another rotation, fails."""
+    torch.manual_seed(5)
+    kvh, group, d = 3, 3, 64
+    lengths, steps = [700, 300], 70  # 700 + 70 crosses into the fourth segment
+    spec = f"packed_bitmap:retained=0.25,{strategy},truncated=0.25,segment=256,sinks=4/all"
+    caches = {dev: ModelCache(1, kvh, group, d, spec, max_tokens=1024, max_sequences=2, device=dev)
+              for dev in ("cpu", DEVICE)}
+    seqs = {dev: [c.add_sequence() for _ in lengths] for dev, c in caches.items()}
+    basis = torch.randn(kvh, 8, d)
+
+    def rows(n):
+        # contiguous: the CUDA backend takes [rows][heads][head_dim] arrays as laid out and rejects strided ones
+        return (torch.einsum("thr,hrd->thd", torch.randn(n, kvh, 8), basis) + 0.2 * torch.randn(n, kvh, d)).contiguous()
+
+    written = [[rows(n), rows(n)] for n in lengths]
+    for i, (k, v) in enumerate(written):
+        for dev, c in caches.items():
+            c.prefill(0, seqs[dev][i], k.to(dev), v.to(dev))
+    for _ in range(steps):
+        k, v = rows(len(lengths)), rows(len(lengths))
+        for dev, c in caches.items():
+            c.append(0, seqs[dev], k.to(dev), v.to(dev))
+        for i in range(len(lengths)):
+            written[i] = [torch.cat([written[i][0], k[i:i + 1]]), torch.cat([written[i][1], v[i:i + 1]])]
+    q = 0.2 * torch.randn(len(lengths), kvh * group, d)
+    want = caches["cpu"].attend(0, seqs["cpu"], q)
+    got = caches[DEVICE].attend(0, seqs[DEVICE], q.to(DEVICE))
+    assert got.device.type == "cuda" and "packed_bitmap" in caches[DEVICE].describe(0)
+    assert torch.isfinite(got).all()
+    for i in range(len(lengths)):
+        (hk, hv), (gk, gv) = caches["cpu"].read(0, seqs["cpu"][i]), caches[DEVICE].read(0, seqs[DEVICE][i])
+        assert gk.shape == hk.shape == (lengths[i] + steps, kvh, d)
+        assert rel_l2(hk, written[i][0]) > 2e-2 and rel_l2(hv, written[i][1]) > 2e-2
+        assert rel_l2(gk.cpu(), hk) < 1e-2 and rel_l2(gv.cpu(), hv) < 1e-2
+        assert rel_l2(got[i].cpu(), want[i]) < 1e-2
+
+
+def test_packed_bitmap_with_a_compactor_is_refused():
+    # packed_bitmap is compiled with select::all and no compactor only (on CUDA the library
+    # compacts no format with segments): an evicting selector with its compactor is refused.
+    with pytest.raises(ValueError, match="no compactor"):
+        ModelCache(1, 3, 3, 64, "packed_bitmap:retained=0.25,sinks=4/streaming:budget=0.5,sinks=4/repack",
+                   max_tokens=256, max_sequences=1, device=DEVICE)
 
 
 def test_ops_are_registered():

@@ -18,7 +18,6 @@ namespace kvmosaic_torch {
 
 /// Makes `kvmosaic::cache<F, S, C, backend::host>` layers.
 struct host_layer_maker {
-  static constexpr bool host = true;  // with_layer_policies gives host-only formats (packed_bitmap) to it
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const {
@@ -29,7 +28,6 @@ struct host_layer_maker {
 /// Makes `kvmosaic::cache<F, S, C, cuda_backend>` layers (cuda_layer.cuh defines the operator and
 /// the kernel shapes).
 struct cuda_layer_maker {
-  static constexpr bool host = false;  // with_layer_policies rejects host-only formats (packed_bitmap)
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const;

@@ -11,14 +11,11 @@
 /// is checked: an unknown key, a bad value or an unsupported combination throws
 /// `kvmosaic::invalid_argument` naming it and the allowed values. `with_layer_policies` turns a
 /// parsed spec into the policy objects and calls a generic function with them, so the caller picks
-/// the backend and never repeats the list of supported combinations. `format::packed_bitmap`
-/// (MosaicKV's stage 1, a format with segments) has no CUDA kernels in the library: it is made
-/// for host layers only, and a CUDA maker rejects it by name.
+/// the backend and never repeats the list of supported combinations.
 
 #include <cstdint>
 #include <map>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -140,13 +137,6 @@ inline kvmosaic::group_combine read_combine(policy_args& args) {
                      {{"max", kvmosaic::group_combine::max}, {"sum", kvmosaic::group_combine::sum}});
 }
 
-/// Whether a maker builds host layers: it says so with `static constexpr bool host = true`
-/// (layer_factory.hpp); any other maker is taken for a CUDA one.
-template <class Make, class = void>
-struct makes_host_layers : std::false_type {};
-template <class Make>
-struct makes_host_layers<Make, std::void_t<decltype(Make::host)>> : std::bool_constant<Make::host> {};
-
 }  // namespace detail
 
 /// Parses `format/selector/compactor`; the compactor may be left out (`none`).
@@ -164,8 +154,9 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 /// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
 /// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
 /// sentence_chunks (with compactor none) and streaming (with hole_fill or repack); quant4 and
-/// V per token (`v_axis=head_dim`, either width) with select::all; and, for host makers only,
-/// packed_bitmap with select::all.
+/// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
+/// select::all. Every combination is made for either backend (`make` is the host or the CUDA maker
+/// of layer_factory.hpp).
 template <class Make>
 auto with_layer_policies(const layer_spec& spec, Make&& make) {
   namespace kv = kvmosaic;
@@ -272,37 +263,32 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     return make(fill(kv::format::quant<2, kv::format::value_axis::head_dim>{}), kv::select::all{}, kv::compact::none{});
   }
   if (spec.format.name == "packed_bitmap") {
-    // MosaicKV's stage 1: a format with segments, which the library runs on backend::host only
-    // (cache<packed_bitmap, ..., backend::cuda> does not compile). Host layers only, with
-    // select::all only (the configuration the library's tests cover).
-    if constexpr (!detail::makes_host_layers<std::decay_t<Make>>::value) {
-      reject("format", spec.format.name,
-             "packed_bitmap on device cpu only (packed_bitmap runs on the host backend only: the library has no "
-             "CUDA kernels for it yet); on cuda: dense, bitmap_tiles, quant2 or quant4");
-    } else {
-      require(spec.selector.name == "all" && spec.selector.values.empty() && spec.compactor.name == "none", "selector",
-              spec.selector.name,
-              "all (with no compactor) for packed_bitmap: this extension compiles it with select::all only");
-      kv::format::packed_bitmap f;
-      f.retained = static_cast<float>(
-          args.number("retained", f.retained, "fraction of head_dim a vector keeps, in (0, 1 - truncated]"));
-      f.group = static_cast<int>(args.integer("group", f.group, "1, 2 or 4 channels per bitmap bit"));
-      f.truncated = static_cast<float>(
-          args.number("truncated", f.truncated, "fraction of head_dim never stored, in [0, 1)"));
-      f.segment_tokens = static_cast<int>(
-          args.integer("segment", f.segment_tokens, "tokens per segment, a multiple of page_size"));
-      f.mode = args.choice("mode", f.mode,
-                           {{"fixed", kv::format::strategy::fixed}, {"search", kv::format::strategy::search}});
-      f.loss_threshold = static_cast<float>(
-          args.number("loss", f.loss_threshold, "mode=search: the largest relative squared error, 0 to 1"));
-      f.block_variance_threshold = static_cast<float>(
-          args.number("block_variance", f.block_variance_threshold, "the largest relative intra-block key variance"));
-      exact_tokens(f);
-      args.finish();
-      return make(f, kv::select::all{}, kv::compact::none{});
-    }
+    // MosaicKV's stage 1, a format with segments, on either backend. Compiled with select::all
+    // and no compactor only: on backend::cuda the library compacts no format with segments
+    // (cache<packed_bitmap, S, repack or hole_fill, backend::cuda> does not compile), and the
+    // extension compiles the one configuration for both backends.
+    require(spec.selector.name == "all" && spec.selector.values.empty() && spec.compactor.name == "none", "selector",
+            spec.selector.name,
+            "all (with no compactor) for packed_bitmap: this extension compiles it with select::all only");
+    kv::format::packed_bitmap f;
+    f.retained = static_cast<float>(
+        args.number("retained", f.retained, "fraction of head_dim a vector keeps, in (0, 1 - truncated]"));
+    f.group = static_cast<int>(args.integer("group", f.group, "1, 2 or 4 channels per bitmap bit"));
+    f.truncated = static_cast<float>(
+        args.number("truncated", f.truncated, "fraction of head_dim never stored, in [0, 1)"));
+    f.segment_tokens = static_cast<int>(
+        args.integer("segment", f.segment_tokens, "tokens per segment, a multiple of page_size"));
+    f.mode = args.choice("mode", f.mode,
+                         {{"fixed", kv::format::strategy::fixed}, {"search", kv::format::strategy::search}});
+    f.loss_threshold = static_cast<float>(
+        args.number("loss", f.loss_threshold, "mode=search: the largest relative squared error, 0 to 1"));
+    f.block_variance_threshold = static_cast<float>(
+        args.number("block_variance", f.block_variance_threshold, "the largest relative intra-block key variance"));
+    exact_tokens(f);
+    args.finish();
+    return make(f, kv::select::all{}, kv::compact::none{});
   }
-  reject("format", spec.format.name, "dense, bitmap_tiles, quant2, quant4 or packed_bitmap (cpu only)");
+  reject("format", spec.format.name, "dense, bitmap_tiles, quant2, quant4 or packed_bitmap");
 }
 
 }  // namespace kvmosaic_torch
