@@ -9434,14 +9434,17 @@ class engine {
   /// Formats with segments: the segment of KV head `head` that page `index` of the sequence in
   /// `slot` is stored in (the host copy of what the kernels read), the bytes the segments of a
   /// sequence of `pages` pages keep, and the host decode of a page copied out of the device.
+  template <class F = Format, std::enable_if_t<has_segments_v<F>, int> = 0>  // not in an explicit instantiation
   const segment_t& segment(std::int32_t slot, std::int64_t index, int head) const {
     const std::int64_t s = index / traits::segment_pages(format_, shape_.page());
     return segments_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(s * shape_.num_kv_heads + head)];
   }
+  template <class F = Format, std::enable_if_t<has_segments_v<F>, int> = 0>
   std::size_t segment_bytes(std::int64_t pages) const {
     const std::int64_t per = traits::segment_pages(format_, shape_.page());
     return static_cast<std::size_t>((pages + per - 1) / per) * shape_.num_kv_heads * traits::segment_bytes(format_, shape_.page());
   }
+  template <class F = Format, std::enable_if_t<has_segments_v<F>, int> = 0>
   void decode_page(std::int32_t slot, std::int64_t index, int head, bool is_v, const std::byte* page, int n, float* rows) const {
     const segment_t& seg = segment(slot, index, head);
     if (is_v) traits::decode_v(format_, shape_.page(), seg, page, n, rows);
@@ -10159,7 +10162,8 @@ void engine<Format, Selector, Shapes>::launch_moves() {
                     stream_);
     if constexpr (encodes_pages) {
       const encode_context e{&c, scratch_.as<const std::byte>(), i32(chunk.written), i32(chunk.weight_rows),
-                             key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written};
+                             key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written,
+                             nullptr};  // formats with segments do not compact on this backend (cache.hpp)
       device::template encode_pages<Shapes>(format_state_, reencoding_, e);
     } else {
       kernel::copy_rows_params back = gather;
