@@ -10761,6 +10761,19 @@ struct device_format<format::dense> {
 /// between segments.
 
 
+// ---- begin <kvmosaic/cuda/collective/row_sources.cuh> ----
+/// \file
+/// Dense row sources of `warp_attend_mma::fold_chunks`: K or V rows that a lane reads one 16-byte
+/// chunk (8 channels) at a time straight into its MMA fragments. A row source has
+///   void pairs(int row, int chunk, uint4 (&x)[2])           channels 8 chunk .. 8 chunk + 15 of
+///                                                           a row (chunk even), 16-bit pairs,
+///                                                           lower channel in the low half
+///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
+///                                                           one value per register
+/// and reads rows past its data as zeros. A format adds its own sources next to its kernels
+/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
+
+
 // ---- begin <kvmosaic/cuda/detail/tile_layout.cuh> ----
 /// \file
 /// Addressing of dense K or V tiles in shared memory, as the attention collectives read them:
@@ -10811,6 +10824,78 @@ struct row_major_tile {
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/detail/tile_layout.cuh> ----
+
+namespace kvmosaic::cuda {
+
+/// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
+__device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
+  const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = words[i] & 0xffffu;
+    v[2 * i + 1] = words[i] >> 16;
+  }
+}
+
+/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
+/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
+/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
+template <class Cursor>
+__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
+}
+
+/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
+__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
+  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
+                    __byte_perm(v[6], v[7], 0x5410));
+}
+
+/// `rows` dense rows of `HeadDim` 16-bit values at `base` in global memory (the dense tail):
+/// one 16-byte load per chunk, zeros past the last row.
+template <int HeadDim>
+struct global_dense_rows {
+  const std::byte* base;
+  int rows;
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    return row < rows ? *reinterpret_cast<const uint4*>(base + (static_cast<std::size_t>(row) * HeadDim + chunk * 8) * 2)
+                      : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+/// A dense tile in shared memory in the 128-byte-swizzled layout `swizzled_tile<Tokens>` (K
+/// scattered from the paper's layout): one conflict-free 16-byte shared load per chunk.
+template <int Tokens>
+struct swizzled_tile_rows {
+  std::uint32_t base;  ///< shared address of the tile
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(base + swizzled_tile<Tokens>::chunk(row, chunk)));
+    return x;
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/collective/row_sources.cuh> ----
 
 namespace kvmosaic::cuda {
 
@@ -10904,21 +10989,6 @@ template <class Cursor, class Address>
 __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cursor, const Address& address,
                                                  std::uint32_t tile_base) {
   for_each_set_bit(bits, [&](std::uint32_t bit) { detail::store_shared_u16(tile_base + address.at(bit), cursor.next()); });
-}
-
-/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
-/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
-/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
-template <class Cursor>
-__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
-}
-
-/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
-__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
-  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
-                    __byte_perm(v[6], v[7], 0x5410));
 }
 
 /// Gathers the 8 dense values of channels [8 c, 8 c + 8) of a 1x64 row tile (one 16-byte chunk of
@@ -11093,77 +11163,6 @@ struct bitmap_segment_expand {
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/bitmap_tiles/expand.cuh> ----
-
-// ---- begin <kvmosaic/cuda/collective/row_sources.cuh> ----
-/// \file
-/// Dense row sources of `warp_attend_mma::fold_chunks`: K or V rows that a lane reads one 16-byte
-/// chunk (8 channels) at a time straight into its MMA fragments. A row source has
-///   void pairs(int row, int chunk, uint4 (&x)[2])           channels 8 chunk .. 8 chunk + 15 of
-///                                                           a row (chunk even), 16-bit pairs,
-///                                                           lower channel in the low half
-///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
-///                                                           one value per register
-/// and reads rows past its data as zeros. A format adds its own sources next to its kernels
-/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
-
-
-
-namespace kvmosaic::cuda {
-
-/// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
-__device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
-  const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = words[i] & 0xffffu;
-    v[2 * i + 1] = words[i] >> 16;
-  }
-}
-
-/// `rows` dense rows of `HeadDim` 16-bit values at `base` in global memory (the dense tail):
-/// one 16-byte load per chunk, zeros past the last row.
-template <int HeadDim>
-struct global_dense_rows {
-  const std::byte* base;
-  int rows;
-
-  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
-    return row < rows ? *reinterpret_cast<const uint4*>(base + (static_cast<std::size_t>(row) * HeadDim + chunk * 8) * 2)
-                      : make_uint4(0u, 0u, 0u, 0u);
-  }
-  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
-    x[0] = chunk_at(row, chunk);
-    x[1] = chunk_at(row, chunk + 1);
-  }
-  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
-    unpack_pairs(chunk_at(row, chunk), v);
-  }
-};
-
-/// A dense tile in shared memory in the 128-byte-swizzled layout `swizzled_tile<Tokens>` (K
-/// scattered from the paper's layout): one conflict-free 16-byte shared load per chunk.
-template <int Tokens>
-struct swizzled_tile_rows {
-  std::uint32_t base;  ///< shared address of the tile
-
-  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
-    uint4 x;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                 : "r"(base + swizzled_tile<Tokens>::chunk(row, chunk)));
-    return x;
-  }
-  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
-    x[0] = chunk_at(row, chunk);
-    x[1] = chunk_at(row, chunk + 1);
-  }
-  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
-    unpack_pairs(chunk_at(row, chunk), v);
-  }
-};
-
-}  // namespace kvmosaic::cuda
-// ---- end <kvmosaic/cuda/collective/row_sources.cuh> ----
 
 namespace kvmosaic::cuda::kernel {
 
@@ -13009,24 +13008,115 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 /// The segments are planned on the host from the rows the host backend would fit them to (the
 /// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
 /// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
-/// (`decode_partial_packed_kernel`, PackedAttention on CUDA cores, sm_75+; no sm_90 pipeline yet).
+/// (`decode_partial_packed_mma_kernel`, PackedAttention on tensor cores with bulk copies, sm_90;
+/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+).
 
 
 
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
 /// \file
-/// The split kernel of `format::packed_bitmap` (MosaicKV's PackedAttention, section 5.3). Per
+/// The split kernels of `format::packed_bitmap` (MosaicKV's PackedAttention, section 5.3). Per
 /// segment of the pages a split reads, the CTA rotates the group's queries once into the
-/// segment's K basis, scores every record on its set bits (no K tile), accumulates p.v in the
-/// rotated V space from V records expanded 64 tokens at a time into a dense shared tile, and
-/// rotates the segment's merged output back once, into the split's state in head_dim space. The
-/// engine's plan keeps a `select::all` split within one segment (one rotation each way per split);
-/// a selection's pages may span several. The dense tail is a split of its own, read as the dense
-/// portable kernel reads it. Portable (sm_75+) CUDA cores; the partials merge with
-/// `merge_splits_kernel`.
+/// segment's K basis, scores the records in the rotated space (no K tile in global memory),
+/// accumulates p.v in the rotated V space and rotates the segment's merged output back once, into
+/// the split's state in head_dim space. The engine's plan keeps a `select::all` split within one
+/// segment (one rotation each way per split); a selection's pages may span several. Two kernels:
+/// on sm_90, `decode_partial_packed_mma_kernel` streams the pages by bulk copies and each warp
+/// gathers its MMA fragments straight from the records (`packed_page_rows`); elsewhere (sm_75+),
+/// `decode_partial_packed_kernel` scores on CUDA cores from records staged by `cp.async`. The
+/// partials merge with `merge_splits_kernel`.
 
 #include <climits>
 
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/rows.cuh> ----
+/// \file
+/// `format::packed_bitmap` records as a row source of `warp_attend_mma::fold_chunks`
+/// (collective/row_sources.cuh): a lane gathers the 8 or 16 rotated channels its MMA fragment
+/// holds straight from a token's record (its bitmap of one bit per group of g channels, then its
+/// retained 16-bit values, packed in channel order), zeros where no bit is set. No dense tile is
+/// written. Cost per chunk pair: the record's bitmap words before the chunk's (popcounts), the
+/// group bits spread to one bit per channel, and 16 predicated 16-bit loads.
+
+
+
+namespace kvmosaic::cuda {
+
+namespace detail {
+
+/// The low 16 / 2^shift group bits of `groups` spread to one bit per channel: bit i becomes bits
+/// [i 2^shift, (i + 1) 2^shift) (shift 0, 1, 2: groups of 1, 2, 4 channels). Morton spreads.
+__device__ __forceinline__ std::uint32_t spread_groups(std::uint32_t groups, int shift) {
+  if (shift == 0) return groups & 0xffffu;
+  if (shift == 1) {
+    std::uint32_t x = groups & 0xffu;
+    x = (x | (x << 4)) & 0x0f0fu;
+    x = (x | (x << 2)) & 0x3333u;
+    x = (x | (x << 1)) & 0x5555u;
+    return x | (x << 1);
+  }
+  std::uint32_t x = groups & 0xfu;
+  x = (x | (x << 6)) & 0x0303u;
+  x = (x | (x << 3)) & 0x1111u;
+  return x * 0xfu;
+}
+
+}  // namespace detail
+
+/// One head's K or V records of a packed_bitmap page (`kvmosaic::detail::packed_geometry`: the
+/// bitmaps [page_size][stride] words, then the values [page_size][retained]), from token `first`
+/// on, in the rotated space of the segment the page was sealed in: channel c is kept where bit
+/// c >> group_shift of the record is set, and its value is the record's value number
+/// (set bits before c's group) << group_shift + c mod g. Channels past the segment's `words`
+/// (its kept channels) read as zeros.
+template <int HeadDim>
+struct packed_page_rows {
+  const std::uint32_t* bits;    ///< the page's bitmaps
+  const std::uint16_t* page_values;  ///< the page's values
+  int stride;                   ///< bitmap words per record of the slot
+  int retained;                 ///< values per record of the slot
+  int words;                    ///< bitmap words the segment's groups fill (kept / g, rounded up)
+  int group_shift;              ///< log2 g
+  int first;
+
+  struct cursor {
+    const std::uint16_t* value;
+    __device__ __forceinline__ std::uint32_t next() { return *value++; }
+  };
+
+  /// Channels [8 chunk, 8 chunk + 16) of `token`'s record: the per-channel mask (16 bits) and
+  /// the cursor at the value of its first kept channel.
+  __device__ __forceinline__ std::uint32_t locate(int token, int chunk, cursor& at) const {
+    const int row = first + token;
+    const std::uint32_t* record = bits + static_cast<std::size_t>(row) * stride;
+    const int bit = (8 * chunk) >> group_shift, word = bit >> 5, shift = bit & 31;
+    int before = 0;
+#pragma unroll
+    for (int w = 0; w < HeadDim / 32; ++w)
+      if (w < word && w < words) before += __popc(record[w]);
+    const std::uint32_t x = word < words ? record[word] : 0u;
+    before += __popc(x & ((1u << shift) - 1u));
+    at.value = page_values + static_cast<std::size_t>(row) * retained + (before << group_shift);
+    return detail::spread_groups(x >> shift, group_shift);
+  }
+  __device__ __forceinline__ void pairs(int token, int chunk, uint4 (&x)[2]) const {
+    cursor at;
+    const std::uint32_t mask = locate(token, chunk, at);
+    std::uint32_t v[8];
+    load_chunk_values(mask & 0xffu, at, v);
+    x[0] = pack_pairs(v);
+    at.value += __popc(mask & 0xffu);
+    load_chunk_values(mask >> 8, at, v);
+    x[1] = pack_pairs(v);
+  }
+  __device__ __forceinline__ void values(int token, int chunk, std::uint32_t (&v)[8]) const {
+    cursor at;
+    const std::uint32_t mask = locate(token, chunk, at);
+    load_chunk_values(mask & 0xffu, at, v);
+  }
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/format/packed_bitmap/rows.cuh> ----
 
 namespace kvmosaic::cuda::kernel {
 
@@ -13041,6 +13131,7 @@ struct packed_decode_params {
   int words;                   ///< bitmap words per record of a page slot (its stride)
   int retained;                ///< 16-bit values per record of a page slot (its stride)
   std::int64_t bitmap_bytes;   ///< the bitmaps of a page (page_size x words x 4): values follow
+  int stages;                  ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
 };
 
 /// One segment of one KV head on the device: B_k ([head_dim][kept] fp32, rotates a query in),
@@ -13475,6 +13566,242 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   }
 }
 
+/// Dynamic shared memory of the sm_90 packed kernel: barriers, the query tiles, a segment's
+/// rotated queries or merged rotated output ([Group][HeadDim] fp32), the split's state in
+/// head_dim space (o, then m, l and the segment's m, l), the warps' states at a segment's end
+/// (`decode_temp_storage`: not the slots, which hold the next segment's pages in flight), then
+/// `stages` page pairs (K and V records of one head, as stored). One formula for the kernel and
+/// for the host's choice of stages.
+template <int HeadDim, int Group>
+struct packed_mma_layout {
+  static constexpr int max_stages = 4;
+  static constexpr int full_offset = 0;      ///< `max_stages` mbarriers: a slot's pages have landed
+  static constexpr int empty_offset = 32;    ///< `max_stages` mbarriers: the 4 warps are done with a slot
+  static constexpr int segment_offset = 64;  ///< `max_stages` ints: the segment of a slot's page
+  static constexpr int query_offset = 128;
+  static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
+  static constexpr int rotated_offset = query_offset + query_bytes;
+  static constexpr int split_offset = rotated_offset + Group * HeadDim * 4;
+  static constexpr int temp_offset = (split_offset + Group * (HeadDim + 4) * 4 + 15) / 16 * 16;
+  static constexpr int temp_bytes = 4 * Group * HeadDim * 4 + 2 * 4 * Group * 4;
+  static constexpr int slots_offset = (temp_offset + temp_bytes + 127) / 128 * 128;
+  static_assert(sizeof(decode_temp_storage<Group, HeadDim, 4>) == temp_bytes, "the warps' states: 4 rows");
+  __host__ __device__ static constexpr int bytes(int pair_bytes, int stages) { return slots_offset + stages * pair_bytes; }
+};
+
+/// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`): five at
+/// head_dim 128 with groups of 4 or fewer, as bitmap_tiles' row-chunk kernel.
+constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 128 && group <= 4 ? 5 : 0; }
+
+/// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
+/// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
+/// copies (one per page and cache, completing on an mbarrier), recording each page's segment.
+/// Per segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
+/// halves in T as the dense path does) and each of the 4 warps folds its 16 tokens of every 64
+/// straight from the records in the slot: its lanes gather the rotated channels their MMA
+/// fragments hold (`packed_page_rows`, `warp_attend_mma::fold_chunks`), so q'.k and p.v' are
+/// MMAs over zero-filled fragments and no dense tile is written. At a segment's end the warps'
+/// states merge, o = o' B_v^T once, and the result merges into the split's state; then the dense
+/// tail, if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
+/// Cost per 16 tokens and warp: the MMAs of the dense kernel over head_dim channels plus, per
+/// lane, 2 x head_dim / 64 K and 4 x head_dim / 64 V chunk gathers; per segment 2 x Group x
+/// head_dim x kept FMAs and four CTA barriers.
+template <class T, int HeadDim, int Group>
+__global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
+  constexpr int threads = 128, warps = 4, tokens = 64;
+  using layout = packed_mma_layout<HeadDim, Group>;
+  using attend = warp_attend_mma<T, HeadDim, Group, tokens, operand_path::row_chunks>;
+  using temp_storage = decode_temp_storage<Group, HeadDim, warps>;
+  static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
+  extern __shared__ __align__(128) std::byte packed_mma_shared[];
+  std::byte* shared = packed_mma_shared;
+  auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::full_offset);
+  auto* empty = reinterpret_cast<std::uint64_t*>(shared + layout::empty_offset);
+  auto* slot_segment = reinterpret_cast<std::int32_t*>(shared + layout::segment_offset);
+  std::byte* query_tiles = shared + layout::query_offset;
+  float* rotated = reinterpret_cast<float*>(shared + layout::rotated_offset);  // [Group][HeadDim]
+  float* split_o = reinterpret_cast<float*>(shared + layout::split_offset);   // [Group][HeadDim]
+  float* split_m = split_o + Group * HeadDim;
+  float* split_l = split_m + Group;
+  float* segment_m = split_l + Group;
+  float* segment_l = segment_m + Group;
+  temp_storage& temp = *reinterpret_cast<temp_storage*>(shared + layout::temp_offset);
+  std::byte* slots = shared + layout::slots_offset;
+
+  const int work_index = static_cast<int>(blockIdx.x);
+  split_work w;
+  if (!detail_decode::start_split(p, work_index, w)) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  const int num_pages = range.end - range.begin;
+  const packed_decode_params& f = p.format;
+  const int stages = f.stages, kept = f.kept, slot_index = p.tail_slots[w.batch_index];
+  const auto k_bytes = static_cast<int>(p.k_page_bytes), v_bytes = static_cast<int>(p.v_page_bytes);
+  const int pair_bytes = k_bytes + v_bytes;
+  const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
+  const int num_q_heads = p.num_kv_heads * Group;
+  const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
+  if (tid == 0)
+    for (int b = 0; b < stages; ++b) {
+      detail::barrier_init(&full[b], 1);
+      detail::barrier_init(&empty[b], warps);
+    }
+  // Thread 0: split page i's K and V records into slot i % stages, and its segment (visible to
+  // the warps once they have waited on the slot's barrier).
+  const auto issue = [&](int i) {
+    const int slot = i % stages;
+    const std::int32_t page_id = table[i];
+    slot_segment[slot] = f.page_segments[page_id];
+    const std::byte* page = p.pages + static_cast<std::size_t>(page_id) * p.page_slot_bytes;
+    detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(pair_bytes));
+    std::byte* destination = slots + slot * pair_bytes;
+    detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
+    detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                                static_cast<std::uint32_t>(v_bytes), &full[slot]);
+  };
+  for (int index = tid; index < Group * HeadDim; index += threads) split_o[index] = 0.0f;
+  if (tid < Group) {
+    split_m[tid] = -HUGE_VALF;
+    split_l[tid] = 0.0f;
+  }
+  __syncthreads();  // the barriers are initialized
+  if (tid == 0)
+    for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
+
+  attend state;
+  // Ends a segment (every thread): the warps' states merge (rotated V space, or head_dim space
+  // for the tail: `basis` null), o = o' B_v^T, and the result merges into the split's state.
+  const auto close_segment = [&](const float* basis) {
+    state.store(temp, warp);
+    __syncthreads();
+    for (int index = tid; index < Group * HeadDim; index += threads) {
+      const int g = index / HeadDim, c = index % HeadDim;
+      softmax_state<float> total;
+      float o = 0.0f;
+#pragma unroll
+      for (int r = 0; r < warps; ++r) {
+        const merge_weights<float> mw = total.merge(softmax_state<float>{temp.m[r][g], temp.l[r][g]});
+        o = o * mw.self + temp.o[r][g][c] * mw.other;
+      }
+      rotated[index] = o;
+      if (c == 0) {
+        segment_m[g] = total.m;
+        segment_l[g] = total.l;
+      }
+    }
+    __syncthreads();
+    for (int index = tid; index < Group * HeadDim; index += threads) {
+      const int g = index / HeadDim, c = index % HeadDim;
+      float o = 0.0f;
+      if (basis == nullptr) {
+        o = rotated[index];
+      } else {
+#pragma unroll 8
+        for (int j = 0; j < kept; ++j) o = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), o);
+      }
+      softmax_state<float> split{split_m[g], split_l[g]};
+      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
+      split_o[index] = split_o[index] * mw.self + o * mw.other;
+    }
+    __syncthreads();
+    if (tid < Group) {
+      softmax_state<float> split{split_m[tid], split_l[tid]};
+      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
+      split_m[tid] = split.m;
+      split_l[tid] = split.l;
+    }
+  };
+  // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
+  // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
+  const auto open_segment = [&](const float* basis) {
+    for (int index = tid; index < Group * HeadDim; index += threads) {
+      const int g = index / HeadDim, j = index % HeadDim;
+      float dot = 0.0f;
+      if (basis == nullptr) {
+        dot = q[index];
+      } else if (j < kept) {
+#pragma unroll 8
+        for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(basis + c * kept + j), dot);
+      }
+      rotated[index] = dot;
+    }
+    __syncthreads();
+    attend::stage_queries(rotated, p.softmax_scale, query_tiles, threads);
+    __syncthreads();
+    state.start();
+  };
+
+  const int rows_first = warp * 16;  // the warp's rows of every 64
+  int current = -1;
+  packed_entry segment{};
+  packed_page_rows<HeadDim> k_rows{}, v_rows{};
+  for (int i = 0; i < num_pages; ++i) {
+    const int slot = i % stages;
+    detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
+    const int page_segment = slot_segment[slot];
+    if (page_segment != current) {  // every warp reaches this page before any leaves it
+      if (current >= 0) close_segment(segment.v_basis_t);
+      current = page_segment;
+      segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
+      const int k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
+      const int v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
+      k_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[0] + 31) / 32, k_shift, 0};
+      v_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[1] + 31) / 32, v_shift, 0};
+      open_segment(segment.k_basis);
+    }
+    const std::byte* k_page = slots + slot * pair_bytes;
+    const std::byte* v_page = k_page + k_bytes;
+    k_rows.bits = reinterpret_cast<const std::uint32_t*>(k_page);
+    k_rows.page_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
+    v_rows.bits = reinterpret_cast<const std::uint32_t*>(v_page);
+    v_rows.page_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
+    for (int first = 0; first < p.page_size; first += tokens) {
+      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) &
+                                 attend::rows_before(first + rows_first, p.page_size);
+      if (rows != 0) {
+        k_rows.first = v_rows.first = first;
+        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows);
+      }
+    }
+    // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
+    __syncwarp();
+    if (lane == 0) detail::barrier_arrive(&empty[slot]);
+    if (tid == 0 && i + stages < num_pages) {
+      detail::barrier_wait(&empty[slot], static_cast<std::uint32_t>((i / stages) & 1));
+      issue(i + stages);
+    }
+  }
+  if (current >= 0) close_segment(segment.v_basis_t);
+  if (w.with_tail) {  // the exact rows and the tail rows, one dense run, in head_dim space
+    __syncthreads();  // the query tiles are free
+    open_segment(nullptr);
+    const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
+    const std::byte* tail = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
+                            static_cast<std::size_t>(run.first) * HeadDim * 2;
+    const std::byte* k_tail = tail + head * p.tail_head_bytes;
+    const std::byte* v_tail = tail + (p.num_kv_heads + head) * p.tail_head_bytes;
+    for (int first = 0; first < run.rows; first += tokens) {
+      const std::uint32_t warp_rows = attend::rows_before(first + rows_first, run.rows);
+      const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
+      if (warp_rows != 0)
+        state.fold_chunks(global_dense_rows<HeadDim>{k_tail + skip, run.rows - first},
+                          global_dense_rows<HeadDim>{v_tail + skip, run.rows - first}, query_tiles, rows_first, warp_rows);
+    }
+    close_segment(nullptr);
+  }
+  __syncthreads();
+  // The split's partial: o / l and its log-sum-exp (an empty split writes the empty state).
+  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+  for (int index = tid; index < Group * HeadDim; index += threads) {
+    const int g = index / HeadDim;
+    const softmax_state<float> split{split_m[g], split_l[g]};
+    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
+    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
+  }
+}
+
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
 
@@ -13611,22 +13938,38 @@ struct device_format<format::packed_bitmap> {
   using traits = format_traits<format::packed_bitmap>;
 
   struct state {
-    int stages = 0;               ///< no compressed stages: one portable kernel
+    int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
 
-  /// One kernel on every device: the sm_90 pipelines are off for this format.
+  /// The sm_90 kernel's stages, as bitmap_tiles chooses them: as many CTAs per SM as its
+  /// registers allow with at least one page pair each, then up to two pairs. Without bulk copies,
+  /// or where not one pair fits: the portable kernel (stages = 0).
   template <class Shapes>
-  static void configure(state& s, const format::packed_bitmap&, device_context& e) {
-    s.stages = 0;
-    e.bulk_copy = false;
+  static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
+    s.stages = 0;
+    if (!e.bulk_copy) return;
+    s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
+    int registers = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
+      cudaFuncAttributes attributes{};
+      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+      registers = attributes.numRegs;
+    });
+    const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+    int slots_offset = 0;
+    detail::dispatch_shape(Shapes{}, e.shape->storage, e.shape->head_dim, e.shape->group_size, [&](auto, auto dim, auto group) {
+      slots_offset = kernel::packed_mma_layout<decltype(dim)::value, decltype(group)::value>::slots_offset;
+    });
+    s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
+    if (s.stages == 0) e.bulk_copy = false;
   }
 
   template <class Shapes, class F>
-  static void with_decode_kernel(const state&, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
+  static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape.page());
@@ -13634,10 +13977,16 @@ struct device_format<format::packed_bitmap> {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
-      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
-      call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
-           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
+      if (s.stages > 0) {
+        const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size>, 128,
+             kernel::packed_mma_layout<head_dim, group_size>::bytes(pair, s.stages));
+      } else {
+        constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+        using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
+        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+             kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
+      }
     });
   }
 
@@ -13652,11 +14001,14 @@ struct device_format<format::packed_bitmap> {
                   g.kept,
                   g.words,
                   g.retained,
-                  static_cast<std::int64_t>(g.bitmap_bytes())};
+                  static_cast<std::int64_t>(g.bitmap_bytes()),
+                  s.stages};
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
-  static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
+
+
+  static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 
   /// Bytes of one segment of one KV head in the engine's segment arena (`kernel::packed_entry`).
   static std::size_t segment_entry_bytes(const format::packed_bitmap& f, const page_shape& shape) {

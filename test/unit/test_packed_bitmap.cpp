@@ -87,12 +87,8 @@ double check_against_decoded(Cache& kv, sequence_id seq, const cache_config& c, 
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const std::vector<double> exact = host::exact_attention(tensor_view<const float, 2>(q.data(), qh, d), test::k_view(dec), test::v_view(dec), scale);
   if (bounded) {
-    std::vector<double> per_head(q.size());  // each KV head's rows against its own segment
-    for (int h = 0; h < heads; ++h) {
-      const std::vector<double> b = rotated_bound(q, dec, c.group_size, scale, kv.engine().segment(kv.slot(seq), 0, h), c.page_size);
-      std::copy_n(b.begin() + static_cast<std::ptrdiff_t>(h) * c.group_size * d, c.group_size * d,
-                  per_head.begin() + static_cast<std::ptrdiff_t>(h) * c.group_size * d);
-    }
+    const std::vector<double> per_head =  // each KV head's rows against its own segment
+        rotated_bound(q, dec, c.group_size, scale, [&](int h) { return kv.engine().segment(kv.slot(seq), 0, h); }, c.page_size);
     for (std::size_t i = 0; i < out.size(); ++i) {
       INFO("element " << i);
       CHECK(std::abs(out[i] - exact[i]) <= per_head[i]);

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvmosaic/cuda/collective/row_sources.cuh"
 #include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/detail/tile_layout.cuh"
 
@@ -113,21 +114,6 @@ template <class Cursor, class Address>
 __device__ __forceinline__ void scatter_set_bits(std::uint64_t bits, Cursor& cursor, const Address& address,
                                                  std::uint32_t tile_base) {
   for_each_set_bit(bits, [&](std::uint32_t bit) { detail::store_shared_u16(tile_base + address.at(bit), cursor.next()); });
-}
-
-/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
-/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
-/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
-template <class Cursor>
-__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
-}
-
-/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
-__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
-  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
-                    __byte_perm(v[6], v[7], 0x5410));
 }
 
 /// Gathers the 8 dense values of channels [8 c, 8 c + 8) of a 1x64 row tile (one 16-byte chunk of

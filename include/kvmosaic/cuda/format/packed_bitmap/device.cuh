@@ -7,7 +7,8 @@
 /// The segments are planned on the host from the rows the host backend would fit them to (the
 /// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
 /// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
-/// (`decode_partial_packed_kernel`, PackedAttention on CUDA cores, sm_75+; no sm_90 pipeline yet).
+/// (`decode_partial_packed_mma_kernel`, PackedAttention on tensor cores with bulk copies, sm_90;
+/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+).
 
 #include <cuda_runtime.h>
 
@@ -35,22 +36,38 @@ struct device_format<format::packed_bitmap> {
   using traits = format_traits<format::packed_bitmap>;
 
   struct state {
-    int stages = 0;               ///< no compressed stages: one portable kernel
+    int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
 
-  /// One kernel on every device: the sm_90 pipelines are off for this format.
+  /// The sm_90 kernel's stages, as bitmap_tiles chooses them: as many CTAs per SM as its
+  /// registers allow with at least one page pair each, then up to two pairs. Without bulk copies,
+  /// or where not one pair fits: the portable kernel (stages = 0).
   template <class Shapes>
-  static void configure(state& s, const format::packed_bitmap&, device_context& e) {
-    s.stages = 0;
-    e.bulk_copy = false;
+  static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
+    s.stages = 0;
+    if (!e.bulk_copy) return;
+    s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
+    int registers = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
+      cudaFuncAttributes attributes{};
+      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+      registers = attributes.numRegs;
+    });
+    const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+    int slots_offset = 0;
+    detail::dispatch_shape(Shapes{}, e.shape->storage, e.shape->head_dim, e.shape->group_size, [&](auto, auto dim, auto group) {
+      slots_offset = kernel::packed_mma_layout<decltype(dim)::value, decltype(group)::value>::slots_offset;
+    });
+    s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
+    if (s.stages == 0) e.bulk_copy = false;
   }
 
   template <class Shapes, class F>
-  static void with_decode_kernel(const state&, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
+  static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape.page());
@@ -58,10 +75,16 @@ struct device_format<format::packed_bitmap> {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
-      constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
-      using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
-      call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
-           kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
+      if (s.stages > 0) {
+        const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size>, 128,
+             kernel::packed_mma_layout<head_dim, group_size>::bytes(pair, s.stages));
+      } else {
+        constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
+        using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
+        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+             kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
+      }
     });
   }
 
@@ -76,11 +99,14 @@ struct device_format<format::packed_bitmap> {
                   g.kept,
                   g.words,
                   g.retained,
-                  static_cast<std::int64_t>(g.bitmap_bytes())};
+                  static_cast<std::int64_t>(g.bitmap_bytes()),
+                  s.stages};
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
-  static bool splits_p_on_tensor_cores(const state&, const device_context&) { return false; }
+
+
+  static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 
   /// Bytes of one segment of one KV head in the engine's segment arena (`kernel::packed_entry`).
   static std::size_t segment_entry_bytes(const format::packed_bitmap& f, const page_shape& shape) {
