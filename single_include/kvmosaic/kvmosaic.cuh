@@ -7721,6 +7721,152 @@ struct mma_scorer {
 /// tokens per stage; the CTA merges the warps' states at the end of a split.
 
 
+// ---- begin <kvmosaic/cuda/collective/row_sources.cuh> ----
+/// \file
+/// Dense row sources of `warp_attend_mma::fold_chunks`: K or V rows that a lane reads one 16-byte
+/// chunk (8 channels) at a time straight into its MMA fragments. A row source has
+///   void pairs(int row, int chunk, uint4 (&x)[2])           channels 8 chunk .. 8 chunk + 15 of
+///                                                           a row (chunk even), 16-bit pairs,
+///                                                           lower channel in the low half
+///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
+///                                                           one value per register
+/// and reads rows past its data as zeros. A source whose `pairs` costs about one `values` (one
+/// locate for both chunks) says so with `static constexpr bool gathers_value_pairs = true`, and
+/// `fold_chunks` then reads its V rows by `pairs` too. A format adds its own sources next to its kernels
+/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
+
+
+// ---- begin <kvmosaic/cuda/detail/tile_layout.cuh> ----
+/// \file
+/// Addressing of dense K or V tiles in shared memory, as the attention collectives read them:
+/// the 128-byte-swizzled layout of the tensor-core collective and plain rows for the SIMT one.
+/// Pure index arithmetic; the kernels that fill tiles (a format's expansion, a TMA box) and
+/// the row sources that read them (collective/row_sources.cuh) share it.
+
+
+namespace kvmosaic::cuda {
+
+/// Dense tile addressing: the 128-byte-swizzled layout of the tensor-core collective (64-channel
+/// blocks of `Tokens` rows of 128 bytes; 16-byte chunk k of row r at chunk k ^ (r mod 8)).
+/// `column(c).at(t)` hoists what is constant along a K tile in the paper's layout (a channel),
+/// leaving 2-4 integer operations per element.
+template <int Tokens>
+struct swizzled_tile {
+  struct column_address {
+    std::uint32_t base, chunk_key;
+    /// Byte offset of (token, this channel): t * 128 + ((t mod 8) ^ chunk) * 16 + base.
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const {
+      return base + (token << 7) + (((token << 4) & 0x70u) ^ chunk_key);
+    }
+  };
+  __device__ __forceinline__ static column_address column(int channel) {
+    return {static_cast<std::uint32_t>((channel / 64) * Tokens * 128 + (channel % 8) * 2),
+            static_cast<std::uint32_t>(((channel % 64) / 8) << 4)};
+  }
+  /// Byte offset of the 16-byte chunk holding channels 8 k .. 8 k + 7 of a token.
+  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
+    return static_cast<std::uint32_t>((k / 8) * Tokens * 128 + token * 128 + (((k % 8) ^ (token & 7)) << 4));
+  }
+};
+
+/// Dense tile addressing: plain rows of `HeadDim` 16-bit values (the SIMT collective's layout).
+template <int HeadDim>
+struct row_major_tile {
+  struct column_address {
+    std::uint32_t base;
+    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const { return base + token * (HeadDim * 2); }
+  };
+  __device__ __forceinline__ static column_address column(int channel) {
+    return {static_cast<std::uint32_t>(channel * 2)};
+  }
+  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
+    return static_cast<std::uint32_t>((token * HeadDim + k * 8) * 2);
+  }
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/detail/tile_layout.cuh> ----
+
+namespace kvmosaic::cuda {
+
+/// Whether row source `Rows` asks to be read two chunks at a time for V (`gathers_value_pairs`;
+/// false where it does not say).
+template <class Rows, class = void>
+struct gathers_value_pairs : std::false_type {};
+template <class Rows>
+struct gathers_value_pairs<Rows, std::void_t<decltype(Rows::gathers_value_pairs)>>
+    : std::integral_constant<bool, Rows::gathers_value_pairs> {};
+
+/// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
+__device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
+  const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = words[i] & 0xffffu;
+    v[2 * i + 1] = words[i] >> 16;
+  }
+}
+
+/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
+/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
+/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
+template <class Cursor>
+__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
+}
+
+/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
+__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
+  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
+                    __byte_perm(v[6], v[7], 0x5410));
+}
+
+/// `rows` dense rows of `HeadDim` 16-bit values at `base` in global memory (the dense tail):
+/// one 16-byte load per chunk, zeros past the last row.
+template <int HeadDim>
+struct global_dense_rows {
+  const std::byte* base;
+  int rows;
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    return row < rows ? *reinterpret_cast<const uint4*>(base + (static_cast<std::size_t>(row) * HeadDim + chunk * 8) * 2)
+                      : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+/// A dense tile in shared memory in the 128-byte-swizzled layout `swizzled_tile<Tokens>` (K
+/// scattered from the paper's layout): one conflict-free 16-byte shared load per chunk.
+template <int Tokens>
+struct swizzled_tile_rows {
+  std::uint32_t base;  ///< shared address of the tile
+
+  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(base + swizzled_tile<Tokens>::chunk(row, chunk)));
+    return x;
+  }
+  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
+    x[0] = chunk_at(row, chunk);
+    x[1] = chunk_at(row, chunk + 1);
+  }
+  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
+    unpack_pairs(chunk_at(row, chunk), v);
+  }
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/collective/row_sources.cuh> ----
+
 // ---- begin <kvmosaic/cuda/detail/tma.cuh> ----
 /// \file
 /// Hopper tensor-memory-accelerator (TMA) pieces for the dense decode kernel: 2D tiled copies of
@@ -7926,7 +8072,9 @@ struct warp_attend_mma {
   /// `fold` with K and V taken from row sources instead of tiles (row_sources.cuh):
   /// `k_rows.pairs(token, chunk, x)` gives channels 8 chunk .. 8 chunk + 15 of K row `token` as
   /// 16-bit pairs, and `v_rows.values(token, chunk, v)` channels 8 chunk .. 8 chunk + 7 of V as 8
-  /// registers (one value each, zero-extended). Rows past the data must read as zeros.
+  /// registers (one value each, zero-extended). Rows past the data must read as zeros. A V source
+  /// that locates two chunks for the price of one (`gathers_value_pairs`) is read with `pairs`
+  /// instead, two chunks per call, where head_dim >= 128.
   /// Per lane and 16 tokens: D / 8 K chunks (tokens g and g + 8) and D / 16 V chunks (tokens
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
@@ -7949,23 +8097,49 @@ struct warp_attend_mma {
     }
     const p_fragments p = online_softmax(s, rows);
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
+    if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
+      // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
 #pragma unroll
-    for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
-      const int chunk = g * chunks_per_group + part;
-      std::uint32_t a[4][4];
+      for (int part = 0; part < chunks_per_group; part += 2) {  // channel tiles 4 part .. 4 part + 7
+        const int chunk = g * chunks_per_group + part;
+        std::uint32_t a[8][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
-        std::uint32_t even[8], odd[8];
-        v_rows.values(first + 2 * q + 8 * half, chunk, even);
-        v_rows.values(first + 2 * q + 8 * half + 1, chunk, odd);
+        for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
+          uint4 even[2], odd[2];
+          v_rows.pairs(first + 2 * q + 8 * half, chunk, even);
+          v_rows.pairs(first + 2 * q + 8 * half + 1, chunk, odd);
 #pragma unroll
-        for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
-          a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
-          a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          for (int tile = 0; tile < 8; ++tile) {  // word tile % 4 of the pair: channels 2 (tile % 4), + 1
+            const uint4& ev = even[tile / 4];
+            const uint4& od = odd[tile / 4];
+            const std::uint32_t ew = tile % 4 == 0 ? ev.x : tile % 4 == 1 ? ev.y : tile % 4 == 2 ? ev.z : ev.w;
+            const std::uint32_t ow = tile % 4 == 0 ? od.x : tile % 4 == 1 ? od.y : tile % 4 == 2 ? od.z : od.w;
+            a[tile][2 * half] = __byte_perm(ew, ow, 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(ew, ow, 0x7632);
+          }
         }
-      }
 #pragma unroll
-      for (int tile = 0; tile < 4; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+        for (int tile = 0; tile < 8; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+      }
+    } else {
+#pragma unroll
+      for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
+        const int chunk = g * chunks_per_group + part;
+        std::uint32_t a[4][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
+          std::uint32_t even[8], odd[8];
+          v_rows.values(first + 2 * q + 8 * half, chunk, even);
+          v_rows.values(first + 2 * q + 8 * half + 1, chunk, odd);
+#pragma unroll
+          for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
+            a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          }
+        }
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+      }
     }
   }
   /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads
@@ -10761,141 +10935,6 @@ struct device_format<format::dense> {
 /// between segments.
 
 
-// ---- begin <kvmosaic/cuda/collective/row_sources.cuh> ----
-/// \file
-/// Dense row sources of `warp_attend_mma::fold_chunks`: K or V rows that a lane reads one 16-byte
-/// chunk (8 channels) at a time straight into its MMA fragments. A row source has
-///   void pairs(int row, int chunk, uint4 (&x)[2])           channels 8 chunk .. 8 chunk + 15 of
-///                                                           a row (chunk even), 16-bit pairs,
-///                                                           lower channel in the low half
-///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
-///                                                           one value per register
-/// and reads rows past its data as zeros. A format adds its own sources next to its kernels
-/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
-
-
-// ---- begin <kvmosaic/cuda/detail/tile_layout.cuh> ----
-/// \file
-/// Addressing of dense K or V tiles in shared memory, as the attention collectives read them:
-/// the 128-byte-swizzled layout of the tensor-core collective and plain rows for the SIMT one.
-/// Pure index arithmetic; the kernels that fill tiles (a format's expansion, a TMA box) and
-/// the row sources that read them (collective/row_sources.cuh) share it.
-
-
-namespace kvmosaic::cuda {
-
-/// Dense tile addressing: the 128-byte-swizzled layout of the tensor-core collective (64-channel
-/// blocks of `Tokens` rows of 128 bytes; 16-byte chunk k of row r at chunk k ^ (r mod 8)).
-/// `column(c).at(t)` hoists what is constant along a K tile in the paper's layout (a channel),
-/// leaving 2-4 integer operations per element.
-template <int Tokens>
-struct swizzled_tile {
-  struct column_address {
-    std::uint32_t base, chunk_key;
-    /// Byte offset of (token, this channel): t * 128 + ((t mod 8) ^ chunk) * 16 + base.
-    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const {
-      return base + (token << 7) + (((token << 4) & 0x70u) ^ chunk_key);
-    }
-  };
-  __device__ __forceinline__ static column_address column(int channel) {
-    return {static_cast<std::uint32_t>((channel / 64) * Tokens * 128 + (channel % 8) * 2),
-            static_cast<std::uint32_t>(((channel % 64) / 8) << 4)};
-  }
-  /// Byte offset of the 16-byte chunk holding channels 8 k .. 8 k + 7 of a token.
-  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
-    return static_cast<std::uint32_t>((k / 8) * Tokens * 128 + token * 128 + (((k % 8) ^ (token & 7)) << 4));
-  }
-};
-
-/// Dense tile addressing: plain rows of `HeadDim` 16-bit values (the SIMT collective's layout).
-template <int HeadDim>
-struct row_major_tile {
-  struct column_address {
-    std::uint32_t base;
-    __device__ __forceinline__ std::uint32_t at(std::uint32_t token) const { return base + token * (HeadDim * 2); }
-  };
-  __device__ __forceinline__ static column_address column(int channel) {
-    return {static_cast<std::uint32_t>(channel * 2)};
-  }
-  __device__ __forceinline__ static std::uint32_t chunk(int token, int k) {
-    return static_cast<std::uint32_t>((token * HeadDim + k * 8) * 2);
-  }
-};
-
-}  // namespace kvmosaic::cuda
-// ---- end <kvmosaic/cuda/detail/tile_layout.cuh> ----
-
-namespace kvmosaic::cuda {
-
-/// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
-__device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
-  const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = words[i] & 0xffffu;
-    v[2 * i + 1] = words[i] >> 16;
-  }
-}
-
-/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
-/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
-/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
-template <class Cursor>
-__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
-}
-
-/// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
-__device__ __forceinline__ uint4 pack_pairs(const std::uint32_t (&v)[8]) {
-  return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410), __byte_perm(v[4], v[5], 0x5410),
-                    __byte_perm(v[6], v[7], 0x5410));
-}
-
-/// `rows` dense rows of `HeadDim` 16-bit values at `base` in global memory (the dense tail):
-/// one 16-byte load per chunk, zeros past the last row.
-template <int HeadDim>
-struct global_dense_rows {
-  const std::byte* base;
-  int rows;
-
-  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
-    return row < rows ? *reinterpret_cast<const uint4*>(base + (static_cast<std::size_t>(row) * HeadDim + chunk * 8) * 2)
-                      : make_uint4(0u, 0u, 0u, 0u);
-  }
-  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
-    x[0] = chunk_at(row, chunk);
-    x[1] = chunk_at(row, chunk + 1);
-  }
-  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
-    unpack_pairs(chunk_at(row, chunk), v);
-  }
-};
-
-/// A dense tile in shared memory in the 128-byte-swizzled layout `swizzled_tile<Tokens>` (K
-/// scattered from the paper's layout): one conflict-free 16-byte shared load per chunk.
-template <int Tokens>
-struct swizzled_tile_rows {
-  std::uint32_t base;  ///< shared address of the tile
-
-  __device__ __forceinline__ uint4 chunk_at(int row, int chunk) const {
-    uint4 x;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                 : "r"(base + swizzled_tile<Tokens>::chunk(row, chunk)));
-    return x;
-  }
-  __device__ __forceinline__ void pairs(int row, int chunk, uint4 (&x)[2]) const {
-    x[0] = chunk_at(row, chunk);
-    x[1] = chunk_at(row, chunk + 1);
-  }
-  __device__ __forceinline__ void values(int row, int chunk, std::uint32_t (&v)[8]) const {
-    unpack_pairs(chunk_at(row, chunk), v);
-  }
-};
-
-}  // namespace kvmosaic::cuda
-// ---- end <kvmosaic/cuda/collective/row_sources.cuh> ----
 
 namespace kvmosaic::cuda {
 
@@ -13077,6 +13116,8 @@ struct packed_page_rows {
   int words;                    ///< bitmap words the segment's groups fill (kept / g, rounded up)
   int group_shift;              ///< log2 g
   int first;
+  /// `pairs` locates its 16 channels once: `fold_chunks` reads V by it too.
+  static constexpr bool gathers_value_pairs = true;
 
   struct cursor {
     const std::uint16_t* value;
@@ -13288,6 +13329,67 @@ __device__ __forceinline__ void with_group(int group, F&& f) {
   else f(std::integral_constant<int, 4>{});
 }
 
+/// A packed split's state in head_dim space in shared memory (o [Group][HeadDim], then m, l) and
+/// the (m, l) of the segment being merged into it ([Group] each, after l): `Group x (HeadDim + 4)`
+/// floats from `o` on. Every thread of the CTA calls its members.
+template <int HeadDim, int Group, int Threads>
+struct split_state {
+  float* o;
+  __device__ __forceinline__ float* m() const { return o + Group * HeadDim; }
+  __device__ __forceinline__ float* l() const { return m() + Group; }
+  __device__ __forceinline__ float* segment_m() const { return l() + Group; }
+  __device__ __forceinline__ float* segment_l() const { return segment_m() + Group; }
+
+  /// The empty state. A barrier must follow before it is read.
+  __device__ __forceinline__ void start() const {
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) o[index] = 0.0f;
+    if (threadIdx.x < Group) {
+      m()[threadIdx.x] = -HUGE_VALF;
+      l()[threadIdx.x] = 0.0f;
+    }
+  }
+
+  /// Merges a segment's output into the state: o_seg = rotated B_v^T (`rotated`: [Group][HeadDim]
+  /// in shared memory, its first `kept` channels; `basis` B_v transposed, [kept][HeadDim], or null
+  /// for an output already in head_dim space) with the segment's (m, l). Cost: Group x head_dim x
+  /// kept FMAs and one barrier; a barrier must follow before the state is read.
+  __device__ __forceinline__ void merge_segment(const float* rotated, const float* basis, int kept) const {
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+      const int g = index / HeadDim, c = index % HeadDim;
+      float out = 0.0f;
+      if (basis == nullptr) {
+        out = rotated[index];
+      } else {
+#pragma unroll 8
+        for (int j = 0; j < kept; ++j) out = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), out);
+      }
+      softmax_state<float> split{m()[g], l()[g]};
+      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
+      o[index] = o[index] * mw.self + out * mw.other;
+    }
+    __syncthreads();  // every thread has read m and l
+    if (threadIdx.x < Group) {
+      softmax_state<float> split{m()[threadIdx.x], l()[threadIdx.x]};
+      split.merge(softmax_state<float>{segment_m()[threadIdx.x], segment_l()[threadIdx.x]});
+      m()[threadIdx.x] = split.m;
+      l()[threadIdx.x] = split.l;
+    }
+  }
+
+  /// The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
+  /// empty state, which merges as nothing). After a barrier.
+  __device__ __forceinline__ void write(const decode_params& p, int work_index, int head) const {
+    const int num_q_heads = p.num_kv_heads * Group;
+    const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+      const int g = index / HeadDim;
+      const softmax_state<float> split{m()[g], l()[g]};
+      p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? o[index] / split.l : 0.0f;
+      if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
+    }
+  }
+};
+
 }  // namespace detail_packed
 
 /// The packed_bitmap split kernel (sm_75+). Grid: (splits capacity, num_kv_heads); 128 threads.
@@ -13312,11 +13414,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   float* q_rotated = reinterpret_cast<float*>(packed_shared + layout::query_offset);
   float* tile_p = reinterpret_cast<float*>(packed_shared + layout::p_offset);  // [tile][Group]
   float* o_rotated = reinterpret_cast<float*>(packed_shared + layout::output_offset);
-  float* split_o = reinterpret_cast<float*>(packed_shared + layout::split_offset);  // [Group][HeadDim]
-  float* split_m = split_o + Group * HeadDim;
-  float* split_l = split_m + Group;
-  float* segment_m = split_l + Group;  // the segment's running (m, l), [Group] each
-  float* segment_l = segment_m + Group;
+  const detail_packed::split_state<HeadDim, Group, Threads> split{reinterpret_cast<float*>(packed_shared + layout::split_offset)};
+  float* segment_m = split.segment_m();  // the segment's running (m, l), [Group] each
+  float* segment_l = split.segment_l();
   float* rescale = segment_l + Group;  // the tile's partial sums of p, [2][Group]
   std::byte* records = packed_shared + layout::records_offset;  // two stages of a tile's K and V records
   float* warp_o = reinterpret_cast<float*>(records);  // [warps][Group][HeadDim], after a segment's tiles
@@ -13348,11 +13448,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   const int stage_bytes = layout::stage_bytes(f.words, f.retained);
   const int num_q_heads = p.num_kv_heads * Group;
   const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
-  for (int index = tid; index < Group * HeadDim; index += Threads) split_o[index] = 0.0f;
-  if (tid < Group) {
-    split_m[tid] = -HUGE_VALF;
-    split_l[tid] = 0.0f;
-  }
+  split.start();
   float acc[lane_channels][Group];  // this warp's p.v for the lane's channels, relative to segment_m
 #pragma unroll
   for (int k = 0; k < lane_channels; ++k)
@@ -13398,22 +13494,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
       o_rotated[g * HeadDim + c] = o;
     }
     __syncthreads();
-    for (int index = tid; index < Group * HeadDim; index += Threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float o = 0.0f;
-#pragma unroll 8
-      for (int j = 0; j < kept; ++j) o = fmaf(o_rotated[g * HeadDim + j], __ldg(segment.v_basis_t + j * HeadDim + c), o);
-      softmax_state<float> split{split_m[g], split_l[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
-      split_o[index] = split_o[index] * mw.self + o * mw.other;
-    }
-    __syncthreads();
-    if (tid < Group) {
-      softmax_state<float> split{split_m[tid], split_l[tid]};
-      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
-      split_m[tid] = split.m;
-      split_l[tid] = split.l;
-    }
+    split.merge_segment(o_rotated, segment.v_basis_t, kept);
     __syncthreads();
   };
 
@@ -13555,16 +13636,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   }
 #undef KVMOSAIC_PACKED_STORE_ACCUMULATORS
 
-  // The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
-  // empty state, which merges as nothing).
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = tid; index < Group * HeadDim; index += Threads) {
-    const int g = index / HeadDim;
-    const softmax_state<float> split{split_m[g], split_l[g]};
-    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
-    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
-  }
+  split.write(p, work_index, head);
 }
+
 
 /// Dynamic shared memory of the sm_90 packed kernel: barriers, the query tiles, a segment's
 /// rotated queries or merged rotated output ([Group][HeadDim] fp32), the split's state in
@@ -13620,11 +13694,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   auto* slot_segment = reinterpret_cast<std::int32_t*>(shared + layout::segment_offset);
   std::byte* query_tiles = shared + layout::query_offset;
   float* rotated = reinterpret_cast<float*>(shared + layout::rotated_offset);  // [Group][HeadDim]
-  float* split_o = reinterpret_cast<float*>(shared + layout::split_offset);   // [Group][HeadDim]
-  float* split_m = split_o + Group * HeadDim;
-  float* split_l = split_m + Group;
-  float* segment_m = split_l + Group;
-  float* segment_l = segment_m + Group;
+  const detail_packed::split_state<HeadDim, Group, threads> split{reinterpret_cast<float*>(shared + layout::split_offset)};
   temp_storage& temp = *reinterpret_cast<temp_storage*>(shared + layout::temp_offset);
   std::byte* slots = shared + layout::slots_offset;
 
@@ -13660,11 +13730,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                                 static_cast<std::uint32_t>(v_bytes), &full[slot]);
   };
-  for (int index = tid; index < Group * HeadDim; index += threads) split_o[index] = 0.0f;
-  if (tid < Group) {
-    split_m[tid] = -HUGE_VALF;
-    split_l[tid] = 0.0f;
-  }
+  split.start();
   __syncthreads();  // the barriers are initialized
   if (tid == 0)
     for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
@@ -13686,31 +13752,12 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       }
       rotated[index] = o;
       if (c == 0) {
-        segment_m[g] = total.m;
-        segment_l[g] = total.l;
+        split.segment_m()[g] = total.m;
+        split.segment_l()[g] = total.l;
       }
     }
     __syncthreads();
-    for (int index = tid; index < Group * HeadDim; index += threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float o = 0.0f;
-      if (basis == nullptr) {
-        o = rotated[index];
-      } else {
-#pragma unroll 8
-        for (int j = 0; j < kept; ++j) o = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), o);
-      }
-      softmax_state<float> split{split_m[g], split_l[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
-      split_o[index] = split_o[index] * mw.self + o * mw.other;
-    }
-    __syncthreads();
-    if (tid < Group) {
-      softmax_state<float> split{split_m[tid], split_l[tid]};
-      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
-      split_m[tid] = split.m;
-      split_l[tid] = split.l;
-    }
+    split.merge_segment(rotated, basis, kept);
   };
   // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
   // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
@@ -13792,15 +13839,9 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     close_segment(nullptr);
   }
   __syncthreads();
-  // The split's partial: o / l and its log-sum-exp (an empty split writes the empty state).
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = tid; index < Group * HeadDim; index += threads) {
-    const int g = index / HeadDim;
-    const softmax_state<float> split{split_m[g], split_l[g]};
-    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
-    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
-  }
+  split.write(p, work_index, head);
 }
+
 
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----

@@ -9,15 +9,26 @@
 ///                                                           lower channel in the low half
 ///   void values(int row, int chunk, std::uint32_t (&v)[8])  channels 8 chunk .. 8 chunk + 7,
 ///                                                           one value per register
-/// and reads rows past its data as zeros. A format adds its own sources next to its kernels
+/// and reads rows past its data as zeros. A source whose `pairs` costs about one `values` (one
+/// locate for both chunks) says so with `static constexpr bool gathers_value_pairs = true`, and
+/// `fold_chunks` then reads its V rows by `pairs` too. A format adds its own sources next to its kernels
 /// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmosaic/cuda/detail/tile_layout.cuh"
 
 namespace kvmosaic::cuda {
+
+/// Whether row source `Rows` asks to be read two chunks at a time for V (`gathers_value_pairs`;
+/// false where it does not say).
+template <class Rows, class = void>
+struct gathers_value_pairs : std::false_type {};
+template <class Rows>
+struct gathers_value_pairs<Rows, std::void_t<decltype(Rows::gathers_value_pairs)>>
+    : std::integral_constant<bool, Rows::gathers_value_pairs> {};
 
 /// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
 __device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {

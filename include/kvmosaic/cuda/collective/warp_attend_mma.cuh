@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/collective/row_sources.cuh"
 #include "kvmosaic/cuda/detail/mma.cuh"
 #include "kvmosaic/cuda/detail/tma.cuh"
 
@@ -153,7 +154,9 @@ struct warp_attend_mma {
   /// `fold` with K and V taken from row sources instead of tiles (row_sources.cuh):
   /// `k_rows.pairs(token, chunk, x)` gives channels 8 chunk .. 8 chunk + 15 of K row `token` as
   /// 16-bit pairs, and `v_rows.values(token, chunk, v)` channels 8 chunk .. 8 chunk + 7 of V as 8
-  /// registers (one value each, zero-extended). Rows past the data must read as zeros.
+  /// registers (one value each, zero-extended). Rows past the data must read as zeros. A V source
+  /// that locates two chunks for the price of one (`gathers_value_pairs`) is read with `pairs`
+  /// instead, two chunks per call, where head_dim >= 128.
   /// Per lane and 16 tokens: D / 8 K chunks (tokens g and g + 8) and D / 16 V chunks (tokens
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
@@ -176,23 +179,49 @@ struct warp_attend_mma {
     }
     const p_fragments p = online_softmax(s, rows);
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
+    if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
+      // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
 #pragma unroll
-    for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
-      const int chunk = g * chunks_per_group + part;
-      std::uint32_t a[4][4];
+      for (int part = 0; part < chunks_per_group; part += 2) {  // channel tiles 4 part .. 4 part + 7
+        const int chunk = g * chunks_per_group + part;
+        std::uint32_t a[8][4];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
-        std::uint32_t even[8], odd[8];
-        v_rows.values(first + 2 * q + 8 * half, chunk, even);
-        v_rows.values(first + 2 * q + 8 * half + 1, chunk, odd);
+        for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
+          uint4 even[2], odd[2];
+          v_rows.pairs(first + 2 * q + 8 * half, chunk, even);
+          v_rows.pairs(first + 2 * q + 8 * half + 1, chunk, odd);
 #pragma unroll
-        for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
-          a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
-          a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          for (int tile = 0; tile < 8; ++tile) {  // word tile % 4 of the pair: channels 2 (tile % 4), + 1
+            const uint4& ev = even[tile / 4];
+            const uint4& od = odd[tile / 4];
+            const std::uint32_t ew = tile % 4 == 0 ? ev.x : tile % 4 == 1 ? ev.y : tile % 4 == 2 ? ev.z : ev.w;
+            const std::uint32_t ow = tile % 4 == 0 ? od.x : tile % 4 == 1 ? od.y : tile % 4 == 2 ? od.z : od.w;
+            a[tile][2 * half] = __byte_perm(ew, ow, 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(ew, ow, 0x7632);
+          }
         }
-      }
 #pragma unroll
-      for (int tile = 0; tile < 4; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+        for (int tile = 0; tile < 8; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+      }
+    } else {
+#pragma unroll
+      for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
+        const int chunk = g * chunks_per_group + part;
+        std::uint32_t a[4][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // tokens (2 q, 2 q + 1), then (2 q + 8, 2 q + 9)
+          std::uint32_t even[8], odd[8];
+          v_rows.values(first + 2 * q + 8 * half, chunk, even);
+          v_rows.values(first + 2 * q + 8 * half + 1, chunk, odd);
+#pragma unroll
+          for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
+            a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          }
+        }
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) accumulate(o[4 * part + tile], a[tile], p);
+      }
     }
   }
   /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads

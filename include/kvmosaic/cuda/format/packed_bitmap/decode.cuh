@@ -194,6 +194,67 @@ __device__ __forceinline__ void with_group(int group, F&& f) {
   else f(std::integral_constant<int, 4>{});
 }
 
+/// A packed split's state in head_dim space in shared memory (o [Group][HeadDim], then m, l) and
+/// the (m, l) of the segment being merged into it ([Group] each, after l): `Group x (HeadDim + 4)`
+/// floats from `o` on. Every thread of the CTA calls its members.
+template <int HeadDim, int Group, int Threads>
+struct split_state {
+  float* o;
+  __device__ __forceinline__ float* m() const { return o + Group * HeadDim; }
+  __device__ __forceinline__ float* l() const { return m() + Group; }
+  __device__ __forceinline__ float* segment_m() const { return l() + Group; }
+  __device__ __forceinline__ float* segment_l() const { return segment_m() + Group; }
+
+  /// The empty state. A barrier must follow before it is read.
+  __device__ __forceinline__ void start() const {
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) o[index] = 0.0f;
+    if (threadIdx.x < Group) {
+      m()[threadIdx.x] = -HUGE_VALF;
+      l()[threadIdx.x] = 0.0f;
+    }
+  }
+
+  /// Merges a segment's output into the state: o_seg = rotated B_v^T (`rotated`: [Group][HeadDim]
+  /// in shared memory, its first `kept` channels; `basis` B_v transposed, [kept][HeadDim], or null
+  /// for an output already in head_dim space) with the segment's (m, l). Cost: Group x head_dim x
+  /// kept FMAs and one barrier; a barrier must follow before the state is read.
+  __device__ __forceinline__ void merge_segment(const float* rotated, const float* basis, int kept) const {
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+      const int g = index / HeadDim, c = index % HeadDim;
+      float out = 0.0f;
+      if (basis == nullptr) {
+        out = rotated[index];
+      } else {
+#pragma unroll 8
+        for (int j = 0; j < kept; ++j) out = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), out);
+      }
+      softmax_state<float> split{m()[g], l()[g]};
+      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
+      o[index] = o[index] * mw.self + out * mw.other;
+    }
+    __syncthreads();  // every thread has read m and l
+    if (threadIdx.x < Group) {
+      softmax_state<float> split{m()[threadIdx.x], l()[threadIdx.x]};
+      split.merge(softmax_state<float>{segment_m()[threadIdx.x], segment_l()[threadIdx.x]});
+      m()[threadIdx.x] = split.m;
+      l()[threadIdx.x] = split.l;
+    }
+  }
+
+  /// The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
+  /// empty state, which merges as nothing). After a barrier.
+  __device__ __forceinline__ void write(const decode_params& p, int work_index, int head) const {
+    const int num_q_heads = p.num_kv_heads * Group;
+    const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
+    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
+      const int g = index / HeadDim;
+      const softmax_state<float> split{m()[g], l()[g]};
+      p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? o[index] / split.l : 0.0f;
+      if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
+    }
+  }
+};
+
 }  // namespace detail_packed
 
 /// The packed_bitmap split kernel (sm_75+). Grid: (splits capacity, num_kv_heads); 128 threads.
@@ -218,11 +279,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   float* q_rotated = reinterpret_cast<float*>(packed_shared + layout::query_offset);
   float* tile_p = reinterpret_cast<float*>(packed_shared + layout::p_offset);  // [tile][Group]
   float* o_rotated = reinterpret_cast<float*>(packed_shared + layout::output_offset);
-  float* split_o = reinterpret_cast<float*>(packed_shared + layout::split_offset);  // [Group][HeadDim]
-  float* split_m = split_o + Group * HeadDim;
-  float* split_l = split_m + Group;
-  float* segment_m = split_l + Group;  // the segment's running (m, l), [Group] each
-  float* segment_l = segment_m + Group;
+  const detail_packed::split_state<HeadDim, Group, Threads> split{reinterpret_cast<float*>(packed_shared + layout::split_offset)};
+  float* segment_m = split.segment_m();  // the segment's running (m, l), [Group] each
+  float* segment_l = split.segment_l();
   float* rescale = segment_l + Group;  // the tile's partial sums of p, [2][Group]
   std::byte* records = packed_shared + layout::records_offset;  // two stages of a tile's K and V records
   float* warp_o = reinterpret_cast<float*>(records);  // [warps][Group][HeadDim], after a segment's tiles
@@ -254,11 +313,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   const int stage_bytes = layout::stage_bytes(f.words, f.retained);
   const int num_q_heads = p.num_kv_heads * Group;
   const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
-  for (int index = tid; index < Group * HeadDim; index += Threads) split_o[index] = 0.0f;
-  if (tid < Group) {
-    split_m[tid] = -HUGE_VALF;
-    split_l[tid] = 0.0f;
-  }
+  split.start();
   float acc[lane_channels][Group];  // this warp's p.v for the lane's channels, relative to segment_m
 #pragma unroll
   for (int k = 0; k < lane_channels; ++k)
@@ -304,22 +359,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
       o_rotated[g * HeadDim + c] = o;
     }
     __syncthreads();
-    for (int index = tid; index < Group * HeadDim; index += Threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float o = 0.0f;
-#pragma unroll 8
-      for (int j = 0; j < kept; ++j) o = fmaf(o_rotated[g * HeadDim + j], __ldg(segment.v_basis_t + j * HeadDim + c), o);
-      softmax_state<float> split{split_m[g], split_l[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
-      split_o[index] = split_o[index] * mw.self + o * mw.other;
-    }
-    __syncthreads();
-    if (tid < Group) {
-      softmax_state<float> split{split_m[tid], split_l[tid]};
-      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
-      split_m[tid] = split.m;
-      split_l[tid] = split.l;
-    }
+    split.merge_segment(o_rotated, segment.v_basis_t, kept);
     __syncthreads();
   };
 
@@ -461,16 +501,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   }
 #undef KVMOSAIC_PACKED_STORE_ACCUMULATORS
 
-  // The split's partial: o / l and its log-sum-exp (an empty split, every row masked, writes the
-  // empty state, which merges as nothing).
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = tid; index < Group * HeadDim; index += Threads) {
-    const int g = index / HeadDim;
-    const softmax_state<float> split{split_m[g], split_l[g]};
-    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
-    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
-  }
+  split.write(p, work_index, head);
 }
+
 
 /// Dynamic shared memory of the sm_90 packed kernel: barriers, the query tiles, a segment's
 /// rotated queries or merged rotated output ([Group][HeadDim] fp32), the split's state in
@@ -526,11 +559,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   auto* slot_segment = reinterpret_cast<std::int32_t*>(shared + layout::segment_offset);
   std::byte* query_tiles = shared + layout::query_offset;
   float* rotated = reinterpret_cast<float*>(shared + layout::rotated_offset);  // [Group][HeadDim]
-  float* split_o = reinterpret_cast<float*>(shared + layout::split_offset);   // [Group][HeadDim]
-  float* split_m = split_o + Group * HeadDim;
-  float* split_l = split_m + Group;
-  float* segment_m = split_l + Group;
-  float* segment_l = segment_m + Group;
+  const detail_packed::split_state<HeadDim, Group, threads> split{reinterpret_cast<float*>(shared + layout::split_offset)};
   temp_storage& temp = *reinterpret_cast<temp_storage*>(shared + layout::temp_offset);
   std::byte* slots = shared + layout::slots_offset;
 
@@ -566,11 +595,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                                 static_cast<std::uint32_t>(v_bytes), &full[slot]);
   };
-  for (int index = tid; index < Group * HeadDim; index += threads) split_o[index] = 0.0f;
-  if (tid < Group) {
-    split_m[tid] = -HUGE_VALF;
-    split_l[tid] = 0.0f;
-  }
+  split.start();
   __syncthreads();  // the barriers are initialized
   if (tid == 0)
     for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
@@ -592,31 +617,12 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       }
       rotated[index] = o;
       if (c == 0) {
-        segment_m[g] = total.m;
-        segment_l[g] = total.l;
+        split.segment_m()[g] = total.m;
+        split.segment_l()[g] = total.l;
       }
     }
     __syncthreads();
-    for (int index = tid; index < Group * HeadDim; index += threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float o = 0.0f;
-      if (basis == nullptr) {
-        o = rotated[index];
-      } else {
-#pragma unroll 8
-        for (int j = 0; j < kept; ++j) o = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), o);
-      }
-      softmax_state<float> split{split_m[g], split_l[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m[g], segment_l[g]});
-      split_o[index] = split_o[index] * mw.self + o * mw.other;
-    }
-    __syncthreads();
-    if (tid < Group) {
-      softmax_state<float> split{split_m[tid], split_l[tid]};
-      split.merge(softmax_state<float>{segment_m[tid], segment_l[tid]});
-      split_m[tid] = split.m;
-      split_l[tid] = split.l;
-    }
+    split.merge_segment(rotated, basis, kept);
   };
   // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
   // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
@@ -698,14 +704,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     close_segment(nullptr);
   }
   __syncthreads();
-  // The split's partial: o / l and its log-sum-exp (an empty split writes the empty state).
-  const std::size_t partial_base = static_cast<std::size_t>(work_index) * num_q_heads + head * Group;
-  for (int index = tid; index < Group * HeadDim; index += threads) {
-    const int g = index / HeadDim;
-    const softmax_state<float> split{split_m[g], split_l[g]};
-    p.partial_o[(partial_base + g) * HeadDim + index % HeadDim] = split.l > 0.0f ? split_o[index] / split.l : 0.0f;
-    if (index % HeadDim == 0) p.partial_lse[partial_base + g] = split.log_sum_exp();
-  }
+  split.write(p, work_index, head);
 }
+
 
 }  // namespace kvmosaic::cuda::kernel

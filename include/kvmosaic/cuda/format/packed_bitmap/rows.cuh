@@ -52,6 +52,8 @@ struct packed_page_rows {
   int words;                    ///< bitmap words the segment's groups fill (kept / g, rounded up)
   int group_shift;              ///< log2 g
   int first;
+  /// `pairs` locates its 16 channels once: `fold_chunks` reads V by it too.
+  static constexpr bool gathers_value_pairs = true;
 
   struct cursor {
     const std::uint16_t* value;
