@@ -543,8 +543,8 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// states merge, o = o' B_v^T once, and the result merges into the split's state; then the dense
 /// tail, if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
 /// Cost per 16 tokens and warp: the MMAs of the dense kernel over head_dim channels plus, per
-/// lane, 2 x head_dim / 64 K and 4 x head_dim / 64 V chunk gathers; per segment 2 x Group x
-/// head_dim x kept FMAs and four CTA barriers.
+/// lane, 2 x head_dim / 64 K and 2 x head_dim / 64 V gathers of 16 channels (4 of 8 for V at
+/// head_dim 64); per segment 2 x Group x head_dim x kept FMAs and five CTA barriers.
 template <class T, int HeadDim, int Group>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
