@@ -9123,6 +9123,15 @@ int opted_in_shared(Kernel kernel, int bytes, int static_bytes = 0) {
   return bytes;
 }
 
+/// Registers per thread of `kernel` (a handle as a device format's `with_decode_kernel` passes it),
+/// what a kernel's occupancy is sized by (`stages_for`). Cost: one attribute query.
+template <class Kernel>
+int registers_of(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return attributes.numRegs;
+}
+
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
 /// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most
@@ -11706,7 +11715,8 @@ struct device_format<format::bitmap_tiles> {
     s.stages = 0;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel sizes the kernel with while the registers are read
-    const int kernel_registers = registers_of<Shapes>(s, f, e);
+    int kernel_registers = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) { kernel_registers = detail::registers_of(kernel); });
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
     const int pair = static_cast<int>(g.k_page_bytes + g.v_page_bytes);
     const auto shared_bytes = [&](int stages) {
@@ -11806,18 +11816,6 @@ struct device_format<format::bitmap_tiles> {
       kernel::unpack_bitmap_pages_kernel<decltype(dim)::value><<<grid, kernel::bitmap_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
-  }
-
- private:
-  template <class Shapes>
-  static int registers_of(const state& s, const format::bitmap_tiles& f, const device_context& e) {
-    int registers = 0;
-    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
-      cudaFuncAttributes attributes{};
-      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      registers = attributes.numRegs;
-    });
-    return registers;
   }
 };
 
@@ -13994,16 +13992,11 @@ struct device_format<format::packed_bitmap> {
     s.stages = 0;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
-    int registers = 0;
-    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
-      cudaFuncAttributes attributes{};
-      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      registers = attributes.numRegs;
-    });
     const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
-    int slots_offset = 0;
-    detail::dispatch_shape(Shapes{}, e.shape->storage, e.shape->head_dim, e.shape->group_size, [&](auto, auto dim, auto group) {
-      slots_offset = kernel::packed_mma_layout<decltype(dim)::value, decltype(group)::value>::slots_offset;
+    int registers = 0, slots_offset = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int shared_bytes) {
+      registers = detail::registers_of(kernel);
+      slots_offset = shared_bytes - pair;  // one stage
     });
     s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
     if (s.stages == 0) e.bulk_copy = false;
@@ -14047,7 +14040,6 @@ struct device_format<format::packed_bitmap> {
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
-
 
   static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 

@@ -111,6 +111,15 @@ int opted_in_shared(Kernel kernel, int bytes, int static_bytes = 0) {
   return bytes;
 }
 
+/// Registers per thread of `kernel` (a handle as a device format's `with_decode_kernel` passes it),
+/// what a kernel's occupancy is sized by (`stages_for`). Cost: one attribute query.
+template <class Kernel>
+int registers_of(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return attributes.numRegs;
+}
+
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
 /// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most

@@ -49,7 +49,8 @@ struct device_format<format::bitmap_tiles> {
     s.stages = 0;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel sizes the kernel with while the registers are read
-    const int kernel_registers = registers_of<Shapes>(s, f, e);
+    int kernel_registers = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) { kernel_registers = detail::registers_of(kernel); });
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
     const int pair = static_cast<int>(g.k_page_bytes + g.v_page_bytes);
     const auto shared_bytes = [&](int stages) {
@@ -149,18 +150,6 @@ struct device_format<format::bitmap_tiles> {
       kernel::unpack_bitmap_pages_kernel<decltype(dim)::value><<<grid, kernel::bitmap_unpack_threads, 0, e.stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
-  }
-
- private:
-  template <class Shapes>
-  static int registers_of(const state& s, const format::bitmap_tiles& f, const device_context& e) {
-    int registers = 0;
-    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
-      cudaFuncAttributes attributes{};
-      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      registers = attributes.numRegs;
-    });
-    return registers;
   }
 };
 

@@ -51,16 +51,11 @@ struct device_format<format::packed_bitmap> {
     s.stages = 0;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
-    int registers = 0;
-    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int) {
-      cudaFuncAttributes attributes{};
-      KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      registers = attributes.numRegs;
-    });
     const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
-    int slots_offset = 0;
-    detail::dispatch_shape(Shapes{}, e.shape->storage, e.shape->head_dim, e.shape->group_size, [&](auto, auto dim, auto group) {
-      slots_offset = kernel::packed_mma_layout<decltype(dim)::value, decltype(group)::value>::slots_offset;
+    int registers = 0, slots_offset = 0;
+    with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int shared_bytes) {
+      registers = detail::registers_of(kernel);
+      slots_offset = shared_bytes - pair;  // one stage
     });
     s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
     if (s.stages == 0) e.bulk_copy = false;
@@ -104,7 +99,6 @@ struct device_format<format::packed_bitmap> {
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
-
 
   static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 
