@@ -14124,9 +14124,9 @@ struct device_format<format::packed_bitmap> {
 /// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
 /// run on the device between the step's metadata copy and the split kernel, with no host round
 /// trip, so a selected step is captured in a CUDA graph like a dense one.
-///   - `score_pages_kernel`: one warp per (sequence, page, KV head): Quest's bound of q . k from the
-///     page's key bounds for each query head of the group, combined (select/span_score.hpp gives
-///     the fp32 order, which the host backend follows to the bit).
+///   - `score_pages_kernel`: one warp per 16 spans of a (sequence, KV head): Quest's bound of q . k
+///     from each span's key bounds, or q . mean key, for each query head of the group, combined
+///     (select/span_score.hpp gives the fp32 order, which the host backend follows to the bit).
 ///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
 ///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
 ///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
@@ -14183,80 +14183,133 @@ struct select_params {
   const std::uint32_t* live_masks;
 };
 
-/// Warps per CTA of the scoring kernel, and pages per warp (their loads issued together).
+/// Warps per CTA of the scoring kernel.
 inline constexpr int score_warps = 8;
-inline constexpr int score_pages_per_warp = 4;
-
 namespace detail_select {
-/// `Count` consecutive 16-bit values as floats, with one vector load (Count = 2, 4 or 8).
+/// `Count` consecutive 16-bit values as they are stored, with one vector load (Count = 2, 4 or 8).
+template <int Count>
+using raw_vector = std::conditional_t<Count == 8, uint4, std::conditional_t<Count == 4, uint2, unsigned>>;
 template <class T, int Count>
-__device__ __forceinline__ void load_floats(const T* source, float* out) {
-  using vector = std::conditional_t<Count == 8, uint4, std::conditional_t<Count == 4, uint2, unsigned>>;
-  const vector raw = *reinterpret_cast<const vector*>(source);
+__device__ __forceinline__ raw_vector<Count> load_raw(const T* source) {
+  return *reinterpret_cast<const raw_vector<Count>*>(source);
+}
+/// The values of a `load_raw` as floats.
+template <class T, int Count>
+__device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* out) {
   const T* values = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
 }  // namespace detail_select
 
-/// Quest scores of every sealed page. Each warp scores `score_pages_per_warp` pages: their page
-/// ids, then all their bounds, are loaded before any arithmetic, so a warp keeps 4 x 512 bytes in
-/// flight (head_dim 128); the group's queries are staged in shared memory once per CTA (every warp
-/// of the CTA reads the same (sequence, KV head)). Grid: (num_kv_heads, ceil(pages / (score_warps
-/// x score_pages_per_warp)), batch): the KV heads of the same pages side by side, so the CTAs in
-/// flight read each page's bounds (every head's, contiguous) together (heads outermost measured
-/// the same; this is the natural order).
-template <class T, int HeadDim>
+namespace detail_select {
+/// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
+/// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
+/// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
+/// per-value butterfly would give (addition commutes), for 31 shuffles instead of 160. Values i
+/// and i + 16 are asked for together and exchanged at once, so 16 are live at a time.
+template <class Value>
+__device__ __forceinline__ float reduce_scatter(const Value& value) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  float v[16];
+  const bool upper16 = (lane & 16) != 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float low = value(i), high = value(i + 16);
+    v[i] = __fadd_rn(upper16 ? high : low, __shfl_xor_sync(0xffffffffu, upper16 ? low : high, 16));
+  }
+#pragma unroll
+  for (int half = 8; half >= 1; half /= 2) {  // `half` values stay with the lane; offset = half
+    const bool upper = (lane & half) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? v[i] : v[i + half];
+      const float keep = upper ? v[i + half] : v[i];
+      v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, half));
+    }
+  }
+  return v[0];
+}
+}  // namespace detail_select
+
+/// Quest bounds (`SummaryRows` 2: lo and hi rows) or mean-key scores (1: one row, scored as
+/// lo = hi) of every span, for groups of up to `Heads` query heads (4 or 8). Each warp scores
+/// 32 / Heads consecutive spans (the Heads heads of each: one reduction): their entry ids, then
+/// their summaries, are loaded before anything waits on them, and only then are the group's
+/// queries staged in shared memory (every warp of the CTA reads the same (sequence, KV head)), so
+/// a CTA waits on two loads. Lane l holds channels [l w, (l + 1) w), w = head_dim / 32, and sums
+/// them in order; the 32 lanes' partial sums of the warp's (span, head) pairs are then reduced at
+/// once (`reduce_scatter`): the canonical order of select/span_score.hpp, which the host backend
+/// follows to the bit. Grid: (num_kv_heads, ceil(spans / (score_warps x 32 / Heads)), batch): the
+/// KV heads of the same entries side by side, so the CTAs in flight read each entry's summaries
+/// (every head's, contiguous) together.
+template <class T, int HeadDim, int SummaryRows, int Heads>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
+  static_assert(SummaryRows == 1 || SummaryRows == 2, "a span's summary: a mean row, or lo and hi rows");
+  static_assert(Heads == 4 || Heads == 8, "heads per reduction: 4 (groups of up to 4) or 8");
   constexpr int width = HeadDim / 32;  // contiguous channels per lane: the canonical order
-  constexpr int per_warp = score_pages_per_warp;
+  constexpr int per_warp = 32 / Heads;
+  using raw = detail_select::raw_vector<width>;
   __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
-  const int pages = p.span_counts[b];  // spans: pages, page blocks or chunks
+  const int spans = p.span_counts[b];  // pages, page blocks or chunks
   const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
-  if (cta_first >= pages) return;  // the whole CTA: before the barrier below
-  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
-  for (int i = static_cast<int>(threadIdx.x); i < p.group_size * HeadDim; i += score_warps * 32) queries[i] = q[i];
-  const int first = cta_first + warp * per_warp;
+  if (cta_first >= spans) return;  // the whole CTA: before the barrier below
+  const int first = cta_first + warp * per_warp, last = spans - 1;
+  // Span first + k (the last span past the end) is block `slot` of entry `entry`: one division,
+  // then a step per span.
   const int per_entry = p.spans_per_entry;
-  std::int32_t ids[per_warp];
-#pragma unroll
-  for (int k = 0; k < per_warp; ++k)
-    ids[k] = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + min(first + k, pages - 1) / per_entry];
-  float low[per_warp][width], high[per_warp][width];
+  int entry = min(first, last) / per_entry, slot = min(first, last) % per_entry;
+  raw low[per_warp], high[per_warp];
 #pragma unroll
   for (int k = 0; k < per_warp; ++k) {
-    const int in_entry = min(first + k, pages - 1) % per_entry;
-    const T* lo = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(ids[k]) * p.bounds_entry_bytes) +
-                  (static_cast<std::size_t>(head) * per_entry + in_entry) * p.summary_rows * HeadDim + lane * width;
-    detail_select::load_floats<T, width>(lo, low[k]);
-    detail_select::load_floats<T, width>(lo + (p.summary_rows - 1) * HeadDim, high[k]);  // a mean: lo = hi
-  }
-  __syncthreads();  // the queries are staged
-  if (first >= pages) return;
-  float combined[per_warp] = {};
-  for (int g = 0; g < p.group_size; ++g) {
-    float qc[width];
-#pragma unroll
-    for (int j = 0; j < width; ++j) qc[j] = queries[g * HeadDim + lane * width + j];
-#pragma unroll
-    for (int k = 0; k < per_warp; ++k) {
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < width; ++j)  // no fused multiply-add: the host's order, to the bit
-        s = __fadd_rn(s, __fmul_rn(qc[j], qc[j] >= 0.0f ? high[k][j] : low[k][j]));
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset /= 2) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
-      combined[k] = g == 0 ? s : p.combine_sum ? __fadd_rn(combined[k], s) : (s > combined[k] ? s : combined[k]);
+    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+    const T* row = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
+                   (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim + lane * width;
+    low[k] = detail_select::load_raw<T, width>(row);
+    high[k] = SummaryRows == 2 ? detail_select::load_raw<T, width>(row + HeadDim) : low[k];
+    if (first + k < last && ++slot == per_entry) {
+      slot = 0;
+      ++entry;
     }
   }
-  if (lane < per_warp && first + lane < pages) {
-    float mine = combined[0];
+  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
+  const int group = p.group_size;
+  for (int i = static_cast<int>(threadIdx.x); i < group * HeadDim; i += score_warps * 32) queries[i] = q[i];
+  __syncthreads();  // the queries are staged
+  if (first >= spans) return;
+  float qc[Heads][width];  // this lane's channels of each head (zero past the group: never combined)
 #pragma unroll
-    for (int k = 1; k < per_warp; ++k) mine = lane == k ? combined[k] : mine;
-    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + first + lane] = mine;
+  for (int g = 0; g < Heads; ++g)
+#pragma unroll
+    for (int j = 0; j < width; ++j) qc[g][j] = g < group ? queries[g * HeadDim + lane * width + j] : 0.0f;
+  float lo[per_warp][width], hi[per_warp][width];
+#pragma unroll
+  for (int k = 0; k < per_warp; ++k) {
+    detail_select::to_floats<T, width>(low[k], lo[k]);
+    detail_select::to_floats<T, width>(high[k], hi[k]);
   }
+  // Value s x Heads + g: this lane's channels of span s of the warp, head g.
+  const auto partial = [&](int index) {
+    const int s = index / Heads, g = index % Heads;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < width; ++j)  // no fused multiply-add: the host's order, to the bit
+      sum = __fadd_rn(sum, __fmul_rn(qc[g][j], qc[g][j] >= 0.0f ? hi[s][j] : lo[s][j]));
+    return sum;
+  };
+  const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
+  // The group's heads combined in head order, from the span's first lane.
+  const int span_lane = lane / Heads * Heads;
+  float combined = __shfl_sync(0xffffffffu, total, span_lane);
+  for (int g = 1; g < group; ++g) {
+    const float s = __shfl_sync(0xffffffffu, total, span_lane + g);
+    combined = p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
+  }
+  const int span = first + lane / Heads;
+  if (lane % Heads == 0 && span < spans)
+    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + span] = combined;
 }
 
 namespace detail_select {
@@ -14281,27 +14334,28 @@ struct threshold_storage {
 /// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
 /// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
 /// weights of the items matching the digits so far, then the digit by a block scan over the bins
-/// from the top (thread t holds bin 255 - t). Returns T; `remaining` is the budget left for the
-/// items at T. Needs a total weight above the budget. Whole CTA (one thread per bin).
+/// from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the budget left for
+/// the items at T. Needs a total weight above the budget. Whole CTA (256 threads or a multiple:
+/// the others scan zeros).
 template <int Threads, class KeyAt, class WeightOf>
 __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
                                                           threshold_storage<Threads>& s, int& remaining) {
-  static_assert(Threads == 256, "one thread per radix bin");
+  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the items");
   const int tid = static_cast<int>(threadIdx.x);
   std::uint32_t prefix = 0, mask = 0;
   remaining = budget;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    s.histogram[tid] = 0;
+    if (tid < 256) s.histogram[tid] = 0;
     __syncthreads();
     for (int i = tid; i < n; i += Threads) {
       const std::uint32_t key = key_at(i);
       if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 255u], weight_of(i));
     }
     __syncthreads();
-    const int weight = s.histogram[255 - tid];
+    const int weight = tid < 256 ? s.histogram[255 - tid] : 0;
     int at_or_above = 0;
     cub::BlockScan<int, Threads>(s.scan).InclusiveSum(weight, at_or_above);
-    if (at_or_above > remaining && at_or_above - weight <= remaining) {
+    if (tid < 256 && at_or_above > remaining && at_or_above - weight <= remaining) {
       s.digit = static_cast<std::uint32_t>(255 - tid);
       s.remaining = remaining - (at_or_above - weight);
     }
@@ -14315,8 +14369,9 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
 }
 }  // namespace detail_select
 
-/// Threads per CTA of the selection kernel: one per radix bin.
-inline constexpr int select_threads = 256;
+/// Threads per CTA of the selection kernels: four per radix bin, one CTA per (sequence, KV
+/// head) walking its spans 1024 at a time.
+inline constexpr int select_threads = 1024;
 
 /// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
 /// keys, up to 44 KB (11264 pages: 720K tokens at pages of 64), which with the kernel's static
@@ -14330,7 +14385,7 @@ inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
-  static_assert(Threads == 256, "one thread per radix bin");
+  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the pages");
   using scan = cub::BlockScan<int, Threads>;
   __shared__ detail_select::threshold_storage<Threads> storage;
   extern __shared__ std::uint32_t shared_keys[];
@@ -14400,8 +14455,9 @@ __device__ __forceinline__ void mark_rows(std::uint32_t* marks, int words, int p
 }  // namespace detail_select
 
 /// Dynamic shared memory of `select_spans_kernel` to cache the keys and token counts of `spans`
-/// spans (6 bytes each).
-inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15) / 16 * 16; }
+/// spans (6 bytes each), and to hold the row marks of `pages` pages of `mask_words` words.
+__host__ __device__ inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15) / 16 * 16; }
+__host__ __device__ inline int span_marks_shared_bytes(int pages, int mask_words) noexcept { return pages * mask_words * 4; }
 
 /// The token-granular selection of each (sequence b, KV head): sub-page `select::quest` blocks or
 /// `select::sentence_chunks` chunks. It takes the longest prefix of the spans' score order (higher
@@ -14412,10 +14468,12 @@ inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15
 /// then writes the pages with a marked row, in sequence order, with their row masks: the split
 /// kernels' table (`table_lengths` entries). Each span's key and token count are read from
 /// global memory once, into shared memory, when `cached` (dynamic shared memory:
-/// span_select_shared_bytes(spans)); else re-read at each pass.
+/// span_select_shared_bytes(spans)); else re-read at each pass. The marks are shared memory
+/// after those when `shared_marks` (span_marks_shared_bytes(pages, mask_words) more), else
+/// `p.marks`.
 /// Grid: (batch, num_kv_heads).
 template <int Threads>
-__global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached) {
+__global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached, int shared_marks) {
   using scan = cub::BlockScan<int, Threads>;
   __shared__ detail_select::threshold_storage<Threads> storage;
   __shared__ int shared_total;
@@ -14425,19 +14483,22 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
   const int sealed_tokens = sealed * p.page_size;
   const int budget = max(p.budget_tokens[b], 0);
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-  std::uint32_t* marks = p.marks + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.step_header[3] * words;
+
   const auto range = [&](int i) {
     if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
     const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];
     return p.span_ranges[static_cast<std::size_t>(entry) * p.spans_per_entry + i % p.spans_per_entry];
   };
-  extern __shared__ std::uint32_t span_keys[];  // [n] keys, then [n] 16-bit token counts when cached
+  // [n] keys, then [n] 16-bit token counts when cached; then the marks when shared.
+  extern __shared__ __align__(16) std::uint32_t span_keys[];
   auto* span_tokens = reinterpret_cast<std::uint16_t*>(span_keys + (cached ? n : 0));
+  std::uint32_t* marks = shared_marks ? span_keys + (cached ? span_select_shared_bytes(n) / 4 : 0)
+                                      : p.marks + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.step_header[3] * words;
   for (int i = tid; i < sealed * words; i += Threads) marks[i] = 0u;
   if (tid == 0) shared_total = 0;
   int mine = 0;
   if (cached) {
-#pragma unroll 4
+#pragma unroll 16
     for (int i = tid; i < n; i += Threads) {  // independent loads: many in flight per thread
       const int2 r = range(i);
       span_keys[i] = detail_select::order_key(scores[i]);
@@ -14484,7 +14545,10 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     ties_before += tie_tokens;
     __syncthreads();  // the scan storage is reused
   }
-  if (tid == 0) detail_select::mark_rows(marks, words, p.page_size, max(p.always_from[b], 0), sealed_tokens);
+  // The always-read rows, 32 tokens per thread and turn.
+  const int always_from = max(p.always_from[b], 0);
+  for (int t = always_from / 32 * 32 + tid * 32; t < sealed_tokens; t += Threads * 32)
+    detail_select::mark_rows(marks, words, p.page_size, max(t, always_from), min(t + 32, sealed_tokens));
   __syncthreads();  // every mark is in
 
   // The pages with a marked row, in sequence order, with their masks.
@@ -14699,12 +14763,18 @@ class span_selection {
     s.combine_sum = combine_sum_ ? 1 : 0;
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
-    constexpr int spans_per_cta = kernel::score_warps * kernel::score_pages_per_warp;
+    // Instances by summary rows and heads per reduction (groups of up to 4, or of 5 to 8).
+    const int heads = shape_.group_size <= 4 ? 4 : 8;
+    const int spans_per_cta = kernel::score_warps * 32 / heads;  // a reduction of 32 (span, head) sums per warp
     const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
                           static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
                           static_cast<unsigned>(planned_batch_));
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
+      using T = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      const auto score = s.summary_rows == 1 ? (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 1, 4> : kernel::score_pages_kernel<T, head_dim, 1, 8>)
+                                             : (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 2, 4> : kernel::score_pages_kernel<T, head_dim, 2, 8>);
+      score<<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
     const dim3 select_grid(static_cast<unsigned>(planned_batch_), static_cast<unsigned>(shape_.num_kv_heads));
@@ -14717,11 +14787,16 @@ class span_selection {
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
       s.marks = marks_.as<std::uint32_t>();
-      // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
-      int bytes = kernel::span_select_shared_bytes(s.score_stride);
-      if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
+      // Keys and token counts in shared memory when they fit (its static shared memory: under 4
+      // KB), then the row marks when they fit too.
+      int keys = kernel::span_select_shared_bytes(s.score_stride);
+      if (keys > max_dynamic_shared_ || source_.longest_span > 65535) keys = 0;
+      const int marks = kernel::span_marks_shared_bytes(table_stride_, mask_words());
+      const bool shared_marks = keys + marks <= max_dynamic_shared_;
+      const int bytes = keys + (shared_marks ? marks : 0);
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
-      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(s, bytes > 0 ? 1 : 0);
+      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(
+          s, keys > 0 ? 1 : 0, shared_marks ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       return;
     }

@@ -155,12 +155,18 @@ class span_selection {
     s.combine_sum = combine_sum_ ? 1 : 0;
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
-    constexpr int spans_per_cta = kernel::score_warps * kernel::score_pages_per_warp;
+    // Instances by summary rows and heads per reduction (groups of up to 4, or of 5 to 8).
+    const int heads = shape_.group_size <= 4 ? 4 : 8;
+    const int spans_per_cta = kernel::score_warps * 32 / heads;  // a reduction of 32 (span, head) sums per warp
     const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
                           static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
                           static_cast<unsigned>(planned_batch_));
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::score_pages_kernel<decltype(element), decltype(dim)::value><<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
+      using T = decltype(element);
+      constexpr int head_dim = decltype(dim)::value;
+      const auto score = s.summary_rows == 1 ? (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 1, 4> : kernel::score_pages_kernel<T, head_dim, 1, 8>)
+                                             : (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 2, 4> : kernel::score_pages_kernel<T, head_dim, 2, 8>);
+      score<<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
     const dim3 select_grid(static_cast<unsigned>(planned_batch_), static_cast<unsigned>(shape_.num_kv_heads));
@@ -173,11 +179,16 @@ class span_selection {
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
       s.marks = marks_.as<std::uint32_t>();
-      // Keys and token counts in shared memory when they fit (its static shared memory: under 4 KB).
-      int bytes = kernel::span_select_shared_bytes(s.score_stride);
-      if (bytes > max_dynamic_shared_ || source_.longest_span > 65535) bytes = 0;
+      // Keys and token counts in shared memory when they fit (its static shared memory: under 4
+      // KB), then the row marks when they fit too.
+      int keys = kernel::span_select_shared_bytes(s.score_stride);
+      if (keys > max_dynamic_shared_ || source_.longest_span > 65535) keys = 0;
+      const int marks = kernel::span_marks_shared_bytes(table_stride_, mask_words());
+      const bool shared_marks = keys + marks <= max_dynamic_shared_;
+      const int bytes = keys + (shared_marks ? marks : 0);
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
-      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(s, bytes > 0 ? 1 : 0);
+      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(
+          s, keys > 0 ? 1 : 0, shared_marks ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       return;
     }
