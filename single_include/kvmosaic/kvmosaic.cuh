@@ -14124,9 +14124,10 @@ struct device_format<format::packed_bitmap> {
 /// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
 /// run on the device between the step's metadata copy and the split kernel, with no host round
 /// trip, so a selected step is captured in a CUDA graph like a dense one.
-///   - `score_pages_kernel`: one warp per 16 spans of a (sequence, KV head): Quest's bound of q . k
-///     from each span's key bounds, or q . mean key, for each query head of the group, combined
-///     (select/span_score.hpp gives the fp32 order, which the host backend follows to the bit).
+///   - `score_pages_kernel`: one warp per 4 or 8 spans of a (sequence, KV head): Quest's bound of
+///     q . k from each span's key bounds, or q . mean key, for each query head of the group,
+///     combined (select/span_score.hpp gives the fp32 order, which the host backend follows to the
+///     bit).
 ///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
 ///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
 ///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
@@ -14200,9 +14201,7 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
 #pragma unroll
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
-}  // namespace detail_select
 
-namespace detail_select {
 /// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
 /// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
 /// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
@@ -14374,14 +14373,16 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
 inline constexpr int select_threads = 1024;
 
 /// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
-/// keys, up to 44 KB (11264 pages: 720K tokens at pages of 64), which with the kernel's static
-/// shared memory stays within the 48 KB every architecture allows without opting in. Longer
+/// keys, while they and the kernel's `static_bytes` of static shared memory fit the 48 KB every
+/// architecture allows without opting in (about 10,800 pages: 690K tokens at pages of 64). Longer
 /// sequences re-read their scores from L2 at each pass.
-inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 * 1024 ? max_pages * 4 : 0; }
+inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
+  return max_pages * 4 + static_bytes <= 48 * 1024 ? max_pages * 4 : 0;
+}
 
 /// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
 /// each with its live rows as its row mask).
-/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
+/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3], ...) (0: keys
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
@@ -14483,7 +14484,6 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
   const int sealed_tokens = sealed * p.page_size;
   const int budget = max(p.budget_tokens[b], 0);
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-
   const auto range = [&](int i) {
     if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
     const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];
@@ -14671,7 +14671,12 @@ class span_selection {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    max_dynamic_shared_ = opt_in - 4 * 1024;  // the top-k kernels' static shared memory
+    cudaFuncAttributes spans{}, pages{};  // the top-k kernels' static shared memory
+    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&spans, kernel::select_spans_kernel<kernel::select_threads>));
+    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&pages, kernel::select_pages_kernel<kernel::select_threads>));
+    spans_static_shared_ = static_cast<int>(spans.sharedSizeBytes);
+    pages_static_shared_ = static_cast<int>(pages.sharedSizeBytes);
+    max_dynamic_shared_ = opt_in - spans_static_shared_;
   }
 
   /// Row-mask words per page: ceil(page_size / 32).
@@ -14772,8 +14777,10 @@ class span_selection {
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
-      const auto score = s.summary_rows == 1 ? (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 1, 4> : kernel::score_pages_kernel<T, head_dim, 1, 8>)
-                                             : (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 2, 4> : kernel::score_pages_kernel<T, head_dim, 2, 8>);
+      using kernel::score_pages_kernel;
+      const auto score = s.summary_rows == 1
+                             ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
+                             : (heads == 4 ? score_pages_kernel<T, head_dim, 2, 4> : score_pages_kernel<T, head_dim, 2, 8>);
       score<<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
@@ -14787,20 +14794,20 @@ class span_selection {
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
       s.marks = marks_.as<std::uint32_t>();
-      // Keys and token counts in shared memory when they fit (its static shared memory: under 4
-      // KB), then the row marks when they fit too.
+      // Keys and token counts in shared memory when they fit beside its static shared memory,
+      // then the row marks when they fit too.
       int keys = kernel::span_select_shared_bytes(s.score_stride);
       if (keys > max_dynamic_shared_ || source_.longest_span > 65535) keys = 0;
       const int marks = kernel::span_marks_shared_bytes(table_stride_, mask_words());
       const bool shared_marks = keys + marks <= max_dynamic_shared_;
       const int bytes = keys + (shared_marks ? marks : 0);
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
-      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(
+      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, spans_static_shared_), stream>>>(
           s, keys > 0 ? 1 : 0, shared_marks ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       return;
     }
-    const int keys_bytes = kernel::select_shared_bytes(table_stride_);
+    const int keys_bytes = kernel::select_shared_bytes(table_stride_, pages_static_shared_);
     kernel::select_pages_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, keys_bytes, stream>>>(
         s, keys_bytes > 0 ? 1 : 0);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
@@ -14902,7 +14909,8 @@ class span_selection {
 
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
-  int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
+  int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
+  int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null

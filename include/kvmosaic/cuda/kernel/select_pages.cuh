@@ -5,9 +5,10 @@
 /// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
 /// run on the device between the step's metadata copy and the split kernel, with no host round
 /// trip, so a selected step is captured in a CUDA graph like a dense one.
-///   - `score_pages_kernel`: one warp per 16 spans of a (sequence, KV head): Quest's bound of q . k
-///     from each span's key bounds, or q . mean key, for each query head of the group, combined
-///     (select/span_score.hpp gives the fp32 order, which the host backend follows to the bit).
+///   - `score_pages_kernel`: one warp per 4 or 8 spans of a (sequence, KV head): Quest's bound of
+///     q . k from each span's key bounds, or q . mean key, for each query head of the group,
+///     combined (select/span_score.hpp gives the fp32 order, which the host backend follows to the
+///     bit).
 ///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
 ///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
 ///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
@@ -85,9 +86,7 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
 #pragma unroll
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
-}  // namespace detail_select
 
-namespace detail_select {
 /// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
 /// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
 /// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
@@ -259,14 +258,16 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
 inline constexpr int select_threads = 1024;
 
 /// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
-/// keys, up to 44 KB (11264 pages: 720K tokens at pages of 64), which with the kernel's static
-/// shared memory stays within the 48 KB every architecture allows without opting in. Longer
+/// keys, while they and the kernel's `static_bytes` of static shared memory fit the 48 KB every
+/// architecture allows without opting in (about 10,800 pages: 690K tokens at pages of 64). Longer
 /// sequences re-read their scores from L2 at each pass.
-inline int select_shared_bytes(int max_pages) noexcept { return max_pages <= 11 * 1024 ? max_pages * 4 : 0; }
+inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
+  return max_pages * 4 + static_bytes <= 48 * 1024 ? max_pages * 4 : 0;
+}
 
 /// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
 /// each with its live rows as its row mask).
-/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3]) (0: keys
+/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3], ...) (0: keys
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
@@ -368,7 +369,6 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
   const int sealed_tokens = sealed * p.page_size;
   const int budget = max(p.budget_tokens[b], 0);
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-
   const auto range = [&](int i) {
     if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
     const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];

@@ -63,7 +63,12 @@ class span_selection {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    max_dynamic_shared_ = opt_in - 4 * 1024;  // the top-k kernels' static shared memory
+    cudaFuncAttributes spans{}, pages{};  // the top-k kernels' static shared memory
+    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&spans, kernel::select_spans_kernel<kernel::select_threads>));
+    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&pages, kernel::select_pages_kernel<kernel::select_threads>));
+    spans_static_shared_ = static_cast<int>(spans.sharedSizeBytes);
+    pages_static_shared_ = static_cast<int>(pages.sharedSizeBytes);
+    max_dynamic_shared_ = opt_in - spans_static_shared_;
   }
 
   /// Row-mask words per page: ceil(page_size / 32).
@@ -164,8 +169,10 @@ class span_selection {
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
-      const auto score = s.summary_rows == 1 ? (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 1, 4> : kernel::score_pages_kernel<T, head_dim, 1, 8>)
-                                             : (heads == 4 ? kernel::score_pages_kernel<T, head_dim, 2, 4> : kernel::score_pages_kernel<T, head_dim, 2, 8>);
+      using kernel::score_pages_kernel;
+      const auto score = s.summary_rows == 1
+                             ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
+                             : (heads == 4 ? score_pages_kernel<T, head_dim, 2, 4> : score_pages_kernel<T, head_dim, 2, 8>);
       score<<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
@@ -179,20 +186,20 @@ class span_selection {
       s.always_from = reinterpret_cast<const std::int32_t*>(staged + 2 * row);
       s.page_size = shape_.page_size;
       s.marks = marks_.as<std::uint32_t>();
-      // Keys and token counts in shared memory when they fit (its static shared memory: under 4
-      // KB), then the row marks when they fit too.
+      // Keys and token counts in shared memory when they fit beside its static shared memory,
+      // then the row marks when they fit too.
       int keys = kernel::span_select_shared_bytes(s.score_stride);
       if (keys > max_dynamic_shared_ || source_.longest_span > 65535) keys = 0;
       const int marks = kernel::span_marks_shared_bytes(table_stride_, mask_words());
       const bool shared_marks = keys + marks <= max_dynamic_shared_;
       const int bytes = keys + (shared_marks ? marks : 0);
       const auto select = kernel::select_spans_kernel<kernel::select_threads>;
-      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, 4 * 1024), stream>>>(
+      select<<<select_grid, kernel::select_threads, detail::opted_in_shared(select, bytes, spans_static_shared_), stream>>>(
           s, keys > 0 ? 1 : 0, shared_marks ? 1 : 0);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
       return;
     }
-    const int keys_bytes = kernel::select_shared_bytes(table_stride_);
+    const int keys_bytes = kernel::select_shared_bytes(table_stride_, pages_static_shared_);
     kernel::select_pages_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, keys_bytes, stream>>>(
         s, keys_bytes > 0 ? 1 : 0);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
@@ -294,7 +301,8 @@ class span_selection {
 
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
-  int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory a CTA may opt in to, less static use
+  int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
+  int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null
