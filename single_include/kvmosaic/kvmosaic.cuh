@@ -9132,6 +9132,15 @@ int registers_of(Kernel kernel) {
   return attributes.numRegs;
 }
 
+/// Static shared memory of `kernel` in bytes: what its dynamic shared memory must leave room for
+/// under a CTA's limit. Cost: one attribute query.
+template <class Kernel>
+int static_shared_of(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return static_cast<int>(attributes.sharedSizeBytes);
+}
+
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
 /// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most
@@ -14671,11 +14680,8 @@ class span_selection {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cudaFuncAttributes spans{}, pages{};  // the top-k kernels' static shared memory
-    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&spans, kernel::select_spans_kernel<kernel::select_threads>));
-    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&pages, kernel::select_pages_kernel<kernel::select_threads>));
-    spans_static_shared_ = static_cast<int>(spans.sharedSizeBytes);
-    pages_static_shared_ = static_cast<int>(pages.sharedSizeBytes);
+    spans_static_shared_ = detail::static_shared_of(kernel::select_spans_kernel<kernel::select_threads>);
+    pages_static_shared_ = detail::static_shared_of(kernel::select_pages_kernel<kernel::select_threads>);
     max_dynamic_shared_ = opt_in - spans_static_shared_;
   }
 

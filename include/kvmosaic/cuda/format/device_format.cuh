@@ -120,6 +120,15 @@ int registers_of(Kernel kernel) {
   return attributes.numRegs;
 }
 
+/// Static shared memory of `kernel` in bytes: what its dynamic shared memory must leave room for
+/// under a CTA's limit. Cost: one attribute query.
+template <class Kernel>
+int static_shared_of(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return static_cast<int>(attributes.sharedSizeBytes);
+}
+
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
 /// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most

@@ -63,11 +63,8 @@ class span_selection {
     int device = 0, opt_in = 0;
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cudaFuncAttributes spans{}, pages{};  // the top-k kernels' static shared memory
-    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&spans, kernel::select_spans_kernel<kernel::select_threads>));
-    KVMOSAIC_CUDA_CHECK(cudaFuncGetAttributes(&pages, kernel::select_pages_kernel<kernel::select_threads>));
-    spans_static_shared_ = static_cast<int>(spans.sharedSizeBytes);
-    pages_static_shared_ = static_cast<int>(pages.sharedSizeBytes);
+    spans_static_shared_ = detail::static_shared_of(kernel::select_spans_kernel<kernel::select_threads>);
+    pages_static_shared_ = detail::static_shared_of(kernel::select_pages_kernel<kernel::select_threads>);
     max_dynamic_shared_ = opt_in - spans_static_shared_;
   }
 
