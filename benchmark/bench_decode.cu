@@ -11,7 +11,7 @@
 // fraction_of_hbm = GBps / hbm_read GBps, plan_us (host time of the step's plan, not included in
 // time_us), prefill_us_per_page (the first sequence's prefill: row kernels plus, for compressed
 // formats, the device encoder; per page of all KV heads), stages (bitmap_tiles: compressed pages
-// in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES overrides the stages, for tuning;
+// in flight per CTA). KVMOSAIC_BENCH_BITMAP_STAGES (_QUANT2_, _PACKED_) overrides them, for tuning;
 // KVMOSAIC_BENCH_PDL=0 turns programmatic dependent launch off (counter dependent_launch).
 // select::quest rows (`*_quest_decode`) time the whole selected step (scoring, top-k, attention
 // over the chosen pages, merge) as time_us, and the scoring and top-k alone (with the metadata
@@ -156,11 +156,14 @@ void decode(benchmark::State& state) {
   if constexpr (chunked)
     for (const auto& b : synthetic::boundary_tokens) selector.boundaries.push_back(select::boundary{b.id, b.weight});
   cuda_cache<Format, Selector> kv(c, format, selector);
-  if constexpr (std::is_same<Format, format::bitmap_tiles>::value || is_quant2) {
-    // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES (KVMOSAIC_BENCH_QUANT2_STAGES) overrides
-    // the engine's compressed stages.
-    if (const char* stages = std::getenv(is_quant2 ? "KVMOSAIC_BENCH_QUANT2_STAGES" : "KVMOSAIC_BENCH_BITMAP_STAGES"))
-      kv.engine().set_compressed_stages(std::atoi(stages));
+  if constexpr (std::is_same<Format, format::bitmap_tiles>::value || is_quant2 || is_packed) {
+    // Tuning experiments: KVMOSAIC_BENCH_BITMAP_STAGES (KVMOSAIC_BENCH_QUANT2_STAGES,
+    // KVMOSAIC_BENCH_PACKED_STAGES) overrides the engine's compressed stages where its kernel
+    // streams pages by bulk copies.
+    const char* stages = std::getenv(is_quant2   ? "KVMOSAIC_BENCH_QUANT2_STAGES"
+                                     : is_packed ? "KVMOSAIC_BENCH_PACKED_STAGES"
+                                                 : "KVMOSAIC_BENCH_BITMAP_STAGES");
+    if (stages != nullptr && kv.engine().compressed_stages() > 0) kv.engine().set_compressed_stages(std::atoi(stages));
     state.counters["stages"] = kv.engine().compressed_stages();
   }
 

@@ -9079,6 +9079,9 @@ struct device_context {
   /// [num_kv_heads] entries of `segment_entry_bytes` (null for other formats).
   const std::byte* segments;
   int segments_per_sequence;
+  /// The engine's selector may read a subset of the pages (any but `select::all`): a split then
+  /// holds few, scattered pages, and a format may keep more of them in flight.
+  bool selects_pages;
 };
 
 /// What an encode pass is given: `n` completed pages whose dense rows are in scratch slots
@@ -9143,11 +9146,12 @@ int static_shared_of(Kernel kernel) {
 
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
-/// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most
-/// `max_stages`); `shared_bytes(stages)` is the CTA's dynamic shared memory. 0 when not even one
-/// stage fits. Cost: four device attribute queries.
+/// `most_ctas`) with at least `wanted_stages` stages each (or, where not even one CTA has room
+/// for them, at least one), then as many stages as fit next to them (at most `max_stages`);
+/// `shared_bytes(stages)` is the CTA's dynamic shared memory. 0 when not even one stage fits.
+/// Cost: four device attribute queries.
 template <class SharedBytes>
-int stages_for(int device, int registers, int most_ctas, int max_stages, SharedBytes&& shared_bytes) {
+int stages_for(int device, int registers, int most_ctas, int max_stages, SharedBytes&& shared_bytes, int wanted_stages = 1) {
   int per_sm = 0, per_block = 0, reserved = 0, sm_registers = 0;
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -9155,12 +9159,14 @@ int stages_for(int device, int registers, int most_ctas, int max_stages, SharedB
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_registers, cudaDevAttrMaxRegistersPerMultiprocessor, device));
   // Registers are allocated per warp in units of 256; the kernels run 4 warps.
   const int per_cta_registers = 4 * ((registers * 32 + 255) / 256 * 256);
-  for (int ctas = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
-    const int budget = std::min(per_sm / ctas - reserved, per_block);
-    int stages = 0;
-    while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
-    if (stages >= 1) return stages;
-  }
+  const int most = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1));
+  for (int least = std::min(std::max(wanted_stages, 1), max_stages); least >= 1; least = least > 1 ? 1 : 0)
+    for (int ctas = most; ctas >= 1; --ctas) {
+      const int budget = std::min(per_sm / ctas - reserved, per_block);
+      int stages = 0;
+      while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
+      if (stages >= least) return stages;
+    }
   return 0;
 }
 
@@ -9973,7 +9979,8 @@ class engine {
   void configure_format();
   device_context context() const {
     return device_context{&shape_,  &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_,
-                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_};
+                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_,
+                          !selector_traits<Selector>::reads_all_pages};
   }
   /// Pages per segment for the split plan (its splits stay within one), 0 for formats without.
   std::int32_t plan_segment_pages() const {
@@ -13358,21 +13365,29 @@ struct split_state {
 
   /// Merges a segment's output into the state: o_seg = rotated B_v^T (`rotated`: [Group][HeadDim]
   /// in shared memory, its first `kept` channels; `basis` B_v transposed, [kept][HeadDim], or null
-  /// for an output already in head_dim space) with the segment's (m, l). Cost: Group x head_dim x
-  /// kept FMAs and one barrier; a barrier must follow before the state is read.
+  /// for an output already in head_dim space) with the segment's (m, l). A thread takes output
+  /// channels c for every head, so each basis element is loaded once (coalesced along c) and used
+  /// Group times. Cost: Group x head_dim x kept FMAs, head_dim x kept loads, one barrier; a
+  /// barrier must follow before the state is read.
   __device__ __forceinline__ void merge_segment(const float* rotated, const float* basis, int kept) const {
-    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float out = 0.0f;
-      if (basis == nullptr) {
-        out = rotated[index];
-      } else {
-#pragma unroll 8
-        for (int j = 0; j < kept; ++j) out = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), out);
+    for (int c = static_cast<int>(threadIdx.x); c < HeadDim; c += Threads) {
+      float out[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) out[g] = basis == nullptr ? rotated[g * HeadDim + c] : 0.0f;
+      if (basis != nullptr) {
+#pragma unroll 16
+        for (int j = 0; j < kept; ++j) {
+          const float b = __ldg(basis + j * HeadDim + c);
+#pragma unroll
+          for (int g = 0; g < Group; ++g) out[g] = fmaf(rotated[g * HeadDim + j], b, out[g]);
+        }
       }
-      softmax_state<float> split{m()[g], l()[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
-      o[index] = o[index] * mw.self + out * mw.other;
+#pragma unroll
+      for (int g = 0; g < Group; ++g) {
+        softmax_state<float> split{m()[g], l()[g]};
+        const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
+        o[g * HeadDim + c] = o[g * HeadDim + c] * mw.self + out[g] * mw.other;
+      }
     }
     __syncthreads();  // every thread has read m and l
     if (threadIdx.x < Group) {
@@ -13462,15 +13477,21 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
 #pragma unroll
     for (int g = 0; g < Group; ++g) acc[k][g] = 0.0f;
 
-  // Enters a segment: q' = scale x q B_k, [kept][Group] (B_k's rows are read along j: coalesced),
-  // and an empty state.
+  // Enters a segment: q' = scale x q B_k, [kept][Group], a thread per rotated channel j for every
+  // head (each element of B_k loaded once, coalesced along j), and an empty state.
   const auto enter_segment = [&](const packed_entry& segment) {
-    for (int index = tid; index < kept * Group; index += Threads) {
-      const int g = index / kept, j = index % kept;
-      float dot = 0.0f;
-#pragma unroll 8
-      for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(segment.k_basis + c * kept + j), dot);
-      q_rotated[j * Group + g] = dot * p.softmax_scale;
+    for (int j = tid; j < kept; j += Threads) {
+      float dot[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) dot[g] = 0.0f;
+#pragma unroll 16
+      for (int c = 0; c < HeadDim; ++c) {
+        const float b = __ldg(segment.k_basis + c * kept + j);
+#pragma unroll
+        for (int g = 0; g < Group; ++g) dot[g] = fmaf(__ldg(q + g * HeadDim + c), b, dot[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < Group; ++g) q_rotated[j * Group + g] = dot[g] * p.softmax_scale;
     }
     if (tid < Group) {
       segment_m[tid] = -HUGE_VALF;
@@ -13694,6 +13715,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   using attend = warp_attend_mma<T, HeadDim, Group, tokens, operand_path::row_chunks>;
   using temp_storage = decode_temp_storage<Group, HeadDim, warps>;
   static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
+  static_assert(layout::query_bytes >= Group * HeadDim * 4, "the query tiles hold q transposed while a segment opens");
   extern __shared__ __align__(128) std::byte packed_mma_shared[];
   std::byte* shared = packed_mma_shared;
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::full_offset);
@@ -13725,17 +13747,30 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       detail::barrier_init(&empty[b], warps);
     }
   // Thread 0: split page i's K and V records into slot i % stages, and its segment (visible to
-  // the warps once they have waited on the slot's barrier).
+  // the warps once they have waited on the slot's barrier); pages are issued in order. The page
+  // ids and segments are loaded ahead (the next page's segment, the id of the one after), so a
+  // refill waits on neither of its two dependent global loads.
+  std::int32_t next_id = 0, next_segment = 0, later_id = 0;
+  if (tid == 0 && num_pages > 0) {
+    next_id = table[0];
+    next_segment = f.page_segments[next_id];
+    if (num_pages > 1) later_id = table[1];
+  }
   const auto issue = [&](int i) {
     const int slot = i % stages;
-    const std::int32_t page_id = table[i];
-    slot_segment[slot] = f.page_segments[page_id];
+    const std::int32_t page_id = next_id;
+    slot_segment[slot] = next_segment;
     const std::byte* page = p.pages + static_cast<std::size_t>(page_id) * p.page_slot_bytes;
     detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(pair_bytes));
     std::byte* destination = slots + slot * pair_bytes;
     detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
     detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                                 static_cast<std::uint32_t>(v_bytes), &full[slot]);
+    if (i + 1 < num_pages) {
+      next_id = later_id;
+      next_segment = f.page_segments[next_id];
+    }
+    if (i + 2 < num_pages) later_id = table[i + 2];
   };
   split.start();
   __syncthreads();  // the barriers are initialized
@@ -13769,16 +13804,31 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
   // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
   const auto open_segment = [&](const float* basis) {
-    for (int index = tid; index < Group * HeadDim; index += threads) {
-      const int g = index / HeadDim, j = index % HeadDim;
-      float dot = 0.0f;
-      if (basis == nullptr) {
-        dot = q[index];
-      } else if (j < kept) {
-#pragma unroll 8
-        for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(basis + c * kept + j), dot);
+    if (basis == nullptr) {
+      for (int index = tid; index < Group * HeadDim; index += threads) rotated[index] = q[index];
+    } else {
+      // q transposed ([HeadDim][Group]) into the free query tiles, then a thread per rotated
+      // channel j for every head: each basis element is loaded once (coalesced along j) and
+      // used Group times.
+      float* q_t = reinterpret_cast<float*>(query_tiles);
+      for (int index = tid; index < Group * HeadDim; index += threads) q_t[index % HeadDim * Group + index / HeadDim] = q[index];
+      __syncthreads();
+      for (int j = tid; j < HeadDim; j += threads) {
+        float dot[Group];
+#pragma unroll
+        for (int g = 0; g < Group; ++g) dot[g] = 0.0f;
+        if (j < kept) {
+#pragma unroll 16
+          for (int c = 0; c < HeadDim; ++c) {
+            const float b = __ldg(basis + c * kept + j);
+#pragma unroll
+            for (int g = 0; g < Group; ++g) dot[g] = fmaf(q_t[c * Group + g], b, dot[g]);
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
       }
-      rotated[index] = dot;
+      __syncthreads();  // q_t is read before the query tiles are written
     }
     __syncthreads();
     attend::stage_queries(rotated, p.softmax_scale, query_tiles, threads);
@@ -13992,9 +14042,13 @@ struct device_format<format::packed_bitmap> {
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
 
-  /// The sm_90 kernel's stages, as bitmap_tiles chooses them: as many CTAs per SM as its
-  /// registers allow with at least one page pair each, then up to two pairs. Without bulk copies,
-  /// or where not one pair fits: the portable kernel (stages = 0).
+  /// The sm_90 kernel's stages. Under `select::all`, as bitmap_tiles chooses them: as many CTAs
+  /// per SM as its registers allow with at least one page pair each, then up to two pairs. Under
+  /// a selector, three pairs first, then as many CTAs as fit: a selection's splits hold few,
+  /// scattered pages whose copies the kernel waits for, which a third pair in flight hides, while
+  /// `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
+  /// 2026-11-27b). Without bulk copies, or where not one pair fits: the portable kernel
+  /// (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
@@ -14007,7 +14061,9 @@ struct device_format<format::packed_bitmap> {
       registers = detail::registers_of(kernel);
       slots_offset = shared_bytes - pair;  // one stage
     });
-    s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
+    const auto shared_bytes = [&](int stages) { return slots_offset + stages * pair; };
+    s.stages = e.selects_pages ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
+                               : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
   }
 

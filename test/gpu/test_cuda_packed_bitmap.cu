@@ -217,8 +217,10 @@ TEST_CASE("GPU packed_bitmap: the host's segments, the host's records within rou
   const int g = GENERATE(1, 2, 4);
   const int sinks = GENERATE(0, 4);
   const auto mode = GENERATE(format::strategy::fixed, format::strategy::search);
-  CAPTURE(s.head_dim, s.group, to_string(s.storage), g, sinks, mode == format::strategy::search);
+  const bool portable = GENERATE(false, true);  // the sm_75+ kernel on this device too
+  CAPTURE(s.head_dim, s.group, to_string(s.storage), g, sinks, mode == format::strategy::search, portable);
   packed_twin t(config_of(s.head_dim, s.group, s.storage), 17, make(g, sinks, mode));
+  if (portable) t.device.engine().use_portable_kernel();
   // Lengths in the tail only, at page and segment boundaries, and several segments.
   for (const int length : {1, 63, 64, 65, 256, 300, 700}) t.add(length, t.seqs.size());
   check_segments(t);
@@ -265,13 +267,18 @@ TEST_CASE("GPU packed_bitmap with select::mean_keys: the host's choice, PackedAt
   const int inverse = GENERATE(4, 16);
   const int block = GENERATE(0, 16);
   const int sinks = GENERATE(0, 4);
-  CAPTURE(s.head_dim, s.group, inverse, block, sinks);
+  const bool portable = GENERATE(false, true);
+  CAPTURE(s.head_dim, s.group, inverse, block, sinks, portable);
   select::mean_keys selector;
   selector.budget.ratio = 1.0 / inverse;
   selector.block_tokens = block;
   cache_config c = config_of(s.head_dim, s.group, s.storage);
   c.max_pages = 512;
   selected_twin t(c, 31, make(1, sinks), selector);
+  if (portable) t.device.engine().use_portable_kernel();
+  // Under a selector the sm_90 kernel keeps three page pairs in flight (device.cuh), which every
+  // sm_90 part has the shared memory for at these shapes.
+  if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
   for (const int length : {700, 1500, 3000}) t.add(length, t.seqs.size());
   for (int round = 0; round < 2; ++round) {
     const typename selected_twin::step_outputs step = t.attend_both();

@@ -48,6 +48,7 @@
 #include "kvmosaic/host/backend.hpp"
 #include "kvmosaic/memory/compaction_plan.hpp"
 #include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
 
 namespace kvmosaic {
 namespace cuda {
@@ -626,7 +627,8 @@ class engine {
   void configure_format();
   device_context context() const {
     return device_context{&shape_,  &geometry_, pages_.as<std::byte>(), tails_.as<std::byte>(), device_, use_bulk_copy_,
-                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_};
+                          stream_,  segment_arena_.as<const std::byte>(), segments_per_sequence_,
+                          !selector_traits<Selector>::reads_all_pages};
   }
   /// Pages per segment for the split plan (its splits stay within one), 0 for formats without.
   std::int32_t plan_segment_pages() const {

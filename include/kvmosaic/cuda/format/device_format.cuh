@@ -67,6 +67,9 @@ struct device_context {
   /// [num_kv_heads] entries of `segment_entry_bytes` (null for other formats).
   const std::byte* segments;
   int segments_per_sequence;
+  /// The engine's selector may read a subset of the pages (any but `select::all`): a split then
+  /// holds few, scattered pages, and a format may keep more of them in flight.
+  bool selects_pages;
 };
 
 /// What an encode pass is given: `n` completed pages whose dense rows are in scratch slots
@@ -131,11 +134,12 @@ int static_shared_of(Kernel kernel) {
 
 /// Stages of a kernel that streams compressed page pairs through shared memory (4 warps per
 /// CTA): occupancy first, as many CTAs per SM as its `registers` per thread allow (at most
-/// `most_ctas`) with at least one stage each, then as many stages as fit next to them (at most
-/// `max_stages`); `shared_bytes(stages)` is the CTA's dynamic shared memory. 0 when not even one
-/// stage fits. Cost: four device attribute queries.
+/// `most_ctas`) with at least `wanted_stages` stages each (or, where not even one CTA has room
+/// for them, at least one), then as many stages as fit next to them (at most `max_stages`);
+/// `shared_bytes(stages)` is the CTA's dynamic shared memory. 0 when not even one stage fits.
+/// Cost: four device attribute queries.
 template <class SharedBytes>
-int stages_for(int device, int registers, int most_ctas, int max_stages, SharedBytes&& shared_bytes) {
+int stages_for(int device, int registers, int most_ctas, int max_stages, SharedBytes&& shared_bytes, int wanted_stages = 1) {
   int per_sm = 0, per_block = 0, reserved = 0, sm_registers = 0;
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -143,12 +147,14 @@ int stages_for(int device, int registers, int most_ctas, int max_stages, SharedB
   KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_registers, cudaDevAttrMaxRegistersPerMultiprocessor, device));
   // Registers are allocated per warp in units of 256; the kernels run 4 warps.
   const int per_cta_registers = 4 * ((registers * 32 + 255) / 256 * 256);
-  for (int ctas = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1)); ctas >= 1; --ctas) {
-    const int budget = std::min(per_sm / ctas - reserved, per_block);
-    int stages = 0;
-    while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
-    if (stages >= 1) return stages;
-  }
+  const int most = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1));
+  for (int least = std::min(std::max(wanted_stages, 1), max_stages); least >= 1; least = least > 1 ? 1 : 0)
+    for (int ctas = most; ctas >= 1; --ctas) {
+      const int budget = std::min(per_sm / ctas - reserved, per_block);
+      int stages = 0;
+      while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
+      if (stages >= least) return stages;
+    }
   return 0;
 }
 

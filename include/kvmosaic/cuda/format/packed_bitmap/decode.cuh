@@ -216,21 +216,29 @@ struct split_state {
 
   /// Merges a segment's output into the state: o_seg = rotated B_v^T (`rotated`: [Group][HeadDim]
   /// in shared memory, its first `kept` channels; `basis` B_v transposed, [kept][HeadDim], or null
-  /// for an output already in head_dim space) with the segment's (m, l). Cost: Group x head_dim x
-  /// kept FMAs and one barrier; a barrier must follow before the state is read.
+  /// for an output already in head_dim space) with the segment's (m, l). A thread takes output
+  /// channels c for every head, so each basis element is loaded once (coalesced along c) and used
+  /// Group times. Cost: Group x head_dim x kept FMAs, head_dim x kept loads, one barrier; a
+  /// barrier must follow before the state is read.
   __device__ __forceinline__ void merge_segment(const float* rotated, const float* basis, int kept) const {
-    for (int index = static_cast<int>(threadIdx.x); index < Group * HeadDim; index += Threads) {
-      const int g = index / HeadDim, c = index % HeadDim;
-      float out = 0.0f;
-      if (basis == nullptr) {
-        out = rotated[index];
-      } else {
-#pragma unroll 8
-        for (int j = 0; j < kept; ++j) out = fmaf(rotated[g * HeadDim + j], __ldg(basis + j * HeadDim + c), out);
+    for (int c = static_cast<int>(threadIdx.x); c < HeadDim; c += Threads) {
+      float out[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) out[g] = basis == nullptr ? rotated[g * HeadDim + c] : 0.0f;
+      if (basis != nullptr) {
+#pragma unroll 16
+        for (int j = 0; j < kept; ++j) {
+          const float b = __ldg(basis + j * HeadDim + c);
+#pragma unroll
+          for (int g = 0; g < Group; ++g) out[g] = fmaf(rotated[g * HeadDim + j], b, out[g]);
+        }
       }
-      softmax_state<float> split{m()[g], l()[g]};
-      const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
-      o[index] = o[index] * mw.self + out * mw.other;
+#pragma unroll
+      for (int g = 0; g < Group; ++g) {
+        softmax_state<float> split{m()[g], l()[g]};
+        const merge_weights<float> mw = split.merge(softmax_state<float>{segment_m()[g], segment_l()[g]});
+        o[g * HeadDim + c] = o[g * HeadDim + c] * mw.self + out[g] * mw.other;
+      }
     }
     __syncthreads();  // every thread has read m and l
     if (threadIdx.x < Group) {
@@ -320,15 +328,21 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
 #pragma unroll
     for (int g = 0; g < Group; ++g) acc[k][g] = 0.0f;
 
-  // Enters a segment: q' = scale x q B_k, [kept][Group] (B_k's rows are read along j: coalesced),
-  // and an empty state.
+  // Enters a segment: q' = scale x q B_k, [kept][Group], a thread per rotated channel j for every
+  // head (each element of B_k loaded once, coalesced along j), and an empty state.
   const auto enter_segment = [&](const packed_entry& segment) {
-    for (int index = tid; index < kept * Group; index += Threads) {
-      const int g = index / kept, j = index % kept;
-      float dot = 0.0f;
-#pragma unroll 8
-      for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(segment.k_basis + c * kept + j), dot);
-      q_rotated[j * Group + g] = dot * p.softmax_scale;
+    for (int j = tid; j < kept; j += Threads) {
+      float dot[Group];
+#pragma unroll
+      for (int g = 0; g < Group; ++g) dot[g] = 0.0f;
+#pragma unroll 16
+      for (int c = 0; c < HeadDim; ++c) {
+        const float b = __ldg(segment.k_basis + c * kept + j);
+#pragma unroll
+        for (int g = 0; g < Group; ++g) dot[g] = fmaf(__ldg(q + g * HeadDim + c), b, dot[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < Group; ++g) q_rotated[j * Group + g] = dot[g] * p.softmax_scale;
     }
     if (tid < Group) {
       segment_m[tid] = -HUGE_VALF;
@@ -552,6 +566,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   using attend = warp_attend_mma<T, HeadDim, Group, tokens, operand_path::row_chunks>;
   using temp_storage = decode_temp_storage<Group, HeadDim, warps>;
   static_assert(layout::query_bytes == attend::query_bytes, "query tile sizes agree");
+  static_assert(layout::query_bytes >= Group * HeadDim * 4, "the query tiles hold q transposed while a segment opens");
   extern __shared__ __align__(128) std::byte packed_mma_shared[];
   std::byte* shared = packed_mma_shared;
   auto* full = reinterpret_cast<std::uint64_t*>(shared + layout::full_offset);
@@ -583,17 +598,30 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       detail::barrier_init(&empty[b], warps);
     }
   // Thread 0: split page i's K and V records into slot i % stages, and its segment (visible to
-  // the warps once they have waited on the slot's barrier).
+  // the warps once they have waited on the slot's barrier); pages are issued in order. The page
+  // ids and segments are loaded ahead (the next page's segment, the id of the one after), so a
+  // refill waits on neither of its two dependent global loads.
+  std::int32_t next_id = 0, next_segment = 0, later_id = 0;
+  if (tid == 0 && num_pages > 0) {
+    next_id = table[0];
+    next_segment = f.page_segments[next_id];
+    if (num_pages > 1) later_id = table[1];
+  }
   const auto issue = [&](int i) {
     const int slot = i % stages;
-    const std::int32_t page_id = table[i];
-    slot_segment[slot] = f.page_segments[page_id];
+    const std::int32_t page_id = next_id;
+    slot_segment[slot] = next_segment;
     const std::byte* page = p.pages + static_cast<std::size_t>(page_id) * p.page_slot_bytes;
     detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(pair_bytes));
     std::byte* destination = slots + slot * pair_bytes;
     detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
     detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                                 static_cast<std::uint32_t>(v_bytes), &full[slot]);
+    if (i + 1 < num_pages) {
+      next_id = later_id;
+      next_segment = f.page_segments[next_id];
+    }
+    if (i + 2 < num_pages) later_id = table[i + 2];
   };
   split.start();
   __syncthreads();  // the barriers are initialized
@@ -627,16 +655,31 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
   // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
   const auto open_segment = [&](const float* basis) {
-    for (int index = tid; index < Group * HeadDim; index += threads) {
-      const int g = index / HeadDim, j = index % HeadDim;
-      float dot = 0.0f;
-      if (basis == nullptr) {
-        dot = q[index];
-      } else if (j < kept) {
-#pragma unroll 8
-        for (int c = 0; c < HeadDim; ++c) dot = fmaf(__ldg(q + g * HeadDim + c), __ldg(basis + c * kept + j), dot);
+    if (basis == nullptr) {
+      for (int index = tid; index < Group * HeadDim; index += threads) rotated[index] = q[index];
+    } else {
+      // q transposed ([HeadDim][Group]) into the free query tiles, then a thread per rotated
+      // channel j for every head: each basis element is loaded once (coalesced along j) and
+      // used Group times.
+      float* q_t = reinterpret_cast<float*>(query_tiles);
+      for (int index = tid; index < Group * HeadDim; index += threads) q_t[index % HeadDim * Group + index / HeadDim] = q[index];
+      __syncthreads();
+      for (int j = tid; j < HeadDim; j += threads) {
+        float dot[Group];
+#pragma unroll
+        for (int g = 0; g < Group; ++g) dot[g] = 0.0f;
+        if (j < kept) {
+#pragma unroll 16
+          for (int c = 0; c < HeadDim; ++c) {
+            const float b = __ldg(basis + c * kept + j);
+#pragma unroll
+            for (int g = 0; g < Group; ++g) dot[g] = fmaf(q_t[c * Group + g], b, dot[g]);
+          }
+        }
+#pragma unroll
+        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
       }
-      rotated[index] = dot;
+      __syncthreads();  // q_t is read before the query tiles are written
     }
     __syncthreads();
     attend::stage_queries(rotated, p.softmax_scale, query_tiles, threads);

@@ -42,9 +42,13 @@ struct device_format<format::packed_bitmap> {
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
 
-  /// The sm_90 kernel's stages, as bitmap_tiles chooses them: as many CTAs per SM as its
-  /// registers allow with at least one page pair each, then up to two pairs. Without bulk copies,
-  /// or where not one pair fits: the portable kernel (stages = 0).
+  /// The sm_90 kernel's stages. Under `select::all`, as bitmap_tiles chooses them: as many CTAs
+  /// per SM as its registers allow with at least one page pair each, then up to two pairs. Under
+  /// a selector, three pairs first, then as many CTAs as fit: a selection's splits hold few,
+  /// scattered pages whose copies the kernel waits for, which a third pair in flight hides, while
+  /// `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
+  /// 2026-11-27b). Without bulk copies, or where not one pair fits: the portable kernel
+  /// (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
@@ -57,7 +61,9 @@ struct device_format<format::packed_bitmap> {
       registers = detail::registers_of(kernel);
       slots_offset = shared_bytes - pair;  // one stage
     });
-    s.stages = detail::stages_for(e.device, registers, 16, 2, [&](int stages) { return slots_offset + stages * pair; });
+    const auto shared_bytes = [&](int stages) { return slots_offset + stages * pair; };
+    s.stages = e.selects_pages ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
+                               : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
   }
 
