@@ -9160,14 +9160,18 @@ int stages_for(int device, int registers, int most_ctas, int max_stages, SharedB
   // Registers are allocated per warp in units of 256; the kernels run 4 warps.
   const int per_cta_registers = 4 * ((registers * 32 + 255) / 256 * 256);
   const int most = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1));
-  for (int least = std::min(std::max(wanted_stages, 1), max_stages); least >= 1; least = least > 1 ? 1 : 0)
+  // The stages at the most CTAs per SM that have room for `least` each (0: none has).
+  const auto at_most_ctas_with = [&](int least) {
     for (int ctas = most; ctas >= 1; --ctas) {
       const int budget = std::min(per_sm / ctas - reserved, per_block);
       int stages = 0;
       while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
       if (stages >= least) return stages;
     }
-  return 0;
+    return 0;
+  };
+  const int chosen = at_most_ctas_with(std::min(std::max(wanted_stages, 1), max_stages));
+  return chosen > 0 ? chosen : at_most_ctas_with(1);
 }
 
 }  // namespace detail
@@ -13828,9 +13832,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
 #pragma unroll
         for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
       }
-      __syncthreads();  // q_t is read before the query tiles are written
     }
-    __syncthreads();
+    __syncthreads();  // rotated is whole, and q_t read, before the query tiles are written
     attend::stage_queries(rotated, p.softmax_scale, query_tiles, threads);
     __syncthreads();
     state.start();
@@ -14047,8 +14050,8 @@ struct device_format<format::packed_bitmap> {
   /// a selector, three pairs first, then as many CTAs as fit: a selection's splits hold few,
   /// scattered pages whose copies the kernel waits for, which a third pair in flight hides, while
   /// `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
-  /// 2026-11-27b). Without bulk copies, or where not one pair fits: the portable kernel
-  /// (stages = 0).
+  /// "format::packed_bitmap's split kernel: per-page and per-segment latency"). Without bulk
+  /// copies, or where not one pair fits: the portable kernel (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));

@@ -148,14 +148,18 @@ int stages_for(int device, int registers, int most_ctas, int max_stages, SharedB
   // Registers are allocated per warp in units of 256; the kernels run 4 warps.
   const int per_cta_registers = 4 * ((registers * 32 + 255) / 256 * 256);
   const int most = std::min(most_ctas, sm_registers / std::max(per_cta_registers, 1));
-  for (int least = std::min(std::max(wanted_stages, 1), max_stages); least >= 1; least = least > 1 ? 1 : 0)
+  // The stages at the most CTAs per SM that have room for `least` each (0: none has).
+  const auto at_most_ctas_with = [&](int least) {
     for (int ctas = most; ctas >= 1; --ctas) {
       const int budget = std::min(per_sm / ctas - reserved, per_block);
       int stages = 0;
       while (stages < max_stages && shared_bytes(stages + 1) <= budget) ++stages;
       if (stages >= least) return stages;
     }
-  return 0;
+    return 0;
+  };
+  const int chosen = at_most_ctas_with(std::min(std::max(wanted_stages, 1), max_stages));
+  return chosen > 0 ? chosen : at_most_ctas_with(1);
 }
 
 }  // namespace detail

@@ -679,9 +679,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
 #pragma unroll
         for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
       }
-      __syncthreads();  // q_t is read before the query tiles are written
     }
-    __syncthreads();
+    __syncthreads();  // rotated is whole, and q_t read, before the query tiles are written
     attend::stage_queries(rotated, p.softmax_scale, query_tiles, threads);
     __syncthreads();
     state.start();

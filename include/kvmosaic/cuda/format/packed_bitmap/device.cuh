@@ -47,8 +47,8 @@ struct device_format<format::packed_bitmap> {
   /// a selector, three pairs first, then as many CTAs as fit: a selection's splits hold few,
   /// scattered pages whose copies the kernel waits for, which a third pair in flight hides, while
   /// `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
-  /// 2026-11-27b). Without bulk copies, or where not one pair fits: the portable kernel
-  /// (stages = 0).
+  /// "format::packed_bitmap's split kernel: per-page and per-segment latency"). Without bulk
+  /// copies, or where not one pair fits: the portable kernel (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
