@@ -9,12 +9,25 @@
 
 namespace demo {
 
+/// The kernel shapes the demo's CUDA rows compile, as an engine lists its model's: the default
+/// (bf16, head_dim 128, groups of 4), f16, and groups of 1 and 8. `backend::cuda` would compile all
+/// 48 supported shapes for every cache type below, and the demo's build time with them; another
+/// `--storage/--head-dim/--q-heads` runs on the host backend.
+using demo_backend = kvmosaic::backend::cuda_for<
+    kvmosaic::kernel_shape<kvmosaic::dtype::bf16, 128, 4>, kvmosaic::kernel_shape<kvmosaic::dtype::f16, 128, 4>,
+    kvmosaic::kernel_shape<kvmosaic::dtype::bf16, 128, 1>, kvmosaic::kernel_shape<kvmosaic::dtype::bf16, 128, 8>>;
+
 std::vector<row> run_cuda(const workload& w, int steps) {
   using namespace kvmosaic;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
     std::fprintf(stderr, "  no CUDA device: running the host backend\n");
+    return {};
+  }
+  if (!kvmosaic::cuda::compiles_shape<demo_backend>(w.config.storage, w.config.head_dim, w.config.group_size)) {
+    std::fprintf(stderr, "  the demo's CUDA build holds the shapes %s (storage/head_dim/group) only: running the host backend\n",
+                 kvmosaic::cuda::compiled_shapes<demo_backend>().c_str());
     return {};
   }
   std::vector<row> rows;
@@ -49,34 +62,34 @@ std::vector<row> run_cuda(const workload& w, int steps) {
     return host;
   };
   {
-    cache<format::dense, select::all, compact::none, backend::cuda> c(w.config);
+    cache<format::dense, select::all, compact::none, demo_backend> c(w.config);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   for (const float sparsity : {0.5f, 0.7f}) {  // MUSTAFAR, encoded and attended on the device
-    cache<format::bitmap_tiles, select::all, compact::none, backend::cuda> c(w.config, mustafar(sparsity));
+    cache<format::bitmap_tiles, select::all, compact::none, demo_backend> c(w.config, mustafar(sparsity));
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   for (const auto& [config, format] : quant2_variants(w.config, w.generator.seed)) {  // HACK, codes attended on the device
-    cache<format::quant2, select::all, compact::none, backend::cuda> c(config, format);
+    cache<format::quant2, select::all, compact::none, demo_backend> c(config, format);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   if (cache_config config; quant4_config(w.config, config)) {  // 4-bit codes, V per channel and per token
-    cache<format::quant4, select::all, compact::none, backend::cuda> c(config);
+    cache<format::quant4, select::all, compact::none, demo_backend> c(config);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
-    cache<format::quant<4, format::value_axis::head_dim>, select::all, compact::none, backend::cuda> per_token(config);
+    cache<format::quant<4, format::value_axis::head_dim>, select::all, compact::none, demo_backend> per_token(config);
     rows.push_back(run(per_token, w, steps, rows_of, timed, read_out));
   }
   for (const auto& selector : quest_variants()) {  // Quest: pages (or blocks) scored and chosen on the device
-    cache<format::dense, select::quest, compact::none, backend::cuda> c(w.config, {}, selector);
+    cache<format::dense, select::quest, compact::none, demo_backend> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   for (const auto& selector : sentence_chunk_variants()) {  // chunks cut on the host, bounded and chosen on the device
-    cache<format::dense, select::sentence_chunks, compact::none, backend::cuda> c(w.config, {}, selector);
+    cache<format::dense, select::sentence_chunks, compact::none, demo_backend> c(w.config, {}, selector);
     rows.push_back(run(c, w, steps, rows_of, timed, read_out));
   }
   // StreamingLLM: evicted as the prefill is sealed, compacted on the device.
-  for_each_streaming_cache<backend::cuda>(w.config, w.generator.seed,
-                                          [&](auto& c) { rows.push_back(run(c, w, steps, rows_of, timed, read_out)); });
+  for_each_streaming_cache<demo_backend>(w.config, w.generator.seed,
+                                         [&](auto& c) { rows.push_back(run(c, w, steps, rows_of, timed, read_out)); });
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return rows;

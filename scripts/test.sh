@@ -7,7 +7,8 @@
 #      fuzzer for KVMOSAIC_FUZZ_SECONDS from its seed corpus.
 # Environment: KVMOSAIC_TORCH_TESTS=OFF skips the PyTorch example's tests (and the Python
 # environment they need, scripts/install-python-deps.sh); KVMOSAIC_ENABLE_CUDA=ON|OFF overrides the CUDA auto-detection of step 1 (default: ON
-# when nvcc is found); JOBS overrides the parallelism (default: nproc); KVMOSAIC_SANITIZE_TESTS=OFF
+# when nvcc is found); KVMOSAIC_CUDA_ARCHITECTURES sets CMAKE_CUDA_ARCHITECTURES (default: PTX for
+# sm_90 on a machine without a GPU, below; else the project's 75;90); JOBS overrides the parallelism (default: nproc); KVMOSAIC_SANITIZE_TESTS=OFF
 # skips step 2; KVMOSAIC_FUZZ_SECONDS (default 60) sets each fuzzer's time in step 2.
 # docs/testing.md lists what runs and how long it takes.
 # SPDX-License-Identifier: Apache-2.0
@@ -35,10 +36,27 @@ cmake_args=(-DCMAKE_BUILD_TYPE=Release -DKVMOSAIC_BUILD_TESTS=ON -DKVMOSAIC_BUIL
 if [[ -n "${KVMOSAIC_ENABLE_CUDA:-}" ]]; then
   cmake_args+=("-DKVMOSAIC_ENABLE_CUDA=${KVMOSAIC_ENABLE_CUDA}")
 fi
+# Without a GPU nothing CUDA runs, so the GPU tests and examples are compiled to PTX for sm_90
+# alone (every template instantiated, every shape, no ptxas), and every engine is compiled to
+# machine code for sm_75 and sm_90 once, one shape (test/cuda_every_engine); the headers are
+# checked with nvcc for sm_75. With a GPU, or CUDAARCHS / KVMOSAIC_CUDA_ARCHITECTURES set: the
+# project's default architectures (75;90), or that list.
+if [[ -n "${KVMOSAIC_CUDA_ARCHITECTURES:-}" ]]; then
+  cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=${KVMOSAIC_CUDA_ARCHITECTURES}")
+elif [[ -z "${CUDAARCHS:-}" ]] && ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "test.sh: no GPU: CUDA tests and examples compiled to PTX for sm_90; every engine to sm_75 and sm_90 machine code" >&2
+  cmake_args+=(-DCMAKE_CUDA_ARCHITECTURES=90-virtual -DKVMOSAIC_CUDA_HEADER_CHECK_ARCHITECTURES=75
+               -DKVMOSAIC_CUDA_EVERY_ENGINE_CHECK=ON)
+fi
 
+# Each phase's wall time goes to stderr, so that a CI log says where the time went.
+phase() { echo "test.sh: ${1} done at ${SECONDS} s" >&2; }
+phase "dependencies"
 cmake -S "${repo_root}" -B "${build_dir}" "${cmake_args[@]}" "${python_args[@]}"
 cmake --build "${build_dir}" -j "${jobs}"
+phase "step 1 build"
 ctest --test-dir "${build_dir}" --output-on-failure -j "${jobs}"
+phase "step 1 tests"
 
 if [[ "${KVMOSAIC_SANITIZE_TESTS:-ON}" == "OFF" ]]; then
   echo "test.sh: KVMOSAIC_SANITIZE_TESTS=OFF: sanitizer and fuzzer tests skipped" >&2
@@ -54,7 +72,9 @@ CC=clang CXX=clang++ cmake -S "${repo_root}" -B "${sanitize_dir}" \
   "-DKVMOSAIC_SANITIZE=address;undefined" -DKVMOSAIC_BUILD_FUZZERS=ON \
   "-DKVMOSAIC_FUZZ_SECONDS=${KVMOSAIC_FUZZ_SECONDS:-60}"
 cmake --build "${sanitize_dir}" -j "${jobs}" --target kvmosaic_tests kvmosaic_fuzz_cache_ops
+phase "step 2 build"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 KVMOSAIC_RANDOM_OPS_SCALE="${KVMOSAIC_RANDOM_OPS_SCALE:-0.1}" \
   ctest --test-dir "${sanitize_dir}" --output-on-failure -j "${jobs}" -L '^(unit|fuzz)$'
+phase "step 2 tests"

@@ -8955,6 +8955,22 @@ void dispatch_shape(shape_list<Shapes...>, dtype storage, int head_dim, int grou
 }
 
 }  // namespace cuda::detail
+
+namespace cuda {
+/// Whether `Backend` (a `backend::cuda_for<...>`) compiles kernels for the shape (storage dtype,
+/// head_dim, GQA group size; 0: any group): a cache on that backend accepts a `cache_config` of that shape only
+/// then, and rejects others with an error naming the shapes. Lets a caller that takes shapes at run
+/// time fall back before it builds a cache. O(number of listed shapes), no CUDA call.
+template <class Backend>
+bool compiles_shape(dtype storage, int head_dim, int group_size) noexcept {
+  return detail::shapes_of_t<Backend>::contains(storage, head_dim, group_size);
+}
+/// The shapes `Backend` compiles, for messages: "bf16/128/4, f16/64/1" or "every supported shape".
+template <class Backend>
+std::string compiled_shapes() {
+  return detail::shapes_of_t<Backend>::describe();
+}
+}  // namespace cuda
 }  // namespace kvmosaic
 // ---- end <kvmosaic/cuda/shapes.cuh> ----
 
@@ -15492,9 +15508,19 @@ class selection_stage<select::streaming, Shapes> : public selection_stage<select
   extern template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>; \
   extern template class kvmosaic::cuda::engine<FORMAT, SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
 
-/// In exactly one unit: compiles the cache type's kernels.
-#define KVMOSAIC_CUDA_INSTANTIATE_CACHE(FORMAT, SELECTOR, BACKEND)                                \
-  template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>; \
+/// In exactly one unit: compiles the cache type's kernels (its selection stage and its engine).
+#define KVMOSAIC_CUDA_INSTANTIATE_CACHE(FORMAT, SELECTOR, BACKEND) \
+  KVMOSAIC_CUDA_INSTANTIATE_SELECTION(SELECTOR, BACKEND)           \
+  KVMOSAIC_CUDA_INSTANTIATE_ENGINE(FORMAT, SELECTOR, BACKEND)
+
+/// The two halves of KVMOSAIC_CUDA_INSTANTIATE_CACHE, for a program whose cache types share a
+/// selector and backend (say quant2 and dense, both with `select::quest`): the selection stage
+/// depends on the selector and backend alone, so it is instantiated in one unit, and each engine
+/// in one unit (its own, so that they compile in parallel); KVMOSAIC_CUDA_EXTERN_CACHE as before.
+#define KVMOSAIC_CUDA_INSTANTIATE_SELECTION(SELECTOR, BACKEND) \
+  template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
+/// See KVMOSAIC_CUDA_INSTANTIATE_SELECTION.
+#define KVMOSAIC_CUDA_INSTANTIATE_ENGINE(FORMAT, SELECTOR, BACKEND) \
   template class kvmosaic::cuda::engine<FORMAT, SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
 // ---- end <kvmosaic/cuda/instantiate.cuh> ----
 // ---- end <kvmosaic/kvmosaic.cuh> ----

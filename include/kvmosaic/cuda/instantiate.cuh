@@ -36,7 +36,17 @@
   extern template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>; \
   extern template class kvmosaic::cuda::engine<FORMAT, SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
 
-/// In exactly one unit: compiles the cache type's kernels.
-#define KVMOSAIC_CUDA_INSTANTIATE_CACHE(FORMAT, SELECTOR, BACKEND)                                \
-  template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>; \
+/// In exactly one unit: compiles the cache type's kernels (its selection stage and its engine).
+#define KVMOSAIC_CUDA_INSTANTIATE_CACHE(FORMAT, SELECTOR, BACKEND) \
+  KVMOSAIC_CUDA_INSTANTIATE_SELECTION(SELECTOR, BACKEND)           \
+  KVMOSAIC_CUDA_INSTANTIATE_ENGINE(FORMAT, SELECTOR, BACKEND)
+
+/// The two halves of KVMOSAIC_CUDA_INSTANTIATE_CACHE, for a program whose cache types share a
+/// selector and backend (say quant2 and dense, both with `select::quest`): the selection stage
+/// depends on the selector and backend alone, so it is instantiated in one unit, and each engine
+/// in one unit (its own, so that they compile in parallel); KVMOSAIC_CUDA_EXTERN_CACHE as before.
+#define KVMOSAIC_CUDA_INSTANTIATE_SELECTION(SELECTOR, BACKEND) \
+  template class kvmosaic::cuda::selection_stage<SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
+/// See KVMOSAIC_CUDA_INSTANTIATE_SELECTION.
+#define KVMOSAIC_CUDA_INSTANTIATE_ENGINE(FORMAT, SELECTOR, BACKEND) \
   template class kvmosaic::cuda::engine<FORMAT, SELECTOR, kvmosaic::cuda::detail::shapes_of_t<BACKEND>>;
