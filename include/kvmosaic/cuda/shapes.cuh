@@ -166,9 +166,10 @@ void dispatch_shape(shape_list<Shapes...>, dtype storage, int head_dim, int grou
 
 namespace cuda {
 /// Whether `Backend` (a `backend::cuda_for<...>`) compiles kernels for the shape (storage dtype,
-/// head_dim, GQA group size; 0: any group): a cache on that backend accepts a `cache_config` of that shape only
-/// then, and rejects others with an error naming the shapes. Lets a caller that takes shapes at run
-/// time fall back before it builds a cache. O(number of listed shapes), no CUDA call.
+/// head_dim, GQA group size; 0: any group): a cache on that backend accepts a `cache_config` of
+/// that shape only then, and rejects others with an error naming the shapes. Lets a caller that
+/// takes shapes at run time fall back before it builds a cache. O(number of listed shapes), no
+/// CUDA call.
 template <class Backend>
 bool compiles_shape(dtype storage, int head_dim, int group_size) noexcept {
   return detail::shapes_of_t<Backend>::contains(storage, head_dim, group_size);
