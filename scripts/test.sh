@@ -37,16 +37,17 @@ if [[ -n "${KVMOSAIC_ENABLE_CUDA:-}" ]]; then
   cmake_args+=("-DKVMOSAIC_ENABLE_CUDA=${KVMOSAIC_ENABLE_CUDA}")
 fi
 # Without a GPU nothing CUDA runs, so the GPU tests and examples are compiled to PTX for sm_90
-# alone (every template instantiated, every shape, no ptxas), and every engine is compiled to
-# machine code for sm_75 and sm_90 once, one shape (test/cuda_every_engine); the headers are
-# checked with nvcc for sm_75. With a GPU, or CUDAARCHS / KVMOSAIC_CUDA_ARCHITECTURES set: the
+# alone (every template instantiated, every shape, no ptxas), the GPU tests unoptimized (host and
+# NVVM at -O0: test/gpu/CMakeLists.txt), and every engine is compiled to machine code for sm_75
+# and sm_90 once, one shape, as shipped (test/cuda_every_engine); the headers are checked with
+# nvcc for sm_75. With a GPU, or CUDAARCHS / KVMOSAIC_CUDA_ARCHITECTURES set: the
 # project's default architectures (75;90), or that list.
 if [[ -n "${KVMOSAIC_CUDA_ARCHITECTURES:-}" ]]; then
   cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=${KVMOSAIC_CUDA_ARCHITECTURES}")
 elif [[ -z "${CUDAARCHS:-}" ]] && ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-  echo "test.sh: no GPU: CUDA tests and examples compiled to PTX for sm_90; every engine to sm_75 and sm_90 machine code" >&2
+  echo "test.sh: no GPU: CUDA tests and examples compiled to PTX for sm_90 (the tests unoptimized); every engine to sm_75 and sm_90 machine code" >&2
   cmake_args+=(-DCMAKE_CUDA_ARCHITECTURES=90-virtual -DKVMOSAIC_CUDA_HEADER_CHECK_ARCHITECTURES=75
-               -DKVMOSAIC_CUDA_EVERY_ENGINE_CHECK=ON)
+               -DKVMOSAIC_CUDA_EVERY_ENGINE_CHECK=ON -DKVMOSAIC_GPU_TESTS_COMPILE_ONLY=ON)
 fi
 
 # Each phase's wall time goes to stderr, so that a CI log says where the time went.

@@ -1872,7 +1872,9 @@ inline unsigned quantize8(const float* x, int count, int stride, float& m, float
   }
   if (nan) {
     m = s = std::numeric_limits<float>::quiet_NaN();
-    std::fill(a, a + count, 0);
+    // An index loop, not std::fill over [a, a + count): g++ 13 cannot bound a pointer range of
+    // an int count and warns (-Wstringop-overflow) where this is inlined.
+    for (int i = 0; i < count; ++i) a[i] = 0;
     return 0;
   }
   m = lo;

@@ -17,7 +17,7 @@
 #include "../support/oracle.hpp"
 #include "../support/prune.hpp"
 #include "kvmosaic/kvmosaic.cuh"
-#include "gpu_engines.cuh"  // generated: the engines of backend::cuda compiled once (test/CMakeLists.txt)
+#include "gpu_engines.cuh"  // generated: the engines of backend::cuda compiled once (test/gpu/CMakeLists.txt)
 #include "kvmosaic/support/synthetic.hpp"
 
 namespace kvmosaic::test {
