@@ -193,6 +193,9 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
+  static_assert(detail::token_scores_of<Selector>::value == score_use::none || std::is_same_v<BackendArg, backend::host>,
+                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
+                "only backend::host's attend writes so far: use backend::host");
   static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
                 "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
                 "compaction would move: use it with compact::none");
@@ -477,11 +480,21 @@ class cache
       const std::uint64_t* live_rows = nullptr;
       if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
       batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
+      if constexpr (records_scores) {  // the step writes each read token's score, by logical position
+        detail::sequence_ref& ref = batch.back();
+        ref.scores = selector_traits<Selector>::scores(state_of(seqs(b)).selector_state).values.data();
+        ref.positions = s.slots.position.data();
+        ref.tail_position = s.seen - tail_rows(s);
+      }
     }
+
     planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-    if constexpr (selector_traits<Selector>::reads_all_pages) {
+    if constexpr (records_scores) {  // backend::host: scores by the attend path itself
+      engine_.plan(batch, scale, nullptr,
+                   score_settings{detail::token_scores_of<Selector>::value, selector_traits<Selector>::score_combine(selector_)});
+    } else if constexpr (selector_traits<Selector>::reads_all_pages) {
       engine_.plan(batch, scale);
     } else {
       const selector_shape shape = selector_shape_of();
@@ -530,6 +543,12 @@ class cache
                     "lse", "overlapping q or out", "an array that shares no element with q or out");
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
+    if constexpr (records_scores) {
+      for (const sequence_id seq : planned_) {
+        sequence_state& s = state_of(seq);
+        selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
+      }
+    }
     if constexpr (!selector_traits<Selector>::reads_all_pages) {
       // The host engine reports what it read; the CUDA engine keeps its selection on the device
       // (engine().selection().selected_pages), so a step never waits for it.
@@ -657,8 +676,10 @@ class cache
   void after_write(sequence_id seq, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
       sequence_state& s = state_of(seq);
+      const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                               static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
       const std::vector<std::int64_t> dead =
-          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
+          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
       if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
       if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
     }
@@ -902,6 +923,8 @@ class cache
   static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
   /// The compactor frees memory: the cache keeps each sequence's position map and can evict.
   static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
+  /// The selector reads the attend path's token scores (select::tova, select::h2o).
+  static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {

@@ -25,6 +25,10 @@
 #include "kvmosaic/select/mean_keys.hpp"
 #include "kvmosaic/select/sentence_chunks.hpp"
 #include "kvmosaic/select/streaming.hpp"
+#include "kvmosaic/select/token_scores.hpp"
+#include "kvmosaic/select/scored_eviction.hpp"
+#include "kvmosaic/select/tova.hpp"
+#include "kvmosaic/select/h2o.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
 #include "kvmosaic/compact/hole_fill.hpp"

@@ -107,6 +107,18 @@ struct arena_geometry {
     if (t < static_cast<std::int64_t>(sink_rows)) return window_rows + static_cast<std::size_t>(t);
     return window_rows - 1 - static_cast<std::size_t>((t - static_cast<std::int64_t>(sink_rows)) % static_cast<std::int64_t>(window_rows));
   }
+  /// The logical positions of the `exact_rows_held(sealed)` rows the attend path folds before the
+  /// tail rows (the run that ends where the tail's rows begin), in run order.
+  void exact_run_positions(std::int64_t sealed, std::int64_t* out) const noexcept {
+    const std::int64_t held = exact_rows_held(sealed), region = static_cast<std::int64_t>(exact_rows);
+    const auto place = [&](std::int64_t t) {
+      const std::int64_t run_row = static_cast<std::int64_t>(exact_row_of(t)) - (region - held);
+      if (run_row >= 0 && run_row < held) out[run_row] = t;
+    };
+    const auto sinks = static_cast<std::int64_t>(sink_rows), window = static_cast<std::int64_t>(window_rows);
+    for (std::int64_t t = 0; t < std::min(sinks, sealed); ++t) place(t);
+    for (std::int64_t t = std::max(sinks, sealed - window); t < sealed; ++t) place(t);
+  }
   /// Whether sealed position `t` of a sequence with `sealed` sealed tokens is attended from its
   /// exact copy (its page copy is masked): a sink, or one of the last W sealed tokens.
   bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
@@ -132,6 +144,11 @@ struct sequence_ref {
   std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
   std::int32_t slot;          ///< tail slot
   const std::uint64_t* live = nullptr;  ///< per page, the live rows (`slot_positions::live`); null: every row
+  /// A step that records token scores (`score_settings`): where they go, [position][num_kv_heads];
+  /// null: none recorded for this sequence.
+  float* scores = nullptr;
+  const std::int64_t* positions = nullptr;  ///< per sealed slot, its logical position; null: the slot's index
+  std::int64_t tail_position = -1;          ///< the tail's first logical position; -1: pages->size() * page_size
 };
 
 /// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
@@ -529,11 +546,15 @@ class engine {
 
   /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
   /// selection request for `run` (the batch's block tables are read when `run` runs).
-  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
+  /// With `scores.use` other than none, `run` also writes each read token's score
+  /// (select/token_scores.hpp) to the sequences' `scores`.
+  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr,
+            const score_settings& scores = {}) {
     planned_batch_ = batch;
     planned_scale_ = softmax_scale;
     planned_request_ = request != nullptr ? *request : detail::selection_request{};
     planned_selects_ = request != nullptr;
+    planned_scores_ = scores;
   }
 
   /// The planned step (`cache::run`): out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every
@@ -612,6 +633,11 @@ class engine {
     // space (at most head_dim channels).
     std::vector<float> q_basis, o_segment;
     std::vector<softmax_state<float>> segment_state;
+    // A step that records token scores: the positions of the block being folded, and per read
+    // token its position and its G scaled logits ([token][G]).
+    bool record = false;
+    std::vector<std::int64_t> block_positions, read_positions;
+    std::vector<float> read_logits;
   };
 
   /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
@@ -671,6 +697,19 @@ class engine {
       for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(row, h * groups + g, c)) * softmax_scale;
     std::fill(s.o.begin(), s.o.end(), 0.0f);
     std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+    s.record = planned_scores_.use != score_use::none && seq.scores != nullptr;
+    if (s.record) {
+      s.read_positions.clear();
+      s.read_logits.clear();
+      s.block_positions.resize(static_cast<std::size_t>(scratch_rows()));
+    }
+    const auto page_positions = [&](std::size_t i) {  // the logical positions of page i's rows
+      if (!s.record) return;
+      for (int t = 0; t < p; ++t) {
+        const std::size_t slot = i * static_cast<std::size_t>(p) + static_cast<std::size_t>(t);
+        s.block_positions[static_cast<std::size_t>(t)] = seq.positions != nullptr ? seq.positions[slot] : static_cast<std::int64_t>(slot);
+      }
+    };
     const page_shape shape = shape_.page();
     const auto keep_of = [&](std::size_t i) -> const std::uint64_t* {
       return request != nullptr ? keep.data() + i * mask_words : rows_visible != nullptr ? rows_visible + i * mask_words : nullptr;
@@ -693,6 +732,7 @@ class engine {
           const page_id page = (*seq.pages)[i];
           const std::uint64_t* page_keep = keep_of(i);
           if (skipped(page_keep)) continue;
+          page_positions(i);
           fold_block(
               p, kept, s, s.segment_state, s.o_segment,
               [&](float* logits) { traits::score(format_, shape, seg, k_page(page, h), p, s.q_basis.data(), groups, logits); },
@@ -714,10 +754,16 @@ class engine {
         const page_id page = (*seq.pages)[i];
         const std::uint64_t* page_keep = keep_of(i);
         if (skipped(page_keep)) continue;
+        page_positions(i);
         fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
       }
     }
     if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
+      if (s.record) {
+        geometry_.exact_run_positions(sealed, s.block_positions.data());
+        const std::int64_t tail_from = seq.tail_position >= 0 ? seq.tail_position : sealed;
+        for (int r = 0; r < tail_rows; ++r) s.block_positions[static_cast<std::size_t>(exact + r)] = tail_from + r;
+      }
       const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
       fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) - back,
                                tail_head(seq.slot, true, h) - back, static_cast<int>(exact) + tail_rows, s);
@@ -725,6 +771,27 @@ class engine {
     for (int g = 0; g < groups; ++g) {
       for (int c = 0; c < d; ++c) out(row, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
       if (lse.extent(0) > 0) lse(row, h * groups + g) = s.state[g].log_sum_exp();
+    }
+    if (s.record) write_scores(seq, h, s);
+  }
+
+  /// The scores of the tokens one (sequence, KV head) read this step: per query head j of the
+  /// group, p_j = exp(s_j - m_j) / l_j under the step's final (merged) softmax state, combined over
+  /// the group, written to (last_step) or added to (cumulative) `seq.scores[position][h]`. Each
+  /// (sequence, KV head) writes its own column: no two threads write one element.
+  void write_scores(const detail::sequence_ref& seq, int h, const attend_scratch& s) const {
+    const int groups = shape_.group_size, heads = shape_.num_kv_heads;
+    for (std::size_t i = 0; i < s.read_positions.size(); ++i) {
+      float combined = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        const softmax_state<float>& state = s.state[static_cast<std::size_t>(g)];
+        const float logit = s.read_logits[i * static_cast<std::size_t>(groups) + static_cast<std::size_t>(g)];
+        const float p = state.l > 0.0f ? std::exp(logit - state.m) / state.l : 0.0f;
+        combined = planned_scores_.combine == group_combine::sum ? combined + p : std::max(combined, p);
+      }
+      float& slot = seq.scores[static_cast<std::size_t>(s.read_positions[i]) * static_cast<std::size_t>(heads) +
+                               static_cast<std::size_t>(h)];
+      slot = planned_scores_.use == score_use::cumulative ? slot + combined : combined;
     }
   }
 
@@ -753,6 +820,12 @@ class engine {
     constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
     bool any = false;
     score(s.logits.data());
+    if (s.record)  // the logits of the tokens this block reads, before the softmax overwrites them
+      for (int t = masked; t < n; ++t) {
+        if (keep != nullptr && ((keep[t / 64] >> (t % 64)) & 1) == 0) continue;
+        s.read_positions.push_back(s.block_positions[static_cast<std::size_t>(t)]);
+        for (int g = 0; g < groups; ++g) s.read_logits.push_back(s.logits[static_cast<std::size_t>(g) * n + t]);
+      }
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
       std::fill(row, row + masked, minus_infinity);
@@ -963,6 +1036,7 @@ class engine {
   detail::selection_request planned_request_;
   float planned_scale_ = 1.0f;
   bool planned_selects_ = false;
+  score_settings planned_scores_;
   /// Rows kept for `rollback`: per saved slot, its exact rows and `rows` tail rows at `at`.
   struct saved_rows {
     std::int32_t slot;

@@ -67,6 +67,19 @@
 ///   static std::int64_t always_from(const sequence_state&, std::int64_t sealed);  // the first
 ///                                 // sealed token every step reads whatever the selection (the
 ///                                 // selection statistics' reuse); `sealed` when none
+///   // keep-less selectors (evicts == true) also provide:
+///   static std::vector<std::int64_t> evictions(const Selector&, sequence_state&,
+///                       std::int64_t length, std::int64_t open_from, const eviction_view&);
+///                                 // after each write: the positions to evict now (sealed, below
+///                                 // `open_from`; the cache passes over those already evicted)
+///   static bool compaction_due(const Selector&, sequence_state&, std::int64_t written);
+///                                 // whether `written` more tokens bring the next compaction pass
+///   static constexpr score_use token_scores;        // optional, default score_use::none: the
+///                                 // attend path's per-token scores the selector reads
+///                                 // (select/token_scores.hpp); with it
+///   static group_combine score_combine(const Selector&);   // how the group's probabilities combine
+///   static detail::token_score_buffer& scores(sequence_state&);  // where steps write them (and
+///                                 // the const overload)
 ///   // read-less selectors (reads_all_pages == false) also provide:
 ///   static detail::selection_request start_request(const Selector&, const selector_shape&);
 ///                                 // the step's fields (score combination, span kind)
@@ -80,15 +93,18 @@
 /// head), the pages holding a selected token and, per page, which of its tokens are selected
 /// (docs/selectors.md). The dense tail (and a format's exact sink and window rows) is always read.
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/core/view.hpp"
 #include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/span_score.hpp"
+#include "kvmosaic/select/token_scores.hpp"
 
 namespace kvmosaic {
 
@@ -106,6 +122,25 @@ struct selector_shape {
   int head_dim;
   int page_size;
   dtype storage;  ///< f16 or bf16: the dtype keys are stored (and bounded) in
+};
+
+/// What a keep-less selector's `evictions` may read of its sequence besides its own state.
+struct eviction_view {
+  std::int64_t stored = 0;                  ///< live tokens, the tail's rows included
+  const std::int64_t* slot_positions = nullptr;  ///< per sealed slot, its logical position (-1: evicted)
+  std::int64_t slots = 0;                   ///< sealed slots
+  std::int64_t first_evictable = 0;         ///< the format's sink tokens (always kept) end here
+
+  /// The live sealed positions in [first_evictable, before), ascending. Cost: O(slots log slots).
+  std::vector<std::int64_t> evictable(std::int64_t before) const {
+    std::vector<std::int64_t> out;
+    for (std::int64_t i = 0; i < slots; ++i) {
+      const std::int64_t p = slot_positions[i];
+      if (p >= first_evictable && p < before) out.push_back(p);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
 };
 
 /// The host hooks of a selector that keeps nothing per sequence (`select::all`, `select::quest`):
@@ -153,6 +188,16 @@ struct block_summary_of {
 template <class Selector>
 struct block_summary_of<Selector, std::void_t<decltype(selector_traits<Selector>::summary)>> {
   static constexpr block_summary value = selector_traits<Selector>::summary;
+};
+
+/// `selector_traits<Selector>::token_scores`, score_use::none when the traits do not declare it.
+template <class Selector, class = void>
+struct token_scores_of {
+  static constexpr score_use value = score_use::none;
+};
+template <class Selector>
+struct token_scores_of<Selector, std::void_t<decltype(selector_traits<Selector>::token_scores)>> {
+  static constexpr score_use value = selector_traits<Selector>::token_scores;
 };
 
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.

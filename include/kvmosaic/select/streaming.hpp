@@ -78,7 +78,7 @@ struct selector_traits<select::streaming> : stateless_selector_hooks {
   /// The positions to evict now from a sequence of `length` tokens whose tokens before `open_from`
   /// are sealed: those past the sinks and before the window, not evicted yet. Cost: O(result).
   static std::vector<std::int64_t> evictions(const select::streaming& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from) {
+                                             std::int64_t open_from, const eviction_view& /*live*/) {
     const std::int64_t keep = std::max<std::int64_t>(s.budget.resolve(length), s.sink_tokens);
     const std::int64_t window_from = length - (keep - s.sink_tokens);
     const std::int64_t from = std::max<std::int64_t>(state.evicted_to, s.sink_tokens);

@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// What the score-based keep-less selectors share (`select::tova`, `select::h2o`): the attention
+/// probability each attended token received at a decode step, per (sequence, KV head), computed
+/// by the attend path itself (no eager attention, no N x N matrix), and the per-sequence buffer
+/// that keeps it by logical position. Source: the eviction and compaction notes ("Wall 1": a fused
+/// kernel never writes the scores; H2O's reference code falls back to eager attention for them).
+///
+/// A token's score at a step is, for each query head j of the KV head's group, its probability
+/// p_j = exp(s_j - m_j) / l_j under the step's whole softmax (every page, sink and tail row the
+/// step reads: normalized after the merge of the blocks, as the split-KV merge would), combined
+/// over the group by `group_combine` (sum: the group's attention mass on the token; max). A token
+/// the step does not read (evicted, or masked by a read-less selection) gets no score that step.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "kvmosaic/select/span_score.hpp"
+
+namespace kvmosaic {
+
+/// How a selector uses the attend path's token scores (`selector_traits<S>::token_scores`):
+///   - `none`: it reads none, and the attend path computes none (every selector but the two below);
+///   - `last_step`: each step overwrites the scores of the tokens it reads (TOVA);
+///   - `cumulative`: each step adds them (H2O's accumulated attention).
+enum class score_use { none, last_step, cumulative };
+
+/// What an attend step records: how the group's probabilities combine and whether they replace
+/// or add to the buffer. `use == score_use::none`: nothing is recorded.
+struct score_settings {
+  score_use use = score_use::none;
+  group_combine combine = group_combine::sum;
+};
+
+namespace detail {
+
+/// One sequence's token scores, by logical position: [position][num_kv_heads] fp32, zero until a
+/// step reads the token. Evicted positions keep their last value and are never read again. Cost:
+/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`).
+struct token_score_buffer {
+  std::vector<float> values;
+  int heads = 0;
+  std::int64_t scored_tokens = 0;  ///< tokens the sequence held at its last step with scores
+
+  std::int64_t tokens() const noexcept {
+    return heads > 0 ? static_cast<std::int64_t>(values.size()) / heads : 0;
+  }
+  float at(std::int64_t position, int head) const noexcept {
+    return values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(head)];
+  }
+  /// Room for `tokens` positions of `num_heads` heads (growing geometrically: appends cost
+  /// amortized O(1)); may throw (allocation), changes no score.
+  void reserve(std::int64_t tokens, int num_heads) {
+    const std::size_t needed = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
+    if (needed > values.capacity()) values.reserve(std::max(needed, 2 * values.capacity()));
+  }
+  /// Grows to `tokens` positions (new ones 0) within the room `reserve` made: cannot throw.
+  void grow_to(std::int64_t tokens, int num_heads) noexcept {
+    heads = num_heads;
+    const std::size_t size = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
+    if (size > values.size()) values.resize(size, 0.0f);  // capacity reserved: no allocation
+  }
+  /// The score of `position` for the eviction decision of one slot layout shared by every KV
+  /// head: the sum over the heads (their mean, up to a constant factor that no ranking sees).
+  float shared(std::int64_t position) const noexcept {
+    float total = 0.0f;
+    for (int h = 0; h < heads; ++h) total += at(position, h);
+    return total;
+  }
+};
+
+/// The `count` positions of `candidates` with the lowest shared score, lowest first; ties to the
+/// earlier position (the same order on every backend); a NaN score (a NaN query) ranks highest,
+/// so it never evicts. Cost: O(n log count).
+inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, std::vector<std::int64_t> candidates,
+                                               std::int64_t count) {
+  count = std::max<std::int64_t>(0, std::min<std::int64_t>(count, static_cast<std::int64_t>(candidates.size())));
+  std::vector<std::pair<float, std::int64_t>> ranked;
+  ranked.reserve(candidates.size());
+  for (const std::int64_t p : candidates) {
+    const float score = scores.shared(p);
+    ranked.emplace_back(std::isnan(score) ? std::numeric_limits<float>::infinity() : score, p);
+  }
+  std::partial_sort(ranked.begin(), ranked.begin() + count, ranked.end());
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) out.push_back(ranked[static_cast<std::size_t>(i)].second);
+  return out;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
