@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs all kvmosaic tests: installs missing dependencies, then
 #   1. build-test/ (Release, tests ON, examples ON): builds everything and runs ctest;
-#   2. build-test-sanitize/ (host only, clang, -O1, AddressSanitizer + UndefinedBehaviorSanitizer
+#   2. build-test-sanitize/ (host only, clang, -O1 with line tables, AddressSanitizer + UndefinedBehaviorSanitizer
 #      with float-cast-overflow, every finding fatal): builds the unit tests and the libFuzzer
 #      targets only, runs the unit tests (the [random] test at a tenth of its iterations) and each
 #      fuzzer for KVMOSAIC_FUZZ_SECONDS from its seed corpus.
@@ -67,7 +67,7 @@ fi
 # Step 2. clang for libFuzzer; CC is set too so that the configure step of a C-less project
 # never mixes compilers.
 CC=clang CXX=clang++ cmake -S "${repo_root}" -B "${sanitize_dir}" \
-  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g" \
+  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -gline-tables-only" \
   -DKVMOSAIC_ENABLE_CUDA=OFF -DKVMOSAIC_BUILD_TESTS=ON -DKVMOSAIC_BUILD_EXAMPLES=OFF \
   -DKVMOSAIC_BUILD_BENCHMARKS=OFF -DKVMOSAIC_INSTALL=OFF \
   "-DKVMOSAIC_SANITIZE=address;undefined" -DKVMOSAIC_BUILD_FUZZERS=ON \
