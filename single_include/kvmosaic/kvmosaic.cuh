@@ -2814,6 +2814,19 @@ struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
 ///   static std::int64_t always_from(const sequence_state&, std::int64_t sealed);  // the first
 ///                                 // sealed token every step reads whatever the selection (the
 ///                                 // selection statistics' reuse); `sealed` when none
+///   // keep-less selectors (evicts == true) also provide:
+///   static std::vector<std::int64_t> evictions(const Selector&, sequence_state&,
+///                       std::int64_t length, std::int64_t open_from, const eviction_view&);
+///                                 // after each write: the positions to evict now (sealed, below
+///                                 // `open_from`; the cache passes over those already evicted)
+///   static bool compaction_due(const Selector&, sequence_state&, std::int64_t written);
+///                                 // whether `written` more tokens bring the next compaction pass
+///   static constexpr score_use token_scores;        // optional, default score_use::none: the
+///                                 // attend path's per-token scores the selector reads
+///                                 // (select/token_scores.hpp); with it
+///   static group_combine score_combine(const Selector&);   // how the group's probabilities combine
+///   static detail::token_score_buffer& scores(sequence_state&);  // where steps write them (and
+///                                 // the const overload)
 ///   // read-less selectors (reads_all_pages == false) also provide:
 ///   static detail::selection_request start_request(const Selector&, const selector_shape&);
 ///                                 // the step's fields (score combination, span kind)
@@ -3020,6 +3033,97 @@ struct selection_request {
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/selection_request.hpp> ----
 
+// ---- begin <kvmosaic/select/token_scores.hpp> ----
+/// \file
+/// What the score-based keep-less selectors share (`select::tova`, `select::h2o`): the attention
+/// probability each attended token received at a decode step, per (sequence, KV head), computed
+/// by the attend path itself (no eager attention, no N x N matrix), and the per-sequence buffer
+/// that keeps it by logical position. Source: the eviction and compaction notes ("Wall 1": a fused
+/// kernel never writes the scores; H2O's reference code falls back to eager attention for them).
+///
+/// A token's score at a step is, for each query head j of the KV head's group, its probability
+/// p_j = exp(s_j - m_j) / l_j under the step's whole softmax (every page, sink and tail row the
+/// step reads: normalized after the merge of the blocks, as the split-KV merge would), combined
+/// over the group by `group_combine` (sum: the group's attention mass on the token; max). A token
+/// the step does not read (evicted, or masked by a read-less selection) gets no score that step.
+
+
+
+namespace kvmosaic {
+
+/// How a selector uses the attend path's token scores (`selector_traits<S>::token_scores`):
+///   - `none`: it reads none, and the attend path computes none (every selector but the two below);
+///   - `last_step`: each step overwrites the scores of the tokens it reads (TOVA);
+///   - `cumulative`: each step adds them (H2O's accumulated attention).
+enum class score_use { none, last_step, cumulative };
+
+/// What an attend step records: how the group's probabilities combine and whether they replace
+/// or add to the buffer. `use == score_use::none`: nothing is recorded.
+struct score_settings {
+  score_use use = score_use::none;
+  group_combine combine = group_combine::sum;
+};
+
+namespace detail {
+
+/// One sequence's token scores, by logical position: [position][num_kv_heads] fp32, zero until a
+/// step reads the token. Evicted positions keep their last value and are never read again. Cost:
+/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`).
+struct token_score_buffer {
+  std::vector<float> values;
+  int heads = 0;
+  std::int64_t scored_tokens = 0;  ///< tokens the sequence held at its last step with scores
+
+  std::int64_t tokens() const noexcept {
+    return heads > 0 ? static_cast<std::int64_t>(values.size()) / heads : 0;
+  }
+  float at(std::int64_t position, int head) const noexcept {
+    return values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(head)];
+  }
+  /// Room for `tokens` positions of `num_heads` heads (growing geometrically: appends cost
+  /// amortized O(1)); may throw (allocation), changes no score.
+  void reserve(std::int64_t tokens, int num_heads) {
+    const std::size_t needed = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
+    if (needed > values.capacity()) values.reserve(std::max(needed, 2 * values.capacity()));
+  }
+  /// Grows to `tokens` positions (new ones 0) within the room `reserve` made: cannot throw.
+  void grow_to(std::int64_t tokens, int num_heads) noexcept {
+    heads = num_heads;
+    const std::size_t size = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
+    if (size > values.size()) values.resize(size, 0.0f);  // capacity reserved: no allocation
+  }
+  /// The score of `position` for the eviction decision of one slot layout shared by every KV
+  /// head: the sum over the heads (their mean, up to a constant factor that no ranking sees).
+  float shared(std::int64_t position) const noexcept {
+    float total = 0.0f;
+    for (int h = 0; h < heads; ++h) total += at(position, h);
+    return total;
+  }
+};
+
+/// The `count` positions of `candidates` with the lowest shared score, lowest first; ties to the
+/// earlier position (the same order on every backend); a NaN score (a NaN query) ranks highest,
+/// so it never evicts. Cost: O(n log count).
+inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, std::vector<std::int64_t> candidates,
+                                               std::int64_t count) {
+  count = std::max<std::int64_t>(0, std::min<std::int64_t>(count, static_cast<std::int64_t>(candidates.size())));
+  std::vector<std::pair<float, std::int64_t>> ranked;
+  ranked.reserve(candidates.size());
+  for (const std::int64_t p : candidates) {
+    const float score = scores.shared(p);
+    ranked.emplace_back(std::isnan(score) ? std::numeric_limits<float>::infinity() : score, p);
+  }
+  std::partial_sort(ranked.begin(), ranked.begin() + count, ranked.end());
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) out.push_back(ranked[static_cast<std::size_t>(i)].second);
+  return out;
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/token_scores.hpp> ----
+
 namespace kvmosaic {
 
 template <class Selector>
@@ -3036,6 +3140,25 @@ struct selector_shape {
   int head_dim;
   int page_size;
   dtype storage;  ///< f16 or bf16: the dtype keys are stored (and bounded) in
+};
+
+/// What a keep-less selector's `evictions` may read of its sequence besides its own state.
+struct eviction_view {
+  std::int64_t stored = 0;                  ///< live tokens, the tail's rows included
+  const std::int64_t* slot_positions = nullptr;  ///< per sealed slot, its logical position (-1: evicted)
+  std::int64_t slots = 0;                   ///< sealed slots
+  std::int64_t first_evictable = 0;         ///< the format's sink tokens (always kept) end here
+
+  /// The live sealed positions in [first_evictable, before), ascending. Cost: O(slots log slots).
+  std::vector<std::int64_t> evictable(std::int64_t before) const {
+    std::vector<std::int64_t> out;
+    for (std::int64_t i = 0; i < slots; ++i) {
+      const std::int64_t p = slot_positions[i];
+      if (p >= first_evictable && p < before) out.push_back(p);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
 };
 
 /// The host hooks of a selector that keeps nothing per sequence (`select::all`, `select::quest`):
@@ -3083,6 +3206,16 @@ struct block_summary_of {
 template <class Selector>
 struct block_summary_of<Selector, std::void_t<decltype(selector_traits<Selector>::summary)>> {
   static constexpr block_summary value = selector_traits<Selector>::summary;
+};
+
+/// `selector_traits<Selector>::token_scores`, score_use::none when the traits do not declare it.
+template <class Selector, class = void>
+struct token_scores_of {
+  static constexpr score_use value = score_use::none;
+};
+template <class Selector>
+struct token_scores_of<Selector, std::void_t<decltype(selector_traits<Selector>::token_scores)>> {
+  static constexpr score_use value = selector_traits<Selector>::token_scores;
 };
 
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
@@ -3653,7 +3786,7 @@ struct selector_traits<select::streaming> : stateless_selector_hooks {
   /// The positions to evict now from a sequence of `length` tokens whose tokens before `open_from`
   /// are sealed: those past the sinks and before the window, not evicted yet. Cost: O(result).
   static std::vector<std::int64_t> evictions(const select::streaming& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from) {
+                                             std::int64_t open_from, const eviction_view& /*live*/) {
     const std::int64_t keep = std::max<std::int64_t>(s.budget.resolve(length), s.sink_tokens);
     const std::int64_t window_from = length - (keep - s.sink_tokens);
     const std::int64_t from = std::max<std::int64_t>(state.evicted_to, s.sink_tokens);
@@ -3674,6 +3807,218 @@ struct selector_traits<select::streaming> : stateless_selector_hooks {
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/streaming.hpp> ----
+
+// ---- begin <kvmosaic/select/scored_eviction.hpp> ----
+/// \file
+/// The host hooks the score-based keep-less selectors share (`select::tova`, `select::h2o`): a
+/// per-sequence token score buffer (select/token_scores.hpp) grown with every write and written by
+/// every attend step, and the compaction cadence of `select::streaming`. Each selector adds its
+/// description and its `evictions`.
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Per sequence: the token scores, and tokens written since the last compaction.
+struct scored_state {
+  kvmosaic::detail::token_score_buffer scores;
+  std::int64_t since_compaction = 0;
+};
+
+}  // namespace select
+
+namespace detail {
+
+/// Hooks of a selector `S` with members `combine` (group_combine) and `compact_every` (int)
+/// whose state is `select::scored_state`. Cost per write: the buffer grows by 4 bytes per token
+/// and KV head (amortized O(1)); per step, the attend path writes the scores of the tokens it reads.
+template <class S, score_use Use>
+struct scored_eviction_hooks {
+  static constexpr bool reads_all_pages = true;  // every live token: eviction already dropped the rest
+  static constexpr bool evicts = true;
+  static constexpr bool needs_token_ids = false;
+  static constexpr score_use token_scores = Use;
+  static int bounds_block_tokens(const S&, int) noexcept { return 0; }
+
+  using sequence_state = select::scored_state;
+  struct update {
+    std::int64_t added;  ///< tokens the write adds to the sequence
+    int heads;
+  };
+  template <class Cache>
+  struct cache_members {};
+  template <bool OnDevice, class T>
+  static update stage(const S&, const selector_shape& shape, const sequence_state&, const tensor_view<const T, 3>&,
+                      span<const std::int32_t>, std::int64_t /*first row*/, std::int64_t n) noexcept {
+    return {n, shape.num_kv_heads};
+  }
+  static void reserve(sequence_state& state, const update& u) {
+    state.scores.reserve(state.scores.tokens() + u.added, u.heads);
+  }
+  static void commit(sequence_state& state, update& u) noexcept {
+    state.scores.grow_to(state.scores.tokens() + u.added, u.heads);
+  }
+  template <bool OnDevice, class Engine, class T>
+  static void write(Engine&, std::int32_t, const update&, const tensor_view<const T, 3>&, std::int64_t, std::int64_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void fork(Engine&, std::int32_t, std::int32_t) noexcept {}
+  template <bool OnDevice, class Engine>
+  static void release(Engine&, std::int32_t) noexcept {}
+  /// The score buffer: 4 bytes per token and KV head.
+  static std::int64_t extra_bytes(const selector_shape&, const sequence_state& state) noexcept {
+    return static_cast<std::int64_t>(state.scores.values.size() * sizeof(float));
+  }
+  static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
+
+  static group_combine score_combine(const S& s) noexcept { return s.combine; }
+  static token_score_buffer& scores(sequence_state& state) noexcept { return state.scores; }
+  static const token_score_buffer& scores(const sequence_state& state) noexcept { return state.scores; }
+
+  /// Whether `written` more tokens bring the sequence to its next compaction pass.
+  static bool compaction_due(const S& s, sequence_state& state, std::int64_t written) noexcept {
+    state.since_compaction += written;
+    if (state.since_compaction < s.compact_every) return false;
+    state.since_compaction = 0;
+    return true;
+  }
+};
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/scored_eviction.hpp> ----
+
+// ---- begin <kvmosaic/select/tova.hpp> ----
+/// \file
+/// `select::tova`: Token Omission Via Attention (Oren et al., "Transformers are Multi-State RNNs",
+/// 2024; the cumulative-attention family of the eviction and compaction notes): over its budget,
+/// the cache drops the tokens the latest step attended to least.
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Keeps at most `budget` tokens: after each write that leaves more, the sealed tokens with the
+/// lowest score of the latest decode step (the attention probability each received, combined
+/// over the GQA group by `combine`, then summed over the KV heads: one decision for every head,
+/// as TOVA's layer-wise policy averages its heads) are evicted; every `compact_every` tokens
+/// written the cache compacts the sequence. The dense tail and the format's sink tokens are never
+/// evicted and count in the budget; a token no step has read yet is not a candidate (a prefill is
+/// trimmed after its first decode step). Needs a compactor that frees memory.
+///
+/// What it computes: attention over the tokens kept; the attend path writes each read token's
+/// score (select/token_scores.hpp), no eager attention. Cost: per step, the scores (4 bytes per
+/// token and KV head written); per write over budget, O(tokens log evicted) on the host to rank
+/// them; memory bounded by the budget once compacted, plus 4 bytes per token and KV head of scores.
+struct tova {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                       ///< tokens kept (tokens, or a ratio of the length)
+  group_combine combine = group_combine::sum;  ///< the group's probabilities: summed, or their max
+  int compact_every = 128;                     ///< tokens written between compaction passes
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::tova> : detail::scored_eviction_hooks<select::tova, score_use::last_step> {
+  static constexpr const char* name = "tova";
+  static std::string describe(const select::tova& s) {
+    return std::string("tova(") + s.budget.describe() + ", " + to_string(s.combine) + ", compact every " +
+           std::to_string(s.compact_every) + ")";
+  }
+  static void validate(const select::tova& s, int /*page_size*/) {
+    const char* where = "select::tova";
+    s.budget.validate(where);
+    detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
+  }
+  /// The positions to evict now: the lowest-scored live sealed tokens that a step has read, as
+  /// many as the stored tokens exceed the budget (fewer when there are not that many).
+  static std::vector<std::int64_t> evictions(const select::tova& s, sequence_state& state, std::int64_t length,
+                                             std::int64_t open_from, const eviction_view& live) {
+    const std::int64_t keep = s.budget.resolve(length);
+    if (live.stored <= keep) return {};
+    return detail::lowest_scored(state.scores, live.evictable(std::min(open_from, state.scores.scored_tokens)),
+                                 live.stored - keep);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/tova.hpp> ----
+
+// ---- begin <kvmosaic/select/h2o.hpp> ----
+/// \file
+/// `select::h2o`: Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient
+/// Generative Inference of Large Language Models", NeurIPS 2023; the cumulative-attention family
+/// of the eviction and compaction notes): the recent tokens plus the tokens that have received the
+/// most attention so far.
+
+#include <initializer_list>
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Keeps at most `budget` tokens: the most recent floor(`recent_share` x budget) positions, and of
+/// the older sealed tokens those with the highest accumulated score (the attention probability
+/// each received at every decode step so far, combined over the GQA group by `combine`, then
+/// summed over the KV heads: one decision for every head). After each write that leaves more than
+/// the budget, the lowest-scored older tokens are evicted; every `compact_every` tokens written
+/// the cache compacts the sequence. The dense tail and the format's sink tokens are never evicted
+/// and count in the budget; a token no step has read yet is not a candidate. Needs a compactor
+/// that frees memory.
+///
+/// Differs from the paper's code on purpose: one decision for all KV heads, not one per head (a
+/// pool page holds every head of its tokens, so only a token every head drops frees memory:
+/// docs/architecture.md, "Per-KV-head eviction"); tokens leave in batches after a write, not one
+/// per step (the same set when each write is one token).
+///
+/// What it computes: attention over the tokens kept; the attend path adds each read token's score
+/// (select/token_scores.hpp), no eager attention. Cost: as `select::tova`.
+struct h2o {
+  using policy_category = selector_tag;
+
+  token_budget budget{};                       ///< tokens kept: heavy hitters plus the recent window
+  double recent_share = 0.5;                   ///< the budget's share for the recent window (H2O: half)
+  group_combine combine = group_combine::sum;  ///< the group's probabilities: summed, or their max
+  int compact_every = 128;                     ///< tokens written between compaction passes
+};
+
+}  // namespace select
+
+template <>
+struct selector_traits<select::h2o> : detail::scored_eviction_hooks<select::h2o, score_use::cumulative> {
+  static constexpr const char* name = "h2o";
+  static std::string describe(const select::h2o& s) {
+    return std::string("h2o(") + s.budget.describe() + ", recent " + std::to_string(s.recent_share) + ", " +
+           to_string(s.combine) + ", compact every " + std::to_string(s.compact_every) + ")";
+  }
+  static void validate(const select::h2o& s, int /*page_size*/) {
+    const char* where = "select::h2o";
+    s.budget.validate(where);
+    detail::require(s.recent_share >= 0.0 && s.recent_share <= 1.0, where, "recent_share", s.recent_share, "0 to 1");
+    detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
+  }
+  /// The recent window under a budget of `keep` tokens.
+  static std::int64_t recent_tokens(const select::h2o& s, std::int64_t keep) noexcept {
+    return static_cast<std::int64_t>(std::floor(s.recent_share * static_cast<double>(keep)));
+  }
+  /// The positions to evict now: of the live sealed tokens before the recent window that a step
+  /// has read, the lowest-scored, as many as the stored tokens exceed the budget (fewer when there
+  /// are not that many candidates).
+  static std::vector<std::int64_t> evictions(const select::h2o& s, sequence_state& state, std::int64_t length,
+                                             std::int64_t open_from, const eviction_view& live) {
+    const std::int64_t keep = s.budget.resolve(length);
+    if (live.stored <= keep) return {};
+    const std::int64_t recent_from = length - recent_tokens(s, keep);
+    const std::int64_t before = std::min({open_from, recent_from, state.scores.scored_tokens});
+    return detail::lowest_scored(state.scores, live.evictable(before), live.stored - keep);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/h2o.hpp> ----
 
 // ---- begin <kvmosaic/compact/compactor_traits.hpp> ----
 /// \file
@@ -4252,6 +4597,18 @@ struct arena_geometry {
     if (t < static_cast<std::int64_t>(sink_rows)) return window_rows + static_cast<std::size_t>(t);
     return window_rows - 1 - static_cast<std::size_t>((t - static_cast<std::int64_t>(sink_rows)) % static_cast<std::int64_t>(window_rows));
   }
+  /// The logical positions of the `exact_rows_held(sealed)` rows the attend path folds before the
+  /// tail rows (the run that ends where the tail's rows begin), in run order.
+  void exact_run_positions(std::int64_t sealed, std::int64_t* out) const noexcept {
+    const std::int64_t held = exact_rows_held(sealed), region = static_cast<std::int64_t>(exact_rows);
+    const auto place = [&](std::int64_t t) {
+      const std::int64_t run_row = static_cast<std::int64_t>(exact_row_of(t)) - (region - held);
+      if (run_row >= 0 && run_row < held) out[run_row] = t;
+    };
+    const auto sinks = static_cast<std::int64_t>(sink_rows), window = static_cast<std::int64_t>(window_rows);
+    for (std::int64_t t = 0; t < std::min(sinks, sealed); ++t) place(t);
+    for (std::int64_t t = std::max(sinks, sealed - window); t < sealed; ++t) place(t);
+  }
   /// Whether sealed position `t` of a sequence with `sealed` sealed tokens is attended from its
   /// exact copy (its page copy is masked): a sink, or one of the last W sealed tokens.
   bool exact_position(std::int64_t t, std::int64_t sealed) const noexcept {
@@ -4277,6 +4634,11 @@ struct sequence_ref {
   std::int64_t length;        ///< tokens stored: pages->size() * page_size + tail rows
   std::int32_t slot;          ///< tail slot
   const std::uint64_t* live = nullptr;  ///< per page, the live rows (`slot_positions::live`); null: every row
+  /// A step that records token scores (`score_settings`): where they go, [position][num_kv_heads];
+  /// null: none recorded for this sequence.
+  float* scores = nullptr;
+  const std::int64_t* positions = nullptr;  ///< per sealed slot, its logical position; null: the slot's index
+  std::int64_t tail_position = -1;          ///< the tail's first logical position; -1: pages->size() * page_size
 };
 
 /// One sequence of a decode batch's append: its tail slot, the rows its tail holds, the page
@@ -4674,11 +5036,15 @@ class engine {
 
   /// The host half of a decode step (`cache::plan`): keeps the batch, the scale and the
   /// selection request for `run` (the batch's block tables are read when `run` runs).
-  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr) {
+  /// With `scores.use` other than none, `run` also writes each read token's score
+  /// (select/token_scores.hpp) to the sequences' `scores`.
+  void plan(const std::vector<detail::sequence_ref>& batch, float softmax_scale, const detail::selection_request* request = nullptr,
+            const score_settings& scores = {}) {
     planned_batch_ = batch;
     planned_scale_ = softmax_scale;
     planned_request_ = request != nullptr ? *request : detail::selection_request{};
     planned_selects_ = request != nullptr;
+    planned_scores_ = scores;
   }
 
   /// The planned step (`cache::run`): out[b][j] = softmax(scale * q[b][j] . K_b) V_b over every
@@ -4757,6 +5123,11 @@ class engine {
     // space (at most head_dim channels).
     std::vector<float> q_basis, o_segment;
     std::vector<softmax_state<float>> segment_state;
+    // A step that records token scores: the positions of the block being folded, and per read
+    // token its position and its G scaled logits ([token][G]).
+    bool record = false;
+    std::vector<std::int64_t> block_positions, read_positions;
+    std::vector<float> read_logits;
   };
 
   /// Rows a step's block folds at most: a page, or the exact rows and the tail in one run.
@@ -4816,6 +5187,19 @@ class engine {
       for (int c = 0; c < d; ++c) s.q_group[g * d + c] = to_float(q(row, h * groups + g, c)) * softmax_scale;
     std::fill(s.o.begin(), s.o.end(), 0.0f);
     std::fill(s.state.begin(), s.state.end(), softmax_state<float>{});
+    s.record = planned_scores_.use != score_use::none && seq.scores != nullptr;
+    if (s.record) {
+      s.read_positions.clear();
+      s.read_logits.clear();
+      s.block_positions.resize(static_cast<std::size_t>(scratch_rows()));
+    }
+    const auto page_positions = [&](std::size_t i) {  // the logical positions of page i's rows
+      if (!s.record) return;
+      for (int t = 0; t < p; ++t) {
+        const std::size_t slot = i * static_cast<std::size_t>(p) + static_cast<std::size_t>(t);
+        s.block_positions[static_cast<std::size_t>(t)] = seq.positions != nullptr ? seq.positions[slot] : static_cast<std::int64_t>(slot);
+      }
+    };
     const page_shape shape = shape_.page();
     const auto keep_of = [&](std::size_t i) -> const std::uint64_t* {
       return request != nullptr ? keep.data() + i * mask_words : rows_visible != nullptr ? rows_visible + i * mask_words : nullptr;
@@ -4838,6 +5222,7 @@ class engine {
           const page_id page = (*seq.pages)[i];
           const std::uint64_t* page_keep = keep_of(i);
           if (skipped(page_keep)) continue;
+          page_positions(i);
           fold_block(
               p, kept, s, s.segment_state, s.o_segment,
               [&](float* logits) { traits::score(format_, shape, seg, k_page(page, h), p, s.q_basis.data(), groups, logits); },
@@ -4859,10 +5244,16 @@ class engine {
         const page_id page = (*seq.pages)[i];
         const std::uint64_t* page_keep = keep_of(i);
         if (skipped(page_keep)) continue;
+        page_positions(i);
         fold_block<traits>(format_, shape, k_page(page, h), v_page(page, h), p, s, 0, page_keep);
       }
     }
     if (exact + tail_rows > 0) {  // one run of dense rows: the exact rows, then the tail
+      if (s.record) {
+        geometry_.exact_run_positions(sealed, s.block_positions.data());
+        const std::int64_t tail_from = seq.tail_position >= 0 ? seq.tail_position : sealed;
+        for (int r = 0; r < tail_rows; ++r) s.block_positions[static_cast<std::size_t>(exact + r)] = tail_from + r;
+      }
       const std::size_t back = static_cast<std::size_t>(exact) * geometry_.row_bytes;
       fold_block<dense_traits>(format::dense{}, shape, tail_head(seq.slot, false, h) - back,
                                tail_head(seq.slot, true, h) - back, static_cast<int>(exact) + tail_rows, s);
@@ -4870,6 +5261,27 @@ class engine {
     for (int g = 0; g < groups; ++g) {
       for (int c = 0; c < d; ++c) out(row, h * groups + g, c) = O(s.o[g * d + c] / s.state[g].l);
       if (lse.extent(0) > 0) lse(row, h * groups + g) = s.state[g].log_sum_exp();
+    }
+    if (s.record) write_scores(seq, h, s);
+  }
+
+  /// The scores of the tokens one (sequence, KV head) read this step: per query head j of the
+  /// group, p_j = exp(s_j - m_j) / l_j under the step's final (merged) softmax state, combined over
+  /// the group, written to (last_step) or added to (cumulative) `seq.scores[position][h]`. Each
+  /// (sequence, KV head) writes its own column: no two threads write one element.
+  void write_scores(const detail::sequence_ref& seq, int h, const attend_scratch& s) const {
+    const int groups = shape_.group_size, heads = shape_.num_kv_heads;
+    for (std::size_t i = 0; i < s.read_positions.size(); ++i) {
+      float combined = 0.0f;
+      for (int g = 0; g < groups; ++g) {
+        const softmax_state<float>& state = s.state[static_cast<std::size_t>(g)];
+        const float logit = s.read_logits[i * static_cast<std::size_t>(groups) + static_cast<std::size_t>(g)];
+        const float p = state.l > 0.0f ? std::exp(logit - state.m) / state.l : 0.0f;
+        combined = planned_scores_.combine == group_combine::sum ? combined + p : std::max(combined, p);
+      }
+      float& slot = seq.scores[static_cast<std::size_t>(s.read_positions[i]) * static_cast<std::size_t>(heads) +
+                               static_cast<std::size_t>(h)];
+      slot = planned_scores_.use == score_use::cumulative ? slot + combined : combined;
     }
   }
 
@@ -4898,6 +5310,12 @@ class engine {
     constexpr float minus_infinity = -std::numeric_limits<float>::infinity();
     bool any = false;
     score(s.logits.data());
+    if (s.record)  // the logits of the tokens this block reads, before the softmax overwrites them
+      for (int t = masked; t < n; ++t) {
+        if (keep != nullptr && ((keep[t / 64] >> (t % 64)) & 1) == 0) continue;
+        s.read_positions.push_back(s.block_positions[static_cast<std::size_t>(t)]);
+        for (int g = 0; g < groups; ++g) s.read_logits.push_back(s.logits[static_cast<std::size_t>(g) * n + t]);
+      }
     for (int g = 0; g < groups; ++g) {
       float* row = s.logits.data() + static_cast<std::size_t>(g) * n;
       std::fill(row, row + masked, minus_infinity);
@@ -5108,6 +5526,7 @@ class engine {
   detail::selection_request planned_request_;
   float planned_scale_ = 1.0f;
   bool planned_selects_ = false;
+  score_settings planned_scores_;
   /// Rows kept for `rollback`: per saved slot, its exact rows and `rows` tail rows at `at`.
   struct saved_rows {
     std::int32_t slot;
@@ -5387,6 +5806,9 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
+  static_assert(detail::token_scores_of<Selector>::value == score_use::none || std::is_same_v<BackendArg, backend::host>,
+                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
+                "only backend::host's attend writes so far: use backend::host");
   static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
                 "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
                 "compaction would move: use it with compact::none");
@@ -5671,11 +6093,21 @@ class cache
       const std::uint64_t* live_rows = nullptr;
       if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
       batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
+      if constexpr (records_scores) {  // the step writes each read token's score, by logical position
+        detail::sequence_ref& ref = batch.back();
+        ref.scores = selector_traits<Selector>::scores(state_of(seqs(b)).selector_state).values.data();
+        ref.positions = s.slots.position.data();
+        ref.tail_position = s.seen - tail_rows(s);
+      }
     }
+
     planned_.assign(seqs.data(), seqs.data() + seqs.size());
     const float scale = params.softmax_scale > 0.0f ? params.softmax_scale
                                                     : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-    if constexpr (selector_traits<Selector>::reads_all_pages) {
+    if constexpr (records_scores) {  // backend::host: scores by the attend path itself
+      engine_.plan(batch, scale, nullptr,
+                   score_settings{detail::token_scores_of<Selector>::value, selector_traits<Selector>::score_combine(selector_)});
+    } else if constexpr (selector_traits<Selector>::reads_all_pages) {
       engine_.plan(batch, scale);
     } else {
       const selector_shape shape = selector_shape_of();
@@ -5724,6 +6156,12 @@ class cache
                     "lse", "overlapping q or out", "an array that shares no element with q or out");
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
+    if constexpr (records_scores) {
+      for (const sequence_id seq : planned_) {
+        sequence_state& s = state_of(seq);
+        selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
+      }
+    }
     if constexpr (!selector_traits<Selector>::reads_all_pages) {
       // The host engine reports what it read; the CUDA engine keeps its selection on the device
       // (engine().selection().selected_pages), so a step never waits for it.
@@ -5851,8 +6289,10 @@ class cache
   void after_write(sequence_id seq, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
       sequence_state& s = state_of(seq);
+      const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                               static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
       const std::vector<std::int64_t> dead =
-          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s));
+          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
       if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
       if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
     }
@@ -6096,6 +6536,8 @@ class cache
   static constexpr bool rows_on_device = !std::is_same<Backend, backend::host>::value;
   /// The compactor frees memory: the cache keeps each sequence's position map and can evict.
   static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
+  /// The selector reads the attend path's token scores (select::tova, select::h2o).
+  static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
