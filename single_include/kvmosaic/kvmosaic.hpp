@@ -2420,21 +2420,26 @@ struct packed_geometry {
 /// The basis of rows x ([n][head_dim]): the first `kept` eigenvectors of sum_t x_t x_t^T (fp64),
 /// by decreasing eigenvalue, each with its largest-magnitude component positive; [head_dim][kept]
 /// row-major. Non-finite input or n = 0: the first `kept` columns of the identity.
-inline std::vector<float> packed_basis(const float* rows, std::int64_t n, int head_dim, int kept) {
+/// A template (Float is float at every call), as are `packed_search` and `plan_segment`, so that
+/// Eigen's eigensolver and products are instantiated only in the units that encode this format,
+/// not in every unit that includes the library.
+template <class Float>
+std::vector<float> packed_basis(const Float* rows, std::int64_t n, int head_dim, int kept) {
+  using real_matrix = Eigen::Matrix<decltype(Float{} * 1.0), Eigen::Dynamic, Eigen::Dynamic>;  // fp64
   std::vector<float> basis(static_cast<std::size_t>(head_dim) * kept, 0.0f);
-  Eigen::MatrixXd covariance = Eigen::MatrixXd::Zero(head_dim, head_dim);
+  real_matrix covariance = real_matrix::Zero(head_dim, head_dim);
   if (n > 0) {
-    const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
-    covariance.selfadjointView<Eigen::Lower>().rankUpdate(x.cast<double>().transpose());
-    covariance = covariance.selfadjointView<Eigen::Lower>();
+    const Eigen::Map<const Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
+    covariance.template selfadjointView<Eigen::Lower>().rankUpdate(x.template cast<double>().transpose());
+    covariance = covariance.template selfadjointView<Eigen::Lower>();
   }
   if (n == 0 || !covariance.allFinite()) {
     for (int j = 0; j < kept; ++j) basis[static_cast<std::size_t>(j) * kept + j] = 1.0f;
     return basis;
   }
-  const Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> solver(covariance);
+  const Eigen::SelfAdjointEigenSolver<real_matrix> solver(covariance);
   for (int j = 0; j < kept; ++j) {
-    Eigen::VectorXd column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
+    Eigen::Matrix<double, Eigen::Dynamic, 1> column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
     Eigen::Index largest = 0;
     column.cwiseAbs().maxCoeff(&largest);
     if (column(largest) < 0) column = -column;
@@ -2498,16 +2503,18 @@ inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) 
 
 /// The strategy of one K or V matrix of a segment: `strategy::fixed`'s, or the first candidate
 /// whose loss is at most `threshold`, else the slot's (r, g = 1).
-inline packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const float* rows,
-                                     std::int64_t n, const std::vector<float>& basis) {
+template <class Float>
+packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const Float* rows,
+                              std::int64_t n, const std::vector<float>& basis) {
   if (f.mode == format::strategy::fixed) return {g.retained, f.group};
   const packed_strategy fallback{g.retained, 1};
   if (n == 0) return fallback;
-  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, g.head_dim);
-  const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> b(basis.data(), g.head_dim, g.kept);
+  using row_major = Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Eigen::Map<const row_major> x(rows, n, g.head_dim);
+  const Eigen::Map<const row_major> b(basis.data(), g.head_dim, g.kept);
   std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
-  Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(y.data(), n, g.kept).noalias() = x * b;
-  const double total = x.cast<double>().squaredNorm();
+  Eigen::Map<row_major>(y.data(), n, g.kept).noalias() = x * b;
+  const double total = x.template cast<double>().squaredNorm();
   if (!std::isfinite(total)) return fallback;
   for (const packed_strategy& candidate : packed_candidates(g))
     if (packed_loss(y, n, g.kept, total, candidate) <= f.loss_threshold) return candidate;
@@ -2604,12 +2611,13 @@ struct format_traits<format::packed_bitmap> {
   /// to): bases, strategies (searched or fixed) and mean-key block size. Cost: 2 covariances
   /// (n x head_dim^2), 2 eigendecompositions, and with `strategy::search` up to 9 candidate
   /// passes over the n rotated rows.
-  static segment plan_segment(const format_type& f, const page_shape& shape, const float* k, const float* v, std::int64_t n) {
+  template <class Float>  // float: a template only to defer Eigen's instantiation (detail::packed_basis)
+  static segment plan_segment(const format_type& f, const page_shape& shape, const Float* k, const Float* v, std::int64_t n) {
     const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
     segment s;
     s.kept = g.kept;
     for (int which = 0; which < 2; ++which) {
-      const float* rows = which == 0 ? k : v;
+      const Float* rows = which == 0 ? k : v;
       s.basis[which] = detail::packed_basis(rows, n, shape.head_dim, g.kept);
       s.strategy[which] = detail::packed_search(f, g, rows, n, s.basis[which]);
     }

@@ -130,7 +130,7 @@ template <class Format>
 void check_chunked_prefill(const std::vector<int>& fills) {
   const cache_config c = config_for(page_size_for<Format>());
   const int p = c.page_size;
-  using Cache = cache<Format, select::all, compact::none, backend::cuda>;
+  using Cache = cache<Format, select::all, compact::none, test::gpu_backend>;
   const std::vector<std::vector<int>> patterns = {
       {1}, {p - 1}, {p}, {p + 1}, {2 * p + 3}, {1, 1, p - 1}, {p + 1, 1, 2 * p + 3}, {p - 1, p, p + 1}};
   for (const int fill : fills) {
@@ -164,7 +164,7 @@ struct fail_cuda_call {
 
 template <class Format, class Selector, class Setup, class Op>
 long check_all_or_nothing(const Setup& setup, const Op& op) {
-  using Cache = cache<Format, Selector, compact::none, backend::cuda>;
+  using Cache = cache<Format, Selector, compact::none, test::gpu_backend>;
   const cache_config c = config_for(page_size_for<Format>());
   long n = 0;
   for (;; ++n) {
@@ -198,7 +198,7 @@ long check_all_or_nothing(const Setup& setup, const Op& op) {
 
 template <class Format, class Selector>
 void check_every_operation_all_or_nothing() {
-  using Cache = cache<Format, Selector, compact::none, backend::cuda>;
+  using Cache = cache<Format, Selector, compact::none, test::gpu_backend>;
   INFO(format_traits<Format>::describe(format_for<Format>()) << " / " << selector_traits<Selector>::describe(selector_for<Selector>()));
   const auto setup = [](Cache& cache, const cache_config& c) {
     const sequence_id a = cache.add_sequence();
@@ -231,7 +231,7 @@ void check_every_operation_all_or_nothing() {
 /// bitmap_tiles: a removed sequence's handle is rejected, and its key weights do not prune the
 /// sequence that reuses its slot.
 inline void check_key_weights_end_with_sequence() {
-  using Cache = cache<format::bitmap_tiles, select::all, compact::none, backend::cuda>;
+  using Cache = cache<format::bitmap_tiles, select::all, compact::none, test::gpu_backend>;
   const cache_config c = config_for(64);
   const format::bitmap_tiles f = format_for<format::bitmap_tiles>();
   const device_rows r(c, 4, 0, 3 * c.page_size + 3);
@@ -253,7 +253,7 @@ inline void check_key_weights_end_with_sequence() {
 inline void check_heads_independent() {
   cache_config c = config_for(16);
   c.group_size = 4;
-  using Cache = cache<format::dense, select::all, compact::none, backend::cuda>;
+  using Cache = cache<format::dense, select::all, compact::none, test::gpu_backend>;
   Cache cache(c);
   const sequence_id seq = cache.add_sequence();
   prefill(cache, seq, device_rows(c, 5, 0, 2 * c.page_size + 7));
@@ -285,7 +285,7 @@ inline void check_heads_independent() {
 /// are honoured.
 inline void check_device_arrays() {
   const cache_config c = config_for(16);
-  using Cache = cache<format::dense, select::all, compact::none, backend::cuda>;
+  using Cache = cache<format::dense, select::all, compact::none, test::gpu_backend>;
   Cache cache(c);
   const sequence_id seq = cache.add_sequence();
   const device_rows r(c, 6, 0, 9);

@@ -27,7 +27,7 @@ using twins_shape = backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>;
 /// A host cache and a device cache of the same type fed the same three sequences (9 pages and a
 /// tail each), then the same evictions: none in the first, half of its sealed tokens at random in
 /// the second, 90% and one whole page in the third.
-template <class Format, class Compactor, class Selector = select::all, class DeviceBackend = backend::cuda>
+template <class Format, class Compactor, class Selector = select::all, class DeviceBackend = test::gpu_backend>
 struct evicted_twins {
   evicted_twins(const Format& f, int page_size, const Selector& selector = {})
       : format(f), config(make_config(page_size)), host(config, format, selector), device(config, format, selector) {
@@ -128,7 +128,7 @@ double largest_difference(const std::vector<float>& a, const std::vector<float>&
   return worst;
 }
 
-template <class Format, class DeviceBackend = backend::cuda>
+template <class Format, class DeviceBackend = test::gpu_backend>
 void check_eviction(const Format& format, int page_size) {
   evicted_twins<Format, compact::repack, select::all, DeviceBackend> t(format, page_size);
   const std::vector<float> host_out = t.host_attend(), gpu_out = t.device_attend();
@@ -159,7 +159,7 @@ void check_eviction(const Format& format, int page_size) {
 /// as they are, as it did before the pass). `captured`: the device's passes are captured in a
 /// CUDA graph (relaxed mode) and replayed once, after a warm-up pass over a larger sequence has
 /// sized the engine's arenas.
-template <class Compactor, class Format, class DeviceBackend = backend::cuda>
+template <class Compactor, class Format, class DeviceBackend = test::gpu_backend>
 void check_compaction(const Format& format, int page_size, bool captured = false) {
   evicted_twins<Format, Compactor, select::all, DeviceBackend> t(format, page_size);
   const std::vector<float> before = t.device_attend();
@@ -284,7 +284,7 @@ void check_streaming(const Format& format, int page_size) {
   s.budget.tokens = 6 * page_size;
   s.compact_every = 48;
   cache<Format, select::streaming, Compactor> host(c, format, s);
-  cache<Format, select::streaming, Compactor, backend::cuda> device(c, format, s);
+  cache<Format, select::streaming, Compactor, test::gpu_backend> device(c, format, s);
   const int prefill = 300, appends = 200, total = prefill + appends;
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
   std::vector<synthetic::kv_data> data;
@@ -414,7 +414,7 @@ void check_fork_compaction(const Format& format, int page_size) {
   cache_config c = evicted_twins<Format, compact::repack>::make_config(page_size);
   c.max_sequences = 2;
   cache<Format, select::all, compact::repack> host(c, format);
-  cache<Format, select::all, compact::repack, backend::cuda> device(c, format);
+  cache<Format, select::all, compact::repack, test::gpu_backend> device(c, format);
   const int tokens = 10 * page_size + 3;
   const auto kv = synthetic::generate_kv(test::generator_for(c, 61), 0, tokens);
   const sequence_id parent = host.add_sequence();

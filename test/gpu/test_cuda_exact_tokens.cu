@@ -144,7 +144,7 @@ TEST_CASE("GPU exact tokens: dense sinks survive eviction and compaction as on t
   if (!gpu_available()) return;
   const cache_config c = small_config(128, 4, dtype::bf16, 64);
   cache<format::dense, select::all, compact::repack, backend::host> host(c, with_exact(format::dense{}, 4, 0));
-  cache<format::dense, select::all, compact::repack, backend::cuda> device(c, with_exact(format::dense{}, 4, 0));
+  cache<format::dense, select::all, compact::repack, test::gpu_backend> device(c, with_exact(format::dense{}, 4, 0));
   const synthetic::kv_config gen = test::generator_for(c, 41);
   const int n = 700;
   const auto kv = synthetic::generate_kv(gen, 1, n);

@@ -144,7 +144,7 @@ TEST_CASE("GPU quant2 with sink tokens: the device keeps them as the host does",
 TEST_CASE("GPU quant2 rejects K partitioned per token, naming the parameter", "[gpu][quant2][errors]") {
   if (!gpu_available()) return;
   try {
-    cache<format::quant2, select::all, compact::none, backend::cuda> bad(
+    cache<format::quant2, select::all, compact::none, test::gpu_backend> bad(
         small_config(128, 4, dtype::bf16, 64), format::quant2{64, format::rounding::stochastic, 0, format::key_axis::head_dim});
     FAIL("accepted");
   } catch (const invalid_argument& e) {

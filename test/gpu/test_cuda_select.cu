@@ -277,7 +277,7 @@ TEST_CASE("GPU quest keeps the host's key bounds, per page and per block", "[gpu
   }
   select::quest odd;
   odd.block_tokens = 12;
-  CHECK_THROWS_WITH((cache<format::dense, select::quest, compact::none, backend::cuda>(c, {}, odd)),
+  CHECK_THROWS_WITH((cache<format::dense, select::quest, compact::none, test::gpu_backend>(c, {}, odd)),
                     Catch::Contains("block_tokens"));
 }
 

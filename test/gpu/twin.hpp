@@ -17,7 +17,7 @@
 #include "../support/oracle.hpp"
 #include "../support/prune.hpp"
 #include "kvmosaic/kvmosaic.cuh"
-#include "gpu_engines.cuh"  // generated: the engines of backend::cuda compiled once (test/gpu/CMakeLists.txt)
+#include "gpu_engines.cuh"  // generated: the engines of test::gpu_backend compiled once (test/gpu/CMakeLists.txt)
 #include "kvmosaic/support/synthetic.hpp"
 
 namespace kvmosaic::test {
@@ -52,7 +52,7 @@ struct device_array {
 };
 
 /// The same workload on both backends.
-template <class Format, class Selector = select::all, class DeviceBackend = backend::cuda>
+template <class Format, class Selector = select::all, class DeviceBackend = test::gpu_backend>
 struct twin {
   using host_cache = cache<Format, Selector, compact::none, backend::host>;
   using cuda_cache = cache<Format, Selector, compact::none, DeviceBackend>;
