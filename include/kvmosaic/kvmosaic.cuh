@@ -30,5 +30,6 @@
 #include "kvmosaic/cuda/select/mean_keys.cuh"
 #include "kvmosaic/cuda/select/sentence_chunks.cuh"
 #include "kvmosaic/cuda/select/streaming.cuh"
+#include "kvmosaic/cuda/select/snapkv.cuh"
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
 #include "kvmosaic/cuda/instantiate.cuh"

@@ -29,6 +29,7 @@
 #include "kvmosaic/select/scored_eviction.hpp"
 #include "kvmosaic/select/tova.hpp"
 #include "kvmosaic/select/h2o.hpp"
+#include "kvmosaic/select/snapkv.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
 #include "kvmosaic/compact/hole_fill.hpp"
