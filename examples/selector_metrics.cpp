@@ -29,7 +29,10 @@
 #include "kvmosaic/kvmosaic.hpp"
 #include "kvmosaic/support/synthetic.hpp"
 
+#include "exact_weights.hpp"
+
 using namespace kvmosaic;
+using kvmosaic_examples::exact_weights;
 
 namespace {
 
@@ -62,24 +65,6 @@ std::vector<select::boundary> boundaries() {
   std::vector<select::boundary> b;
   for (const auto& t : synthetic::boundary_tokens) b.push_back(select::boundary{t.id, t.weight});
   return b;
-}
-
-/// Exact softmax weights (fp64) of query head j over tokens [0, n) of kv.
-std::vector<double> exact_weights(const std::vector<float>& q, int j, const synthetic::kv_data& kv, int n, int group) {
-  const int d = kv.head_dim, h = j / group;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> w(static_cast<std::size_t>(n));
-  double m = -INFINITY;
-  for (int t = 0; t < n; ++t) {
-    double s = 0;
-    for (int c = 0; c < d; ++c) s += static_cast<double>(q[static_cast<std::size_t>(j) * d + c]) * kv.k_at(t, h, c);
-    w[static_cast<std::size_t>(t)] = s * scale;
-    m = std::max(m, s * scale);
-  }
-  double l = 0;
-  for (double& x : w) l += (x = std::exp(x - m));
-  for (double& x : w) x /= l;
-  return w;
 }
 
 /// Runs one selector over one format at every budget; appends rows.
@@ -158,17 +143,10 @@ void measure(const workload& w, const Format& format, Selector selector, std::ve
           for (std::int64_t t = always_from; t < n; ++t) read[static_cast<std::size_t>(t)] = 1;
           for (int t = 0; t < sink_rows(format) && sealed > 0; ++t) read[static_cast<std::size_t>(t)] = 1;
           for (int j = h * g; j < (h + 1) * g; ++j) {
-            const auto weights = exact_weights(qb, j, w.kv[b], n, g);
-            std::vector<int> order(static_cast<std::size_t>(n));
-            for (int t = 0; t < n; ++t) order[static_cast<std::size_t>(t)] = t;
             const auto k = static_cast<std::size_t>(std::min<std::int64_t>(budget, n));
-            std::nth_element(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
-                             [&](int a, int z) { return weights[static_cast<std::size_t>(a)] > weights[static_cast<std::size_t>(z)]; });
-            double hit = 0, mass = 0;
-            for (std::size_t i = 0; i < k; ++i) hit += read[static_cast<std::size_t>(order[i])];
-            for (int t = 0; t < n; ++t) mass += read[static_cast<std::size_t>(t)] * weights[static_cast<std::size_t>(t)];
-            r.recall += (k > 0 ? hit / static_cast<double>(k) : 1.0) / static_cast<double>(batch * hq);
-            r.mass += mass / static_cast<double>(batch * hq);
+            const kvmosaic_examples::held_share share = kvmosaic_examples::share_held(exact_weights(qb.data(), j, w.kv[b], n, g), read, k);
+            r.recall += share.topk_recall / static_cast<double>(batch * hq);
+            r.mass += share.mass / static_cast<double>(batch * hq);
           }
         }
         const memory_stats m = kv.sequence_memory(seqs[b]);

@@ -68,6 +68,10 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
         configs.append((f"dense quest {b} block16", f"{dense}/quest:budget={ratio},block=16"))
         configs.append((f"dense sentence_chunks {b}", f"{dense}/sentence_chunks:budget={ratio},boundaries={boundaries}"))
         configs.append((f"dense streaming {b}", f"{dense}/streaming:budget={ratio},sinks=4/hole_fill"))
+    # Eviction by the attend path's scores (host backend only: --device cpu): TOVA, H2O.
+    for b, ratio in (("1/8", 0.125), ("1/4", 0.25)):
+        configs.append((f"dense tova {b}", f"{dense}/tova:budget={ratio}/repack"))
+        configs.append((f"dense h2o {b}", f"{dense}/h2o:budget={ratio}/repack"))
     dense_exact = "dense:" + exact(4, 64)
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",

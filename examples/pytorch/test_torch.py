@@ -143,9 +143,34 @@ def test_bad_input_is_a_clear_python_error():
     with pytest.raises(ValueError, match="selector"):  # quant4 is compiled with select::all only
         ModelCache(1, 3, 3, 64, "quant4/quest", device=DEVICE)
     with pytest.raises(ValueError, match="selector"):
-        ModelCache(1, 3, 3, 64, "dense/h2o", device=DEVICE)
+        ModelCache(1, 3, 3, 64, "dense/snapkv/repack", device=DEVICE)
+    if DEVICE.type == "cuda":  # the attend path writes token scores on the host only
+        with pytest.raises(ValueError, match="selector"):
+            ModelCache(1, 3, 3, 64, "dense/h2o/repack", device=DEVICE)
+    with pytest.raises(ValueError, match="compactor"):
+        ModelCache(1, 3, 3, 64, "dense/tova", device="cpu")
     with pytest.raises(ValueError, match="compactor"):
         ModelCache(1, 3, 3, 64, "dense/streaming", device=DEVICE)
+
+
+def test_tova_and_h2o_on_cpu_keep_the_budget():
+    """select::tova and select::h2o through the extension (host layers): the prompt stays until
+    a decode step has scored it; the next write evicts down to the budget and, compacting after
+    every write here, gives the pages back; the step after attends to finite values."""
+    torch.manual_seed(5)
+    kvh, group, d, n, budget, page = 3, 3, 64, 300, 96, 16
+    for spec in (f"dense/tova:tokens={budget},compact_every=1/repack",
+                 f"dense/h2o:tokens={budget},recent=0.25,compact_every=1/repack"):
+        cache = ModelCache(1, kvh, group, d, spec, page_size=page, max_tokens=512, max_sequences=1, device="cpu")
+        seq = cache.add_sequence()
+        cache.prefill(0, seq, torch.randn(n, kvh, d), torch.randn(n, kvh, d))
+        assert cache.stored_tokens(0, seq) == n  # nothing scored before the first step
+        assert torch.isfinite(cache.attend(0, [seq], torch.randn(1, kvh * group, d))).all()
+        cache.append(0, [seq], torch.randn(1, kvh, d), torch.randn(1, kvh, d))
+        assert cache.length(seq) == n + 1
+        assert budget <= cache.stored_tokens(0, seq) < budget + page, spec  # whole pages of survivors, and the tail
+        assert torch.isfinite(cache.attend(0, [seq], torch.randn(1, kvh * group, d))).all()
+    ModelCache(1, kvh, group, d, "dense/h2o:combine=max/hole_fill", device="cpu")  # the other compactor, parsed
 
 
 def test_packed_bitmap_on_cpu_attends_close_to_dense():

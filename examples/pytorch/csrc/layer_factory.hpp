@@ -18,6 +18,7 @@ namespace kvmosaic_torch {
 
 /// Makes `kvmosaic::cache<F, S, C, backend::host>` layers.
 struct host_layer_maker {
+  static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const {
@@ -28,6 +29,7 @@ struct host_layer_maker {
 /// Makes `kvmosaic::cache<F, S, C, cuda_backend>` layers (cuda_layer.cuh defines the operator and
 /// the kernel shapes).
 struct cuda_layer_maker {
+  static constexpr bool attend_writes_token_scores = false;
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -153,7 +154,8 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 
 /// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
 /// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
-/// sentence_chunks (with compactor none) and streaming (with hole_fill or repack); quant4 and
+/// sentence_chunks (with compactor none), streaming (with hole_fill or repack), and over dense
+/// on the host tova and h2o (with hole_fill or repack); quant4 and
 /// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
 /// select::all. Every combination is made for either backend (`make` is the host or the CUDA maker
 /// of layer_factory.hpp).
@@ -207,7 +209,38 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
                           "hole_fill or repack with selector streaming");
       return make(format, s, kv::compact::hole_fill{});
     }
-    reject("selector", spec.selector.name, "all, quest, sentence_chunks or streaming");
+    if (spec.selector.name == "tova" || spec.selector.name == "h2o") {
+      // Their scores come from the attend path, which only backend::host writes so far: the CUDA
+      // maker is never instantiated with them. Over dense pages only (each adds host engines to
+      // the extension's build).
+      if constexpr (std::decay_t<Make>::attend_writes_token_scores &&
+                    std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
+        auto with_compactor = [&](const auto& s) {
+          if (compactor == "repack") return make(format, s, kv::compact::repack{});
+          require(compactor == "hole_fill", "compactor", compactor, "hole_fill or repack with selector " + spec.selector.name);
+          return make(format, s, kv::compact::hole_fill{});
+        };
+        const auto fill = [&](auto s) {
+          s.budget = detail::read_budget(args, s.budget.ratio);
+          s.combine = args.choice("combine", s.combine, {{"max", kv::group_combine::max}, {"sum", kv::group_combine::sum}});
+          s.compact_every = static_cast<int>(args.integer("compact_every", s.compact_every, "tokens between passes"));
+          return s;
+        };
+        if (spec.selector.name == "tova") {
+          const kv::select::tova s = fill(kv::select::tova{});
+          args.finish();
+          return with_compactor(s);
+        }
+        kv::select::h2o s = fill(kv::select::h2o{});
+        s.recent_share = args.number("recent", s.recent_share, "the recent window's share of the budget, 0 to 1");
+        args.finish();
+        return with_compactor(s);
+      } else {
+        reject("selector", spec.selector.name,
+               "all, quest, sentence_chunks or streaming here (tova and h2o: format dense on the host, device cpu)");
+      }
+    }
+    reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o");
   };
 
   policy_args args(spec.format.name, spec.format.values);

@@ -21,6 +21,7 @@
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
+#include "kvmosaic/select/token_scores.hpp"
 
 namespace kvmosaic {
 namespace select {
@@ -128,25 +129,6 @@ std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64
   return score;
 }
 
-/// The `count` positions of `candidates` with the lowest `score` (by position), lowest first; ties
-/// to the earlier position; a NaN score (a NaN query) ranks highest, so it never evicts. Cost:
-/// O(n log count).
-inline std::vector<std::int64_t> snapkv_lowest(const std::vector<double>& score, const std::vector<std::int64_t>& candidates,
-                                               std::int64_t count) {
-  count = std::max<std::int64_t>(0, std::min<std::int64_t>(count, static_cast<std::int64_t>(candidates.size())));
-  std::vector<std::pair<double, std::int64_t>> ranked;
-  ranked.reserve(candidates.size());
-  for (const std::int64_t p : candidates) {
-    const double x = score[static_cast<std::size_t>(p)];
-    ranked.emplace_back(std::isnan(x) ? std::numeric_limits<double>::infinity() : x, p);
-  }
-  std::partial_sort(ranked.begin(), ranked.begin() + count, ranked.end());
-  std::vector<std::int64_t> out;
-  out.reserve(static_cast<std::size_t>(count));
-  for (std::int64_t i = 0; i < count; ++i) out.push_back(ranked[static_cast<std::size_t>(i)].second);
-  return out;
-}
-
 }  // namespace detail
 
 template <>
@@ -219,7 +201,8 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
       std::sort(candidates.begin(), candidates.end());
       const std::int64_t keep = s.budget.resolve(length);
       if (live <= keep) return 0;
-      const std::vector<std::int64_t> dead = detail::snapkv_lowest(score, candidates, live - keep);
+      const std::vector<std::int64_t> dead = detail::lowest_ranked(
+          candidates, live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });
       if (dead.empty()) return 0;
       cache.evict(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())));
       cache.compact(seq);
