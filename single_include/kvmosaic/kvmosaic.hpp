@@ -3099,23 +3099,30 @@ struct token_score_buffer {
   }
 };
 
-/// The `count` positions of `candidates` with the lowest shared score, lowest first; ties to the
-/// earlier position (the same order on every backend); a NaN score (a NaN query) ranks highest,
-/// so it never evicts. Cost: O(n log count).
-inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, std::vector<std::int64_t> candidates,
-                                               std::int64_t count) {
+/// The `count` positions of `candidates` with the lowest `score_of(position)` (float or double),
+/// lowest first; ties to the earlier position (the same order on every backend); a NaN score (a
+/// NaN query) ranks highest, so it never evicts. Cost: O(n log count).
+template <class ScoreOf>
+std::vector<std::int64_t> lowest_ranked(const std::vector<std::int64_t>& candidates, std::int64_t count, ScoreOf score_of) {
+  using score = decltype(score_of(std::int64_t{}));
   count = std::max<std::int64_t>(0, std::min<std::int64_t>(count, static_cast<std::int64_t>(candidates.size())));
-  std::vector<std::pair<float, std::int64_t>> ranked;
+  std::vector<std::pair<score, std::int64_t>> ranked;
   ranked.reserve(candidates.size());
   for (const std::int64_t p : candidates) {
-    const float score = scores.shared(p);
-    ranked.emplace_back(std::isnan(score) ? std::numeric_limits<float>::infinity() : score, p);
+    const score x = score_of(p);
+    ranked.emplace_back(std::isnan(x) ? std::numeric_limits<score>::infinity() : x, p);
   }
   std::partial_sort(ranked.begin(), ranked.begin() + count, ranked.end());
   std::vector<std::int64_t> out;
   out.reserve(static_cast<std::size_t>(count));
   for (std::int64_t i = 0; i < count; ++i) out.push_back(ranked[static_cast<std::size_t>(i)].second);
   return out;
+}
+
+/// `lowest_ranked` by the shared score of `scores` (the sum over the KV heads).
+inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, const std::vector<std::int64_t>& candidates,
+                                               std::int64_t count) {
+  return lowest_ranked(candidates, count, [&scores](std::int64_t p) { return scores.shared(p); });
 }
 
 }  // namespace detail
@@ -4133,25 +4140,6 @@ std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64
   return score;
 }
 
-/// The `count` positions of `candidates` with the lowest `score` (by position), lowest first; ties
-/// to the earlier position; a NaN score (a NaN query) ranks highest, so it never evicts. Cost:
-/// O(n log count).
-inline std::vector<std::int64_t> snapkv_lowest(const std::vector<double>& score, const std::vector<std::int64_t>& candidates,
-                                               std::int64_t count) {
-  count = std::max<std::int64_t>(0, std::min<std::int64_t>(count, static_cast<std::int64_t>(candidates.size())));
-  std::vector<std::pair<double, std::int64_t>> ranked;
-  ranked.reserve(candidates.size());
-  for (const std::int64_t p : candidates) {
-    const double x = score[static_cast<std::size_t>(p)];
-    ranked.emplace_back(std::isnan(x) ? std::numeric_limits<double>::infinity() : x, p);
-  }
-  std::partial_sort(ranked.begin(), ranked.begin() + count, ranked.end());
-  std::vector<std::int64_t> out;
-  out.reserve(static_cast<std::size_t>(count));
-  for (std::int64_t i = 0; i < count; ++i) out.push_back(ranked[static_cast<std::size_t>(i)].second);
-  return out;
-}
-
 }  // namespace detail
 
 template <>
@@ -4224,7 +4212,8 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
       std::sort(candidates.begin(), candidates.end());
       const std::int64_t keep = s.budget.resolve(length);
       if (live <= keep) return 0;
-      const std::vector<std::int64_t> dead = detail::snapkv_lowest(score, candidates, live - keep);
+      const std::vector<std::int64_t> dead = detail::lowest_ranked(
+          candidates, live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });
       if (dead.empty()) return 0;
       cache.evict(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())));
       cache.compact(seq);
