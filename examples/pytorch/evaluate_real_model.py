@@ -72,6 +72,9 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
     for b, ratio in (("1/8", 0.125), ("1/4", 0.25)):
         configs.append((f"dense tova {b}", f"{dense}/tova:budget={ratio}/repack"))
         configs.append((f"dense h2o {b}", f"{dense}/h2o:budget={ratio}/repack"))
+        # The same with a compaction pass every 32 tokens written: the memory back within a short run.
+        configs.append((f"dense tova {b} compact32", f"{dense}/tova:budget={ratio},compact_every=32/repack"))
+        configs.append((f"dense h2o {b} compact32", f"{dense}/h2o:budget={ratio},compact_every=32/repack"))
     dense_exact = "dense:" + exact(4, 64)
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
