@@ -4068,11 +4068,12 @@ namespace select {
 /// head; the group's query heads are combined by `combine` (sum by default) where the paper has
 /// one query head per KV head; the budget counts the sinks and the tail.
 ///
-/// What it computes: attention over the tokens kept. Cost of a snapshot: two passes over the
-/// stored keys as attention reads them (`cache::read`: on backend::cuda a copy of the sequence's
-/// pages to the host), W x group x stored x head_dim multiply-adds each, in fp64 on the host, then
-/// O(stored log stored) to rank and one compaction; memory O(stored x (kv heads x head_dim)) for
-/// the read-back rows. No W x N matrix is kept. Nothing per decode step.
+/// What it computes: attention over the tokens kept. Cost of a snapshot: the stored K and V read
+/// back as attention reads them (`cache::read`: on backend::cuda a copy of the sequence's pages to
+/// the host), then per (window query, query head) one pass over the keys, W x group x stored x
+/// head_dim multiply-adds in all, in fp64 on the host, keeping one query's logits at a time; then
+/// O(stored log stored) to rank and one compaction. Memory: the read-back rows, 8 x stored x kv
+/// heads x head_dim bytes, and 8 x stored for the logits; no W x N matrix. Nothing per decode step.
 struct snapkv {
   using policy_category = selector_tag;
 
@@ -4091,8 +4092,8 @@ namespace detail {
 /// summed over the KV heads (`select::snapkv`). `keys(i, h, c)` is the key of stored row i,
 /// `positions[i]` its logical position (-1: evicted, skipped), `queries(w, j, c)` the query of
 /// window token w (position window_start + w) and query head j, already multiplied by the
-/// softmax scale. A position with no live token scores -inf and pools as nothing. Cost: two passes
-/// over the rows per (query, query head), in fp64.
+/// softmax scale. A position with no live token scores -inf and pools as nothing. Cost: one pass
+/// over the keys per (query, query head), keeping its logits (8 bytes a row), in fp64.
 template <class Keys, class Queries>
 std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
                                   std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
