@@ -42,16 +42,25 @@ namespace {
 using namespace kvmosaic;
 using namespace kvmosaic_bench;
 /// The kernels a row compiles: every shape for the formats timed over several shapes, the shape of
-/// record (bf16, head_dim 128, groups of 4) for the quantized formats other than quant2.
-template <class Format>
-using backend_for = std::conditional_t<(format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value) ||
-                                           std::is_same<Format, format::packed_bitmap>::value,
-                                       backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>, backend::cuda>;
+/// record (bf16, head_dim 128, groups of 4) for the quantized formats other than quant2 and for
+/// the selectors that read token scores. A developer build may define KVMOSAIC_BENCH_ONE_SHAPE
+/// (the shape of record everywhere: rows of other shapes then fail) to compile faster.
+template <class Format, class Selector>
+using backend_for =
+    std::conditional_t<(format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value) ||
+                           std::is_same<Format, format::packed_bitmap>::value ||
+                           detail::token_scores_of<Selector>::value != score_use::none
+#ifdef KVMOSAIC_BENCH_ONE_SHAPE
+                           || true
+#endif
+                       ,
+                       backend::cuda_for<kernel_shape<dtype::bf16, 128, 4>>, backend::cuda>;
 
-/// Keep-less selectors (select::streaming) compact by hole filling; the others keep everything.
+/// Keep-less selectors (select::streaming, tova, h2o) compact by hole filling; the others keep
+/// everything.
 template <class Format, class Selector = select::all>
 using cuda_cache = cache<Format, Selector, std::conditional_t<selector_traits<Selector>::evicts, compact::hole_fill, compact::none>,
-                         backend_for<Format>>;
+                         backend_for<Format, Selector>>;
 
 double g_hbm_read_gbps = 0;  // measured by the first benchmark of the run
 
@@ -246,8 +255,15 @@ void decode(benchmark::State& state) {
   kv.plan(step_seqs);
   cudaGraph_t graph;
   cudaGraphExec_t step;
+  // A selector that reads token scores (select::tova, select::h2o): the engine's step, which
+  // computes them on the device; the cache's `run` would also wait for them and file them by
+  // position on the host (timed apart below, as download_us).
+  constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
   KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  kv.run(step_q, step_out);
+  if constexpr (records_scores)
+    engine.run(step_q, step_out, tensor_view<float, 2>{});
+  else
+    kv.run(step_q, step_out);
   KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&step, graph, 0));
   // Warm-up by time, at least 0.2 s of steps: the first configuration run after a large one
@@ -282,6 +298,18 @@ void decode(benchmark::State& state) {
     state.counters["page"] = c.page_size;
     cudaGraphExecDestroy(select_step);
     cudaGraphDestroy(select_graph);
+  }
+  if constexpr (records_scores) {  // the scores' copy to the host, after a step
+    std::vector<double> download_times;
+    for (int i = 0; i < 10; ++i) {
+      KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(step, stream));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto start = std::chrono::steady_clock::now();
+      engine.download_token_scores();
+      (void)engine.token_scores();
+      download_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    state.counters["download_us"] = median(download_times) * 1e6;
   }
   cudaGraphExecDestroy(step);
   cudaGraphDestroy(graph);
@@ -507,6 +535,24 @@ BENCHMARK(decode<format::quant2, select::streaming>)
     ->Name("quant2_streaming_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {8}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// Steps that compute token scores on the device (select::tova, select::h2o: the split kernels
+// write their rows' logits, a score kernel normalizes them after the merge) with a budget of the
+// whole context, so no token is evicted and every step reads what dense_decode reads: the cost of
+// the scores alone, against dense_decode in the same run. download_us: their copy to the host.
+BENCHMARK(decode<format::dense, select::tova>)
+    ->Name("dense_tova_scores_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {0}, {1}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::dense, select::h2o>)
+    ->Name("dense_h2o_scores_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {131072}, {4}, {128}, {0}, {1}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

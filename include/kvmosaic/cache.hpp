@@ -193,9 +193,6 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
-  static_assert(detail::token_scores_of<Selector>::value == score_use::none || std::is_same_v<BackendArg, backend::host>,
-                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "only backend::host's attend writes so far: use backend::host");
   static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
                 "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
                 "compaction would move: use it with compact::none");
@@ -206,6 +203,10 @@ class cache
   using compactor_type = Compactor;
   using backend_type = Backend;
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
+  static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
+                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense, or use "
+                "backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -544,6 +545,7 @@ class cache
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (records_scores) {
+      if constexpr (!engine_type::scores_by_position) absorb_device_scores();
       for (const sequence_id seq : planned_) {
         sequence_state& s = state_of(seq);
         selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
@@ -925,6 +927,46 @@ class cache
   static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
   /// The selector reads the attend path's token scores (select::tova, select::h2o).
   static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
+
+  /// A step's token scores computed on the device (backend::cuda), per row of each sequence's
+  /// read order, into the selector's buffers by logical position: written (score_use::last_step)
+  /// or added (cumulative). Rows of evicted tokens, and page rows attended from their exact copies
+  /// (sinks, recent window), carry no score. Waits for the step: the eviction that follows reads
+  /// the scores on the host. Cost: one copy of 4 bytes per row and KV head, O(rows x KV heads) here.
+  void absorb_device_scores() {
+    engine_.download_token_scores();
+    const auto rows = engine_.token_scores();
+    const auto& geometry = engine_.geometry();
+    const int heads = config_.num_kv_heads;
+    const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
+    std::vector<std::int64_t> run_positions(static_cast<std::size_t>(geometry.exact_rows));
+    for (std::size_t b = 0; b < planned_.size(); ++b) {
+      sequence_state& s = state_of(planned_[b]);
+      detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
+      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+      const std::int64_t exact = geometry.exact_rows_held(sealed);
+      geometry.exact_run_positions(sealed, run_positions.data());
+      const std::int64_t tail_from = s.seen - tail_rows(s);
+      const auto position_of = [&](std::int64_t r) -> std::int64_t {
+        if (r >= sealed + exact) return tail_from + (r - sealed - exact);
+        if (r >= sealed) return run_positions[static_cast<std::size_t>(r - sealed)];
+        if (exact > 0 && geometry.exact_position(r, sealed)) return -1;  // read from its exact copy
+        if constexpr (evicts_tokens) return s.slots.position[static_cast<std::size_t>(r)];
+        return r;
+      };
+      const std::int64_t count = sealed + exact + tail_rows(s);
+      for (std::int64_t r = 0; r < count; ++r) {
+        const std::int64_t position = position_of(r);
+        if (position < 0) continue;
+        for (int h = 0; h < heads; ++h) {
+          const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
+                                            static_cast<std::size_t>(rows.row_stride) + static_cast<std::size_t>(r)];
+          float& score = buffer.values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
+          score = cumulative ? score + value : value;
+        }
+      }
+    }
+  }
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {

@@ -31,5 +31,6 @@
 #include "kvmosaic/cuda/select/sentence_chunks.cuh"
 #include "kvmosaic/cuda/select/streaming.cuh"
 #include "kvmosaic/cuda/select/snapkv.cuh"
+#include "kvmosaic/cuda/select/scored_eviction.cuh"
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
 #include "kvmosaic/cuda/instantiate.cuh"

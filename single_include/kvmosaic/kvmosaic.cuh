@@ -5025,6 +5025,10 @@ class engine {
  public:
   /// What the pages of one segment and KV head share (formats with segments; else empty).
   using segment_t = typename detail::segment_type<Format>::type;
+  /// Every format's attend path writes the scores of the tokens it reads (`plan`'s score_settings).
+  static constexpr bool records_token_scores = true;
+  /// The scores land in the sequences' buffers during `run` (`detail::sequence_ref::scores`).
+  static constexpr bool scores_by_position = true;
 
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
@@ -6029,9 +6033,6 @@ class cache
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
                 "(e.g. compact::repack), not compact::none");
-  static_assert(detail::token_scores_of<Selector>::value == score_use::none || std::is_same_v<BackendArg, backend::host>,
-                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "only backend::host's attend writes so far: use backend::host");
   static_assert(!(compactor_traits<Compactor>::frees_memory && detail::keeps_token_ranges<Selector>::value),
                 "kvmosaic::cache: this selector's spans are runs of slots (select::sentence_chunks), which a "
                 "compaction would move: use it with compact::none");
@@ -6042,6 +6043,10 @@ class cache
   using compactor_type = Compactor;
   using backend_type = Backend;
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
+  static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
+                "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense, or use "
+                "backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -6380,6 +6385,7 @@ class cache
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (records_scores) {
+      if constexpr (!engine_type::scores_by_position) absorb_device_scores();
       for (const sequence_id seq : planned_) {
         sequence_state& s = state_of(seq);
         selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
@@ -6761,6 +6767,46 @@ class cache
   static constexpr bool evicts_tokens = compactor_traits<Compactor>::frees_memory;
   /// The selector reads the attend path's token scores (select::tova, select::h2o).
   static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
+
+  /// A step's token scores computed on the device (backend::cuda), per row of each sequence's
+  /// read order, into the selector's buffers by logical position: written (score_use::last_step)
+  /// or added (cumulative). Rows of evicted tokens, and page rows attended from their exact copies
+  /// (sinks, recent window), carry no score. Waits for the step: the eviction that follows reads
+  /// the scores on the host. Cost: one copy of 4 bytes per row and KV head, O(rows x KV heads) here.
+  void absorb_device_scores() {
+    engine_.download_token_scores();
+    const auto rows = engine_.token_scores();
+    const auto& geometry = engine_.geometry();
+    const int heads = config_.num_kv_heads;
+    const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
+    std::vector<std::int64_t> run_positions(static_cast<std::size_t>(geometry.exact_rows));
+    for (std::size_t b = 0; b < planned_.size(); ++b) {
+      sequence_state& s = state_of(planned_[b]);
+      detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
+      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+      const std::int64_t exact = geometry.exact_rows_held(sealed);
+      geometry.exact_run_positions(sealed, run_positions.data());
+      const std::int64_t tail_from = s.seen - tail_rows(s);
+      const auto position_of = [&](std::int64_t r) -> std::int64_t {
+        if (r >= sealed + exact) return tail_from + (r - sealed - exact);
+        if (r >= sealed) return run_positions[static_cast<std::size_t>(r - sealed)];
+        if (exact > 0 && geometry.exact_position(r, sealed)) return -1;  // read from its exact copy
+        if constexpr (evicts_tokens) return s.slots.position[static_cast<std::size_t>(r)];
+        return r;
+      };
+      const std::int64_t count = sealed + exact + tail_rows(s);
+      for (std::int64_t r = 0; r < count; ++r) {
+        const std::int64_t position = position_of(r);
+        if (position < 0) continue;
+        for (int h = 0; h < heads; ++h) {
+          const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
+                                            static_cast<std::size_t>(rows.row_stride) + static_cast<std::size_t>(r)];
+          float& score = buffer.values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
+          score = cumulative ? score + value : value;
+        }
+      }
+    }
+  }
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
   static std::int64_t overlap(std::int64_t from, std::int64_t to, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -7880,10 +7926,13 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
   /// Folds tokens [0, n) of the K rows at `k` and the V rows at `v` (in memory space `Space`) into
   /// `s`: those whose bit is set in `rows_read` (bit t % 32 of word t / 32), or all of them when it
   /// is null; the others are neither loaded nor counted. Every thread of the CTA calls it with the
-  /// same n (the shuffles need the whole warp).
+  /// same n (the shuffles need the whole warp). With `logits` (a step that records token
+  /// scores), the scaled logit of token t and head j goes to logits[t * Group + j] for every t < n
+  /// (-inf for a token not read).
   template <class Space = from_global>
   __device__ __forceinline__ static void fold(const std::byte* __restrict__ k, const std::byte* __restrict__ v,
-                                              int n, thread_state<Group>& s, const std::uint32_t* rows_read = nullptr) {
+                                              int n, thread_state<Group>& s, const std::uint32_t* rows_read = nullptr,
+                                              float* logits = nullptr) {
     const int lane = static_cast<int>(threadIdx.x) % lanes_per_row;
     const int row = static_cast<int>(threadIdx.x) / lanes_per_row;
     const std::byte* k_lane = k + lane * 16;
@@ -7928,6 +7977,15 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
         for (int u = 0; u < Unroll; ++u)
 #pragma unroll
           for (int g = 0; g < Group; ++g) logit[g][u] = read[u] ? logit[g][u] : -HUGE_VALF;
+      }
+      if (logits != nullptr && lane == 0) {
+#pragma unroll
+        for (int u = 0; u < Unroll; ++u) {
+          const int t = t0 + row + rows * u;
+          if (t < n)
+#pragma unroll
+            for (int g = 0; g < Group; ++g) logits[static_cast<std::size_t>(t) * Group + g] = logit[g][u];
+        }
       }
       update(logit, v_raw, t0, row, n, s);
     }
@@ -8705,10 +8763,13 @@ struct warp_attend_mma {
 
   /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory)
   /// into the state: those whose bit in `rows` is set (bit r: token first + r; `rows_before` for
-  /// the first n tokens of a stage, and-ed with a selection's row mask). Whole-warp: every lane
-  /// calls it.
+  /// the first n tokens of a stage, and-ed with a selection's row mask). With `logits` (a step
+  /// that records token scores), the scaled logit of token first + r and head j goes to
+  /// logits[r * Group + j] for every r whose bit is set in `covered` (-inf where `rows` masks
+  /// it): one store per row and head, none without. Whole-warp: every lane calls it.
   __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
-                                       int first, std::uint32_t rows) {
+                                       int first, std::uint32_t rows, float* logits = nullptr,
+                                       std::uint32_t covered = 0) {
     static_assert(Path == operand_path::shared_tiles, "fold reads swizzled tiles: use fold_chunks for row_chunks");
     const int i = lane();
     // S^T = K Q^T: A = K rows (ldmatrix: matrices (tokens 0-7 | 8-15) x (channels 0-7 | 8-15)),
@@ -8725,7 +8786,7 @@ struct warp_attend_mma {
       }
       multiply_queries(s, a[0], a[1], query_tiles, k / 2);
     }
-    const p_fragments p = online_softmax(s, rows);
+    const p_fragments p = online_softmax(s, rows, logits, covered);
     const int v_token = first + (i % 8) + 8 * (i / 16);
 #pragma unroll
     for (int c = 0; c < channel_tiles; ++c) {
@@ -8746,7 +8807,8 @@ struct warp_attend_mma {
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
   __device__ __forceinline__ void fold_chunks(const KRows& k_rows, const VRows& v_rows, const std::byte* query_tiles,
-                                              int first, std::uint32_t rows) {
+                                              int first, std::uint32_t rows, float* logits = nullptr,
+                                              std::uint32_t covered = 0) {
     static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
     const int i = lane(), g = i / 4, q = i % 4;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -8762,7 +8824,7 @@ struct warp_attend_mma {
         multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
       }
     }
-    const p_fragments p = online_softmax(s, rows);
+    const p_fragments p = online_softmax(s, rows, logits, covered);
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
     if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
       // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
@@ -8809,6 +8871,13 @@ struct warp_attend_mma {
       }
     }
   }
+  /// What `fold` writes for a warp whose rows are all masked (and so skips the fold): -inf at
+  /// logits[r * Group + j] for every row r in `covered`. Whole-warp.
+  __device__ __forceinline__ static void write_masked_logits(float* logits, std::uint32_t covered) {
+    for (int index = lane(); index < 16 * Group; index += 32)
+      if ((covered >> (index / Group)) & 1u) logits[index] = -HUGE_VALF;
+  }
+
   /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads
   /// below Group): whole-warp, once at the end of a split.
   template <class Temp>
@@ -8887,7 +8956,8 @@ struct warp_attend_mma {
   /// The online-softmax step of a fold: completes the logits `s` (S^T's C fragment; packed, adds
   /// the hi and lo columns), masks the rows not in `rows`, moves m and l, rescales o where a
   /// running max moved, and returns P^T as B fragments (movmatrix of the packed C fragment).
-  __device__ __forceinline__ p_fragments online_softmax(float (&s)[4], std::uint32_t rows) {
+  __device__ __forceinline__ p_fragments online_softmax(float (&s)[4], std::uint32_t rows, float* logits,
+                                                        std::uint32_t covered) {
     const int i = lane(), g = i / 4;
     if constexpr (packed)  // q_hi.k + q_lo.k: columns h and 4 + h sit in lanes q and q ^ 2
 #pragma unroll
@@ -8896,6 +8966,7 @@ struct warp_attend_mma {
     // 2 q, 2 q + 1; the 8 lanes of a quad position share the heads.
     if (((rows >> g) & 1u) == 0) s[0] = s[1] = -HUGE_VALF;
     if (((rows >> (g + 8)) & 1u) == 0) s[2] = s[3] = -HUGE_VALF;
+    if (logits != nullptr) write_logits(s, logits, covered);
     float rescale[2], p[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -8942,6 +9013,26 @@ struct warp_attend_mma {
       f.lo[1] = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
     }
     return f;
+  }
+
+  /// Stores the logits `s` of this lane (tokens g and g + 8, heads 2 q and 2 q + 1; packed, the
+  /// lanes q < 2 hold heads 2 q and 2 q + 1 of the sum) for the rows in `covered`.
+  __device__ __forceinline__ static void write_logits(const float (&s)[4], float* logits, std::uint32_t covered) {
+    const int i = lane(), g = i / 4, q = i % 4;
+    if (packed && q >= 2) return;  // the hi + lo sum is in lanes q and q ^ 2 alike
+    const int head = 2 * q;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = g + 8 * half;
+      if (((covered >> row) & 1u) == 0) continue;
+      float* at = logits + row * Group + head;
+      if constexpr (Group % 2 == 0) {
+        if (head < Group) *reinterpret_cast<float2*>(at) = make_float2(s[2 * half], s[2 * half + 1]);
+      } else {
+        if (head < Group) at[0] = s[2 * half];
+        if (head + 1 < Group) at[1] = s[2 * half + 1];
+      }
+    }
   }
 
   /// o_tile += (one 16-channel tile of V^T, as an A fragment) P^T.
@@ -9067,6 +9158,13 @@ struct decode_params {
   float* lse;                         ///< null, or [batch][num_q_heads] at `lse_strides`: each head's
                                       ///< log-sum-exp of its scaled logits (natural log)
   std::int64_t lse_strides[2];
+  /// Null, or [batch][num_kv_heads][logit_slots][group_size] fp32: a step that records token
+  /// scores has each split write the scaled logit of every row it folds (-inf for a row it masks),
+  /// at the row's place in its sequence's read order: block-table entry x page_size + page row,
+  /// then, from sealed pages x page_size on, the run of exact and tail rows. Written for every row
+  /// of [0, that run's end) the step covers; `kernel::token_scores_kernel` normalizes them.
+  float* token_logits;
+  std::int64_t logit_slots;
 };
 
 /// The parameters of a format's split kernel: the shared `decode_params` and the format's own
@@ -9145,6 +9243,17 @@ __device__ __forceinline__ const std::uint32_t* page_rows_read(const decode_para
 /// a null mask.
 __device__ __forceinline__ std::uint32_t sixteen_rows_read(const std::uint32_t* rows_read, int first) {
   return rows_read == nullptr ? 0xffffu : (rows_read[first >> 5] >> (first & 31)) & 0xffffu;
+}
+
+/// Where the split's first row (page entry `range.begin`, row 0) writes its logits, or null
+/// when the step records no token scores (`decode_params::token_logits`). A split's rows are
+/// consecutive in the read order, its tail run after its pages.
+__device__ __forceinline__ float* split_logits(const decode_params& p, const split_work& w, int head,
+                                               const split_pages& range, int group) {
+  if (p.token_logits == nullptr) return nullptr;
+  return p.token_logits +
+         ((static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * p.logit_slots +
+          static_cast<std::size_t>(range.begin) * p.page_size) * group;
 }
 
 /// Loads this thread's slice of the group's queries, pre-multiplied by the softmax scale, and
@@ -9717,6 +9826,9 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///                                                 // sequence's first page itself (p.sink_rows), so
 ///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
+///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
+///                                                 // write each row's logits when a step records
+///                                                 // token scores (kernel::decode_params::token_logits)
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with
 ///                                                 // `int stages` (0 when the format has none)
@@ -9869,6 +9981,14 @@ struct device_format {
                 "(docs/architecture.md, 'Adding a format')");
 };
 
+/// Whether `Format`'s split kernels write each row's logits for a step that records token
+/// scores (`device_format<Format>::writes_token_logits`; false where it does not say).
+template <class Format, class = void>
+struct writes_token_logits : std::false_type {};
+template <class Format>
+struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
+    : std::bool_constant<device_format<Format>::writes_token_logits> {};
+
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/device_format.cuh> ----
 
@@ -9971,6 +10091,71 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/kernel/queries.cuh> ----
+
+// ---- begin <kvmosaic/cuda/kernel/token_scores.cuh> ----
+/// \file
+/// `token_scores_kernel`: the per-token attention scores of a decode step (select/token_scores.hpp)
+/// from the logits its split kernels wrote (`decode_params::token_logits`), normalized by each
+/// query head's log-sum-exp over all the step's splits (written by the merge): what `select::tova` and `select::h2o`
+/// rank by, computed without eager attention and without a second pass over K.
+
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Threads of a `token_scores_kernel` CTA.
+inline constexpr int token_score_threads = 256;
+
+/// scores[b][h][r] = combine over the group's query heads j of exp(s_j - lse_j), for every row r
+/// of the read order of sequence b that the step covered (`decode_params::token_logits`: its
+/// pages' rows, then its exact and tail rows), lse_j being the head's log-sum-exp that the merge
+/// wrote (`decode_params::lse`). A row the step masked (logit -inf) scores 0, and so does every
+/// row of a head that read no token. `combine_max`: the group's largest probability, else their
+/// sum. Grid: (CTAs per (sequence, KV head), num_kv_heads, batch), each striding over the rows.
+/// Cost per row and KV head: 4 x Group bytes read, 4 written, Group exps.
+template <int Group>
+__global__ void __launch_bounds__(token_score_threads) token_scores_kernel(const decode_params p, float* scores,
+                                                                           bool combine_max) {
+  detail::wait_for_prior_grid();  // the split kernel's logits, the merge's log-sum-exps
+  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  float lse[Group];
+#pragma unroll
+  for (int g = 0; g < Group; ++g) {
+    const float x = p.lse[b * p.lse_strides[0] + (head * Group + g) * p.lse_strides[1]];
+    lse[g] = x == -HUGE_VALF ? HUGE_VALF : x;  // no token read: every p is 0
+  }
+  const std::int64_t sealed = static_cast<std::int64_t>(p.sealed_pages[b]) * p.page_size;
+  const std::int64_t exact = sealed < p.exact_rows ? sealed : p.exact_rows;
+  const std::int64_t rows = sealed + exact + p.tail_rows[b];
+  const std::size_t base = (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.logit_slots;
+  const float* logits = p.token_logits + base * Group;
+  float* out = scores + base;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * token_score_threads + threadIdx.x; r < rows;
+       r += static_cast<std::int64_t>(gridDim.x) * token_score_threads) {
+    float s[Group];
+    if constexpr (Group % 4 == 0) {
+#pragma unroll
+      for (int g = 0; g < Group; g += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(logits + r * Group + g);
+        s[g] = x.x, s[g + 1] = x.y, s[g + 2] = x.z, s[g + 3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < Group; ++g) s[g] = logits[r * Group + g];
+    }
+    float combined = 0.0f;
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+      const float probability = s[g] == -HUGE_VALF ? 0.0f : expf(s[g] - lse[g]);
+      combined = combine_max ? fmaxf(combined, probability) : combined + probability;
+    }
+    out[r] = combined;
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/kernel/token_scores.cuh> ----
 
 // ---- begin <kvmosaic/cuda/select/all.cuh> ----
 /// \file
@@ -10123,6 +10308,11 @@ class engine {
  public:
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
+  /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
+  /// write their rows' logits (`writes_token_logits`: format::dense).
+  static constexpr bool records_token_scores = writes_token_logits<Format>::value;
+  /// They come back per row of the read order (`token_scores`), not by logical position.
+  static constexpr bool scores_by_position = false;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -10397,10 +10587,50 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
+  /// With `scores.use` other than none (format::dense's kernels; `writes_token_logits`), the
+  /// step also computes each read token's score (select/token_scores.hpp) on the device: the
+  /// split kernels write their rows' logits, a score kernel after the merge normalizes and
+  /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
+  /// `token_scores` bring them to the host. Cost: per token and KV head, 4 x group bytes written
+  /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
-            const kvmosaic::detail::selection_request* request = nullptr) {
+            const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
+    kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
+                              "token scores", "requested", "format::dense on backend::cuda (the other formats' kernels "
+                              "write no logits yet): use backend::host");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
+    planned_scores_ = scores;
+    if (scores.use != score_use::none) reserve_token_scores();
+  }
+
+  /// The token scores of the last step run with scores, as laid out on the device: [batch][KV
+  /// head][row_stride] fp32, row r of (b, h) the r-th row of b's read order (block-table entry x
+  /// page_size + page row, then its exact and tail rows).
+  struct token_score_rows {
+    const float* data;
+    std::int64_t row_stride;
+  };
+  /// Device pointer to the last step's token scores (valid after it ran on the stream).
+  token_score_rows device_token_scores() const noexcept {
+    return {token_scores_.as<const float>(), logit_slots_};
+  }
+  /// Enqueues the copy of the step's token scores to page-locked host memory (one 2D copy of the
+  /// rows each sequence has); `token_scores` waits for it.
+  void download_token_scores() {
+    kvmosaic::detail::require(planned_scores_.use != score_use::none, "cuda::engine::download_token_scores",
+                              "the planned step", "without token scores", "a step planned with score_settings");
+    const std::size_t pitch = static_cast<std::size_t>(logit_slots_) * sizeof(float);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(scores_host_.data(), pitch, token_scores_.data(), pitch,
+                                          static_cast<std::size_t>(step_rows_) * sizeof(float),
+                                          static_cast<std::size_t>(batch_) * shape_.num_kv_heads, cudaMemcpyDeviceToHost,
+                                          stream_));
+  }
+  /// The downloaded token scores (host memory, the layout of `device_token_scores`); waits for
+  /// the engine's stream.
+  token_score_rows token_scores() const {
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return {scores_host_.as<const float>(), logit_slots_};
   }
 
   /// The device half (`cache::run`), enqueued on the engine's stream and capturable in a CUDA
@@ -10474,8 +10704,10 @@ class engine {
     // The step reads live-row masks where a sequence has evicted tokens or sealed rows attended
     // from their exact copies: window rows, and sinks unless the format's kernel skips them itself.
     bool masked = false;
+    step_rows_ = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
+      step_rows_ = std::max(step_rows_, batch[b].length + exact);
       const bool masks_exact_rows = exact > 0 && (geometry_.window_rows > 0 || !device::masks_sink_rows);
       masked = masked || batch[b].live != nullptr || masks_exact_rows;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
@@ -10540,6 +10772,22 @@ class engine {
   void launch_selection_only(const float* q);
 
  private:
+  /// Room for the token scores of a step of the reserved layout: rows of the read order per
+  /// (sequence, KV head), logits and scores on the device, scores in page-locked host memory.
+  void reserve_token_scores() {
+    const std::int64_t rows = static_cast<std::int64_t>(capacity_.table_stride) * shape_.page_size +
+                              static_cast<std::int64_t>(geometry_.exact_rows) + shape_.page_size;
+    if (rows <= logit_slots_ && capacity_.batch <= score_batch_) return;
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffers may still be in use
+    logit_slots_ = std::max(rows, logit_slots_);
+    score_batch_ = std::max(capacity_.batch, score_batch_);
+    const std::size_t slots = static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * static_cast<std::size_t>(logit_slots_);
+    token_logits_ = device_buffer(slots * shape_.group_size * sizeof(float));
+    token_scores_ = device_buffer(slots * sizeof(float));
+    scores_host_ = pinned_buffer(slots * sizeof(float));
+    score_lse_ = device_buffer(static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * shape_.group_size * sizeof(float));
+  }
+
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
   /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel. On
   /// sm_90 the split and merge kernels are programmatic dependents of the kernel before each
@@ -10598,6 +10846,15 @@ class engine {
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
     p.exact_rows = static_cast<int>(geometry_.exact_rows);
+    if (planned_scores_.use != score_use::none) {
+      p.token_logits = token_logits_.as<float>();
+      p.logit_slots = logit_slots_;
+      if (p.lse == nullptr) {  // the score kernel reads each head's log-sum-exp from the merge
+        p.lse = score_lse_.as<float>();
+        p.lse_strides[0] = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.group_size;
+        p.lse_strides[1] = 1;
+      }
+    }
     return p;
   }
 
@@ -10833,6 +11090,14 @@ class engine {
   device_buffer step_metadata_, extend_metadata_, partials_;
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
   float softmax_scale_ = 1.0f;    ///< of the planned step
+  score_settings planned_scores_;  ///< of the planned step
+  std::int64_t step_rows_ = 0;     ///< the planned step's most rows of one sequence's read order
+  std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
+  std::int32_t score_batch_ = 0;   ///< sequences they hold
+  device_buffer token_logits_;     ///< [batch][KV head][logit_slots_][group] (steps with token scores)
+  device_buffer token_scores_;     ///< [batch][KV head][logit_slots_]
+  pinned_buffer scores_host_;      ///< the same, downloaded
+  device_buffer score_lse_;        ///< [batch][num_q_heads]: the merge's log-sum-exps when the caller wants none
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
@@ -10886,6 +11151,19 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
+  if constexpr (writes_token_logits<Format>::value) {
+    if (planned_scores_.use == score_use::none) return;
+    // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
+    // merges per CTA.
+    constexpr std::int64_t rows_per_cta = 8 * kernel::token_score_threads;
+    const dim3 grid_scores(static_cast<unsigned>(std::max<std::int64_t>(1, (step_rows_ + rows_per_cta - 1) / rows_per_cta)),
+                           static_cast<unsigned>(shape_.num_kv_heads), static_cast<unsigned>(batch_));
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto, auto group) {
+      detail::launch_kernel(kernel::token_scores_kernel<decltype(group)::value>, grid_scores,
+                            dim3(static_cast<unsigned>(kernel::token_score_threads)), 0, stream_, dependent_launch_, common,
+                            token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
+    });
+  }
 }
 
 template <class Format, class Selector, class Shapes>
@@ -11250,19 +11528,32 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const split_par
 
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  // A step with token scores: format::dense's collective writes each row's logits (others: none
+  // yet; the engine refuses scores for them).
+  constexpr bool writes_logits = std::is_same<Format, format::dense>::value;
+  float* const logits = writes_logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
   std::int32_t next_page = range.begin < range.end ? table[range.begin] : 0;
   for (int i = range.begin; i < range.end; ++i) {
     const std::int32_t page = next_page;
     if (i + 1 < range.end) next_page = table[i + 1];  // in flight while this page is read
     const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
-    collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                     p.page_size, s, detail_decode::page_rows_read(p, w.batch_index, head, i));
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
+    if constexpr (writes_logits)
+      collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                       p.page_size, s, rows_read,
+                       logits != nullptr ? logits + static_cast<std::size_t>(i - range.begin) * p.page_size * Group : nullptr);
+    else
+      collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                       p.page_size, s, rows_read);
   }
   if (w.with_tail) {  // the exact rows and the tail rows
     const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
     const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                             static_cast<std::size_t>(run.first) * HeadDim * sizeof(T);
-    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s,
+                          nullptr,
+                          logits != nullptr ? logits + static_cast<std::size_t>(range.end - range.begin) * p.page_size * Group
+                                            : nullptr);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s, temp);
 }
@@ -11320,6 +11611,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
   const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
   const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, Group);
   const std::byte* tail_slot =
       w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                         static_cast<std::size_t>(run.first) * layout::row_bytes
@@ -11377,6 +11669,12 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
         if (((rows_read[row >> 5] >> (row & 31)) & 1u) == 0) logits[(index / n) * StageTokens + index % n] = -HUGE_VALF;
       }
       __syncthreads();
+    }
+    if (split_logits != nullptr) {  // a step with token scores: the stage's logits, [token][head]
+      const int first = stage * StageTokens;
+      for (int index = tid; index < Group * n; index += Threads)
+        split_logits[static_cast<std::size_t>(first + index / Group) * Group + index % Group] =
+            logits[(index % Group) * StageTokens + index / Group];
     }
     collective::template fold_scored<from_shared>(logits, StageTokens, v_stages + buffer * layout::stage_bytes, n, s);
     __syncthreads();  // every thread is done with this buffer (and the logits) before refills
@@ -11489,6 +11787,7 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int warp = tid / 32;
   attend state;
   state.start();
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, Group);
   for (int stage = 0; stage < num_stages; ++stage) {
     const int buffer = stage % Stages;
     const int n = min(StageTokens, tokens - stage * StageTokens);
@@ -11502,9 +11801,15 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
                                  detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
                                  row0 % page_size)
                            : 0xffffu;
-    const std::uint32_t rows = rows_read & attend::rows_before(warp * 16, n);
+    const std::uint32_t covered = attend::rows_before(warp * 16, n);
+    const std::uint32_t rows = rows_read & covered;
+    float* const warp_logits =
+        split_logits != nullptr ? split_logits + static_cast<std::size_t>(row0) * Group : nullptr;
     if (rows != 0)
-      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, rows);
+      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, rows,
+                 warp_logits, covered);
+    else if (warp_logits != nullptr)
+      attend::write_masked_logits(warp_logits, covered);
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }
@@ -11523,6 +11828,7 @@ struct device_format<format::dense> {
   static constexpr bool encodes_pages = false;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
+  static constexpr bool writes_token_logits = true;  ///< every dense split kernel (select::tova, select::h2o)
   using params = kernel::dense_decode_params;
 
   struct state {
@@ -16161,6 +16467,35 @@ class selection_stage<select::snapkv, Shapes> : public selection_stage<select::a
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/select/snapkv.cuh> ----
+
+// ---- begin <kvmosaic/cuda/select/scored_eviction.cuh> ----
+/// \file
+/// `select::tova` and `select::h2o` on the CUDA backend: no selection stage. Every step reads
+/// every live row, as `select::all` does; the step's token scores come from the split kernels'
+/// logits (`cuda::engine::plan` with score_settings, kernel/token_scores.cuh), and the evictions
+/// they drive are the cache's (host bookkeeping, live-row masks, compaction on the device).
+
+
+namespace kvmosaic::cuda {
+
+/// Reads every live row. Cost: none beyond the scores and the cache's eviction and compaction.
+template <class Shapes>
+class selection_stage<select::tova, Shapes> : public selection_stage<select::all, Shapes> {
+ public:
+  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::tova&) noexcept
+      : selection_stage<select::all, Shapes>(shape, select::all{}) {}
+};
+
+/// Reads every live row. Cost: none beyond the scores and the cache's eviction and compaction.
+template <class Shapes>
+class selection_stage<select::h2o, Shapes> : public selection_stage<select::all, Shapes> {
+ public:
+  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::h2o&) noexcept
+      : selection_stage<select::all, Shapes>(shape, select::all{}) {}
+};
+
+}  // namespace kvmosaic::cuda
+// ---- end <kvmosaic/cuda/select/scored_eviction.cuh> ----
 // Compiling a cache type's kernels in one unit (KVMOSAIC_CUDA_EXTERN_CACHE / _INSTANTIATE_CACHE).
 
 // ---- begin <kvmosaic/cuda/instantiate.cuh> ----

@@ -40,6 +40,7 @@
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
+#include "kvmosaic/cuda/kernel/token_scores.cuh"
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/selection_stage.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
@@ -49,6 +50,7 @@
 #include "kvmosaic/memory/compaction_plan.hpp"
 #include "kvmosaic/select/all.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
+#include "kvmosaic/select/token_scores.hpp"
 
 namespace kvmosaic {
 namespace cuda {
@@ -83,6 +85,11 @@ class engine {
  public:
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
+  /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
+  /// write their rows' logits (`writes_token_logits`: format::dense).
+  static constexpr bool records_token_scores = writes_token_logits<Format>::value;
+  /// They come back per row of the read order (`token_scores`), not by logical position.
+  static constexpr bool scores_by_position = false;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -357,10 +364,50 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
+  /// With `scores.use` other than none (format::dense's kernels; `writes_token_logits`), the
+  /// step also computes each read token's score (select/token_scores.hpp) on the device: the
+  /// split kernels write their rows' logits, a score kernel after the merge normalizes and
+  /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
+  /// `token_scores` bring them to the host. Cost: per token and KV head, 4 x group bytes written
+  /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
-            const kvmosaic::detail::selection_request* request = nullptr) {
+            const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
+    kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
+                              "token scores", "requested", "format::dense on backend::cuda (the other formats' kernels "
+                              "write no logits yet): use backend::host");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
+    planned_scores_ = scores;
+    if (scores.use != score_use::none) reserve_token_scores();
+  }
+
+  /// The token scores of the last step run with scores, as laid out on the device: [batch][KV
+  /// head][row_stride] fp32, row r of (b, h) the r-th row of b's read order (block-table entry x
+  /// page_size + page row, then its exact and tail rows).
+  struct token_score_rows {
+    const float* data;
+    std::int64_t row_stride;
+  };
+  /// Device pointer to the last step's token scores (valid after it ran on the stream).
+  token_score_rows device_token_scores() const noexcept {
+    return {token_scores_.as<const float>(), logit_slots_};
+  }
+  /// Enqueues the copy of the step's token scores to page-locked host memory (one 2D copy of the
+  /// rows each sequence has); `token_scores` waits for it.
+  void download_token_scores() {
+    kvmosaic::detail::require(planned_scores_.use != score_use::none, "cuda::engine::download_token_scores",
+                              "the planned step", "without token scores", "a step planned with score_settings");
+    const std::size_t pitch = static_cast<std::size_t>(logit_slots_) * sizeof(float);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(scores_host_.data(), pitch, token_scores_.data(), pitch,
+                                          static_cast<std::size_t>(step_rows_) * sizeof(float),
+                                          static_cast<std::size_t>(batch_) * shape_.num_kv_heads, cudaMemcpyDeviceToHost,
+                                          stream_));
+  }
+  /// The downloaded token scores (host memory, the layout of `device_token_scores`); waits for
+  /// the engine's stream.
+  token_score_rows token_scores() const {
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return {scores_host_.as<const float>(), logit_slots_};
   }
 
   /// The device half (`cache::run`), enqueued on the engine's stream and capturable in a CUDA
@@ -434,8 +481,10 @@ class engine {
     // The step reads live-row masks where a sequence has evicted tokens or sealed rows attended
     // from their exact copies: window rows, and sinks unless the format's kernel skips them itself.
     bool masked = false;
+    step_rows_ = 0;
     for (std::size_t b = 0; b < batch.size(); ++b) {
       const std::int64_t exact = geometry_.exact_rows_held(static_cast<std::int64_t>(batch[b].pages->size()) * shape_.page_size);
+      step_rows_ = std::max(step_rows_, batch[b].length + exact);
       const bool masks_exact_rows = exact > 0 && (geometry_.window_rows > 0 || !device::masks_sink_rows);
       masked = masked || batch[b].live != nullptr || masks_exact_rows;
       full_pages[b] = static_cast<std::int32_t>(batch[b].pages->size());
@@ -500,6 +549,22 @@ class engine {
   void launch_selection_only(const float* q);
 
  private:
+  /// Room for the token scores of a step of the reserved layout: rows of the read order per
+  /// (sequence, KV head), logits and scores on the device, scores in page-locked host memory.
+  void reserve_token_scores() {
+    const std::int64_t rows = static_cast<std::int64_t>(capacity_.table_stride) * shape_.page_size +
+                              static_cast<std::int64_t>(geometry_.exact_rows) + shape_.page_size;
+    if (rows <= logit_slots_ && capacity_.batch <= score_batch_) return;
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffers may still be in use
+    logit_slots_ = std::max(rows, logit_slots_);
+    score_batch_ = std::max(capacity_.batch, score_batch_);
+    const std::size_t slots = static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * static_cast<std::size_t>(logit_slots_);
+    token_logits_ = device_buffer(slots * shape_.group_size * sizeof(float));
+    token_scores_ = device_buffer(slots * sizeof(float));
+    scores_host_ = pinned_buffer(slots * sizeof(float));
+    score_lse_ = device_buffer(static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * shape_.group_size * sizeof(float));
+  }
+
   /// Device part of a step (capturable in a CUDA graph): copy the staged metadata, run the split
   /// kernel over a grid of `work_capacity(batch)` x num_kv_heads CTAs, then the merge kernel. On
   /// sm_90 the split and merge kernels are programmatic dependents of the kernel before each
@@ -558,6 +623,15 @@ class engine {
     p.group_size = shape_.group_size;
     p.sink_rows = static_cast<int>(geometry_.sink_rows);
     p.exact_rows = static_cast<int>(geometry_.exact_rows);
+    if (planned_scores_.use != score_use::none) {
+      p.token_logits = token_logits_.as<float>();
+      p.logit_slots = logit_slots_;
+      if (p.lse == nullptr) {  // the score kernel reads each head's log-sum-exp from the merge
+        p.lse = score_lse_.as<float>();
+        p.lse_strides[0] = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.group_size;
+        p.lse_strides[1] = 1;
+      }
+    }
     return p;
   }
 
@@ -793,6 +867,14 @@ class engine {
   device_buffer step_metadata_, extend_metadata_, partials_;
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
   float softmax_scale_ = 1.0f;    ///< of the planned step
+  score_settings planned_scores_;  ///< of the planned step
+  std::int64_t step_rows_ = 0;     ///< the planned step's most rows of one sequence's read order
+  std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
+  std::int32_t score_batch_ = 0;   ///< sequences they hold
+  device_buffer token_logits_;     ///< [batch][KV head][logit_slots_][group] (steps with token scores)
+  device_buffer token_scores_;     ///< [batch][KV head][logit_slots_]
+  pinned_buffer scores_host_;      ///< the same, downloaded
+  device_buffer score_lse_;        ///< [batch][num_q_heads]: the merge's log-sum-exps when the caller wants none
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
   std::vector<bool> has_key_weights_ = std::vector<bool>(static_cast<std::size_t>(shape_.max_sequences), false);
@@ -846,6 +928,19 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
+  if constexpr (writes_token_logits<Format>::value) {
+    if (planned_scores_.use == score_use::none) return;
+    // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
+    // merges per CTA.
+    constexpr std::int64_t rows_per_cta = 8 * kernel::token_score_threads;
+    const dim3 grid_scores(static_cast<unsigned>(std::max<std::int64_t>(1, (step_rows_ + rows_per_cta - 1) / rows_per_cta)),
+                           static_cast<unsigned>(shape_.num_kv_heads), static_cast<unsigned>(batch_));
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto, auto group) {
+      detail::launch_kernel(kernel::token_scores_kernel<decltype(group)::value>, grid_scores,
+                            dim3(static_cast<unsigned>(kernel::token_score_threads)), 0, stream_, dependent_launch_, common,
+                            token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
+    });
+  }
 }
 
 template <class Format, class Selector, class Shapes>

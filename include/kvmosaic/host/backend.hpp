@@ -312,6 +312,10 @@ class engine {
  public:
   /// What the pages of one segment and KV head share (formats with segments; else empty).
   using segment_t = typename detail::segment_type<Format>::type;
+  /// Every format's attend path writes the scores of the tokens it reads (`plan`'s score_settings).
+  static constexpr bool records_token_scores = true;
+  /// The scores land in the sequences' buffers during `run` (`detail::sequence_ref::scores`).
+  static constexpr bool scores_by_position = true;
 
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in

@@ -64,10 +64,13 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
   /// Folds tokens [0, n) of the K rows at `k` and the V rows at `v` (in memory space `Space`) into
   /// `s`: those whose bit is set in `rows_read` (bit t % 32 of word t / 32), or all of them when it
   /// is null; the others are neither loaded nor counted. Every thread of the CTA calls it with the
-  /// same n (the shuffles need the whole warp).
+  /// same n (the shuffles need the whole warp). With `logits` (a step that records token
+  /// scores), the scaled logit of token t and head j goes to logits[t * Group + j] for every t < n
+  /// (-inf for a token not read).
   template <class Space = from_global>
   __device__ __forceinline__ static void fold(const std::byte* __restrict__ k, const std::byte* __restrict__ v,
-                                              int n, thread_state<Group>& s, const std::uint32_t* rows_read = nullptr) {
+                                              int n, thread_state<Group>& s, const std::uint32_t* rows_read = nullptr,
+                                              float* logits = nullptr) {
     const int lane = static_cast<int>(threadIdx.x) % lanes_per_row;
     const int row = static_cast<int>(threadIdx.x) / lanes_per_row;
     const std::byte* k_lane = k + lane * 16;
@@ -112,6 +115,15 @@ struct page_attend<format::dense, T, HeadDim, Group, Threads, Unroll> {
         for (int u = 0; u < Unroll; ++u)
 #pragma unroll
           for (int g = 0; g < Group; ++g) logit[g][u] = read[u] ? logit[g][u] : -HUGE_VALF;
+      }
+      if (logits != nullptr && lane == 0) {
+#pragma unroll
+        for (int u = 0; u < Unroll; ++u) {
+          const int t = t0 + row + rows * u;
+          if (t < n)
+#pragma unroll
+            for (int g = 0; g < Group; ++g) logits[static_cast<std::size_t>(t) * Group + g] = logit[g][u];
+        }
       }
       update(logit, v_raw, t0, row, n, s);
     }

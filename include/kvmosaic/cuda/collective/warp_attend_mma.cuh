@@ -120,10 +120,13 @@ struct warp_attend_mma {
 
   /// Folds the warp's 16 tokens [first, first + 16) of a stage (K and V tiles in shared memory)
   /// into the state: those whose bit in `rows` is set (bit r: token first + r; `rows_before` for
-  /// the first n tokens of a stage, and-ed with a selection's row mask). Whole-warp: every lane
-  /// calls it.
+  /// the first n tokens of a stage, and-ed with a selection's row mask). With `logits` (a step
+  /// that records token scores), the scaled logit of token first + r and head j goes to
+  /// logits[r * Group + j] for every r whose bit is set in `covered` (-inf where `rows` masks
+  /// it): one store per row and head, none without. Whole-warp: every lane calls it.
   __device__ __forceinline__ void fold(const std::byte* k_tile, const std::byte* v_tile, const std::byte* query_tiles,
-                                       int first, std::uint32_t rows) {
+                                       int first, std::uint32_t rows, float* logits = nullptr,
+                                       std::uint32_t covered = 0) {
     static_assert(Path == operand_path::shared_tiles, "fold reads swizzled tiles: use fold_chunks for row_chunks");
     const int i = lane();
     // S^T = K Q^T: A = K rows (ldmatrix: matrices (tokens 0-7 | 8-15) x (channels 0-7 | 8-15)),
@@ -140,7 +143,7 @@ struct warp_attend_mma {
       }
       multiply_queries(s, a[0], a[1], query_tiles, k / 2);
     }
-    const p_fragments p = online_softmax(s, rows);
+    const p_fragments p = online_softmax(s, rows, logits, covered);
     const int v_token = first + (i % 8) + 8 * (i / 16);
 #pragma unroll
     for (int c = 0; c < channel_tiles; ++c) {
@@ -161,7 +164,8 @@ struct warp_attend_mma {
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
   __device__ __forceinline__ void fold_chunks(const KRows& k_rows, const VRows& v_rows, const std::byte* query_tiles,
-                                              int first, std::uint32_t rows) {
+                                              int first, std::uint32_t rows, float* logits = nullptr,
+                                              std::uint32_t covered = 0) {
     static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
     const int i = lane(), g = i / 4, q = i % 4;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -177,7 +181,7 @@ struct warp_attend_mma {
         multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
       }
     }
-    const p_fragments p = online_softmax(s, rows);
+    const p_fragments p = online_softmax(s, rows, logits, covered);
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
     if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
       // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
@@ -224,6 +228,13 @@ struct warp_attend_mma {
       }
     }
   }
+  /// What `fold` writes for a warp whose rows are all masked (and so skips the fold): -inf at
+  /// logits[r * Group + j] for every row r in `covered`. Whole-warp.
+  __device__ __forceinline__ static void write_masked_logits(float* logits, std::uint32_t covered) {
+    for (int index = lane(); index < 16 * Group; index += 32)
+      if ((covered >> (index / Group)) & 1u) logits[index] = -HUGE_VALF;
+  }
+
   /// The warp's state to `temp` (`o[warp][head][channel]`, `m[warp][head]`, `l[warp][head]`, heads
   /// below Group): whole-warp, once at the end of a split.
   template <class Temp>
@@ -302,7 +313,8 @@ struct warp_attend_mma {
   /// The online-softmax step of a fold: completes the logits `s` (S^T's C fragment; packed, adds
   /// the hi and lo columns), masks the rows not in `rows`, moves m and l, rescales o where a
   /// running max moved, and returns P^T as B fragments (movmatrix of the packed C fragment).
-  __device__ __forceinline__ p_fragments online_softmax(float (&s)[4], std::uint32_t rows) {
+  __device__ __forceinline__ p_fragments online_softmax(float (&s)[4], std::uint32_t rows, float* logits,
+                                                        std::uint32_t covered) {
     const int i = lane(), g = i / 4;
     if constexpr (packed)  // q_hi.k + q_lo.k: columns h and 4 + h sit in lanes q and q ^ 2
 #pragma unroll
@@ -311,6 +323,7 @@ struct warp_attend_mma {
     // 2 q, 2 q + 1; the 8 lanes of a quad position share the heads.
     if (((rows >> g) & 1u) == 0) s[0] = s[1] = -HUGE_VALF;
     if (((rows >> (g + 8)) & 1u) == 0) s[2] = s[3] = -HUGE_VALF;
+    if (logits != nullptr) write_logits(s, logits, covered);
     float rescale[2], p[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -357,6 +370,26 @@ struct warp_attend_mma {
       f.lo[1] = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
     }
     return f;
+  }
+
+  /// Stores the logits `s` of this lane (tokens g and g + 8, heads 2 q and 2 q + 1; packed, the
+  /// lanes q < 2 hold heads 2 q and 2 q + 1 of the sum) for the rows in `covered`.
+  __device__ __forceinline__ static void write_logits(const float (&s)[4], float* logits, std::uint32_t covered) {
+    const int i = lane(), g = i / 4, q = i % 4;
+    if (packed && q >= 2) return;  // the hi + lo sum is in lanes q and q ^ 2 alike
+    const int head = 2 * q;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = g + 8 * half;
+      if (((covered >> row) & 1u) == 0) continue;
+      float* at = logits + row * Group + head;
+      if constexpr (Group % 2 == 0) {
+        if (head < Group) *reinterpret_cast<float2*>(at) = make_float2(s[2 * half], s[2 * half + 1]);
+      } else {
+        if (head < Group) at[0] = s[2 * half];
+        if (head + 1 < Group) at[1] = s[2 * half + 1];
+      }
+    }
   }
 
   /// o_tile += (one 16-channel tile of V^T, as an A fragment) P^T.

@@ -14,6 +14,9 @@
 ///                                                 // sequence's first page itself (p.sink_rows), so
 ///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
+///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
+///                                                 // write each row's logits when a step records
+///                                                 // token scores (kernel::decode_params::token_logits)
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with
 ///                                                 // `int stages` (0 when the format has none)
@@ -47,6 +50,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/cuda/error.cuh"
@@ -172,5 +176,13 @@ struct device_format {
                 "(kvmosaic.cuh includes every built-in one), or specialize kvmosaic::cuda::device_format<Format> "
                 "(docs/architecture.md, 'Adding a format')");
 };
+
+/// Whether `Format`'s split kernels write each row's logits for a step that records token
+/// scores (`device_format<Format>::writes_token_logits`; false where it does not say).
+template <class Format, class = void>
+struct writes_token_logits : std::false_type {};
+template <class Format>
+struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
+    : std::bool_constant<device_format<Format>::writes_token_logits> {};
 
 }  // namespace kvmosaic::cuda

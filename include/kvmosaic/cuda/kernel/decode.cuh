@@ -73,6 +73,13 @@ struct decode_params {
   float* lse;                         ///< null, or [batch][num_q_heads] at `lse_strides`: each head's
                                       ///< log-sum-exp of its scaled logits (natural log)
   std::int64_t lse_strides[2];
+  /// Null, or [batch][num_kv_heads][logit_slots][group_size] fp32: a step that records token
+  /// scores has each split write the scaled logit of every row it folds (-inf for a row it masks),
+  /// at the row's place in its sequence's read order: block-table entry x page_size + page row,
+  /// then, from sealed pages x page_size on, the run of exact and tail rows. Written for every row
+  /// of [0, that run's end) the step covers; `kernel::token_scores_kernel` normalizes them.
+  float* token_logits;
+  std::int64_t logit_slots;
 };
 
 /// The parameters of a format's split kernel: the shared `decode_params` and the format's own
@@ -151,6 +158,17 @@ __device__ __forceinline__ const std::uint32_t* page_rows_read(const decode_para
 /// a null mask.
 __device__ __forceinline__ std::uint32_t sixteen_rows_read(const std::uint32_t* rows_read, int first) {
   return rows_read == nullptr ? 0xffffu : (rows_read[first >> 5] >> (first & 31)) & 0xffffu;
+}
+
+/// Where the split's first row (page entry `range.begin`, row 0) writes its logits, or null
+/// when the step records no token scores (`decode_params::token_logits`). A split's rows are
+/// consecutive in the read order, its tail run after its pages.
+__device__ __forceinline__ float* split_logits(const decode_params& p, const split_work& w, int head,
+                                               const split_pages& range, int group) {
+  if (p.token_logits == nullptr) return nullptr;
+  return p.token_logits +
+         ((static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * p.logit_slots +
+          static_cast<std::size_t>(range.begin) * p.page_size) * group;
 }
 
 /// Loads this thread's slice of the group's queries, pre-multiplied by the softmax scale, and

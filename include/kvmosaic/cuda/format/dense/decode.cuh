@@ -52,19 +52,32 @@ __global__ void __launch_bounds__(Threads) decode_partial_kernel(const split_par
 
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  // A step with token scores: format::dense's collective writes each row's logits (others: none
+  // yet; the engine refuses scores for them).
+  constexpr bool writes_logits = std::is_same<Format, format::dense>::value;
+  float* const logits = writes_logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
   std::int32_t next_page = range.begin < range.end ? table[range.begin] : 0;
   for (int i = range.begin; i < range.end; ++i) {
     const std::int32_t page = next_page;
     if (i + 1 < range.end) next_page = table[i + 1];  // in flight while this page is read
     const std::byte* slot = p.pages + static_cast<std::size_t>(page) * p.page_slot_bytes;
-    collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                     p.page_size, s, detail_decode::page_rows_read(p, w.batch_index, head, i));
+    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
+    if constexpr (writes_logits)
+      collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                       p.page_size, s, rows_read,
+                       logits != nullptr ? logits + static_cast<std::size_t>(i - range.begin) * p.page_size * Group : nullptr);
+    else
+      collective::fold(slot + head * p.k_page_bytes, slot + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                       p.page_size, s, rows_read);
   }
   if (w.with_tail) {  // the exact rows and the tail rows
     const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
     const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                             static_cast<std::size_t>(run.first) * HeadDim * sizeof(T);
-    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+    tail_collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s,
+                          nullptr,
+                          logits != nullptr ? logits + static_cast<std::size_t>(range.end - range.begin) * p.page_size * Group
+                                            : nullptr);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(p, work_index, head, s, temp);
 }
@@ -122,6 +135,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
   const detail_decode::dense_run run = w.with_tail ? detail_decode::dense_rows_of(p, w.batch_index) : detail_decode::dense_run{0, 0};
   const int tokens = page_tokens + run.rows;
   const int num_stages = (tokens + StageTokens - 1) / StageTokens;
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, Group);
   const std::byte* tail_slot =
       w.with_tail ? p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                         static_cast<std::size_t>(run.first) * layout::row_bytes
@@ -179,6 +193,12 @@ __global__ void __launch_bounds__(Threads) decode_partial_bulk_kernel(const spli
         if (((rows_read[row >> 5] >> (row & 31)) & 1u) == 0) logits[(index / n) * StageTokens + index % n] = -HUGE_VALF;
       }
       __syncthreads();
+    }
+    if (split_logits != nullptr) {  // a step with token scores: the stage's logits, [token][head]
+      const int first = stage * StageTokens;
+      for (int index = tid; index < Group * n; index += Threads)
+        split_logits[static_cast<std::size_t>(first + index / Group) * Group + index % Group] =
+            logits[(index % Group) * StageTokens + index / Group];
     }
     collective::template fold_scored<from_shared>(logits, StageTokens, v_stages + buffer * layout::stage_bytes, n, s);
     __syncthreads();  // every thread is done with this buffer (and the logits) before refills
@@ -291,6 +311,7 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   const int warp = tid / 32;
   attend state;
   state.start();
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, Group);
   for (int stage = 0; stage < num_stages; ++stage) {
     const int buffer = stage % Stages;
     const int n = min(StageTokens, tokens - stage * StageTokens);
@@ -304,9 +325,15 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
                                  detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
                                  row0 % page_size)
                            : 0xffffu;
-    const std::uint32_t rows = rows_read & attend::rows_before(warp * 16, n);
+    const std::uint32_t covered = attend::rows_before(warp * 16, n);
+    const std::uint32_t rows = rows_read & covered;
+    float* const warp_logits =
+        split_logits != nullptr ? split_logits + static_cast<std::size_t>(row0) * Group : nullptr;
     if (rows != 0)
-      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, rows);
+      state.fold(k_tiles + buffer * layout::tile_bytes, v_tiles + buffer * layout::tile_bytes, query_tiles, warp * 16, rows,
+                 warp_logits, covered);
+    else if (warp_logits != nullptr)
+      attend::write_masked_logits(warp_logits, covered);
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (tid == 0 && stage + Stages < num_stages) issue(stage + Stages);
   }

@@ -29,6 +29,7 @@ struct device_format<format::dense> {
   static constexpr bool encodes_pages = false;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
+  static constexpr bool writes_token_logits = true;  ///< every dense split kernel (select::tova, select::h2o)
   using params = kernel::dense_decode_params;
 
   struct state {

@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: Apache-2.0
+// Token scores on the CUDA backend (select::tova, select::h2o over format::dense): the same
+// prompt, appends and queries on a host cache and a device cache. Each step's scores, which the
+// device computes from the logits its split kernels write (normalized after the merge), equal the
+// host attend path's; the evictions they drive keep the same tokens, pages and outputs. Every
+// kernel path: the sm_90 tensor-core kernel and the portable one, packed (group <= 4) and not,
+// with and without exact rows (sinks). Without a GPU the test says so and returns.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "../support/feed.hpp"
+#include "twin.hpp"
+
+using namespace kvmosaic;
+using test::device_array;
+using test::gpu_available;
+
+namespace {
+
+/// Two kernel shapes: a group the tensor-core kernel packs (3) and one it does not (6).
+using score_shapes = backend::cuda_for<kernel_shape<dtype::bf16, 64, 3>, kernel_shape<dtype::bf16, 64, 6>>;
+
+std::vector<float> step_query(const cache_config& c, int step) {
+  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = 1.5f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(step));
+  return q;
+}
+
+struct twin_settings {
+  int group = 3;
+  bool portable = false;       ///< the device runs its portable (sm_75) kernel
+  format::dense format{};
+  std::int64_t budget = 1 << 20;
+  int compact_every = 4;
+};
+
+/// Runs `steps` decode steps (append, then attend) on twin caches and checks the scores after
+/// each, then the positions, pages and outputs. Returns the largest relative score difference.
+template <class Selector>
+double check_score_twins(const twin_settings& t, Selector selector, int steps) {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = t.group;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  selector.budget.tokens = t.budget;
+  selector.compact_every = t.compact_every;
+  cache<format::dense, Selector, compact::repack> host(c, t.format, selector);
+  cache<format::dense, Selector, compact::repack, score_shapes> device(c, t.format, selector);
+  if (t.portable) device.engine().use_portable_kernel();
+  const int n = 5 * c.page_size + 13;
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 17), 0, n + steps);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const sequence_id h = host.add_sequence(), d = device.add_sequence();
+  REQUIRE(h == d);
+  host.prefill(h, tensor_view<const float, 3>(data.k.data(), n, c.num_kv_heads, c.head_dim),
+               tensor_view<const float, 3>(data.v.data(), n, c.num_kv_heads, c.head_dim));
+  device_array<float> k(data.k), v(data.v);
+  device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, c.head_dim),
+                 tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, c.head_dim));
+  const int hq = c.num_q_heads(), dim = c.head_dim;
+  const sequence_id one[] = {h};
+  double worst = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step > 0) {  // the next token: the eviction it triggers ranks by the previous step's scores
+      const std::size_t at = static_cast<std::size_t>(n + step) * row;
+      host.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(data.k.data() + at, 1, c.num_kv_heads, dim),
+                  tensor_view<const float, 3>(data.v.data() + at, 1, c.num_kv_heads, dim));
+      device.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(k.data() + at, 1, c.num_kv_heads, dim),
+                    tensor_view<const float, 3>(v.data() + at, 1, c.num_kv_heads, dim));
+      INFO("step " << step);
+      REQUIRE(host.positions(h) == device.positions(d));
+      REQUIRE(host.pages(h) == device.pages(d));
+    }
+    const std::vector<float> q = step_query(c, step);
+    std::vector<float> host_out(q.size());
+    host.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(q.data(), 1, hq, dim),
+                tensor_view<float, 3>(host_out.data(), 1, hq, dim));
+    device_array<float> dq(q), dout(q.size());
+    device.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(dq.data(), 1, hq, dim),
+                  tensor_view<float, 3>(dout.data(), 1, hq, dim));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> gpu_out = dout.to_host(q.size());
+    double worst_out = 0;
+    for (std::size_t i = 0; i < q.size(); ++i)
+      worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
+    INFO("step " << step << ", largest |gpu - host| output " << worst_out);
+    CHECK(worst_out <= 2e-5);
+    const auto& hs = host.selector_state(h).scores.values;
+    const auto& ds = device.selector_state(d).scores.values;
+    REQUIRE(hs.size() == ds.size());
+    std::size_t scored = 0;
+    for (std::size_t i = 0; i < hs.size(); ++i) {
+      // The tensor-core kernel multiplies q split into two bf16 halves (about 16 bits): a logit
+      // differs from the host's fp32 one by about 2^-16 of sum |q k|, a probability by as much
+      // relatively; the portable kernel is fp32 throughout.
+      const double difference = std::abs(static_cast<double>(ds[i]) - hs[i]);
+      const double relative = difference / std::max(static_cast<double>(hs[i]), 1e-30);
+      if (hs[i] > 1e-6f) worst = std::max(worst, relative);
+      INFO("step " << step << ", score " << i << ": host " << hs[i] << ", device " << ds[i]);
+      REQUIRE(difference <= 2e-4 * hs[i] + 1e-9);
+      scored += hs[i] > 0.0f;
+    }
+    CHECK(scored > 0);
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("GPU token scores: the host attend path's, on every kernel path", "[gpu][token_scores]") {
+  if (!gpu_available()) return;
+  for (const int group : {3, 6})
+    for (const bool portable : {false, true}) {
+      twin_settings t;
+      t.group = group;
+      t.portable = portable;
+      INFO("group " << group << (portable ? ", portable kernel" : ", sm_90 kernel where there is one"));
+      {
+        const double worst = check_score_twins(t, select::tova{}, 4);
+        INFO("tova: largest relative score difference " << worst);
+        CHECK(worst <= 2e-4);
+      }
+      {
+        select::h2o s;
+        s.combine = group_combine::max;
+        check_score_twins(t, s, 4);
+      }
+      {
+        twin_settings exact = t;  // sinks: exact rows in the read order (an evicting cache keeps no
+        exact.format.sink_tokens = 4;  // exact recent window)
+        check_score_twins(exact, select::h2o{}, 3);
+      }
+    }
+}
+
+TEST_CASE("GPU token scores: evictions by them keep the host's tokens", "[gpu][token_scores]") {
+  if (!gpu_available()) return;
+  twin_settings t;
+  t.budget = 48;
+  SECTION("tova") { check_score_twins(t, select::tova{}, 8); }
+  SECTION("h2o") { check_score_twins(t, select::h2o{}, 8); }
+  SECTION("h2o, portable kernel, group 6, sinks") {
+    t.portable = true;
+    t.group = 6;
+    t.format.sink_tokens = 4;
+    check_score_twins(t, select::h2o{}, 8);
+  }
+}
