@@ -6359,6 +6359,9 @@ class cache
   /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
   /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
   /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
+  /// A selector that reads token scores (select::tova, select::h2o) on backend::cuda: the step's
+  /// scores are copied to the host and filed by position before this returns (it waits for the
+  /// step; capture the engine's `run` instead to put the kernels in a graph).
   template <class Q, class O>
   void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
     static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
