@@ -37,8 +37,9 @@ struct twin_settings {
   int compact_every = 4;
 };
 
-/// Runs `steps` decode steps (append, then attend) on twin caches and checks the scores after
-/// each, then the positions, pages and outputs. Returns the largest relative score difference.
+/// Runs `steps` decode steps (append, then attend) of a batch of two sequences of different
+/// lengths on twin caches and checks the scores after each, then the positions, pages and
+/// outputs. Returns the largest relative score difference.
 template <class Selector>
 double check_score_twins(const twin_settings& t, Selector selector, int steps) {
   cache_config c;
@@ -53,37 +54,52 @@ double check_score_twins(const twin_settings& t, Selector selector, int steps) {
   cache<format::dense, Selector, compact::repack> host(c, t.format, selector);
   cache<format::dense, Selector, compact::repack, score_shapes> device(c, t.format, selector);
   if (t.portable) device.engine().use_portable_kernel();
-  const int n = 5 * c.page_size + 13;
-  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 17), 0, n + steps);
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  const sequence_id h = host.add_sequence(), d = device.add_sequence();
-  REQUIRE(h == d);
-  host.prefill(h, tensor_view<const float, 3>(data.k.data(), n, c.num_kv_heads, c.head_dim),
-               tensor_view<const float, 3>(data.v.data(), n, c.num_kv_heads, c.head_dim));
-  device_array<float> k(data.k), v(data.v);
-  device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, c.head_dim),
-                 tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, c.head_dim));
   const int hq = c.num_q_heads(), dim = c.head_dim;
-  const sequence_id one[] = {h};
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * dim;
+  const int lengths[2] = {5 * c.page_size + 13, 3 * c.page_size + 2};  // one in a split of its own, one not
+  std::vector<synthetic::kv_data> data;
+  std::vector<device_array<float>> k, v;
+  std::vector<sequence_id> seqs;
+  for (int b = 0; b < 2; ++b) {
+    const int n = lengths[b];
+    data.push_back(synthetic::generate_kv(test::generator_for(c, 17 + static_cast<std::uint64_t>(b)), 0, n + steps));
+    k.emplace_back(data.back().k);
+    v.emplace_back(data.back().v);
+    const sequence_id h = host.add_sequence(), d = device.add_sequence();
+    REQUIRE(h == d);
+    seqs.push_back(h);
+    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, dim),
+                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, dim));
+    device.prefill(d, tensor_view<const float, 3>(k[b].data(), n, c.num_kv_heads, dim),
+                   tensor_view<const float, 3>(v[b].data(), n, c.num_kv_heads, dim));
+  }
+  const span<const sequence_id> batch(seqs.data(), 2);
   double worst = 0;
   for (int step = 0; step < steps; ++step) {
     if (step > 0) {  // the next token: the eviction it triggers ranks by the previous step's scores
-      const std::size_t at = static_cast<std::size_t>(n + step) * row;
-      host.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(data.k.data() + at, 1, c.num_kv_heads, dim),
-                  tensor_view<const float, 3>(data.v.data() + at, 1, c.num_kv_heads, dim));
-      device.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(k.data() + at, 1, c.num_kv_heads, dim),
-                    tensor_view<const float, 3>(v.data() + at, 1, c.num_kv_heads, dim));
-      INFO("step " << step);
-      REQUIRE(host.positions(h) == device.positions(d));
-      REQUIRE(host.pages(h) == device.pages(d));
+      std::vector<float> next_k(2 * row), next_v(2 * row);
+      for (int b = 0; b < 2; ++b) {
+        const std::size_t at = static_cast<std::size_t>(lengths[b] + step) * row;
+        std::copy(data[b].k.begin() + at, data[b].k.begin() + at + row, next_k.begin() + b * row);
+        std::copy(data[b].v.begin() + at, data[b].v.begin() + at + row, next_v.begin() + b * row);
+      }
+      host.append(batch, tensor_view<const float, 3>(next_k.data(), 2, c.num_kv_heads, dim),
+                  tensor_view<const float, 3>(next_v.data(), 2, c.num_kv_heads, dim));
+      device_array<float> dk(next_k), dv(next_v);
+      device.append(batch, tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, dim),
+                    tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, dim));
+      for (const sequence_id seq : seqs) {
+        INFO("step " << step << ", sequence " << seq);
+        REQUIRE(host.positions(seq) == device.positions(seq));
+        REQUIRE(host.pages(seq) == device.pages(seq));
+      }
     }
-    const std::vector<float> q = step_query(c, step);
+    std::vector<float> q = step_query(c, step), q1 = step_query(c, step + 100);
+    q.insert(q.end(), q1.begin(), q1.end());
     std::vector<float> host_out(q.size());
-    host.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(q.data(), 1, hq, dim),
-                tensor_view<float, 3>(host_out.data(), 1, hq, dim));
+    host.attend(batch, tensor_view<const float, 3>(q.data(), 2, hq, dim), tensor_view<float, 3>(host_out.data(), 2, hq, dim));
     device_array<float> dq(q), dout(q.size());
-    device.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(dq.data(), 1, hq, dim),
-                  tensor_view<float, 3>(dout.data(), 1, hq, dim));
+    device.attend(batch, tensor_view<const float, 3>(dq.data(), 2, hq, dim), tensor_view<float, 3>(dout.data(), 2, hq, dim));
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> gpu_out = dout.to_host(q.size());
     double worst_out = 0;
@@ -91,22 +107,23 @@ double check_score_twins(const twin_settings& t, Selector selector, int steps) {
       worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
     INFO("step " << step << ", largest |gpu - host| output " << worst_out);
     CHECK(worst_out <= 2e-5);
-    const auto& hs = host.selector_state(h).scores.values;
-    const auto& ds = device.selector_state(d).scores.values;
-    REQUIRE(hs.size() == ds.size());
-    std::size_t scored = 0;
-    for (std::size_t i = 0; i < hs.size(); ++i) {
-      // The tensor-core kernel multiplies q split into two bf16 halves (about 16 bits): a logit
-      // differs from the host's fp32 one by about 2^-16 of sum |q k|, a probability by as much
-      // relatively; the portable kernel is fp32 throughout.
-      const double difference = std::abs(static_cast<double>(ds[i]) - hs[i]);
-      const double relative = difference / std::max(static_cast<double>(hs[i]), 1e-30);
-      if (hs[i] > 1e-6f) worst = std::max(worst, relative);
-      INFO("step " << step << ", score " << i << ": host " << hs[i] << ", device " << ds[i]);
-      REQUIRE(difference <= 2e-4 * hs[i] + 1e-9);
-      scored += hs[i] > 0.0f;
+    for (const sequence_id seq : seqs) {
+      const auto& hs = host.selector_state(seq).scores.values;
+      const auto& ds = device.selector_state(seq).scores.values;
+      REQUIRE(hs.size() == ds.size());
+      std::size_t scored = 0;
+      for (std::size_t i = 0; i < hs.size(); ++i) {
+        // The tensor-core kernel multiplies q split into two bf16 halves (about 16 bits): a logit
+        // differs from the host's fp32 one by about 2^-16 of sum |q k|, a probability by as much
+        // relatively; the portable kernel is fp32 throughout.
+        const double difference = std::abs(static_cast<double>(ds[i]) - hs[i]);
+        if (hs[i] > 1e-6f) worst = std::max(worst, difference / static_cast<double>(hs[i]));
+        INFO("step " << step << ", sequence " << seq << ", score " << i << ": host " << hs[i] << ", device " << ds[i]);
+        REQUIRE(difference <= 2e-4 * hs[i] + 1e-9);
+        scored += hs[i] > 0.0f;
+      }
+      CHECK(scored > 0);
     }
-    CHECK(scored > 0);
   }
   return worst;
 }
