@@ -68,7 +68,7 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
         configs.append((f"dense quest {b} block16", f"{dense}/quest:budget={ratio},block=16"))
         configs.append((f"dense sentence_chunks {b}", f"{dense}/sentence_chunks:budget={ratio},boundaries={boundaries}"))
         configs.append((f"dense streaming {b}", f"{dense}/streaming:budget={ratio},sinks=4/hole_fill"))
-    # Eviction by the attend path's scores (host backend only: --device cpu): TOVA, H2O.
+    # Eviction by the attend path's scores (on CUDA, written by dense's split kernels): TOVA, H2O.
     for b, ratio in (("1/8", 0.125), ("1/4", 0.25)):
         configs.append((f"dense tova {b}", f"{dense}/tova:budget={ratio}/repack"))
         configs.append((f"dense h2o {b}", f"{dense}/h2o:budget={ratio}/repack"))

@@ -153,24 +153,38 @@ def test_bad_input_is_a_clear_python_error():
         ModelCache(1, 3, 3, 64, "dense/streaming", device=DEVICE)
 
 
-def test_tova_and_h2o_on_cpu_keep_the_budget():
-    """select::tova and select::h2o through the extension (host layers): the prompt stays until
-    a decode step has scored it; the next write evicts down to the budget and, compacting after
-    every write here, gives the pages back; the step after attends to finite values."""
+def test_tova_and_h2o_keep_the_budget():
+    """select::tova and select::h2o through the extension (host layers, or on CUDA tensors the
+    CUDA layers, whose kernels write the scores): the prompt stays until a decode step has scored
+    it; the next write evicts down to the budget and, compacting after every write here, gives the
+    pages back; the step after attends to finite values. On CUDA the same steps on a CPU cache
+    keep the same tokens and attend alike."""
     torch.manual_seed(5)
     kvh, group, d, n, budget, page = 3, 3, 64, 300, 96, 16
     for spec in (f"dense/tova:tokens={budget},compact_every=1/repack",
                  f"dense/h2o:tokens={budget},recent=0.25,compact_every=1/repack"):
-        cache = ModelCache(1, kvh, group, d, spec, page_size=page, max_tokens=512, max_sequences=1, device="cpu")
-        seq = cache.add_sequence()
-        cache.prefill(0, seq, torch.randn(n, kvh, d), torch.randn(n, kvh, d))
-        assert cache.stored_tokens(0, seq) == n  # nothing scored before the first step
-        assert torch.isfinite(cache.attend(0, [seq], torch.randn(1, kvh * group, d))).all()
-        cache.append(0, [seq], torch.randn(1, kvh, d), torch.randn(1, kvh, d))
-        assert cache.length(seq) == n + 1
-        assert budget <= cache.stored_tokens(0, seq) < budget + page, spec  # whole pages of survivors, and the tail
-        assert torch.isfinite(cache.attend(0, [seq], torch.randn(1, kvh * group, d))).all()
-    ModelCache(1, kvh, group, d, "dense/h2o:combine=max/hole_fill", device="cpu")  # the other compactor, parsed
+        devices = [DEVICE] if DEVICE.type == "cpu" else [DEVICE, torch.device("cpu")]
+        caches = [ModelCache(1, kvh, group, d, spec, page_size=page, max_tokens=512, max_sequences=1, device=x)
+                  for x in devices]
+        k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+        q0, q1 = torch.randn(1, kvh * group, d), torch.randn(1, kvh * group, d)
+        k1, v1 = torch.randn(1, kvh, d), torch.randn(1, kvh, d)
+        outs = []
+        for cache, x in zip(caches, devices):
+            seq = cache.add_sequence()
+            cache.prefill(0, seq, k.to(x), v.to(x))
+            assert cache.stored_tokens(0, seq) == n  # nothing scored before the first step
+            assert torch.isfinite(cache.attend(0, [seq], q0.to(x))).all()
+            cache.append(0, [seq], k1.to(x), v1.to(x))
+            assert cache.length(seq) == n + 1
+            assert budget <= cache.stored_tokens(0, seq) < budget + page, spec  # whole pages of survivors, and the tail
+            out = cache.attend(0, [seq], q1.to(x))
+            assert torch.isfinite(out).all()
+            outs.append((out.float().cpu(), cache.read(0, seq)[0].float().cpu()))
+        if len(outs) == 2:  # the device's scores evicted what the host's did: the same keys kept
+            assert torch.equal(outs[0][1], outs[1][1]), spec
+            assert rel_l2(outs[0][0], outs[1][0]) < 1e-4, spec
+    ModelCache(1, kvh, group, d, "dense/h2o:combine=max/hole_fill", device=DEVICE)  # the other compactor, parsed
 
 
 def test_packed_bitmap_on_cpu_attends_close_to_dense():

@@ -29,7 +29,7 @@ struct host_layer_maker {
 /// Makes `kvmosaic::cache<F, S, C, cuda_backend>` layers (cuda_layer.cuh defines the operator and
 /// the kernel shapes).
 struct cuda_layer_maker {
-  static constexpr bool attend_writes_token_scores = false;
+  static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o (dense pages)
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const;

@@ -210,9 +210,8 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
       return make(format, s, kv::compact::hole_fill{});
     }
     if (spec.selector.name == "tova" || spec.selector.name == "h2o") {
-      // Their scores come from the attend path, which only backend::host writes so far: the CUDA
-      // maker is never instantiated with them. Over dense pages only (each adds host engines to
-      // the extension's build).
+      // Their scores come from the attend path: every format's on the host, format::dense's on
+      // CUDA. Over dense pages only here (each adds engines to the extension's build).
       if constexpr (std::decay_t<Make>::attend_writes_token_scores &&
                     std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
         auto with_compactor = [&](const auto& s) {
@@ -237,7 +236,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         return with_compactor(s);
       } else {
         reject("selector", spec.selector.name,
-               "all, quest, sentence_chunks or streaming here (tova and h2o: format dense on the host, device cpu)");
+               "all, quest, sentence_chunks or streaming here (tova and h2o: format dense)");
       }
     }
     reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o");
