@@ -3996,7 +3996,7 @@ template <>
 struct selector_traits<select::h2o> : detail::scored_eviction_hooks<select::h2o, score_use::cumulative> {
   static constexpr const char* name = "h2o";
   static std::string describe(const select::h2o& s) {
-    return std::string("h2o(") + s.budget.describe() + ", recent " + std::to_string(s.recent_share) + ", " +
+    return std::string("h2o(") + s.budget.describe() + ", recent " + detail::to_text(s.recent_share) + ", " +
            to_string(s.combine) + ", compact every " + std::to_string(s.compact_every) + ")";
   }
   static void validate(const select::h2o& s, int /*page_size*/) {
