@@ -49,7 +49,8 @@ template <class Format, class Selector>
 using backend_for =
     std::conditional_t<(format::is_quant_v<Format> && !std::is_same<Format, format::quant2>::value) ||
                            std::is_same<Format, format::packed_bitmap>::value ||
-                           detail::token_scores_of<Selector>::value != score_use::none
+                           detail::token_scores_of<Selector>::value != score_use::none ||
+                           std::is_same<Selector, select::snapkv>::value
 #ifdef KVMOSAIC_BENCH_ONE_SHAPE
                            || true
 #endif
@@ -352,6 +353,62 @@ void decode(benchmark::State& state) {
   state.counters["head_dim"] = c.head_dim;
 }
 
+/// select::snapkv's scoring on the device: `cache::window_votes` over one format::dense sequence
+/// of `context` tokens (Hkv=8, head_dim 128, groups of 4, bf16, pages of 64) and a window of
+/// `window` queries: the host staging, ceil(window / 8) decode steps of up to 8 copies of the
+/// sequence writing their rows' logits, the two vote kernels and the copy of the votes back,
+/// timed by CUDA events around the call after an L2 flush (it synchronizes: host time inside it
+/// counts). Compare with dense_decode at batch 1 and the same context in the same run; bytes are
+/// the sequence's K and V read once per window query.
+void window_votes(benchmark::State& state) {
+  const int context = static_cast<int>(state.range(0)), window = static_cast<int>(state.range(1));
+  cache_config c;
+  c.num_kv_heads = 8;
+  c.group_size = 4;
+  c.head_dim = 128;
+  c.page_size = 64;
+  c.storage = dtype::bf16;
+  c.max_sequences = 1;
+  c.max_pages = context / c.page_size + 1;
+  select::snapkv snap;
+  snap.window = window;
+  cuda_cache<format::dense, select::snapkv> kv(c, format::dense{}, snap);
+  const sequence_id seq = kv.add_sequence();
+  const int chunk = std::min(context, 16384);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
+  fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
+  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  for (int done = 0; done < context; done += chunk) {
+    const int n = std::min(chunk, context - done);
+    const bfloat16* k = source.as<const bfloat16>();
+    kv.prefill(seq, tensor_view<const bfloat16, 3>(k, n, c.num_kv_heads, c.head_dim),
+               tensor_view<const bfloat16, 3>(k + chunk * row, n, c.num_kv_heads, c.head_dim));
+  }
+  std::vector<float> queries(static_cast<std::size_t>(window) * c.num_q_heads() * c.head_dim);
+  for (std::size_t i = 0; i < queries.size(); ++i) queries[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+  const tensor_view<const float, 3> q(queries.data(), window, c.num_q_heads(), c.head_dim);
+  (void)kv.window_votes(seq, q);  // warm-up: first launches, buffers
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  l2_flusher flusher;
+  event_timer timer;
+  std::vector<double> times;
+  const cudaStream_t stream = kv.engine().stream();
+  for (auto _ : state) {
+    flusher.flush(stream);
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.start, stream));
+    const std::vector<double> votes = kv.window_votes(seq, q);
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(timer.stop, stream));
+    const double seconds = timer.seconds();
+    benchmark::DoNotOptimize(votes.data());
+    times.push_back(seconds);
+    state.SetIterationTime(seconds);
+  }
+  report(state, times, static_cast<double>(window) * static_cast<double>(kv.sequence_memory(seq).stored_bytes));
+  state.counters["context"] = context;
+  state.counters["window"] = window;
+}
+
 }  // namespace
 
 BENCHMARK(hbm_read)->Name("hbm_read")->UseManualTime()->Iterations(20)->Unit(benchmark::kMicrosecond);
@@ -555,6 +612,14 @@ BENCHMARK(decode<format::dense, select::h2o>)
     ->ArgsProduct({{1, 8}, {131072}, {4}, {128}, {0}, {1}})
     ->UseManualTime()
     ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// select::snapkv's snapshot scoring on the device (cache::window_votes), window 32 (SnapKV's).
+BENCHMARK(window_votes)
+    ->Name("dense_snapkv_window_votes")
+    ->ArgNames({"context", "window"})
+    ->ArgsProduct({{32768, 131072}, {32}})
+    ->UseManualTime()
+    ->Iterations(10)
     ->Unit(benchmark::kMicrosecond);
 
 BENCHMARK_MAIN();

@@ -864,6 +864,81 @@ class cache
         }
       }
   }
+  /// The attention the last W = `queries.extent(0)` positions of `seq` pay each earlier token: an
+  /// observation window's votes (SnapKV; `select::snapkv`'s snapshot ranks by them, and any
+  /// window-based policy may). For each position t < length(seq) - W that holds a live token and
+  /// each KV head h,
+  ///
+  ///     vote(t, h) = sum over w < W of combine over the group's query heads j of softmax_w,j(t)
+  ///
+  /// where window query w (position length - W + w) attends causally to every live token the
+  /// sequence stores up to its own position, as attention reads them. `queries`:
+  /// [W][num_q_heads][head_dim] in host memory (float, half or bfloat16); softmax_scale 0 means
+  /// 1 / sqrt(head_dim). Returns [length - W][num_kv_heads] by position, -inf where no live token
+  /// is.
+  ///
+  /// On backend::cuda over a format whose split kernels write logits (format::dense:
+  /// `engine_type::computes_window_votes`) the votes are computed on the device, in fp32: decode
+  /// steps of up to 8 copies of the sequence write each row's logits, a kernel takes each query's
+  /// causal log-sum-exp and another sums the probabilities (`cuda::engine::window_votes`); 4 bytes
+  /// per row and KV head come back. This invalidates the last plan and may grow the step buffers
+  /// (re-capture a graph of `run` after it). Elsewhere the keys are read back (`read`) and scored
+  /// on the host in fp64, one pass over them per window query and query head (no W x N matrix).
+  /// Throws `invalid_argument`, before anything changes, for a dead handle, W < 1 or longer than
+  /// the sequence, or queries of the wrong extents.
+  template <class Q>
+  std::vector<double> window_votes(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f,
+                                   group_combine combine = group_combine::sum) {
+    static_assert(detail::is_io_type<std::remove_const_t<Q>>::value,
+                  "kvmosaic::cache::window_votes: queries hold float, kvmosaic::half or kvmosaic::bfloat16");
+    const char* where = "cache::window_votes";
+    const sequence_state& s = live(seq, where);
+    const std::int64_t window = queries.extent(0);
+    detail::require(window >= 1 && window <= s.seen, where, "queries.extent(0) (window)", window,
+                    "1 to length(seq): the window's tokens must be stored");
+    detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
+                    "num_kv_heads x group_size");
+    detail::require(queries.extent(2) == config_.head_dim, where, "queries.extent(2) (head_dim)", queries.extent(2),
+                    "cache_config::head_dim");
+    detail::require(softmax_scale >= 0.0f && std::isfinite(softmax_scale), where, "softmax_scale", softmax_scale,
+                    "a finite value >= 0 (0: 1/sqrt(head_dim))");
+    check_view(where, "queries", queries);
+    const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    const std::int64_t window_start = s.seen - window;
+    const int heads = config_.num_kv_heads, group = config_.group_size, d = config_.head_dim;
+    if constexpr (engine_type::computes_window_votes) {
+      std::vector<float> q(static_cast<std::size_t>(window) * heads * group * d);
+      for (std::int64_t w = 0; w < window; ++w)
+        for (int j = 0; j < heads * group; ++j)
+          for (int c = 0; c < d; ++c) q[(static_cast<std::size_t>(w) * heads * group + j) * d + c] = to_float(queries(w, j, c));
+      const std::vector<std::int64_t> rows = read_order_positions(s);
+      const std::uint64_t* live_rows = nullptr;
+      if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
+      const std::vector<float> votes = engine_.window_votes(detail::sequence_ref{&s.pages, s.stored, slot_of(seq), live_rows},
+                                                            q.data(), static_cast<int>(window), rows, window_start, scale,
+                                                            combine);
+      std::vector<double> out(static_cast<std::size_t>(window_start) * heads, -std::numeric_limits<double>::infinity());
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        if (rows[r] < 0 || rows[r] >= window_start) continue;
+        for (int h = 0; h < heads; ++h)
+          out[static_cast<std::size_t>(rows[r]) * heads + h] = votes[static_cast<std::size_t>(h) * rows.size() + r];
+      }
+      return out;
+    } else {
+      std::vector<std::int64_t> positions(static_cast<std::size_t>(s.stored));
+      if constexpr (evicts_tokens) {
+        positions = this->positions(seq);
+      } else {
+        for (std::int64_t i = 0; i < s.stored; ++i) positions[static_cast<std::size_t>(i)] = i;
+      }
+      std::vector<float> k(static_cast<std::size_t>(s.stored) * heads * d), v(k.size());
+      read(seq, tensor_view<float, 3>(k.data(), s.stored, heads, d), tensor_view<float, 3>(v.data(), s.stored, heads, d));
+      const auto key = [&](std::int64_t i, int h, int c) { return k[(static_cast<std::size_t>(i) * heads + h) * d + c]; };
+      const auto query = [&](int w, int j, int c) { return static_cast<double>(to_float(queries(w, j, c))) * scale; };
+      return detail::window_votes(key, positions, query, window_start, static_cast<int>(window), heads, group, d, combine);
+    }
+  }
+
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -939,36 +1014,42 @@ class cache
   void absorb_device_scores() {
     engine_.download_token_scores();
     const auto rows = engine_.token_scores();
-    const auto& geometry = engine_.geometry();
     const int heads = config_.num_kv_heads;
     const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
-    std::vector<std::int64_t> run_positions(static_cast<std::size_t>(geometry.exact_rows));
     for (std::size_t b = 0; b < planned_.size(); ++b) {
       sequence_state& s = state_of(planned_[b]);
       detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
-      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
-      const std::int64_t exact = geometry.exact_rows_held(sealed);
-      geometry.exact_run_positions(sealed, run_positions.data());
-      const std::int64_t tail_from = s.seen - tail_rows(s);
-      const auto position_of = [&](std::int64_t r) -> std::int64_t {
-        if (r >= sealed + exact) return tail_from + (r - sealed - exact);
-        if (r >= sealed) return run_positions[static_cast<std::size_t>(r - sealed)];
-        if (exact > 0 && geometry.exact_position(r, sealed)) return -1;  // read from its exact copy
-        if constexpr (evicts_tokens) return s.slots.position[static_cast<std::size_t>(r)];
-        return r;
-      };
-      const std::int64_t count = sealed + exact + tail_rows(s);
-      for (std::int64_t r = 0; r < count; ++r) {
-        const std::int64_t position = position_of(r);
-        if (position < 0) continue;
+      const std::vector<std::int64_t> positions = read_order_positions(s);
+      for (std::size_t r = 0; r < positions.size(); ++r) {
+        if (positions[r] < 0) continue;
         for (int h = 0; h < heads; ++h) {
           const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
-                                            static_cast<std::size_t>(rows.row_stride) + static_cast<std::size_t>(r)];
-          float& score = buffer.values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
+                                            static_cast<std::size_t>(rows.row_stride) + r];
+          float& score = buffer.values[static_cast<std::size_t>(positions[r]) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
           score = cumulative ? score + value : value;
         }
       }
     }
+  }
+
+  /// The logical position of each row of a sequence's read order on backend::cuda (its sealed
+  /// pages' rows in block-table order, then its exact rows' run, then its tail rows): -1 for an
+  /// evicted row and for a page row attended from its exact copy (sinks, recent window).
+  /// Cost: O(rows).
+  std::vector<std::int64_t> read_order_positions(const sequence_state& s) const {
+    const auto& geometry = engine_.geometry();
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+    const std::int64_t exact = geometry.exact_rows_held(sealed);
+    std::vector<std::int64_t> out(static_cast<std::size_t>(sealed + exact + tail_rows(s)));
+    for (std::int64_t r = 0; r < sealed; ++r) {
+      std::int64_t position = r;
+      if constexpr (evicts_tokens) position = s.slots.position[static_cast<std::size_t>(r)];
+      out[static_cast<std::size_t>(r)] = exact > 0 && geometry.exact_position(r, sealed) ? -1 : position;
+    }
+    geometry.exact_run_positions(sealed, out.data() + sealed);
+    const std::int64_t tail_from = s.seen - tail_rows(s);
+    for (std::int64_t t = 0; t < tail_rows(s); ++t) out[static_cast<std::size_t>(sealed + exact + t)] = tail_from + t;
+    return out;
   }
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).

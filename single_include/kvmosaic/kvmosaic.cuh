@@ -3129,6 +3129,61 @@ std::vector<std::int64_t> lowest_ranked(const std::vector<std::int64_t>& candida
   return out;
 }
 
+/// The attention an observation window pays the tokens before it (SnapKV's vote; the window
+/// families of the eviction notes), in fp64: for every position t < `window_start` that holds a
+/// live token and every KV head h,
+///
+///     vote(t, h) = sum over w < window of combine over the group's query heads j of softmax_w,j(t)
+///
+/// where window query w (position window_start + w) attends causally to every live stored token up
+/// to its own position. `keys(i, h, c)` is the key of stored row i, `positions[i]` its logical
+/// position (-1: evicted, skipped), `queries(w, j, c)` query head j of window query w, already
+/// multiplied by the softmax scale. Returns [window_start][num_kv_heads], -inf where no live
+/// token is. Cost: one pass over the keys per (query, query head), keeping its logits (8 bytes a
+/// row); no W x N matrix.
+template <class Keys, class Queries>
+std::vector<double> window_votes(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
+                                 std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
+                                 group_combine combine) {
+  const std::size_t rows = positions.size(), prefix = static_cast<std::size_t>(window_start);
+  const double none = -std::numeric_limits<double>::infinity();
+  std::vector<double> vote(prefix * static_cast<std::size_t>(num_kv_heads), none);  // [position][head]
+  for (std::size_t i = 0; i < rows; ++i)
+    if (positions[i] >= 0 && positions[i] < window_start)
+      for (int h = 0; h < num_kv_heads; ++h) vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] = 0.0;
+  std::vector<double> logits(rows), combined(rows);
+  for (int h = 0; h < num_kv_heads; ++h) {
+    for (int w = 0; w < window; ++w) {
+      const std::int64_t last = window_start + w;  // causal: the query sees positions up to its own
+      std::fill(combined.begin(), combined.end(), 0.0);
+      for (int g = 0; g < group; ++g) {
+        const int j = h * group + g;
+        double m = none;
+        for (std::size_t i = 0; i < rows; ++i) {
+          if (positions[i] < 0 || positions[i] > last) continue;
+          double dot = 0.0;
+          for (int c = 0; c < head_dim; ++c)
+            dot += static_cast<double>(queries(w, j, c)) * static_cast<double>(keys(static_cast<std::int64_t>(i), h, c));
+          logits[i] = dot;
+          m = std::max(m, dot);
+        }
+        double l = 0.0;
+        for (std::size_t i = 0; i < rows; ++i)
+          if (positions[i] >= 0 && positions[i] <= last) l += std::exp(logits[i] - m);
+        for (std::size_t i = 0; i < rows; ++i) {
+          if (positions[i] < 0 || positions[i] >= window_start) continue;
+          const double p = std::exp(logits[i] - m) / l;
+          combined[i] = combine == group_combine::sum ? combined[i] + p : (g == 0 ? p : std::max(combined[i], p));
+        }
+      }
+      for (std::size_t i = 0; i < rows; ++i)
+        if (positions[i] >= 0 && positions[i] < window_start)
+          vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] += combined[i];
+    }
+  }
+  return vote;
+}
+
 /// `lowest_ranked` by the shared score of `scores` (the sum over the KV heads).
 inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, const std::vector<std::int64_t>& candidates,
                                                std::int64_t count) {
@@ -4068,12 +4123,13 @@ namespace select {
 /// head; the group's query heads are combined by `combine` (sum by default) where the paper has
 /// one query head per KV head; the budget counts the sinks and the tail.
 ///
-/// What it computes: attention over the tokens kept. Cost of a snapshot: the stored K and V read
-/// back as attention reads them (`cache::read`: on backend::cuda a copy of the sequence's pages to
-/// the host), then per (window query, query head) one pass over the keys, W x group x stored x
-/// head_dim multiply-adds in all, in fp64 on the host, keeping one query's logits at a time; then
-/// O(stored log stored) to rank and one compaction. Memory: the read-back rows, 8 x stored x kv
-/// heads x head_dim bytes, and 8 x stored for the logits; no W x N matrix. Nothing per decode step.
+/// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
+/// (`cache::window_votes`): on backend::cuda over format::dense, ceil(W / 8) decode steps of up to
+/// 8 copies of the sequence that write their rows' logits, two small kernels over them and 4 bytes
+/// per row and KV head copied back (device memory: 4 x group x 8 bytes per row and KV head);
+/// elsewhere the stored keys read back (`cache::read`) and scored on the host in fp64, W x group x
+/// stored x head_dim multiply-adds, keeping one query's logits at a time (no W x N matrix). Then
+/// O(stored log stored) on the host to pool and rank, and one compaction. Nothing per decode step.
 struct snapkv {
   using policy_category = selector_tag;
 
@@ -4087,56 +4143,15 @@ struct snapkv {
 
 namespace detail {
 
-/// The SnapKV scores of one sequence: of the tokens before `window_start`, by position, the votes
-/// of the window's queries max-pooled per KV head over `pool_kernel` neighbouring positions and
-/// summed over the KV heads (`select::snapkv`). `keys(i, h, c)` is the key of stored row i,
-/// `positions[i]` its logical position (-1: evicted, skipped), `queries(w, j, c)` the query of
-/// window token w (position window_start + w) and query head j, already multiplied by the
-/// softmax scale. A position with no live token scores -inf and pools as nothing. Cost: one pass
-/// over the keys per (query, query head), keeping its logits (8 bytes a row), in fp64.
-template <class Keys, class Queries>
-std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
-                                  std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
-                                  int pool_kernel, group_combine combine) {
-  const std::size_t rows = positions.size(), prefix = static_cast<std::size_t>(window_start);
+/// SnapKV's pooling of window votes (`window_votes`, [window_start][num_kv_heads], -inf where no
+/// live token is): each KV head's votes max-pooled over the live positions within
+/// pool_kernel / 2 of t, then summed over the KV heads. A position with no live token scores -inf
+/// and pools as nothing. Cost: O(window_start x num_kv_heads x pool_kernel).
+inline std::vector<double> snapkv_pool(const std::vector<double>& vote, std::int64_t window_start, int num_kv_heads,
+                                       int pool_kernel) {
   const double none = -std::numeric_limits<double>::infinity();
-  std::vector<double> vote(prefix * static_cast<std::size_t>(num_kv_heads), none);  // [position][head]
-  for (std::size_t i = 0; i < rows; ++i)
-    if (positions[i] >= 0 && positions[i] < window_start)
-      for (int h = 0; h < num_kv_heads; ++h) vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] = 0.0;
-  std::vector<double> logits(rows), combined(rows);
-  for (int h = 0; h < num_kv_heads; ++h) {
-    for (int w = 0; w < window; ++w) {
-      const std::int64_t last = window_start + w;  // causal: the query sees positions up to its own
-      std::fill(combined.begin(), combined.end(), 0.0);
-      for (int g = 0; g < group; ++g) {
-        const int j = h * group + g;
-        double m = none;
-        for (std::size_t i = 0; i < rows; ++i) {
-          if (positions[i] < 0 || positions[i] > last) continue;
-          double dot = 0.0;
-          for (int c = 0; c < head_dim; ++c)
-            dot += static_cast<double>(queries(w, j, c)) * static_cast<double>(keys(static_cast<std::int64_t>(i), h, c));
-          logits[i] = dot;
-          m = std::max(m, dot);
-        }
-        double l = 0.0;
-        for (std::size_t i = 0; i < rows; ++i)
-          if (positions[i] >= 0 && positions[i] <= last) l += std::exp(logits[i] - m);
-        for (std::size_t i = 0; i < rows; ++i) {
-          if (positions[i] < 0 || positions[i] >= window_start) continue;
-          const double p = std::exp(logits[i] - m) / l;
-          combined[i] = combine == group_combine::sum ? combined[i] + p : (g == 0 ? p : std::max(combined[i], p));
-        }
-      }
-      for (std::size_t i = 0; i < rows; ++i)
-        if (positions[i] >= 0 && positions[i] < window_start)
-          vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] += combined[i];
-    }
-  }
-  // Max-pool each head over the live positions within pool_kernel / 2, then sum the heads.
   const std::int64_t reach = pool_kernel / 2;
-  std::vector<double> score(prefix, none);
+  std::vector<double> score(static_cast<std::size_t>(window_start), none);
   for (std::int64_t t = 0; t < window_start; ++t) {
     if (vote[static_cast<std::size_t>(t) * num_kv_heads] == none) continue;  // no live token here
     double total = 0.0;
@@ -4149,6 +4164,16 @@ std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64
     score[static_cast<std::size_t>(t)] = total;
   }
   return score;
+}
+
+/// The SnapKV scores of one sequence in fp64: of the tokens before `window_start`, by position,
+/// the window's votes (`window_votes`, the same arguments) pooled by `snapkv_pool`.
+template <class Keys, class Queries>
+std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
+                                  std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
+                                  int pool_kernel, group_combine combine) {
+  return snapkv_pool(window_votes(keys, positions, queries, window_start, window, num_kv_heads, group, head_dim, combine),
+                     window_start, num_kv_heads, pool_kernel);
 }
 
 }  // namespace detail
@@ -4198,17 +4223,9 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
                       "cache_config::head_dim");
       const std::int64_t stored = cache.stored_tokens(seq);
       const std::vector<std::int64_t> positions = cache.positions(seq);
-      std::vector<float> k(static_cast<std::size_t>(stored) * c.num_kv_heads * c.head_dim), v(k.size());
-      cache.read(seq, tensor_view<float, 3>(k.data(), stored, c.num_kv_heads, c.head_dim),
-                 tensor_view<float, 3>(v.data(), stored, c.num_kv_heads, c.head_dim));
-      const float scale = softmax_scale != 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-      const auto key = [&](std::int64_t i, int h, int ch) {
-        return k[(static_cast<std::size_t>(i) * c.num_kv_heads + h) * c.head_dim + ch];
-      };
-      const auto query = [&](int w, int j, int ch) { return static_cast<double>(to_float(queries(w, j, ch))) * scale; };
       const std::int64_t window_start = length - s.window;
-      const std::vector<double> score = detail::snapkv_scores(key, positions, query, window_start, s.window, c.num_kv_heads,
-                                                              c.group_size, c.head_dim, s.pool_kernel, s.combine);
+      const std::vector<double> score = detail::snapkv_pool(cache.window_votes(seq, queries, softmax_scale, s.combine),
+                                                            window_start, c.num_kv_heads, s.pool_kernel);
       // Candidates: live sealed tokens after the sinks and before the window and the open tail.
       const std::int64_t open_from = length - stored % c.page_size;
       const std::int64_t before = std::min(window_start, open_from);
@@ -5029,6 +5046,8 @@ class engine {
   static constexpr bool records_token_scores = true;
   /// The scores land in the sequences' buffers during `run` (`detail::sequence_ref::scores`).
   static constexpr bool scores_by_position = true;
+  /// No device: `cache::window_votes` scores the keys it reads back, in fp64.
+  static constexpr bool computes_window_votes = false;
 
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in
@@ -6704,6 +6723,81 @@ class cache
         }
       }
   }
+  /// The attention the last W = `queries.extent(0)` positions of `seq` pay each earlier token: an
+  /// observation window's votes (SnapKV; `select::snapkv`'s snapshot ranks by them, and any
+  /// window-based policy may). For each position t < length(seq) - W that holds a live token and
+  /// each KV head h,
+  ///
+  ///     vote(t, h) = sum over w < W of combine over the group's query heads j of softmax_w,j(t)
+  ///
+  /// where window query w (position length - W + w) attends causally to every live token the
+  /// sequence stores up to its own position, as attention reads them. `queries`:
+  /// [W][num_q_heads][head_dim] in host memory (float, half or bfloat16); softmax_scale 0 means
+  /// 1 / sqrt(head_dim). Returns [length - W][num_kv_heads] by position, -inf where no live token
+  /// is.
+  ///
+  /// On backend::cuda over a format whose split kernels write logits (format::dense:
+  /// `engine_type::computes_window_votes`) the votes are computed on the device, in fp32: decode
+  /// steps of up to 8 copies of the sequence write each row's logits, a kernel takes each query's
+  /// causal log-sum-exp and another sums the probabilities (`cuda::engine::window_votes`); 4 bytes
+  /// per row and KV head come back. This invalidates the last plan and may grow the step buffers
+  /// (re-capture a graph of `run` after it). Elsewhere the keys are read back (`read`) and scored
+  /// on the host in fp64, one pass over them per window query and query head (no W x N matrix).
+  /// Throws `invalid_argument`, before anything changes, for a dead handle, W < 1 or longer than
+  /// the sequence, or queries of the wrong extents.
+  template <class Q>
+  std::vector<double> window_votes(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f,
+                                   group_combine combine = group_combine::sum) {
+    static_assert(detail::is_io_type<std::remove_const_t<Q>>::value,
+                  "kvmosaic::cache::window_votes: queries hold float, kvmosaic::half or kvmosaic::bfloat16");
+    const char* where = "cache::window_votes";
+    const sequence_state& s = live(seq, where);
+    const std::int64_t window = queries.extent(0);
+    detail::require(window >= 1 && window <= s.seen, where, "queries.extent(0) (window)", window,
+                    "1 to length(seq): the window's tokens must be stored");
+    detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
+                    "num_kv_heads x group_size");
+    detail::require(queries.extent(2) == config_.head_dim, where, "queries.extent(2) (head_dim)", queries.extent(2),
+                    "cache_config::head_dim");
+    detail::require(softmax_scale >= 0.0f && std::isfinite(softmax_scale), where, "softmax_scale", softmax_scale,
+                    "a finite value >= 0 (0: 1/sqrt(head_dim))");
+    check_view(where, "queries", queries);
+    const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    const std::int64_t window_start = s.seen - window;
+    const int heads = config_.num_kv_heads, group = config_.group_size, d = config_.head_dim;
+    if constexpr (engine_type::computes_window_votes) {
+      std::vector<float> q(static_cast<std::size_t>(window) * heads * group * d);
+      for (std::int64_t w = 0; w < window; ++w)
+        for (int j = 0; j < heads * group; ++j)
+          for (int c = 0; c < d; ++c) q[(static_cast<std::size_t>(w) * heads * group + j) * d + c] = to_float(queries(w, j, c));
+      const std::vector<std::int64_t> rows = read_order_positions(s);
+      const std::uint64_t* live_rows = nullptr;
+      if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
+      const std::vector<float> votes = engine_.window_votes(detail::sequence_ref{&s.pages, s.stored, slot_of(seq), live_rows},
+                                                            q.data(), static_cast<int>(window), rows, window_start, scale,
+                                                            combine);
+      std::vector<double> out(static_cast<std::size_t>(window_start) * heads, -std::numeric_limits<double>::infinity());
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        if (rows[r] < 0 || rows[r] >= window_start) continue;
+        for (int h = 0; h < heads; ++h)
+          out[static_cast<std::size_t>(rows[r]) * heads + h] = votes[static_cast<std::size_t>(h) * rows.size() + r];
+      }
+      return out;
+    } else {
+      std::vector<std::int64_t> positions(static_cast<std::size_t>(s.stored));
+      if constexpr (evicts_tokens) {
+        positions = this->positions(seq);
+      } else {
+        for (std::int64_t i = 0; i < s.stored; ++i) positions[static_cast<std::size_t>(i)] = i;
+      }
+      std::vector<float> k(static_cast<std::size_t>(s.stored) * heads * d), v(k.size());
+      read(seq, tensor_view<float, 3>(k.data(), s.stored, heads, d), tensor_view<float, 3>(v.data(), s.stored, heads, d));
+      const auto key = [&](std::int64_t i, int h, int c) { return k[(static_cast<std::size_t>(i) * heads + h) * d + c]; };
+      const auto query = [&](int w, int j, int c) { return static_cast<double>(to_float(queries(w, j, c))) * scale; };
+      return detail::window_votes(key, positions, query, window_start, static_cast<int>(window), heads, group, d, combine);
+    }
+  }
+
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -6779,36 +6873,42 @@ class cache
   void absorb_device_scores() {
     engine_.download_token_scores();
     const auto rows = engine_.token_scores();
-    const auto& geometry = engine_.geometry();
     const int heads = config_.num_kv_heads;
     const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
-    std::vector<std::int64_t> run_positions(static_cast<std::size_t>(geometry.exact_rows));
     for (std::size_t b = 0; b < planned_.size(); ++b) {
       sequence_state& s = state_of(planned_[b]);
       detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
-      const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
-      const std::int64_t exact = geometry.exact_rows_held(sealed);
-      geometry.exact_run_positions(sealed, run_positions.data());
-      const std::int64_t tail_from = s.seen - tail_rows(s);
-      const auto position_of = [&](std::int64_t r) -> std::int64_t {
-        if (r >= sealed + exact) return tail_from + (r - sealed - exact);
-        if (r >= sealed) return run_positions[static_cast<std::size_t>(r - sealed)];
-        if (exact > 0 && geometry.exact_position(r, sealed)) return -1;  // read from its exact copy
-        if constexpr (evicts_tokens) return s.slots.position[static_cast<std::size_t>(r)];
-        return r;
-      };
-      const std::int64_t count = sealed + exact + tail_rows(s);
-      for (std::int64_t r = 0; r < count; ++r) {
-        const std::int64_t position = position_of(r);
-        if (position < 0) continue;
+      const std::vector<std::int64_t> positions = read_order_positions(s);
+      for (std::size_t r = 0; r < positions.size(); ++r) {
+        if (positions[r] < 0) continue;
         for (int h = 0; h < heads; ++h) {
           const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
-                                            static_cast<std::size_t>(rows.row_stride) + static_cast<std::size_t>(r)];
-          float& score = buffer.values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
+                                            static_cast<std::size_t>(rows.row_stride) + r];
+          float& score = buffer.values[static_cast<std::size_t>(positions[r]) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
           score = cumulative ? score + value : value;
         }
       }
     }
+  }
+
+  /// The logical position of each row of a sequence's read order on backend::cuda (its sealed
+  /// pages' rows in block-table order, then its exact rows' run, then its tail rows): -1 for an
+  /// evicted row and for a page row attended from its exact copy (sinks, recent window).
+  /// Cost: O(rows).
+  std::vector<std::int64_t> read_order_positions(const sequence_state& s) const {
+    const auto& geometry = engine_.geometry();
+    const std::int64_t sealed = static_cast<std::int64_t>(s.pages.size()) * config_.page_size;
+    const std::int64_t exact = geometry.exact_rows_held(sealed);
+    std::vector<std::int64_t> out(static_cast<std::size_t>(sealed + exact + tail_rows(s)));
+    for (std::int64_t r = 0; r < sealed; ++r) {
+      std::int64_t position = r;
+      if constexpr (evicts_tokens) position = s.slots.position[static_cast<std::size_t>(r)];
+      out[static_cast<std::size_t>(r)] = exact > 0 && geometry.exact_position(r, sealed) ? -1 : position;
+    }
+    geometry.exact_run_positions(sealed, out.data() + sealed);
+    const std::int64_t tail_from = s.seen - tail_rows(s);
+    for (std::int64_t t = 0; t < tail_rows(s); ++t) out[static_cast<std::size_t>(sealed + exact + t)] = tail_from + t;
+    return out;
   }
 
   /// Tokens of [from, to) inside the union of `ranges` (which may overlap: each token counts once).
@@ -10160,6 +10260,115 @@ __global__ void __launch_bounds__(token_score_threads) token_scores_kernel(const
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/kernel/token_scores.cuh> ----
 
+// ---- begin <kvmosaic/cuda/kernel/window_votes.cuh> ----
+/// \file
+/// The votes of an observation window (`cache::window_votes`, `select::snapkv`'s snapshot) on the
+/// device, from the logits the decode kernels wrote for a batch of window queries over one
+/// sequence (`decode_params::token_logits`): each query's causal log-sum-exp, then each earlier
+/// token's probabilities combined over the group and summed over the queries. Source: SnapKV (Li
+/// et al., NeurIPS 2024), the observation-window family of the eviction notes. No W x N matrix
+/// beyond one batch's logits, and no second pass over K.
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Threads of a window-vote CTA (both kernels).
+inline constexpr int window_vote_threads = 256;
+
+/// One batch of window queries, each a copy of the same sequence in a decode step that wrote its
+/// rows' logits: batch entry b is window query `first_query + b`, at position `window_start +
+/// first_query + b`.
+struct window_vote_params {
+  const float* logits;            ///< [batch][num_kv_heads][logit_slots][Group] fp32, scaled logits, -inf masked
+  std::int64_t logit_slots;       ///< rows per (batch entry, KV head) of `logits`
+  const std::int64_t* positions;  ///< [rows]: the logical position of each row of the read order, -1 for none
+  std::int64_t rows;              ///< rows of the sequence's read order
+  std::int64_t window_start;      ///< position of window query 0
+  int first_query;                ///< the window query of batch entry 0
+  int queries;                    ///< batch entries
+  int num_kv_heads;
+  float* lse;                     ///< [queries][num_kv_heads][Group]: each query head's causal log-sum-exp
+  float* votes;                   ///< [num_kv_heads][rows]: accumulated over the window's batches
+  bool combine_max;               ///< the group's largest probability, else their sum
+};
+
+/// lse[b][h][g] = log sum of exp(logit) over the rows whose position is at most query b's own
+/// (causal), for query head g of KV head h's group; +inf where no row is (every probability 0).
+/// Grid: (queries, num_kv_heads), one CTA reducing all rows. Cost per row: 4 x Group bytes read.
+template <int Group>
+__global__ void __launch_bounds__(window_vote_threads) window_lse_kernel(const window_vote_params p) {
+  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const std::int64_t last = p.window_start + p.first_query + b;
+  const float* logits = p.logits + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.logit_slots * Group;
+  float m[Group], l[Group];
+#pragma unroll
+  for (int g = 0; g < Group; ++g) m[g] = -HUGE_VALF, l[g] = 0.0f;
+  for (std::int64_t r = threadIdx.x; r < p.rows; r += window_vote_threads) {
+    const std::int64_t position = p.positions[r];
+    if (position < 0 || position > last) continue;
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+      const float s = logits[r * Group + g];
+      if (s == -HUGE_VALF) continue;
+      if (s > m[g]) l[g] = l[g] * expf(m[g] - s) + 1.0f, m[g] = s;
+      else l[g] += expf(s - m[g]);
+    }
+  }
+  __shared__ float shared_m[window_vote_threads / 32][Group], shared_l[window_vote_threads / 32][Group];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+#pragma unroll
+  for (int g = 0; g < Group; ++g) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other_m = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float other_l = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      const float top = fmaxf(m[g], other_m);
+      if (top != -HUGE_VALF) l[g] = l[g] * expf(m[g] - top) + other_l * expf(other_m - top);
+      m[g] = top;
+    }
+    if (lane == 0) shared_m[warp][g] = m[g], shared_l[warp][g] = l[g];
+  }
+  __syncthreads();
+  if (threadIdx.x < Group) {
+    const int g = static_cast<int>(threadIdx.x);
+    float top = -HUGE_VALF, sum = 0.0f;
+    for (int w = 0; w < window_vote_threads / 32; ++w) top = fmaxf(top, shared_m[w][g]);
+    if (top != -HUGE_VALF)
+      for (int w = 0; w < window_vote_threads / 32; ++w) sum += shared_l[w][g] * expf(shared_m[w][g] - top);
+    p.lse[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * Group + g] = sum > 0.0f ? top + logf(sum) : HUGE_VALF;
+  }
+}
+
+/// votes[h][r] += sum over the batch's queries b of combine over g of exp(logit - lse[b][h][g]),
+/// for every row r whose token lies before the window (position in [0, window_start): every
+/// window query sees it). Grid: (ceil(rows / threads), num_kv_heads), a thread per row. Cost per
+/// row: 4 x Group x queries bytes read, 4 read and written.
+template <int Group>
+__global__ void __launch_bounds__(window_vote_threads) window_votes_kernel(const window_vote_params p) {
+  const int head = static_cast<int>(blockIdx.y);
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * window_vote_threads + threadIdx.x;
+  if (r >= p.rows) return;
+  const std::int64_t position = p.positions[r];
+  if (position < 0 || position >= p.window_start) return;
+  float vote = 0.0f;
+  for (int b = 0; b < p.queries; ++b) {
+    const std::size_t base = (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.logit_slots + static_cast<std::size_t>(r);
+    const float* lse = p.lse + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * Group;
+    float combined = 0.0f;
+#pragma unroll
+    for (int g = 0; g < Group; ++g) {
+      const float s = p.logits[base * Group + g];
+      const float probability = s == -HUGE_VALF ? 0.0f : expf(s - lse[g]);
+      combined = p.combine_max ? fmaxf(combined, probability) : combined + probability;
+    }
+    vote += combined;
+  }
+  p.votes[static_cast<std::size_t>(head) * p.rows + r] += vote;
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/kernel/window_votes.cuh> ----
+
 // ---- begin <kvmosaic/cuda/select/all.cuh> ----
 /// \file
 /// `select::all` on the CUDA backend: no selection stage. Every step's splits read every sealed
@@ -10316,6 +10525,9 @@ class engine {
   static constexpr bool records_token_scores = writes_token_logits<Format>::value;
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
+  /// `window_votes` runs on the device (where the split kernels write logits); elsewhere the
+  /// cache scores the keys it reads back.
+  static constexpr bool computes_window_votes = writes_token_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -10655,6 +10867,24 @@ class engine {
                   {lse.stride(0), lse.stride(1)}};
     launch_step(queries, o, softmax_scale_);
   }
+
+  /// The votes of an observation window over one sequence (`cache::window_votes`, which states
+  /// the math): `queries` (host memory, [window][num_q_heads][head_dim] float, unscaled) are the
+  /// queries of positions window_start .. window_start + window; `row_positions[r]` is the logical
+  /// position of row r of the sequence's read order (-1: none, an evicted row or a page copy of an
+  /// exact row). Returns [num_kv_heads][rows] fp32 in host memory: each row's probabilities under
+  /// each window query's causal softmax, combined over the group, summed over the window; 0 for
+  /// rows at or after window_start. Runs decode steps of up to `window_batch` copies of the
+  /// sequence whose split kernels write their rows' logits, then `kernel::window_lse_kernel` and
+  /// `kernel::window_votes_kernel` over them; waits for the result. Invalidates the last plan.
+  /// Cost: ceil(window / window_batch) steps reading the sequence once per query (the queries of a
+  /// step share no reads), plus 4 x group bytes written and read twice per row, KV head and query;
+  /// device memory 4 x group x window_batch bytes per row and KV head (the step's logits).
+  std::vector<float> window_votes(const kvmosaic::detail::sequence_ref& sequence, const float* queries, int window,
+                                  const std::vector<std::int64_t>& row_positions, std::int64_t window_start,
+                                  float softmax_scale, group_combine combine);
+  /// Window queries per decode step of `window_votes`.
+  static constexpr int window_batch = 8;
 
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
   /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
@@ -11094,6 +11324,7 @@ class engine {
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
   float softmax_scale_ = 1.0f;    ///< of the planned step
   score_settings planned_scores_;  ///< of the planned step
+  bool logits_only_ = false;       ///< the step writes logits for `window_votes`, no token scores
   std::int64_t step_rows_ = 0;     ///< the planned step's most rows of one sequence's read order
   std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
   std::int32_t score_batch_ = 0;   ///< sequences they hold
@@ -11155,7 +11386,7 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
     });
   });
   if constexpr (writes_token_logits<Format>::value) {
-    if (planned_scores_.use == score_use::none) return;
+    if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.
     constexpr std::int64_t rows_per_cta = 8 * kernel::token_score_threads;
@@ -11167,6 +11398,60 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
     });
   }
+}
+
+template <class Format, class Selector, class Shapes>
+std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic::detail::sequence_ref& sequence,
+                                                                  const float* queries, int window,
+                                                                  const std::vector<std::int64_t>& row_positions,
+                                                                  std::int64_t window_start, float softmax_scale,
+                                                                  group_combine combine) {
+  const char* where = "cuda::engine::window_votes";
+  kvmosaic::detail::require(computes_window_votes, where, "the format", "without logits",
+                            "a format whose split kernels write logits (format::dense)");
+  kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
+  const auto rows = static_cast<std::int64_t>(row_positions.size());
+  const int heads = shape_.num_kv_heads, group = shape_.group_size;
+  const std::size_t query_floats = static_cast<std::size_t>(heads) * group * shape_.head_dim;
+  const int per_step = std::min(window, window_batch);
+  device_buffer device_queries(static_cast<std::size_t>(window) * query_floats * sizeof(float));
+  device_buffer outputs(static_cast<std::size_t>(per_step) * query_floats * sizeof(float));
+  device_buffer positions(static_cast<std::size_t>(rows) * sizeof(std::int64_t));
+  device_buffer lse(static_cast<std::size_t>(per_step) * heads * group * sizeof(float));
+  device_buffer votes(static_cast<std::size_t>(heads) * static_cast<std::size_t>(rows) * sizeof(float));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(device_queries.data(), queries, device_queries.size(), cudaMemcpyHostToDevice, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(positions.data(), row_positions.data(), positions.size(), cudaMemcpyHostToDevice, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(votes.data(), 0, votes.size(), stream_));
+  struct logits_only_scope {  // the flag is the engine's state: cleared on every way out
+    bool& flag;
+    explicit logits_only_scope(bool& f) : flag(f) { flag = true; }
+    ~logits_only_scope() { flag = false; }
+  } scope(logits_only_);
+  output_view out{outputs.data(), dtype::f32,
+                  {static_cast<std::int64_t>(query_floats), static_cast<std::int64_t>(shape_.head_dim), 1}, nullptr, {0, 0}};
+  for (int first = 0; first < window; first += per_step) {
+    const int n = std::min(per_step, window - first);
+    plan(std::vector<kvmosaic::detail::sequence_ref>(static_cast<std::size_t>(n), sequence), softmax_scale, nullptr,
+         score_settings{score_use::last_step, combine});
+    launch_step(device_queries.as<const float>() + static_cast<std::size_t>(first) * query_floats, out, softmax_scale_);
+    const kernel::window_vote_params p{token_logits_.as<const float>(), logit_slots_, positions.as<const std::int64_t>(),
+                                       rows, window_start, first, n, heads, lse.as<float>(), votes.as<float>(),
+                                       combine == group_combine::max};
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, group, [&](auto, auto, auto g) {
+      constexpr int Group = decltype(g)::value;
+      kernel::window_lse_kernel<Group><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(heads)),
+                                         kernel::window_vote_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      const auto blocks = static_cast<unsigned>((rows + kernel::window_vote_threads - 1) / kernel::window_vote_threads);
+      kernel::window_votes_kernel<Group><<<dim3(std::max(blocks, 1u), static_cast<unsigned>(heads)),
+                                           kernel::window_vote_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+  std::vector<float> out_votes(static_cast<std::size_t>(heads) * static_cast<std::size_t>(rows));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out_votes.data(), votes.data(), votes.size(), cudaMemcpyDeviceToHost, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also: the buffers above outlive their kernels
+  return out_votes;
 }
 
 template <class Format, class Selector, class Shapes>
@@ -16453,9 +16738,10 @@ class selection_stage<select::streaming, Shapes> : public selection_stage<select
 // ---- begin <kvmosaic/cuda/select/snapkv.cuh> ----
 /// \file
 /// `select::snapkv` on the CUDA backend: no selection stage. Its snapshot is the cache's
-/// (`cache::snapshot`: the keys read back to the host and scored there, then the cache's eviction
-/// and a compaction pass on the device), so every step reads every live row of every page, as
-/// `select::all` does.
+/// (`cache::snapshot`: the window's votes, `cache::window_votes`, computed by the decode kernels
+/// and `kernel/window_votes.cuh` where the format writes logits, ranked on the host, then the
+/// cache's eviction and a compaction pass on the device), so every step reads every live row of
+/// every page, as `select::all` does.
 
 
 namespace kvmosaic::cuda {

@@ -352,6 +352,15 @@ TEST_CASE("snapkv rejects a window longer than the sequence, queries of the wron
   CHECK_THROWS_WITH(call(32, c.num_kv_heads, c.head_dim), Catch::Contains("queries.extent(1) (query heads)"));
   CHECK_THROWS_WITH(call(32, c.num_q_heads(), 32), Catch::Contains("queries.extent(2) (head_dim)"));
   CHECK(live_positions(kv, seq).size() == 100);  // nothing changed
+  // cache::window_votes, which the snapshot ranks by, rejects the same shapes and its own arguments.
+  const auto votes = [&](std::int64_t w, std::int64_t heads, std::int64_t d, float scale = 0.0f) {
+    return kv.window_votes(seq, tensor_view<const float, 3>(q.data(), w, heads, d), scale);
+  };
+  CHECK_THROWS_WITH(votes(0, c.num_q_heads(), c.head_dim), Catch::Contains("queries.extent(0) (window)") && Catch::Contains("1 to length(seq)"));
+  CHECK_THROWS_WITH(votes(32, c.num_kv_heads, c.head_dim), Catch::Contains("queries.extent(1) (query heads)"));
+  CHECK_THROWS_WITH(votes(32, c.num_q_heads(), 32), Catch::Contains("queries.extent(2) (head_dim)"));
+  CHECK_THROWS_WITH(votes(32, c.num_q_heads(), c.head_dim, -1.0f), Catch::Contains("softmax_scale"));
+  CHECK(votes(32, c.num_q_heads(), c.head_dim).size() == static_cast<std::size_t>(68 * c.num_kv_heads));
   CHECK(call(32, c.num_q_heads(), c.head_dim) == 50);
   CHECK_THROWS_WITH((cache<format::dense, select::snapkv, compact::repack>(c, {}, snap(50, 0))),
                     Catch::Contains("window") && Catch::Contains(">= 1"));

@@ -41,6 +41,7 @@
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
 #include "kvmosaic/cuda/kernel/token_scores.cuh"
+#include "kvmosaic/cuda/kernel/window_votes.cuh"
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/cuda/select/selection_stage.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
@@ -90,6 +91,9 @@ class engine {
   static constexpr bool records_token_scores = writes_token_logits<Format>::value;
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
+  /// `window_votes` runs on the device (where the split kernels write logits); elsewhere the
+  /// cache scores the keys it reads back.
+  static constexpr bool computes_window_votes = writes_token_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -429,6 +433,24 @@ class engine {
                   {lse.stride(0), lse.stride(1)}};
     launch_step(queries, o, softmax_scale_);
   }
+
+  /// The votes of an observation window over one sequence (`cache::window_votes`, which states
+  /// the math): `queries` (host memory, [window][num_q_heads][head_dim] float, unscaled) are the
+  /// queries of positions window_start .. window_start + window; `row_positions[r]` is the logical
+  /// position of row r of the sequence's read order (-1: none, an evicted row or a page copy of an
+  /// exact row). Returns [num_kv_heads][rows] fp32 in host memory: each row's probabilities under
+  /// each window query's causal softmax, combined over the group, summed over the window; 0 for
+  /// rows at or after window_start. Runs decode steps of up to `window_batch` copies of the
+  /// sequence whose split kernels write their rows' logits, then `kernel::window_lse_kernel` and
+  /// `kernel::window_votes_kernel` over them; waits for the result. Invalidates the last plan.
+  /// Cost: ceil(window / window_batch) steps reading the sequence once per query (the queries of a
+  /// step share no reads), plus 4 x group bytes written and read twice per row, KV head and query;
+  /// device memory 4 x group x window_batch bytes per row and KV head (the step's logits).
+  std::vector<float> window_votes(const kvmosaic::detail::sequence_ref& sequence, const float* queries, int window,
+                                  const std::vector<std::int64_t>& row_positions, std::int64_t window_start,
+                                  float softmax_scale, group_combine combine);
+  /// Window queries per decode step of `window_votes`.
+  static constexpr int window_batch = 8;
 
   /// Fixes the step metadata layout for batches up to `batch` sequences of up to
   /// `max_pages_per_sequence` pages. Steps within it reuse the same buffers and launch shape, which
@@ -868,6 +890,7 @@ class engine {
   device_buffer queries_;         ///< a step's queries gathered to contiguous float (when they are not)
   float softmax_scale_ = 1.0f;    ///< of the planned step
   score_settings planned_scores_;  ///< of the planned step
+  bool logits_only_ = false;       ///< the step writes logits for `window_votes`, no token scores
   std::int64_t step_rows_ = 0;     ///< the planned step's most rows of one sequence's read order
   std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
   std::int32_t score_batch_ = 0;   ///< sequences they hold
@@ -929,7 +952,7 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
     });
   });
   if constexpr (writes_token_logits<Format>::value) {
-    if (planned_scores_.use == score_use::none) return;
+    if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.
     constexpr std::int64_t rows_per_cta = 8 * kernel::token_score_threads;
@@ -941,6 +964,60 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
     });
   }
+}
+
+template <class Format, class Selector, class Shapes>
+std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic::detail::sequence_ref& sequence,
+                                                                  const float* queries, int window,
+                                                                  const std::vector<std::int64_t>& row_positions,
+                                                                  std::int64_t window_start, float softmax_scale,
+                                                                  group_combine combine) {
+  const char* where = "cuda::engine::window_votes";
+  kvmosaic::detail::require(computes_window_votes, where, "the format", "without logits",
+                            "a format whose split kernels write logits (format::dense)");
+  kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
+  const auto rows = static_cast<std::int64_t>(row_positions.size());
+  const int heads = shape_.num_kv_heads, group = shape_.group_size;
+  const std::size_t query_floats = static_cast<std::size_t>(heads) * group * shape_.head_dim;
+  const int per_step = std::min(window, window_batch);
+  device_buffer device_queries(static_cast<std::size_t>(window) * query_floats * sizeof(float));
+  device_buffer outputs(static_cast<std::size_t>(per_step) * query_floats * sizeof(float));
+  device_buffer positions(static_cast<std::size_t>(rows) * sizeof(std::int64_t));
+  device_buffer lse(static_cast<std::size_t>(per_step) * heads * group * sizeof(float));
+  device_buffer votes(static_cast<std::size_t>(heads) * static_cast<std::size_t>(rows) * sizeof(float));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(device_queries.data(), queries, device_queries.size(), cudaMemcpyHostToDevice, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(positions.data(), row_positions.data(), positions.size(), cudaMemcpyHostToDevice, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(votes.data(), 0, votes.size(), stream_));
+  struct logits_only_scope {  // the flag is the engine's state: cleared on every way out
+    bool& flag;
+    explicit logits_only_scope(bool& f) : flag(f) { flag = true; }
+    ~logits_only_scope() { flag = false; }
+  } scope(logits_only_);
+  output_view out{outputs.data(), dtype::f32,
+                  {static_cast<std::int64_t>(query_floats), static_cast<std::int64_t>(shape_.head_dim), 1}, nullptr, {0, 0}};
+  for (int first = 0; first < window; first += per_step) {
+    const int n = std::min(per_step, window - first);
+    plan(std::vector<kvmosaic::detail::sequence_ref>(static_cast<std::size_t>(n), sequence), softmax_scale, nullptr,
+         score_settings{score_use::last_step, combine});
+    launch_step(device_queries.as<const float>() + static_cast<std::size_t>(first) * query_floats, out, softmax_scale_);
+    const kernel::window_vote_params p{token_logits_.as<const float>(), logit_slots_, positions.as<const std::int64_t>(),
+                                       rows, window_start, first, n, heads, lse.as<float>(), votes.as<float>(),
+                                       combine == group_combine::max};
+    detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, group, [&](auto, auto, auto g) {
+      constexpr int Group = decltype(g)::value;
+      kernel::window_lse_kernel<Group><<<dim3(static_cast<unsigned>(n), static_cast<unsigned>(heads)),
+                                         kernel::window_vote_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      const auto blocks = static_cast<unsigned>((rows + kernel::window_vote_threads - 1) / kernel::window_vote_threads);
+      kernel::window_votes_kernel<Group><<<dim3(std::max(blocks, 1u), static_cast<unsigned>(heads)),
+                                           kernel::window_vote_threads, 0, stream_>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+  std::vector<float> out_votes(static_cast<std::size_t>(heads) * static_cast<std::size_t>(rows));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(out_votes.data(), votes.data(), votes.size(), cudaMemcpyDeviceToHost, stream_));
+  KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also: the buffers above outlive their kernels
+  return out_votes;
 }
 
 template <class Format, class Selector, class Shapes>

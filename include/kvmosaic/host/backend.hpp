@@ -316,6 +316,8 @@ class engine {
   static constexpr bool records_token_scores = true;
   /// The scores land in the sequences' buffers during `run` (`detail::sequence_ref::scores`).
   static constexpr bool scores_by_position = true;
+  /// No device: `cache::window_votes` scores the keys it reads back, in fp64.
+  static constexpr bool computes_window_votes = false;
 
   /// Keeps the key bounds of every block of `selector_traits<Selector>::bounds_block_tokens`
   /// tokens of each sealed page (none when 0). Selectors with other per-sequence data keep it in

@@ -47,12 +47,13 @@ namespace select {
 /// head; the group's query heads are combined by `combine` (sum by default) where the paper has
 /// one query head per KV head; the budget counts the sinks and the tail.
 ///
-/// What it computes: attention over the tokens kept. Cost of a snapshot: the stored K and V read
-/// back as attention reads them (`cache::read`: on backend::cuda a copy of the sequence's pages to
-/// the host), then per (window query, query head) one pass over the keys, W x group x stored x
-/// head_dim multiply-adds in all, in fp64 on the host, keeping one query's logits at a time; then
-/// O(stored log stored) to rank and one compaction. Memory: the read-back rows, 8 x stored x kv
-/// heads x head_dim bytes, and 8 x stored for the logits; no W x N matrix. Nothing per decode step.
+/// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
+/// (`cache::window_votes`): on backend::cuda over format::dense, ceil(W / 8) decode steps of up to
+/// 8 copies of the sequence that write their rows' logits, two small kernels over them and 4 bytes
+/// per row and KV head copied back (device memory: 4 x group x 8 bytes per row and KV head);
+/// elsewhere the stored keys read back (`cache::read`) and scored on the host in fp64, W x group x
+/// stored x head_dim multiply-adds, keeping one query's logits at a time (no W x N matrix). Then
+/// O(stored log stored) on the host to pool and rank, and one compaction. Nothing per decode step.
 struct snapkv {
   using policy_category = selector_tag;
 
@@ -66,56 +67,15 @@ struct snapkv {
 
 namespace detail {
 
-/// The SnapKV scores of one sequence: of the tokens before `window_start`, by position, the votes
-/// of the window's queries max-pooled per KV head over `pool_kernel` neighbouring positions and
-/// summed over the KV heads (`select::snapkv`). `keys(i, h, c)` is the key of stored row i,
-/// `positions[i]` its logical position (-1: evicted, skipped), `queries(w, j, c)` the query of
-/// window token w (position window_start + w) and query head j, already multiplied by the
-/// softmax scale. A position with no live token scores -inf and pools as nothing. Cost: one pass
-/// over the keys per (query, query head), keeping its logits (8 bytes a row), in fp64.
-template <class Keys, class Queries>
-std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
-                                  std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
-                                  int pool_kernel, group_combine combine) {
-  const std::size_t rows = positions.size(), prefix = static_cast<std::size_t>(window_start);
+/// SnapKV's pooling of window votes (`window_votes`, [window_start][num_kv_heads], -inf where no
+/// live token is): each KV head's votes max-pooled over the live positions within
+/// pool_kernel / 2 of t, then summed over the KV heads. A position with no live token scores -inf
+/// and pools as nothing. Cost: O(window_start x num_kv_heads x pool_kernel).
+inline std::vector<double> snapkv_pool(const std::vector<double>& vote, std::int64_t window_start, int num_kv_heads,
+                                       int pool_kernel) {
   const double none = -std::numeric_limits<double>::infinity();
-  std::vector<double> vote(prefix * static_cast<std::size_t>(num_kv_heads), none);  // [position][head]
-  for (std::size_t i = 0; i < rows; ++i)
-    if (positions[i] >= 0 && positions[i] < window_start)
-      for (int h = 0; h < num_kv_heads; ++h) vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] = 0.0;
-  std::vector<double> logits(rows), combined(rows);
-  for (int h = 0; h < num_kv_heads; ++h) {
-    for (int w = 0; w < window; ++w) {
-      const std::int64_t last = window_start + w;  // causal: the query sees positions up to its own
-      std::fill(combined.begin(), combined.end(), 0.0);
-      for (int g = 0; g < group; ++g) {
-        const int j = h * group + g;
-        double m = none;
-        for (std::size_t i = 0; i < rows; ++i) {
-          if (positions[i] < 0 || positions[i] > last) continue;
-          double dot = 0.0;
-          for (int c = 0; c < head_dim; ++c)
-            dot += static_cast<double>(queries(w, j, c)) * static_cast<double>(keys(static_cast<std::int64_t>(i), h, c));
-          logits[i] = dot;
-          m = std::max(m, dot);
-        }
-        double l = 0.0;
-        for (std::size_t i = 0; i < rows; ++i)
-          if (positions[i] >= 0 && positions[i] <= last) l += std::exp(logits[i] - m);
-        for (std::size_t i = 0; i < rows; ++i) {
-          if (positions[i] < 0 || positions[i] >= window_start) continue;
-          const double p = std::exp(logits[i] - m) / l;
-          combined[i] = combine == group_combine::sum ? combined[i] + p : (g == 0 ? p : std::max(combined[i], p));
-        }
-      }
-      for (std::size_t i = 0; i < rows; ++i)
-        if (positions[i] >= 0 && positions[i] < window_start)
-          vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] += combined[i];
-    }
-  }
-  // Max-pool each head over the live positions within pool_kernel / 2, then sum the heads.
   const std::int64_t reach = pool_kernel / 2;
-  std::vector<double> score(prefix, none);
+  std::vector<double> score(static_cast<std::size_t>(window_start), none);
   for (std::int64_t t = 0; t < window_start; ++t) {
     if (vote[static_cast<std::size_t>(t) * num_kv_heads] == none) continue;  // no live token here
     double total = 0.0;
@@ -128,6 +88,16 @@ std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64
     score[static_cast<std::size_t>(t)] = total;
   }
   return score;
+}
+
+/// The SnapKV scores of one sequence in fp64: of the tokens before `window_start`, by position,
+/// the window's votes (`window_votes`, the same arguments) pooled by `snapkv_pool`.
+template <class Keys, class Queries>
+std::vector<double> snapkv_scores(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
+                                  std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
+                                  int pool_kernel, group_combine combine) {
+  return snapkv_pool(window_votes(keys, positions, queries, window_start, window, num_kv_heads, group, head_dim, combine),
+                     window_start, num_kv_heads, pool_kernel);
 }
 
 }  // namespace detail
@@ -177,17 +147,9 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
                       "cache_config::head_dim");
       const std::int64_t stored = cache.stored_tokens(seq);
       const std::vector<std::int64_t> positions = cache.positions(seq);
-      std::vector<float> k(static_cast<std::size_t>(stored) * c.num_kv_heads * c.head_dim), v(k.size());
-      cache.read(seq, tensor_view<float, 3>(k.data(), stored, c.num_kv_heads, c.head_dim),
-                 tensor_view<float, 3>(v.data(), stored, c.num_kv_heads, c.head_dim));
-      const float scale = softmax_scale != 0.0f ? softmax_scale : 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-      const auto key = [&](std::int64_t i, int h, int ch) {
-        return k[(static_cast<std::size_t>(i) * c.num_kv_heads + h) * c.head_dim + ch];
-      };
-      const auto query = [&](int w, int j, int ch) { return static_cast<double>(to_float(queries(w, j, ch))) * scale; };
       const std::int64_t window_start = length - s.window;
-      const std::vector<double> score = detail::snapkv_scores(key, positions, query, window_start, s.window, c.num_kv_heads,
-                                                              c.group_size, c.head_dim, s.pool_kernel, s.combine);
+      const std::vector<double> score = detail::snapkv_pool(cache.window_votes(seq, queries, softmax_scale, s.combine),
+                                                            window_start, c.num_kv_heads, s.pool_kernel);
       // Candidates: live sealed tokens after the sinks and before the window and the open tail.
       const std::int64_t open_from = length - stored % c.page_size;
       const std::int64_t before = std::min(window_start, open_from);

@@ -96,6 +96,61 @@ std::vector<std::int64_t> lowest_ranked(const std::vector<std::int64_t>& candida
   return out;
 }
 
+/// The attention an observation window pays the tokens before it (SnapKV's vote; the window
+/// families of the eviction notes), in fp64: for every position t < `window_start` that holds a
+/// live token and every KV head h,
+///
+///     vote(t, h) = sum over w < window of combine over the group's query heads j of softmax_w,j(t)
+///
+/// where window query w (position window_start + w) attends causally to every live stored token up
+/// to its own position. `keys(i, h, c)` is the key of stored row i, `positions[i]` its logical
+/// position (-1: evicted, skipped), `queries(w, j, c)` query head j of window query w, already
+/// multiplied by the softmax scale. Returns [window_start][num_kv_heads], -inf where no live
+/// token is. Cost: one pass over the keys per (query, query head), keeping its logits (8 bytes a
+/// row); no W x N matrix.
+template <class Keys, class Queries>
+std::vector<double> window_votes(const Keys& keys, const std::vector<std::int64_t>& positions, const Queries& queries,
+                                 std::int64_t window_start, int window, int num_kv_heads, int group, int head_dim,
+                                 group_combine combine) {
+  const std::size_t rows = positions.size(), prefix = static_cast<std::size_t>(window_start);
+  const double none = -std::numeric_limits<double>::infinity();
+  std::vector<double> vote(prefix * static_cast<std::size_t>(num_kv_heads), none);  // [position][head]
+  for (std::size_t i = 0; i < rows; ++i)
+    if (positions[i] >= 0 && positions[i] < window_start)
+      for (int h = 0; h < num_kv_heads; ++h) vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] = 0.0;
+  std::vector<double> logits(rows), combined(rows);
+  for (int h = 0; h < num_kv_heads; ++h) {
+    for (int w = 0; w < window; ++w) {
+      const std::int64_t last = window_start + w;  // causal: the query sees positions up to its own
+      std::fill(combined.begin(), combined.end(), 0.0);
+      for (int g = 0; g < group; ++g) {
+        const int j = h * group + g;
+        double m = none;
+        for (std::size_t i = 0; i < rows; ++i) {
+          if (positions[i] < 0 || positions[i] > last) continue;
+          double dot = 0.0;
+          for (int c = 0; c < head_dim; ++c)
+            dot += static_cast<double>(queries(w, j, c)) * static_cast<double>(keys(static_cast<std::int64_t>(i), h, c));
+          logits[i] = dot;
+          m = std::max(m, dot);
+        }
+        double l = 0.0;
+        for (std::size_t i = 0; i < rows; ++i)
+          if (positions[i] >= 0 && positions[i] <= last) l += std::exp(logits[i] - m);
+        for (std::size_t i = 0; i < rows; ++i) {
+          if (positions[i] < 0 || positions[i] >= window_start) continue;
+          const double p = std::exp(logits[i] - m) / l;
+          combined[i] = combine == group_combine::sum ? combined[i] + p : (g == 0 ? p : std::max(combined[i], p));
+        }
+      }
+      for (std::size_t i = 0; i < rows; ++i)
+        if (positions[i] >= 0 && positions[i] < window_start)
+          vote[static_cast<std::size_t>(positions[i]) * num_kv_heads + h] += combined[i];
+    }
+  }
+  return vote;
+}
+
 /// `lowest_ranked` by the shared score of `scores` (the sum over the KV heads).
 inline std::vector<std::int64_t> lowest_scored(const token_score_buffer& scores, const std::vector<std::int64_t>& candidates,
                                                std::int64_t count) {

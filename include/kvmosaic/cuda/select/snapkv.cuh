@@ -3,9 +3,10 @@
 
 /// \file
 /// `select::snapkv` on the CUDA backend: no selection stage. Its snapshot is the cache's
-/// (`cache::snapshot`: the keys read back to the host and scored there, then the cache's eviction
-/// and a compaction pass on the device), so every step reads every live row of every page, as
-/// `select::all` does.
+/// (`cache::snapshot`: the window's votes, `cache::window_votes`, computed by the decode kernels
+/// and `kernel/window_votes.cuh` where the format writes logits, ranked on the host, then the
+/// cache's eviction and a compaction pass on the device), so every step reads every live row of
+/// every page, as `select::all` does.
 
 #include "kvmosaic/cuda/select/all.cuh"
 #include "kvmosaic/select/snapkv.hpp"
