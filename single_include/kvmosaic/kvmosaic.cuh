@@ -6064,8 +6064,8 @@ class cache
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "this backend's kernels do not write for this format: on backend::cuda use format::dense, or use "
-                "backend::host (every format)");
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense or "
+                "format::quant (quant2, quant4), or use backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -9932,6 +9932,9 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
 ///                                                 // write each row's logits when a step records
 ///                                                 // token scores (kernel::decode_params::token_logits)
+///   static constexpr bool writes_exact_logits;    // optional, default false: and those logits are
+///                                                 // q . k of the decoded keys up to fp32 rounding
+///                                                 // (not an approximation such as HACK's 8-bit q')
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with
 ///                                                 // `int stages` (0 when the format has none)
@@ -10091,6 +10094,15 @@ struct writes_token_logits : std::false_type {};
 template <class Format>
 struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
     : std::bool_constant<device_format<Format>::writes_token_logits> {};
+
+/// Whether `Format`'s logits (`writes_token_logits`) are q . k of its decoded keys up to fp32
+/// rounding (`device_format<Format>::writes_exact_logits`; false where it does not say): what
+/// `cache::window_votes` needs to compute on the device what the host computes from `read`.
+template <class Format, class = void>
+struct writes_exact_logits : std::false_type {};
+template <class Format>
+struct writes_exact_logits<Format, std::void_t<decltype(device_format<Format>::writes_exact_logits)>>
+    : std::bool_constant<writes_token_logits<Format>::value && device_format<Format>::writes_exact_logits> {};
 
 }  // namespace kvmosaic::cuda
 // ---- end <kvmosaic/cuda/format/device_format.cuh> ----
@@ -10521,13 +10533,13 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense).
+  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant).
   static constexpr bool records_token_scores = writes_token_logits<Format>::value;
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
-  /// `window_votes` runs on the device (where the split kernels write logits); elsewhere the
-  /// cache scores the keys it reads back.
-  static constexpr bool computes_window_votes = writes_token_logits<Format>::value;
+  /// `window_votes` runs on the device where the split kernels write exact logits
+  /// (`writes_exact_logits`); elsewhere the cache scores the keys it reads back.
+  static constexpr bool computes_window_votes = writes_exact_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -10802,7 +10814,8 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
-  /// With `scores.use` other than none (format::dense's kernels; `writes_token_logits`), the
+  /// With `scores.use` other than none (format::dense's and the quantized formats' kernels;
+  /// `writes_token_logits`), the
   /// step also computes each read token's score (select/token_scores.hpp) on the device: the
   /// split kernels write their rows' logits, a score kernel after the merge normalizes and
   /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
@@ -10811,8 +10824,8 @@ class engine {
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
-                              "token scores", "requested", "format::dense on backend::cuda (the other formats' kernels "
-                              "write no logits yet): use backend::host");
+                              "token scores", "requested", "format::dense or format::quant on backend::cuda (the other "
+                              "formats' kernels write no logits yet): use backend::host");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -11407,8 +11420,8 @@ std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic
                                                                   std::int64_t window_start, float softmax_scale,
                                                                   group_combine combine) {
   const char* where = "cuda::engine::window_votes";
-  kvmosaic::detail::require(computes_window_votes, where, "the format", "without logits",
-                            "a format whose split kernels write logits (format::dense)");
+  kvmosaic::detail::require(computes_window_votes, where, "the format", "without exact logits",
+                            "a format whose split kernels write exact logits (format::dense)");
   kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
   const auto rows = static_cast<std::int64_t>(row_positions.size());
   const int heads = shape_.num_kv_heads, group = shape_.group_size;
@@ -12117,6 +12130,7 @@ struct device_format<format::dense> {
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   static constexpr bool writes_token_logits = true;  ///< every dense split kernel (select::tova, select::h2o)
+  static constexpr bool writes_exact_logits = true;  ///< fp32 q . k (sm_90: q in two 16-bit halves)
   using params = kernel::dense_decode_params;
 
   struct state {
@@ -13272,11 +13286,14 @@ class quant_warp_attend {
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
   /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0,
   /// and so do those whose bit in `rows_read` (bit t % 32 of word t / 32; null: all read) is clear.
-  /// The partition must hold a token read (the caller skips the others: `reads_partition`).
+  /// The partition must hold a token read (the caller skips the others: `reads_partition`, and
+  /// `write_masked_logits` for them). With `logits` (a step that records token scores: the page's
+  /// row 0 of `decode_params::token_logits`, [row][group]), each token's logit per query head as
+  /// the softmax takes it (-inf where masked) is written there.
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
                                                  const quant_page_geometry& geometry, int j, const float* q,
                                                  temp_storage& temp, int masked = 0,
-                                                 const std::uint32_t* rows_read = nullptr) {
+                                                 const std::uint32_t* rows_read = nullptr, float* logits = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     quantize_folded_query(k_page, geometry, j, q, group, temp);
     __syncwarp();
@@ -13333,6 +13350,7 @@ class quant_warp_attend {
             s[t][e] = -HUGE_VALF;
         }
     }
+    if (logits != nullptr) write_logits(logits, j * Partition, s);
 
     // Softmax over the partition: p relative to the partition's max (as the host's page-local
     // softmax when a page is one partition), quantized to 8 bits per head.
@@ -13419,6 +13437,12 @@ class quant_warp_attend {
     }
   }
 
+  /// -inf as the logits of partition `j`'s tokens (`logits`: the page's row 0, [row][group]): a
+  /// partition the caller skips reads none of its tokens. The whole warp calls it.
+  __device__ __forceinline__ void write_masked_logits(float* logits, int j) const {
+    for (int i = lane_id(); i < Partition * group; i += 32) logits[static_cast<std::size_t>(j) * Partition * group + i] = -HUGE_VALF;
+  }
+
   /// Whether partition `j` of a page holds a token to fold: past the first `masked` of the page,
   /// and marked in `rows_read` (null: all).
   __device__ __forceinline__ static bool reads_partition(const std::uint32_t* rows_read, int j, int masked) {
@@ -13434,9 +13458,11 @@ class quant_warp_attend {
   }
 
   /// Folds `n` (1 to 16) dense rows of the tail (16-bit, [n][HeadDim] from `k_rows`, `v_rows` in
-  /// global memory) in fp32: exact softmax, as the host folds its tail.
+  /// global memory) in fp32: exact softmax, as the host folds its tail. With `logits` (the first
+  /// row's place in `decode_params::token_logits`, [row][group]), each row's logits go there.
   template <class T>
-  __device__ __forceinline__ void fold_dense_rows(const T* k_rows, const T* v_rows, int n, const float* q) {
+  __device__ __forceinline__ void fold_dense_rows(const T* k_rows, const T* v_rows, int n, const float* q,
+                                                  float* logits = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     float s[4];
 #pragma unroll
@@ -13450,6 +13476,7 @@ class quant_warp_attend {
         for (int c = 0; c < HeadDim; ++c) dot += q_h[c] * to_float(k[c]);
       }
       s[e] = token < n ? dot : -HUGE_VALF;
+      if (logits != nullptr && token < n && head < group) logits[static_cast<std::size_t>(token) * group + head] = dot;
     }
     float block_max[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])}, p_sum[2], alpha[2], beta[2];
 #pragma unroll
@@ -13507,6 +13534,18 @@ class quant_warp_attend {
 
  private:
   __device__ __forceinline__ static int lane_id() { return static_cast<int>(threadIdx.x) % 32; }
+  /// This lane's logits of a partition starting at page row `first` (rows g, g + 8 of each 16-row
+  /// tile, heads 2q, 2q + 1) into `logits`, [row][group], heads past the group skipped.
+  __device__ __forceinline__ void write_logits(float* logits, int first, const float (&s)[token_tiles][4]) const {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = 2 * quad + e % 2;
+        if (head < group) logits[static_cast<std::size_t>(first + t * 16 + g + 8 * (e / 2)) * group + head] = s[t][e];
+      }
+  }
 
   /// The B fragments of K steps of 32 from `row` (column g of B: one head's 8-bit codes).
   template <int Steps>
@@ -13861,6 +13900,8 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
       RowMasks ? detail_decode::pages_of_split(p, w, head) : detail_decode::split_pages{w.page_begin, w.page_end};
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
+  // A step with token scores: every row's logits, at the split's place in the read order.
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, group);
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
@@ -13906,9 +13947,14 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
                            : 0;
     const std::uint32_t* rows_read =
         RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + warp + k * warps) : nullptr;
-    for (int j = 0; j < geometry.per_channel; ++j)
-      if (!RowMasks || attend::reads_partition(rows_read, j, j == 0 ? masked : 0))
-        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read);
+    float* const page_logits =
+        split_logits != nullptr ? split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group : nullptr;
+    for (int j = 0; j < geometry.per_channel; ++j) {
+      if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
+        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
+      else if (page_logits != nullptr)
+        state.write_masked_logits(page_logits, j);
+    }
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
       if (lane == 0 && k + stages < my_pages) issue(k + stages);
@@ -13923,7 +13969,9 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
     const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
-      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q);
+      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q,
+                            split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group
+                                                    : nullptr);
     }
   }
   __syncthreads();  // every warp is done with the stage area
@@ -14162,6 +14210,10 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
+  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o):
+  /// HACK's, from the 8-bit q' and the codes, as the softmax takes them: not the exact q . k of
+  /// the dequantized keys, so `cache::window_votes` scores those on the host.
+  static constexpr bool writes_token_logits = true;
   using params = kernel::quant_decode_params;
 
   struct state {

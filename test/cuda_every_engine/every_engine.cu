@@ -33,7 +33,8 @@ KVMOSAIC_TEST_ENGINE(kvmosaic::format::quant2, kvmosaic::select::all)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::quant4, kvmosaic::select::all)
 KVMOSAIC_TEST_ENGINE(kvmosaic::test::every_engine::quant4_v_token, kvmosaic::select::all)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::packed_bitmap, kvmosaic::select::all)
-// Every selector: over dense, and mean_keys over packed_bitmap (its own block keys).
+// Every selector: over dense, mean_keys over packed_bitmap (its own block keys), and a selector
+// that reads token scores over quant2 (its kernel's logits).
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::quest)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::sentence_chunks)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::mean_keys)
@@ -41,3 +42,4 @@ KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::streaming)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::tova)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::dense, kvmosaic::select::h2o)
 KVMOSAIC_TEST_ENGINE(kvmosaic::format::packed_bitmap, kvmosaic::select::mean_keys)
+KVMOSAIC_TEST_ENGINE(kvmosaic::format::quant2, kvmosaic::select::h2o)

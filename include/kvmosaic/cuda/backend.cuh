@@ -87,13 +87,13 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense).
+  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant).
   static constexpr bool records_token_scores = writes_token_logits<Format>::value;
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
-  /// `window_votes` runs on the device (where the split kernels write logits); elsewhere the
-  /// cache scores the keys it reads back.
-  static constexpr bool computes_window_votes = writes_token_logits<Format>::value;
+  /// `window_votes` runs on the device where the split kernels write exact logits
+  /// (`writes_exact_logits`); elsewhere the cache scores the keys it reads back.
+  static constexpr bool computes_window_votes = writes_exact_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -368,7 +368,8 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
-  /// With `scores.use` other than none (format::dense's kernels; `writes_token_logits`), the
+  /// With `scores.use` other than none (format::dense's and the quantized formats' kernels;
+  /// `writes_token_logits`), the
   /// step also computes each read token's score (select/token_scores.hpp) on the device: the
   /// split kernels write their rows' logits, a score kernel after the merge normalizes and
   /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
@@ -377,8 +378,8 @@ class engine {
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
-                              "token scores", "requested", "format::dense on backend::cuda (the other formats' kernels "
-                              "write no logits yet): use backend::host");
+                              "token scores", "requested", "format::dense or format::quant on backend::cuda (the other "
+                              "formats' kernels write no logits yet): use backend::host");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -973,8 +974,8 @@ std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic
                                                                   std::int64_t window_start, float softmax_scale,
                                                                   group_combine combine) {
   const char* where = "cuda::engine::window_votes";
-  kvmosaic::detail::require(computes_window_votes, where, "the format", "without logits",
-                            "a format whose split kernels write logits (format::dense)");
+  kvmosaic::detail::require(computes_window_votes, where, "the format", "without exact logits",
+                            "a format whose split kernels write exact logits (format::dense)");
   kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
   const auto rows = static_cast<std::int64_t>(row_positions.size());
   const int heads = shape_.num_kv_heads, group = shape_.group_size;

@@ -17,6 +17,9 @@
 ///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
 ///                                                 // write each row's logits when a step records
 ///                                                 // token scores (kernel::decode_params::token_logits)
+///   static constexpr bool writes_exact_logits;    // optional, default false: and those logits are
+///                                                 // q . k of the decoded keys up to fp32 rounding
+///                                                 // (not an approximation such as HACK's 8-bit q')
 ///   struct params;                                // the format's fields of the split kernels' params
 ///   struct state;                                 // per-engine decisions (kernel path, stages), with
 ///                                                 // `int stages` (0 when the format has none)
@@ -184,5 +187,14 @@ struct writes_token_logits : std::false_type {};
 template <class Format>
 struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
     : std::bool_constant<device_format<Format>::writes_token_logits> {};
+
+/// Whether `Format`'s logits (`writes_token_logits`) are q . k of its decoded keys up to fp32
+/// rounding (`device_format<Format>::writes_exact_logits`; false where it does not say): what
+/// `cache::window_votes` needs to compute on the device what the host computes from `read`.
+template <class Format, class = void>
+struct writes_exact_logits : std::false_type {};
+template <class Format>
+struct writes_exact_logits<Format, std::void_t<decltype(device_format<Format>::writes_exact_logits)>>
+    : std::bool_constant<writes_token_logits<Format>::value && device_format<Format>::writes_exact_logits> {};
 
 }  // namespace kvmosaic::cuda

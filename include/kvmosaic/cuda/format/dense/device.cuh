@@ -30,6 +30,7 @@ struct device_format<format::dense> {
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
   static constexpr bool writes_token_logits = true;  ///< every dense split kernel (select::tova, select::h2o)
+  static constexpr bool writes_exact_logits = true;  ///< fp32 q . k (sm_90: q in two 16-bit halves)
   using params = kernel::dense_decode_params;
 
   struct state {

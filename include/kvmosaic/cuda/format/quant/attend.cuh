@@ -138,11 +138,14 @@ class quant_warp_attend {
   /// V pages) into the state. `q`: the group's queries times the softmax scale, [group][HeadDim]
   /// in shared memory. The page's first `masked` tokens (sinks, attended as dense rows) get p = 0,
   /// and so do those whose bit in `rows_read` (bit t % 32 of word t / 32; null: all read) is clear.
-  /// The partition must hold a token read (the caller skips the others: `reads_partition`).
+  /// The partition must hold a token read (the caller skips the others: `reads_partition`, and
+  /// `write_masked_logits` for them). With `logits` (a step that records token scores: the page's
+  /// row 0 of `decode_params::token_logits`, [row][group]), each token's logit per query head as
+  /// the softmax takes it (-inf where masked) is written there.
   __device__ __forceinline__ void fold_partition(const std::byte* k_page, const std::byte* v_page,
                                                  const quant_page_geometry& geometry, int j, const float* q,
                                                  temp_storage& temp, int masked = 0,
-                                                 const std::uint32_t* rows_read = nullptr) {
+                                                 const std::uint32_t* rows_read = nullptr, float* logits = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     quantize_folded_query(k_page, geometry, j, q, group, temp);
     __syncwarp();
@@ -199,6 +202,7 @@ class quant_warp_attend {
             s[t][e] = -HUGE_VALF;
         }
     }
+    if (logits != nullptr) write_logits(logits, j * Partition, s);
 
     // Softmax over the partition: p relative to the partition's max (as the host's page-local
     // softmax when a page is one partition), quantized to 8 bits per head.
@@ -285,6 +289,12 @@ class quant_warp_attend {
     }
   }
 
+  /// -inf as the logits of partition `j`'s tokens (`logits`: the page's row 0, [row][group]): a
+  /// partition the caller skips reads none of its tokens. The whole warp calls it.
+  __device__ __forceinline__ void write_masked_logits(float* logits, int j) const {
+    for (int i = lane_id(); i < Partition * group; i += 32) logits[static_cast<std::size_t>(j) * Partition * group + i] = -HUGE_VALF;
+  }
+
   /// Whether partition `j` of a page holds a token to fold: past the first `masked` of the page,
   /// and marked in `rows_read` (null: all).
   __device__ __forceinline__ static bool reads_partition(const std::uint32_t* rows_read, int j, int masked) {
@@ -300,9 +310,11 @@ class quant_warp_attend {
   }
 
   /// Folds `n` (1 to 16) dense rows of the tail (16-bit, [n][HeadDim] from `k_rows`, `v_rows` in
-  /// global memory) in fp32: exact softmax, as the host folds its tail.
+  /// global memory) in fp32: exact softmax, as the host folds its tail. With `logits` (the first
+  /// row's place in `decode_params::token_logits`, [row][group]), each row's logits go there.
   template <class T>
-  __device__ __forceinline__ void fold_dense_rows(const T* k_rows, const T* v_rows, int n, const float* q) {
+  __device__ __forceinline__ void fold_dense_rows(const T* k_rows, const T* v_rows, int n, const float* q,
+                                                  float* logits = nullptr) {
     const int lane = lane_id(), g = lane / 4, quad = lane % 4;
     float s[4];
 #pragma unroll
@@ -316,6 +328,7 @@ class quant_warp_attend {
         for (int c = 0; c < HeadDim; ++c) dot += q_h[c] * to_float(k[c]);
       }
       s[e] = token < n ? dot : -HUGE_VALF;
+      if (logits != nullptr && token < n && head < group) logits[static_cast<std::size_t>(token) * group + head] = dot;
     }
     float block_max[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])}, p_sum[2], alpha[2], beta[2];
 #pragma unroll
@@ -373,6 +386,18 @@ class quant_warp_attend {
 
  private:
   __device__ __forceinline__ static int lane_id() { return static_cast<int>(threadIdx.x) % 32; }
+  /// This lane's logits of a partition starting at page row `first` (rows g, g + 8 of each 16-row
+  /// tile, heads 2q, 2q + 1) into `logits`, [row][group], heads past the group skipped.
+  __device__ __forceinline__ void write_logits(float* logits, int first, const float (&s)[token_tiles][4]) const {
+    const int lane = lane_id(), g = lane / 4, quad = lane % 4;
+#pragma unroll
+    for (int t = 0; t < token_tiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = 2 * quad + e % 2;
+        if (head < group) logits[static_cast<std::size_t>(first + t * 16 + g + 8 * (e / 2)) * group + head] = s[t][e];
+      }
+  }
 
   /// The B fragments of K steps of 32 from `row` (column g of B: one head's 8-bit codes).
   template <int Steps>

@@ -93,6 +93,8 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
       RowMasks ? detail_decode::pages_of_split(p, w, head) : detail_decode::split_pages{w.page_begin, w.page_end};
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
+  // A step with token scores: every row's logits, at the split's place in the read order.
+  float* const split_logits = detail_decode::split_logits(p, w, head, range, group);
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
@@ -138,9 +140,14 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
                            : 0;
     const std::uint32_t* rows_read =
         RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + warp + k * warps) : nullptr;
-    for (int j = 0; j < geometry.per_channel; ++j)
-      if (!RowMasks || attend::reads_partition(rows_read, j, j == 0 ? masked : 0))
-        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read);
+    float* const page_logits =
+        split_logits != nullptr ? split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group : nullptr;
+    for (int j = 0; j < geometry.per_channel; ++j) {
+      if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
+        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
+      else if (page_logits != nullptr)
+        state.write_masked_logits(page_logits, j);
+    }
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
       if (lane == 0 && k + stages < my_pages) issue(k + stages);
@@ -155,7 +162,9 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
     const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
-      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q);
+      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q,
+                            split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group
+                                                    : nullptr);
     }
   }
   __syncthreads();  // every warp is done with the stage area

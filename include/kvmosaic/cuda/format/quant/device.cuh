@@ -38,6 +38,10 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
+  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o):
+  /// HACK's, from the 8-bit q' and the codes, as the softmax takes them: not the exact q . k of
+  /// the dequantized keys, so `cache::window_votes` scores those on the host.
+  static constexpr bool writes_token_logits = true;
   using params = kernel::quant_decode_params;
 
   struct state {
