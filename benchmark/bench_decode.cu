@@ -613,6 +613,14 @@ BENCHMARK(decode<format::dense, select::h2o>)
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
+// The same over quant2 (HACK's logits from its int8 kernel), against quant2_decode.
+BENCHMARK(decode<format::quant2, select::tova>)
+    ->Name("quant2_tova_scores_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {1}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
 // select::snapkv's snapshot scoring on the device (cache::window_votes), window 32 (SnapKV's).
 BENCHMARK(window_votes)
     ->Name("dense_snapkv_window_votes")

@@ -9942,9 +9942,11 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   template <class Shapes>
 ///   static void configure(state&, const format::X&, device_context&);  // at construction; may
 ///                                                 // turn bulk_copy off (then the portable path)
-///   template <class Shapes, class F>                                     // the split kernel of a step:
+///   template <class Shapes, bool Logits, class F>                        // the split kernel of a step:
 ///   static void with_decode_kernel(const state&, const format::X&, const device_context&, bool row_masks,
-///                                  F&& f);                               // f(kernel, threads, shared bytes)
+///                                  F&& f);                               // f(kernel, threads, shared bytes);
+///                                                 // Logits: of an engine whose steps may record token
+///                                                 // scores (formats that write logits only)
 ///   static params params_for(const state&, const format::X&, const device_context&);
 ///   static int max_pages_per_split(const state&, const decode_tuning&);  // page ids a split keeps
 ///   static bool splits_p_on_tensor_cores(const state&, const device_context&);
@@ -10533,8 +10535,13 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant).
-  static constexpr bool records_token_scores = writes_token_logits<Format>::value;
+  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant), in the
+  /// kernels that write them: those the engine takes where its selector reads token scores, or
+  /// where the logits serve `window_votes` (exact logits; format::dense's kernels branch at run
+  /// time and always can).
+  static constexpr bool records_token_scores =
+      writes_token_logits<Format>::value &&
+      (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none || writes_exact_logits<Format>::value);
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
   /// `window_votes` runs on the device where the split kernels write exact logits
@@ -10823,9 +10830,9 @@ class engine {
   /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
-    kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
-                              "token scores", "requested", "format::dense or format::quant on backend::cuda (the other "
-                              "formats' kernels write no logits yet): use backend::host");
+    kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
+                              "requested", "an engine that records them: format::dense, or format::quant under a selector "
+                              "that reads token scores (the other formats' kernels write no logits yet; backend::host: every format)");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -11109,7 +11116,8 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks() || step_masked_, f);
+    device::template with_decode_kernel<Shapes, records_token_scores>(format_state_, format_, context(),
+                                                                      selection_.row_masks() || step_masked_, f);
   }
 
   /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
@@ -11398,7 +11406,7 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
-  if constexpr (writes_token_logits<Format>::value) {
+  if constexpr (records_token_scores) {
     if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.
@@ -12157,7 +12165,7 @@ struct device_format<format::dense> {
     }
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::dense&, const device_context& e, bool /*row_masks*/, F&& f) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, shape.group_size, [&](auto element, auto dim, auto group) {
@@ -13038,7 +13046,7 @@ struct device_format<format::bitmap_tiles> {
     if (s.stages == 0) e.bulk_copy = false;  // not even one page pair fits: the portable kernel
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::bitmap_tiles& f, const device_context& e, bool row_masks,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
@@ -13860,9 +13868,11 @@ struct quant_decode_layout {
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
 /// type, head_dim, Pi, format (code width and V axis), copy path, `RowMasks`: whether a token-granular selection's row masks are
-/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
+/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites";
+/// `Logits`: whether a step with token scores writes its rows' logits, `decode_params::token_logits`;
+/// without, the code has no store, which a runtime branch alone cost 2% at batch 8, 128K).
 /// Grid: (splits capacity, num_kv_heads).
-template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false>
+template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false, bool Logits = false>
 __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_constant__ split_params<quant_decode_params> p) {
   using layout = quant_decode_layout<HeadDim, Partition, Format>;
   using attend = quant_warp_attend<HeadDim, Partition, T, Format>;
@@ -13901,7 +13911,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
   // A step with token scores: every row's logits, at the split's place in the read order.
-  float* const split_logits = detail_decode::split_logits(p, w, head, range, group);
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, group) : nullptr;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
@@ -13947,13 +13957,18 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
                            : 0;
     const std::uint32_t* rows_read =
         RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + warp + k * warps) : nullptr;
-    float* const page_logits =
-        split_logits != nullptr ? split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group : nullptr;
-    for (int j = 0; j < geometry.per_channel; ++j) {
-      if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
-        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
-      else if (page_logits != nullptr)
-        state.write_masked_logits(page_logits, j);
+    if (!Logits || split_logits == nullptr) {  // a step without scores
+      for (int j = 0; j < geometry.per_channel; ++j)
+        if (!RowMasks || attend::reads_partition(rows_read, j, j == 0 ? masked : 0))
+          state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read);
+    } else {  // every row's logits, -inf for a partition not folded
+      float* const page_logits = split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group;
+      for (int j = 0; j < geometry.per_channel; ++j) {
+        if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
+          state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
+        else
+          state.write_masked_logits(page_logits, j);
+      }
     }
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
@@ -13969,9 +13984,9 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
     const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
-      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q,
-                            split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group
-                                                    : nullptr);
+      float* const run_logits =
+          Logits && split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group : nullptr;
+      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q, run_logits);
     }
   }
   __syncthreads();  // every warp is done with the stage area
@@ -14210,7 +14225,9 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
-  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o):
+  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o),
+  /// in the kernels `with_decode_kernel<Shapes, true>` hands out (an engine whose selector reads
+  /// scores takes those, every other engine the kernels without the stores):
   /// HACK's, from the 8-bit q' and the codes, as the softmax takes them: not the exact q . k of
   /// the dequantized keys, so `cache::window_votes` scores those on the host.
   static constexpr bool writes_token_logits = true;
@@ -14253,7 +14270,7 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   }
 
   /// The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
-  template <class Shapes, class F>
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format_type& f, const device_context& e, bool row_masks, F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const int stage_bytes = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
@@ -14263,14 +14280,20 @@ struct device_format<format::quant<Bits, ValueAxis>> {
       dispatch_partition_of<head_dim>(f.partition, [&](auto partition) {
         constexpr int pi = decltype(partition)::value;
         using layout = kernel::quant_decode_layout<head_dim, pi, format_type>;
-        if (e.bulk_copy && row_masks)  // row masks: their own instantiations
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true>, 128, layout::bytes(stage_bytes, s.stages));
+        // Row masks and logits: their own instantiations (an engine takes the logit-writing ones
+        // only, where its selector reads token scores).
+        if (e.bulk_copy && row_masks)
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true, Logits>, 128,
+               layout::bytes(stage_bytes, s.stages));
         else if (e.bulk_copy)
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, false, Logits>, 128,
+               layout::bytes(stage_bytes, s.stages));
         else if (row_masks)
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true, Logits>, 128,
+               layout::bytes(stage_bytes, 1));
         else
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, false, Logits>, 128,
+               layout::bytes(stage_bytes, 1));
       });
     });
   }
@@ -15400,7 +15423,7 @@ struct device_format<format::packed_bitmap> {
     if (s.stages == 0) e.bulk_copy = false;
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;

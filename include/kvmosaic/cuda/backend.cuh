@@ -87,8 +87,13 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant).
-  static constexpr bool records_token_scores = writes_token_logits<Format>::value;
+  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant), in the
+  /// kernels that write them: those the engine takes where its selector reads token scores, or
+  /// where the logits serve `window_votes` (exact logits; format::dense's kernels branch at run
+  /// time and always can).
+  static constexpr bool records_token_scores =
+      writes_token_logits<Format>::value &&
+      (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none || writes_exact_logits<Format>::value);
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
   /// `window_votes` runs on the device where the split kernels write exact logits
@@ -377,9 +382,9 @@ class engine {
   /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
-    kvmosaic::detail::require(scores.use == score_use::none || writes_token_logits<Format>::value, "cuda::engine::plan",
-                              "token scores", "requested", "format::dense or format::quant on backend::cuda (the other "
-                              "formats' kernels write no logits yet): use backend::host");
+    kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
+                              "requested", "an engine that records them: format::dense, or format::quant under a selector "
+                              "that reads token scores (the other formats' kernels write no logits yet; backend::host: every format)");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -663,7 +668,8 @@ class engine {
   /// the bulk-copy pipeline on sm_90 and later, the portable register-streaming kernel elsewhere.
   template <class F>
   void with_decode_kernel(F&& f) const {
-    device::template with_decode_kernel<Shapes>(format_state_, format_, context(), selection_.row_masks() || step_masked_, f);
+    device::template with_decode_kernel<Shapes, records_token_scores>(format_state_, format_, context(),
+                                                                      selection_.row_masks() || step_masked_, f);
   }
 
   /// The most pages one split may hold (the page ids a format's sm_90 kernel keeps in shared
@@ -952,7 +958,7 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
-  if constexpr (writes_token_logits<Format>::value) {
+  if constexpr (records_token_scores) {
     if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.

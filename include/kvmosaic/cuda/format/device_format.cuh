@@ -27,9 +27,11 @@
 ///   template <class Shapes>
 ///   static void configure(state&, const format::X&, device_context&);  // at construction; may
 ///                                                 // turn bulk_copy off (then the portable path)
-///   template <class Shapes, class F>                                     // the split kernel of a step:
+///   template <class Shapes, bool Logits, class F>                        // the split kernel of a step:
 ///   static void with_decode_kernel(const state&, const format::X&, const device_context&, bool row_masks,
-///                                  F&& f);                               // f(kernel, threads, shared bytes)
+///                                  F&& f);                               // f(kernel, threads, shared bytes);
+///                                                 // Logits: of an engine whose steps may record token
+///                                                 // scores (formats that write logits only)
 ///   static params params_for(const state&, const format::X&, const device_context&);
 ///   static int max_pages_per_split(const state&, const decode_tuning&);  // page ids a split keeps
 ///   static bool splits_p_on_tensor_cores(const state&, const device_context&);

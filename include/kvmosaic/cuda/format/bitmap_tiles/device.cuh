@@ -60,7 +60,7 @@ struct device_format<format::bitmap_tiles> {
     if (s.stages == 0) e.bulk_copy = false;  // not even one page pair fits: the portable kernel
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::bitmap_tiles& f, const device_context& e, bool row_masks,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;

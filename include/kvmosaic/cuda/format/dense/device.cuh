@@ -57,7 +57,7 @@ struct device_format<format::dense> {
     }
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::dense&, const device_context& e, bool /*row_masks*/, F&& f) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, shape.group_size, [&](auto element, auto dim, auto group) {

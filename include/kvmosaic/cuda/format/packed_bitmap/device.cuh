@@ -67,7 +67,7 @@ struct device_format<format::packed_bitmap> {
     if (s.stages == 0) e.bulk_copy = false;
   }
 
-  template <class Shapes, class F>
+  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
   static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;

@@ -53,9 +53,11 @@ struct quant_decode_layout {
 /// never wait for each other until the tail and the CTA reduction.
 /// The GQA group size is `p.group_size` (1-8), a run-time value: one instantiation per (element
 /// type, head_dim, Pi, format (code width and V axis), copy path, `RowMasks`: whether a token-granular selection's row masks are
-/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites").
+/// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites";
+/// `Logits`: whether a step with token scores writes its rows' logits, `decode_params::token_logits`;
+/// without, the code has no store, which a runtime branch alone cost 2% at batch 8, 128K).
 /// Grid: (splits capacity, num_kv_heads).
-template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false>
+template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false, bool Logits = false>
 __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_constant__ split_params<quant_decode_params> p) {
   using layout = quant_decode_layout<HeadDim, Partition, Format>;
   using attend = quant_warp_attend<HeadDim, Partition, T, Format>;
@@ -94,7 +96,7 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_pages = range.end - range.begin;
   // A step with token scores: every row's logits, at the split's place in the read order.
-  float* const split_logits = detail_decode::split_logits(p, w, head, range, group);
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, group) : nullptr;
   const int my_pages = num_pages > warp ? (num_pages - warp + warps - 1) / warps : 0;
   const quant_page_geometry geometry = quant_page_geometry::of(p.page_size, HeadDim, Partition, Format::bits);
   const auto page_of = [&](int k) {
@@ -140,13 +142,18 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
                            : 0;
     const std::uint32_t* rows_read =
         RowMasks ? detail_decode::page_rows_read(p, w.batch_index, head, range.begin + warp + k * warps) : nullptr;
-    float* const page_logits =
-        split_logits != nullptr ? split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group : nullptr;
-    for (int j = 0; j < geometry.per_channel; ++j) {
-      if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
-        state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
-      else if (page_logits != nullptr)
-        state.write_masked_logits(page_logits, j);
+    if (!Logits || split_logits == nullptr) {  // a step without scores
+      for (int j = 0; j < geometry.per_channel; ++j)
+        if (!RowMasks || attend::reads_partition(rows_read, j, j == 0 ? masked : 0))
+          state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read);
+    } else {  // every row's logits, -inf for a partition not folded
+      float* const page_logits = split_logits + static_cast<std::size_t>(warp + k * warps) * p.page_size * group;
+      for (int j = 0; j < geometry.per_channel; ++j) {
+        if (attend::reads_partition(RowMasks ? rows_read : nullptr, j, j == 0 ? masked : 0))
+          state.fold_partition(k_page, k_page + k_bytes, geometry, j, q, temp, j == 0 ? masked : 0, rows_read, page_logits);
+        else
+          state.write_masked_logits(page_logits, j);
+      }
     }
     __syncwarp();  // every lane is done with the slot
     if constexpr (BulkCopy) {
@@ -162,9 +169,9 @@ __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_
     const int rows = run.rows;
     for (int first = warp * 16; first < rows; first += warps * 16) {
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim;
-      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q,
-                            split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group
-                                                    : nullptr);
+      float* const run_logits =
+          Logits && split_logits != nullptr ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first) * group : nullptr;
+      state.fold_dense_rows(k_rows + skip, v_rows + skip, min(16, rows - first), q, run_logits);
     }
   }
   __syncthreads();  // every warp is done with the stage area

@@ -38,7 +38,9 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   /// Split sizes in multiples of the kernel's 4 warps, which deal a split's pages among them (so
   /// none idles at the end of a split: 3% at batch 8, 128K).
   static constexpr std::int32_t split_page_multiple = 4;
-  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o):
+  /// Both paths write each row's logits for a step with token scores (select::tova, select::h2o),
+  /// in the kernels `with_decode_kernel<Shapes, true>` hands out (an engine whose selector reads
+  /// scores takes those, every other engine the kernels without the stores):
   /// HACK's, from the 8-bit q' and the codes, as the softmax takes them: not the exact q . k of
   /// the dequantized keys, so `cache::window_votes` scores those on the host.
   static constexpr bool writes_token_logits = true;
@@ -81,7 +83,7 @@ struct device_format<format::quant<Bits, ValueAxis>> {
   }
 
   /// The group size is a run-time value of this kernel: instantiations per (type, head_dim, Pi).
-  template <class Shapes, class F>
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format_type& f, const device_context& e, bool row_masks, F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
     const int stage_bytes = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
@@ -91,14 +93,20 @@ struct device_format<format::quant<Bits, ValueAxis>> {
       dispatch_partition_of<head_dim>(f.partition, [&](auto partition) {
         constexpr int pi = decltype(partition)::value;
         using layout = kernel::quant_decode_layout<head_dim, pi, format_type>;
-        if (e.bulk_copy && row_masks)  // row masks: their own instantiations
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true>, 128, layout::bytes(stage_bytes, s.stages));
+        // Row masks and logits: their own instantiations (an engine takes the logit-writing ones
+        // only, where its selector reads token scores).
+        if (e.bulk_copy && row_masks)
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, true, Logits>, 128,
+               layout::bytes(stage_bytes, s.stages));
         else if (e.bulk_copy)
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true>, 128, layout::bytes(stage_bytes, s.stages));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, true, false, Logits>, 128,
+               layout::bytes(stage_bytes, s.stages));
         else if (row_masks)
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, true, Logits>, 128,
+               layout::bytes(stage_bytes, 1));
         else
-          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false>, 128, layout::bytes(stage_bytes, 1));
+          call(kernel::decode_partial_quant_kernel<T, head_dim, pi, format_type, false, false, Logits>, 128,
+               layout::bytes(stage_bytes, 1));
       });
     });
   }
