@@ -12586,11 +12586,13 @@ struct bitmap_decode_layout {
 /// page `stages` ahead. K in the paper's layout (columns) is first scattered by the CTA into a
 /// zeroed dense K tile (two barriers per segment), which the warps read as rows. The dense tail is
 /// read as rows from global memory. `RowMasks`: whether a token-granular selection's row masks are
-/// read. Grid: (splits capacity, num_kv_heads).
+/// read; `Logits`: whether a step with token scores writes each row's logits
+/// (`decode_params::token_logits`; without, the kernel has no store). Grid: (splits capacity,
+/// num_kv_heads).
 /// Why no dense tile: gathering each segment into dense K and V tiles first costs 32 KB of shared
 /// stores and loads per segment, and shared-memory bandwidth bounded that kernel
 /// (benchmark/README.md, "Decisions the code cites").
-template <class T, int HeadDim, int Group, bool RowMasks = false>
+template <class T, int HeadDim, int Group, bool RowMasks = false, bool Logits = false>
 __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
     decode_partial_bitmap_kernel(const __grid_constant__ split_params<bitmap_decode_params> p) {
   constexpr int threads = 128, warps = 4;
@@ -12652,6 +12654,18 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
   const int rows_first = warp * 16;  // the warp's rows of every segment
   attend state;
   state.start();
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
+  // The warp's 16 rows of segment `first` of split page i: their logits, or -inf where it folds none.
+  const auto fold_rows = [&](const auto& k_rows, const auto& v_rows, int i, int first, std::uint32_t rows) {
+    float* const warp_logits =
+        Logits && split_logits != nullptr
+            ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
+            : nullptr;
+    if (rows != 0)
+      state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows, warp_logits, 0xffffu);
+    else if (warp_logits != nullptr)
+      attend::write_masked_logits(warp_logits, 0xffffu);
+  };
   for (int i = 0; i < num_pages; ++i) {
     const int slot = i % stages;
     detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
@@ -12662,8 +12676,7 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
       for (int first = 0; first < p.page_size; first += segment) {
         const std::uint32_t rows =
             RowMasks ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) : 0xffffu;
-        if (rows != 0)
-          state.fold_chunks(page_rows{k_page, first}, page_rows{v_page, first}, query_tiles, rows_first, rows);
+        fold_rows(page_rows{k_page, first}, page_rows{v_page, first}, i, first, rows);
       }
       // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
       __syncwarp();
@@ -12678,9 +12691,7 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
             RowMasks ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) : 0xffffu;
         expand::scatter_columns(k_page, p.page_size, first, k_tile);
         __syncthreads();  // the K tile is complete
-        if (rows != 0)
-          state.fold_chunks(swizzled_tile_rows<segment>{detail::shared_address(k_tile)}, page_rows{v_page, first},
-                            query_tiles, rows_first, rows);
+        fold_rows(swizzled_tile_rows<segment>{detail::shared_address(k_tile)}, page_rows{v_page, first}, i, first, rows);
         __syncwarp();  // every lane's reads of these rows are done
         expand::zero_rows_of_warp(k_tile, rows_first, 16);
         __syncthreads();  // the K tile is zero again (and, after the last segment, the slot is read)
@@ -12700,9 +12711,14 @@ __global__ void __launch_bounds__(128, bitmap_decode_min_ctas(HeadDim, Group))
       // A warp whose rows all lie past the tail skips: p would be 0 for them anyway.
       const std::uint32_t warp_rows = attend::rows_before(first + rows_first, rows);
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
+      float* const warp_logits =
+          Logits && split_logits != nullptr
+              ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first + rows_first) * Group
+              : nullptr;
       if (warp_rows != 0)
         state.fold_chunks(global_dense_rows<HeadDim>{k_rows + skip, rows - first},
-                          global_dense_rows<HeadDim>{v_rows + skip, rows - first}, query_tiles, rows_first, warp_rows);
+                          global_dense_rows<HeadDim>{v_rows + skip, rows - first}, query_tiles, rows_first, warp_rows,
+                          warp_logits, warp_rows);
     }
   }
   detail_decode::write_warp_partial<attend, HeadDim, Group, warps>(p, work_index, head, state,
@@ -12745,6 +12761,7 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
   const int tiles = p.page_size * HeadDim / 64;
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head);
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  float* const logits = detail_decode::split_logits(p, w, head, range, Group);  // a step with token scores
   for (int i = range.begin; i < range.end; ++i) {
     const std::byte* slot = p.pages + static_cast<std::size_t>(table[i]) * p.page_slot_bytes;
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, i);
@@ -12755,8 +12772,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
       __syncthreads();
       expand::expand(k_page, v_page, p.page_size, first, p.format.k_along_tokens != 0, k_tile, v_tile);
       __syncthreads();
-      collective::template fold<from_shared>(k_tile, v_tile, segment, s,
-                                             rows_read == nullptr ? nullptr : rows_read + first / 32);
+      collective::template fold<from_shared>(
+          k_tile, v_tile, segment, s, rows_read == nullptr ? nullptr : rows_read + first / 32,
+          logits != nullptr ? logits + (static_cast<std::size_t>(i - range.begin) * p.page_size + first) * Group : nullptr);
       __syncthreads();
     }
   }
@@ -12764,7 +12782,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_bitmap_portable_kernel
     const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
     const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                             static_cast<std::size_t>(run.first) * HeadDim * 2;
-    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+    collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s,
+                     nullptr, logits != nullptr ? logits + static_cast<std::size_t>(range.end - range.begin) * p.page_size * Group : nullptr);
   }
   detail_decode::write_partial<HeadDim, Group, Threads, lanes_per_row>(
       p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, collective::rows>*>(shared));
@@ -13016,6 +13035,10 @@ struct device_format<format::bitmap_tiles> {
   static constexpr bool encodes_pages = true;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
+  /// Both kernels write each row's logits for a step with token scores (select::tova, select::h2o,
+  /// cache::window_votes): q . k of the pruned keys in fp32 (sm_90: q in two 16-bit halves).
+  static constexpr bool writes_token_logits = true;
+  static constexpr bool writes_exact_logits = true;
   using params = kernel::bitmap_decode_params;
   using traits = format_traits<format::bitmap_tiles>;
 
@@ -13046,7 +13069,10 @@ struct device_format<format::bitmap_tiles> {
     if (s.stages == 0) e.bulk_copy = false;  // not even one page pair fits: the portable kernel
   }
 
-  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
+  /// `Logits`: the sm_90 kernel that writes each row's logits for a step with token scores (its
+  /// own instantiations: a kernel without scores has no store); the portable kernel branches at
+  /// run time.
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format::bitmap_tiles& f, const device_context& e, bool row_masks,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
@@ -13060,9 +13086,9 @@ struct device_format<format::bitmap_tiles> {
             head_dim, group_size, static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes), s.stages,
             traits::k_along_tokens(f));
         if (row_masks)  // row masks: their own instantiation
-          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128, shared_bytes);
+          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true, Logits>, 128, shared_bytes);
         else
-          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128, shared_bytes);
+          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, false, Logits>, 128, shared_bytes);
       } else {
         using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
         call(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,

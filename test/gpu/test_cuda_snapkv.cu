@@ -199,6 +199,11 @@ TEST_CASE("GPU snapkv: the host's snapshot, pages and attention", "[gpu][snapkv]
     check_snapkv_twins<format::dense, compact::hole_fill>({}, 16, 75, group_combine::max);
   }
   SECTION("dense with 4 sinks, repack") { check_snapkv_twins<format::dense, compact::repack>(sinks, 16, 70, group_combine::sum); }
+  SECTION("bitmap_tiles with 4 sinks, repack: votes on the pruned keys") {
+    format::bitmap_tiles f;
+    f.sink_tokens = 4;
+    check_snapkv_twins<format::bitmap_tiles, compact::repack>(f, 64, 200, group_combine::sum);
+  }
   SECTION("dense with 4 sinks, repack, the portable kernel") {
     check_snapkv_twins<format::dense, compact::repack>(sinks, 16, 70, group_combine::sum, true);
   }

@@ -30,6 +30,10 @@ struct device_format<format::bitmap_tiles> {
   static constexpr bool encodes_pages = true;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
   static constexpr std::int32_t split_page_multiple = 1;
+  /// Both kernels write each row's logits for a step with token scores (select::tova, select::h2o,
+  /// cache::window_votes): q . k of the pruned keys in fp32 (sm_90: q in two 16-bit halves).
+  static constexpr bool writes_token_logits = true;
+  static constexpr bool writes_exact_logits = true;
   using params = kernel::bitmap_decode_params;
   using traits = format_traits<format::bitmap_tiles>;
 
@@ -60,7 +64,10 @@ struct device_format<format::bitmap_tiles> {
     if (s.stages == 0) e.bulk_copy = false;  // not even one page pair fits: the portable kernel
   }
 
-  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
+  /// `Logits`: the sm_90 kernel that writes each row's logits for a step with token scores (its
+  /// own instantiations: a kernel without scores has no store); the portable kernel branches at
+  /// run time.
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format::bitmap_tiles& f, const device_context& e, bool row_masks,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
@@ -74,9 +81,9 @@ struct device_format<format::bitmap_tiles> {
             head_dim, group_size, static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes), s.stages,
             traits::k_along_tokens(f));
         if (row_masks)  // row masks: their own instantiation
-          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true>, 128, shared_bytes);
+          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, true, Logits>, 128, shared_bytes);
         else
-          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size>, 128, shared_bytes);
+          call(kernel::decode_partial_bitmap_kernel<T, head_dim, group_size, false, Logits>, 128, shared_bytes);
       } else {
         using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
         call(kernel::decode_partial_bitmap_portable_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
