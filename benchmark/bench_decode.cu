@@ -613,6 +613,14 @@ BENCHMARK(decode<format::dense, select::h2o>)
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
+// The same over bitmap_tiles at 70% sparsity, against bitmap_tiles_decode.
+BENCHMARK(decode<format::bitmap_tiles, select::tova>)
+    ->Name("bitmap_tiles_tova_scores_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {70}, {1}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
 // The same over quant2 (HACK's logits from its int8 kernel), against quant2_decode.
 BENCHMARK(decode<format::quant2, select::tova>)
     ->Name("quant2_tova_scores_decode")

@@ -205,8 +205,8 @@ class cache
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "this backend's kernels do not write for this format: on backend::cuda use format::dense or "
-                "format::quant (quant2, quant4), or use backend::host (every format)");
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense, "
+                "format::bitmap_tiles or format::quant (quant2, quant4), or use backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})

@@ -3288,6 +3288,15 @@ struct token_scores_of<Selector, std::void_t<decltype(selector_traits<Selector>:
   static constexpr score_use value = selector_traits<Selector>::token_scores;
 };
 
+/// `selector_traits<Selector>::reads_window_votes` (the selector ranks by `cache::window_votes`:
+/// select::snapkv), false when the traits do not declare it. An engine takes the kernels that
+/// write logits for such a selector, so that the votes are computed where the keys are.
+template <class Selector, class = void>
+struct reads_window_votes : std::false_type {};
+template <class Selector>
+struct reads_window_votes<Selector, std::void_t<decltype(selector_traits<Selector>::reads_window_votes)>>
+    : std::bool_constant<selector_traits<Selector>::reads_window_votes> {};
+
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
 template <class Selector, class = void>
 struct keeps_token_ranges : std::false_type {};
@@ -4184,6 +4193,7 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
   static constexpr bool reads_all_pages = true;  // every live token: the snapshot already dropped the rest
   static constexpr bool evicts = true;
   static constexpr bool needs_token_ids = false;
+  static constexpr bool reads_window_votes = true;  // cache::window_votes, computed by the device where it can
   static std::string describe(const select::snapkv& s) {
     return std::string("snapkv(") + s.budget.describe() + ", window " + std::to_string(s.window) + ", pool " +
            std::to_string(s.pool_kernel) + ", " + to_string(s.combine) + ")";
@@ -6064,8 +6074,8 @@ class cache
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "this backend's kernels do not write for this format: on backend::cuda use format::dense or "
-                "format::quant (quant2, quant4), or use backend::host (every format)");
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense, "
+                "format::bitmap_tiles or format::quant (quant2, quant4), or use backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -10535,18 +10545,19 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant), in the
-  /// kernels that write them: those the engine takes where its selector reads token scores, or
-  /// where the logits serve `window_votes` (exact logits; format::dense's kernels branch at run
-  /// time and always can).
+  /// write their rows' logits (`writes_token_logits`: format::dense, bitmap_tiles, quant), and
+  /// the engine's selector reads them (token scores: select::tova, select::h2o; window votes:
+  /// select::snapkv). Only such an engine takes the kernels that write them; the others keep
+  /// kernels without the stores.
   static constexpr bool records_token_scores =
-      writes_token_logits<Format>::value &&
-      (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none || writes_exact_logits<Format>::value);
+      writes_token_logits<Format>::value && (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none ||
+                                             kvmosaic::detail::reads_window_votes<Selector>::value);
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
-  /// `window_votes` runs on the device where the split kernels write exact logits
-  /// (`writes_exact_logits`); elsewhere the cache scores the keys it reads back.
-  static constexpr bool computes_window_votes = writes_exact_logits<Format>::value;
+  /// `window_votes` runs on the device where the engine records token scores and its format's
+  /// logits are exact (`writes_exact_logits`: dense, bitmap_tiles); elsewhere the cache scores
+  /// the keys it reads back.
+  static constexpr bool computes_window_votes = records_token_scores && writes_exact_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -10831,8 +10842,9 @@ class engine {
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
-                              "requested", "an engine that records them: format::dense, or format::quant under a selector "
-                              "that reads token scores (the other formats' kernels write no logits yet; backend::host: every format)");
+                              "requested", "an engine that records them: format::dense, bitmap_tiles or quant under a "
+                              "selector that reads token scores or window votes (format::packed_bitmap's kernels write "
+                              "no logits yet; backend::host: every format)");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -11428,8 +11440,8 @@ std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic
                                                                   std::int64_t window_start, float softmax_scale,
                                                                   group_combine combine) {
   const char* where = "cuda::engine::window_votes";
-  kvmosaic::detail::require(computes_window_votes, where, "the format", "without exact logits",
-                            "a format whose split kernels write exact logits (format::dense)");
+  kvmosaic::detail::require(computes_window_votes, where, "the engine", "without exact logits",
+                            "an engine of format::dense or bitmap_tiles under a selector that reads window votes");
   kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
   const auto rows = static_cast<std::int64_t>(row_positions.size());
   const int heads = shape_.num_kv_heads, group = shape_.group_size;

@@ -3278,6 +3278,15 @@ struct token_scores_of<Selector, std::void_t<decltype(selector_traits<Selector>:
   static constexpr score_use value = selector_traits<Selector>::token_scores;
 };
 
+/// `selector_traits<Selector>::reads_window_votes` (the selector ranks by `cache::window_votes`:
+/// select::snapkv), false when the traits do not declare it. An engine takes the kernels that
+/// write logits for such a selector, so that the votes are computed where the keys are.
+template <class Selector, class = void>
+struct reads_window_votes : std::false_type {};
+template <class Selector>
+struct reads_window_votes<Selector, std::void_t<decltype(selector_traits<Selector>::reads_window_votes)>>
+    : std::bool_constant<selector_traits<Selector>::reads_window_votes> {};
+
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
 template <class Selector, class = void>
 struct keeps_token_ranges : std::false_type {};
@@ -4174,6 +4183,7 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
   static constexpr bool reads_all_pages = true;  // every live token: the snapshot already dropped the rest
   static constexpr bool evicts = true;
   static constexpr bool needs_token_ids = false;
+  static constexpr bool reads_window_votes = true;  // cache::window_votes, computed by the device where it can
   static std::string describe(const select::snapkv& s) {
     return std::string("snapkv(") + s.budget.describe() + ", window " + std::to_string(s.window) + ", pool " +
            std::to_string(s.pool_kernel) + ", " + to_string(s.combine) + ")";
@@ -6054,8 +6064,8 @@ class cache
   using engine_type = typename detail::engine_for<Backend, Format, Selector>::type;
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
-                "this backend's kernels do not write for this format: on backend::cuda use format::dense or "
-                "format::quant (quant2, quant4), or use backend::host (every format)");
+                "this backend's kernels do not write for this format: on backend::cuda use format::dense, "
+                "format::bitmap_tiles or format::quant (quant2, quant4), or use backend::host (every format)");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})

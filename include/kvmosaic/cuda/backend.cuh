@@ -87,18 +87,19 @@ class engine {
   /// The selector's device part.
   using selection_type = selection_stage<Selector, Shapes>;
   /// A step can compute token scores (`plan`'s score_settings) where the format's split kernels
-  /// write their rows' logits (`writes_token_logits`: format::dense, format::quant), in the
-  /// kernels that write them: those the engine takes where its selector reads token scores, or
-  /// where the logits serve `window_votes` (exact logits; format::dense's kernels branch at run
-  /// time and always can).
+  /// write their rows' logits (`writes_token_logits`: format::dense, bitmap_tiles, quant), and
+  /// the engine's selector reads them (token scores: select::tova, select::h2o; window votes:
+  /// select::snapkv). Only such an engine takes the kernels that write them; the others keep
+  /// kernels without the stores.
   static constexpr bool records_token_scores =
-      writes_token_logits<Format>::value &&
-      (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none || writes_exact_logits<Format>::value);
+      writes_token_logits<Format>::value && (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none ||
+                                             kvmosaic::detail::reads_window_votes<Selector>::value);
   /// They come back per row of the read order (`token_scores`), not by logical position.
   static constexpr bool scores_by_position = false;
-  /// `window_votes` runs on the device where the split kernels write exact logits
-  /// (`writes_exact_logits`); elsewhere the cache scores the keys it reads back.
-  static constexpr bool computes_window_votes = writes_exact_logits<Format>::value;
+  /// `window_votes` runs on the device where the engine records token scores and its format's
+  /// logits are exact (`writes_exact_logits`: dense, bitmap_tiles); elsewhere the cache scores
+  /// the keys it reads back.
+  static constexpr bool computes_window_votes = records_token_scores && writes_exact_logits<Format>::value;
 
  private:
   static constexpr bool selects = selection_type::selects;
@@ -383,8 +384,9 @@ class engine {
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
-                              "requested", "an engine that records them: format::dense, or format::quant under a selector "
-                              "that reads token scores (the other formats' kernels write no logits yet; backend::host: every format)");
+                              "requested", "an engine that records them: format::dense, bitmap_tiles or quant under a "
+                              "selector that reads token scores or window votes (format::packed_bitmap's kernels write "
+                              "no logits yet; backend::host: every format)");
     plan_step(batch, request);
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
@@ -980,8 +982,8 @@ std::vector<float> engine<Format, Selector, Shapes>::window_votes(const kvmosaic
                                                                   std::int64_t window_start, float softmax_scale,
                                                                   group_combine combine) {
   const char* where = "cuda::engine::window_votes";
-  kvmosaic::detail::require(computes_window_votes, where, "the format", "without exact logits",
-                            "a format whose split kernels write exact logits (format::dense)");
+  kvmosaic::detail::require(computes_window_votes, where, "the engine", "without exact logits",
+                            "an engine of format::dense or bitmap_tiles under a selector that reads window votes");
   kvmosaic::detail::require(window >= 1, where, "window", window, ">= 1");
   const auto rows = static_cast<std::int64_t>(row_positions.size());
   const int heads = shape_.num_kv_heads, group = shape_.group_size;

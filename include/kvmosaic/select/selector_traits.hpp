@@ -200,6 +200,15 @@ struct token_scores_of<Selector, std::void_t<decltype(selector_traits<Selector>:
   static constexpr score_use value = selector_traits<Selector>::token_scores;
 };
 
+/// `selector_traits<Selector>::reads_window_votes` (the selector ranks by `cache::window_votes`:
+/// select::snapkv), false when the traits do not declare it. An engine takes the kernels that
+/// write logits for such a selector, so that the votes are computed where the keys are.
+template <class Selector, class = void>
+struct reads_window_votes : std::false_type {};
+template <class Selector>
+struct reads_window_votes<Selector, std::void_t<decltype(selector_traits<Selector>::reads_window_votes)>>
+    : std::bool_constant<selector_traits<Selector>::reads_window_votes> {};
+
 /// `selector_traits<Selector>::keeps_token_ranges`, false when the traits do not declare it.
 template <class Selector, class = void>
 struct keeps_token_ranges : std::false_type {};

@@ -108,6 +108,7 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
   static constexpr bool reads_all_pages = true;  // every live token: the snapshot already dropped the rest
   static constexpr bool evicts = true;
   static constexpr bool needs_token_ids = false;
+  static constexpr bool reads_window_votes = true;  // cache::window_votes, computed by the device where it can
   static std::string describe(const select::snapkv& s) {
     return std::string("snapkv(") + s.budget.describe() + ", window " + std::to_string(s.window) + ", pool " +
            std::to_string(s.pool_kernel) + ", " + to_string(s.combine) + ")";
