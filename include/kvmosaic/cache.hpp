@@ -877,8 +877,9 @@ class cache
   /// 1 / sqrt(head_dim). Returns [length - W][num_kv_heads] by position, -inf where no live token
   /// is.
   ///
-  /// On backend::cuda over a format whose split kernels write logits (format::dense:
-  /// `engine_type::computes_window_votes`) the votes are computed on the device, in fp32: decode
+  /// On backend::cuda over a format whose split kernels write exact logits, in a cache whose
+  /// selector reads window votes (format::dense or bitmap_tiles with select::snapkv:
+  /// `engine_type::computes_window_votes`), the votes are computed on the device, in fp32: decode
   /// steps of up to 8 copies of the sequence write each row's logits, a kernel takes each query's
   /// causal log-sum-exp and another sums the probabilities (`cuda::engine::window_votes`); 4 bytes
   /// per row and KV head come back. This invalidates the last plan and may grow the step buffers
