@@ -162,44 +162,40 @@ TEST_CASE("GPU token scores: the host attend path's, on every kernel path", "[gp
     }
 }
 
-TEST_CASE("GPU token scores over quant2: the host attend path's, both kernel paths", "[gpu][token_scores][quant2]") {
-  if (!gpu_available()) return;
+/// A compressed format on both kernel paths, groups 3 and 6: TOVA's scores without eviction, then
+/// H2O (group max) evicting down to `budget`.
+template <class Format>
+void check_format_scores(twin_settings<Format> t, std::int64_t budget) {
   for (const int group : {3, 6})
     for (const bool portable : {false, true}) {
-      twin_settings<format::quant2> t;
       t.group = group;
       t.portable = portable;
-      t.page_size = 32;
-      t.format.partition = 32;  // 4 sinks (quant2's default): exact rows in the read order, page 0 masked
+      t.budget = 1 << 20;
       INFO("group " << group << (portable ? ", portable kernel" : ", sm_90 kernel"));
       const double worst = check_score_twins(t, select::tova{}, 4);
       INFO("tova: largest relative score difference " << worst);
       CHECK(worst <= 2e-4);
-      t.budget = 96;  // evictions: the same tokens kept
+      t.budget = budget;  // evictions: the same tokens kept
       select::h2o s;
       s.combine = group_combine::max;
       check_score_twins(t, s, 8);
     }
 }
 
+TEST_CASE("GPU token scores over quant2: the host attend path's, both kernel paths", "[gpu][token_scores][quant2]") {
+  if (!gpu_available()) return;
+  twin_settings<format::quant2> t;
+  t.page_size = 32;
+  t.format.partition = 32;  // 4 sinks (quant2's default): exact rows in the read order, page 0 masked
+  check_format_scores(t, 96);
+}
+
 TEST_CASE("GPU token scores over bitmap_tiles: the host attend path's, both kernel paths", "[gpu][token_scores][bitmap]") {
   if (!gpu_available()) return;
-  for (const int group : {3, 6})
-    for (const bool portable : {false, true}) {
-      twin_settings<format::bitmap_tiles> t;
-      t.group = group;
-      t.portable = portable;
-      t.page_size = 64;
-      t.format.sink_tokens = 4;  // exact rows in the read order, page 0's sinks masked by row masks
-      INFO("group " << group << (portable ? ", portable kernel" : ", sm_90 kernel"));
-      const double worst = check_score_twins(t, select::tova{}, 4);
-      INFO("tova: largest relative score difference " << worst);
-      CHECK(worst <= 2e-4);
-      t.budget = 200;  // evictions: the same tokens kept
-      select::h2o s;
-      s.combine = group_combine::max;
-      check_score_twins(t, s, 8);
-    }
+  twin_settings<format::bitmap_tiles> t;
+  t.page_size = 64;
+  t.format.sink_tokens = 4;  // exact rows in the read order, page 0's sinks masked by row masks
+  check_format_scores(t, 200);
 }
 
 TEST_CASE("GPU token scores: evictions by them keep the host's tokens", "[gpu][token_scores]") {
