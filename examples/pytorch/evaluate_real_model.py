@@ -40,6 +40,7 @@ import kvmosaic_torch  # noqa: E402
 from kvmosaic_torch.hf import KvmosaicCache, kvmosaic_attention, register  # noqa: E402
 
 TEXTS = ["GPL-3", "LGPL-2.1", "MPL-1.1", "GFDL-1.3"]
+SNAPKV_WINDOW = 32  # the prompt queries kept for the snapkv configurations (their default window)
 
 
 def configurations(boundaries: str) -> list[tuple[str, str]]:
@@ -75,6 +76,8 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
         # The same with a compaction pass every 32 tokens written: the memory back within a short run.
         configs.append((f"dense tova {b} compact32", f"{dense}/tova:budget={ratio},compact_every=32/repack"))
         configs.append((f"dense h2o {b} compact32", f"{dense}/h2o:budget={ratio},compact_every=32/repack"))
+        # SnapKV: one snapshot after the prefill, voted by the prompt's last 32 queries.
+        configs.append((f"dense snapkv {b}", f"{dense}/snapkv:budget={ratio}/repack"))
     dense_exact = "dense:" + exact(4, 64)
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
@@ -250,12 +253,24 @@ def main():
         configs = [c for c in configs if c[0] in keys]
 
     # The reference: transformers' own cache, float32 throughout. Its prefill is every
-    # configuration's: the configurations store its K and V and decode from there.
+    # configuration's: the configurations store its K and V and decode from there. Each layer's
+    # last SNAPKV_WINDOW prompt queries (after RoPE) are kept for the snapkv configurations.
+    from transformers import AttentionInterface
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if query.shape[2] > 1:
+            captured[module.layer_idx] = query[:, :, -SNAPKV_WINDOW:, :].detach().float().cpu()
+        return kvmosaic_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    AttentionInterface.register("kvmosaic", capture_window)
     started = time.time()
-    prefills, references = [], []
+    prefills, references, windows = [], [], []
     for _, ids in texts:
+        captured.clear()
         first, dynamic = prefill(model, ids, args.context)
         prefills.append((first, [(layer.keys.clone(), layer.values.clone()) for layer in dynamic.layers]))
+        windows.append([captured[layer] for layer in range(layers)])
         references.append(decode(model, ids, args.context, dynamic, first))
     print(f"reference: {len(texts)} texts, {time.time() - started:.1f} s", file=sys.stderr, flush=True)
 
@@ -273,7 +288,6 @@ def main():
                 shadow.record(layer, query[:, :, 0], out[:, 0], scaling)
         return out, weights
 
-    from transformers import AttentionInterface
     AttentionInterface.register("kvmosaic", attention_with_error)
 
     results = []
@@ -282,13 +296,15 @@ def main():
         nll, nll_ref, agree, kl, n = 0.0, 0.0, 0, 0.0, 0
         shadow = _ExactShadow(layers)
         stored, dense = 0, 0
-        for (text, ids), ref, (first, kv) in zip(texts, references, prefills):
+        for (text, ids), ref, (first, kv), window in zip(texts, references, prefills, windows):
             cache = KvmosaicCache(cfg, spec, device=device, storage=args.storage,
                                   max_tokens=args.context + args.decode + 64)
             cache.attach(model)
             cache.pending_ids = ids[None, :args.context]
             for layer, (k, v) in enumerate(kv):  # the shared prefill, stored as the model would
                 cache.update(k, v, layer)
+                if cache.snapshot_windows[layer] is not None:  # as kvmosaic_attention does after SDPA
+                    cache.snapshot(layer, window[layer])
             shadow.start(kv, args.context + args.decode)
             shadow_box["current"] = shadow
             logits = decode(model, ids, args.context, cache, first)

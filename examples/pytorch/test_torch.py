@@ -142,11 +142,10 @@ def test_bad_input_is_a_clear_python_error():
         ModelCache(1, 3, 3, 64, "quant2:bits=4/all", device=DEVICE)
     with pytest.raises(ValueError, match="selector"):  # quant4 is compiled with select::all only
         ModelCache(1, 3, 3, 64, "quant4/quest", device=DEVICE)
-    with pytest.raises(ValueError, match="selector"):
-        ModelCache(1, 3, 3, 64, "dense/snapkv/repack", device=DEVICE)
-    if DEVICE.type == "cuda":  # the attend path writes token scores on the host only
-        with pytest.raises(ValueError, match="selector"):
-            ModelCache(1, 3, 3, 64, "dense/h2o/repack", device=DEVICE)
+    with pytest.raises(ValueError, match="selector"):  # snapkv is compiled over dense only
+        ModelCache(1, 3, 3, 64, "bitmap_tiles/snapkv/repack", device=DEVICE)
+    with pytest.raises(ValueError, match="compactor"):
+        ModelCache(1, 3, 3, 64, "dense/snapkv/hole_fill", device=DEVICE)
     with pytest.raises(ValueError, match="compactor"):
         ModelCache(1, 3, 3, 64, "dense/tova", device="cpu")
     with pytest.raises(ValueError, match="compactor"):
@@ -185,6 +184,55 @@ def test_tova_and_h2o_keep_the_budget():
             assert torch.equal(outs[0][1], outs[1][1]), spec
             assert rel_l2(outs[0][0], outs[1][0]) < 1e-4, spec
     ModelCache(1, kvh, group, d, "dense/h2o:combine=max/hole_fill", device=DEVICE)  # the other compactor, parsed
+
+
+def test_snapkv_snapshot_keeps_the_budget():
+    """select::snapkv through the extension: after a prefill, the snapshot with the prompt's last
+    queries keeps the budget and gives pages back (on CUDA tensors the CUDA layer, whose decode
+    kernels compute the votes: the same tokens kept as a CPU cache's fp64 votes keep, and the same
+    attention after); a layer of another selector refuses a snapshot."""
+    torch.manual_seed(7)
+    kvh, group, d, n, budget, window, page = 3, 3, 64, 300, 96, 8, 16
+    spec = f"dense/snapkv:tokens={budget},window={window}/repack"
+    devices = [DEVICE] if DEVICE.type == "cpu" else [DEVICE, torch.device("cpu")]
+    k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    queries, q = torch.randn(window, kvh * group, d), torch.randn(1, kvh * group, d)
+    kept = []
+    for x in devices:
+        cache = ModelCache(2, kvh, group, d, [spec, "dense/all"], page_size=page, max_tokens=512, max_sequences=1, device=x)
+        seq = cache.add_sequence()
+        for layer in (0, 1):
+            cache.prefill(layer, seq, k.to(x), v.to(x))
+        pages = cache.memory(0)["pages_used"]
+        assert cache.snapshot(0, seq, queries) == n - budget
+        assert budget <= cache.stored_tokens(0, seq) < budget + page  # whole pages of survivors, and the tail
+        assert cache.memory(0)["pages_used"] < pages
+        with pytest.raises(ValueError, match="snapkv"):
+            cache.snapshot(1, seq, queries)
+        assert cache.stored_tokens(1, seq) == n
+        kept.append((cache.read(0, seq)[0], cache.attend(0, [seq], q.to(x)).float().cpu()))
+    if len(kept) == 2:
+        assert torch.equal(kept[0][0], kept[1][0])
+        assert rel_l2(kept[0][1], kept[1][1]) < 1e-4
+
+
+def test_generate_with_a_snapkv_layer_snapshots_after_the_prompt():
+    """generate() with snapkv layers: each takes its snapshot right after its prompt is attended
+    (the prompt's last queries vote), keeps its budget, then decodes through kvmosaic."""
+    from kvmosaic_torch.hf import KvmosaicCache, register
+    register()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    spec = "dense/snapkv:tokens=64,window=16/repack"
+    cache = KvmosaicCache(model.config, [spec, "dense/all", spec, "dense/all"], device=DEVICE, max_tokens=256)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 206)
+    seq = cache.sequences[0]
+    assert cache.kv.length(seq) == 205
+    for layer in (1, 3):
+        assert cache.kv.stored_tokens(layer, seq) == 205
+    for layer in (0, 2):  # the budget, 5 tokens appended after the snapshot, whole pages of survivors
+        assert 64 + 5 <= cache.kv.stored_tokens(layer, seq) < 64 + 5 + 64, layer
 
 
 def test_packed_bitmap_on_cpu_attends_close_to_dense():

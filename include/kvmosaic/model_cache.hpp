@@ -127,6 +127,14 @@ void set_engine_stream(Engine& engine, void* stream) {
   engine.set_stream(static_cast<stream_type>(stream));
 }
 
+/// Whether `Cache` has a `snapshot(seq, queries, softmax_scale)` (its selector's cache members:
+/// select::snapkv's).
+template <class Cache, class = void>
+struct takes_snapshot : std::false_type {};
+template <class Cache>
+struct takes_snapshot<Cache, std::void_t<decltype(std::declval<Cache&>().snapshot(
+                                 sequence_id{}, std::declval<tensor_view<const float, 3>>(), 0.0f))>> : std::true_type {};
+
 }  // namespace detail
 
 /// One attention layer's cache of any type, behind virtual calls: each operation is one indirect
@@ -174,6 +182,13 @@ class layer_cache {
   /// `cache::read`: k, v [stored_tokens(seq)][num_kv_heads][head_dim] in host memory on every
   /// backend, both of one dtype.
   virtual void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const = 0;
+  /// `cache::window_votes`: queries [W][num_q_heads][head_dim] in host memory on every backend
+  /// (any of the three dtypes); [length - W][num_kv_heads] by position.
+  virtual std::vector<double> window_votes(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f,
+                                           group_combine combine = group_combine::sum) = 0;
+  /// `cache::snapshot` of a layer whose selector takes one (select::snapkv), queries as
+  /// `window_votes`': the tokens evicted. Any other layer: `invalid_argument`, nothing changed.
+  virtual std::int64_t snapshot(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f) = 0;
 
   virtual std::int64_t length(sequence_id seq) const = 0;
   virtual std::int64_t stored_tokens(sequence_id seq) const = 0;
@@ -280,11 +295,41 @@ class layer_cache_of final : public layer_cache {
     });
   }
 
+  std::vector<double> window_votes(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f,
+                                   group_combine combine = group_combine::sum) override {
+    return with_queries("layer_cache::window_votes", queries, [&](const auto& q) {
+      return cache_.window_votes(seq, q, softmax_scale, combine);
+    });
+  }
+
+  std::int64_t snapshot(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f) override {
+    const char* where = "layer_cache::snapshot";
+    if constexpr (detail::takes_snapshot<Cache>::value) {
+      return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
+    } else {
+      (void)seq, (void)queries, (void)softmax_scale;
+      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
+                      "a selector that takes a snapshot (select::snapkv)");
+      return 0;
+    }
+  }
+
   std::int64_t length(sequence_id seq) const override { return cache_.length(seq); }
   std::int64_t stored_tokens(sequence_id seq) const override { return cache_.stored_tokens(seq); }
   memory_stats memory() const override { return cache_.memory(); }
 
  private:
+  /// f(queries as a typed view of host memory).
+  template <class F>
+  static auto with_queries(const char* where, const tensor_ref<3>& queries, F&& f) {
+    using result = decltype(f(queries.as<const float>()));
+    result out{};
+    detail::with_io_type(queries.type, where, "queries.type", [&](auto tag) {
+      using Q = typename decltype(tag)::type;
+      out = f(queries.as<const Q>());
+    });
+    return out;
+  }
   static void same_type(const char* where, const tensor_ref<3>& k, const tensor_ref<3>& v) {
     detail::require(v.type == k.type, where, "v.type", to_string(v.type), "the dtype of k");
   }
@@ -397,6 +442,13 @@ class model_cache {
     const char* where = "model_cache::read";
     const std::size_t i = index(layer, where);
     layers_[i]->read(ids_of(seq, where)[i], k, v);
+  }
+  /// `layer_cache::snapshot` of layer `layer` (queries in host memory), with a model sequence id:
+  /// each layer takes its own window's queries, so a model's prefill calls it once per layer.
+  std::int64_t snapshot(int layer, sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f) {
+    const char* where = "model_cache::snapshot";
+    const std::size_t i = index(layer, where);
+    return layers_[i]->snapshot(ids_of(seq, where)[i], queries, softmax_scale);
   }
 
   /// Tokens given to layer 0 for `seq` (later layers may be behind within a step).

@@ -2,7 +2,8 @@
 // model_cache and layer_cache on the host backend: a model of three layers of different cache
 // types gives each layer the outputs of the same cache driven directly; add, fork and remove fan
 // out to every layer with consistent ids, all or nothing; memory sums the layers; tensor_ref's
-// dtype is checked; reading back; token ids for the selectors that need them; bad input rejected.
+// dtype is checked; reading back; token ids for the selectors that need them; window votes and a
+// snapkv layer's snapshot; bad input rejected.
 
 #include <catch2/catch.hpp>
 
@@ -353,6 +354,45 @@ TEST_CASE("layer_cache: a selector that cuts at boundary tokens needs the ids, o
   model.append(0, span<const sequence_id>(&seq, 1), ref_of(row.k, 1, h, d), ref_of(row.v, 1, h, d),
                span<const std::int32_t>(&next_id, 1));
   REQUIRE(model.length(seq) == 31);
+}
+
+TEST_CASE("layer_cache: window votes and a snapkv snapshot as the cache's own, other selectors refuse a snapshot",
+          "[model_cache][snapkv]") {
+  const cache_config c = layer_config();
+  const int h = c.num_kv_heads, d = c.head_dim, n = 300, window = 16;
+  select::snapkv snap;
+  snap.budget.tokens = 120;
+  snap.window = window;
+  using snapkv_layer = cache<format::dense, select::snapkv, compact::repack>;
+  std::vector<std::unique_ptr<layer_cache>> layers;
+  layers.push_back(make_layer<snapkv_layer>(c, format::dense{}, snap));
+  layers.push_back(make_layer<dense_layer>(c));
+  model_cache model(std::move(layers));
+  snapkv_layer direct(c, format::dense{}, snap);
+  const sequence_id seq = model.add_sequence(), one = direct.add_sequence();
+  const auto kv = layer_rows(c, 0, 0, 0, n);
+  for (int layer = 0; layer < 2; ++layer) model.prefill(layer, seq, ref_of(kv.k, n, h, d), ref_of(kv.v, n, h, d));
+  direct.prefill(one, tensor_view<const float, 3>(kv.k.data(), n, h, d), tensor_view<const float, 3>(kv.v.data(), n, h, d));
+  std::vector<float> q(static_cast<std::size_t>(window) * c.num_q_heads() * d);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.23f * static_cast<float>(i));
+  const tensor_view<const float, 3> queries(q.data(), window, c.num_q_heads(), d);
+  // Both layers vote (any cache can), as the cache itself does; only the snapkv layer snapshots.
+  const std::vector<double> votes = direct.window_votes(one, queries);
+  REQUIRE(model.layer(0).window_votes(model.layer_sequence(0, seq), tensor_ref<3>::of(queries)) == votes);
+  REQUIRE(model.layer(1).window_votes(model.layer_sequence(1, seq), tensor_ref<3>::of(queries)) == votes);
+  try {
+    model.snapshot(1, seq, tensor_ref<3>::of(queries));
+    FAIL("accepted");
+  } catch (const invalid_argument& e) {
+    REQUIRE(e.parameter() == "the layer's selector");
+    REQUIRE(std::string(e.what()).find("select::snapkv") != std::string::npos);
+  }
+  REQUIRE(model.layer(1).length(model.layer_sequence(1, seq)) == n);  // nothing changed
+  const std::int64_t evicted = direct.snapshot(one, queries);
+  REQUIRE(evicted == n - 120);
+  REQUIRE(model.snapshot(0, seq, tensor_ref<3>::of(queries)) == evicted);
+  REQUIRE(model.layer(0).stored_tokens(model.layer_sequence(0, seq)) == direct.stored_tokens(one));
+  REQUIRE(model.layer(0).memory().pages_used == direct.memory().pages_used);
 }
 
 TEST_CASE("model_cache rejects bad layers and layer indices, naming the parameter", "[model_cache][errors]") {

@@ -155,7 +155,7 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 /// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
 /// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
 /// sentence_chunks (with compactor none), streaming (with hole_fill or repack), and over dense
-/// on the host tova and h2o (with hole_fill or repack); quant4 and
+/// tova and h2o (with hole_fill or repack) and snapkv (with repack); quant4 and
 /// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
 /// select::all. Every combination is made for either backend (`make` is the host or the CUDA maker
 /// of layer_factory.hpp).
@@ -239,7 +239,23 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
                "all, quest, sentence_chunks or streaming here (tova and h2o: format dense)");
       }
     }
-    reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o");
+    if (spec.selector.name == "snapkv") {
+      // The snapshot's votes come from the keys (on the host) or the decode kernels' logits
+      // (CUDA over dense); over dense pages with repack only here (each adds an engine).
+      if constexpr (std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
+        kv::select::snapkv s;
+        s.budget = detail::read_budget(args, s.budget.ratio);
+        s.window = static_cast<int>(args.integer("window", s.window, "W, the observation window (>= 1)"));
+        s.pool_kernel = static_cast<int>(args.integer("pool", s.pool_kernel, "an odd pooling width"));
+        s.combine = args.choice("combine", s.combine, {{"max", kv::group_combine::max}, {"sum", kv::group_combine::sum}});
+        args.finish();
+        require(compactor == "repack", "compactor", compactor, "repack with selector snapkv");
+        return make(format, s, kv::compact::repack{});
+      } else {
+        reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense)");
+      }
+    }
+    reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova, h2o or snapkv");
   };
 
   policy_args args(spec.format.name, spec.format.values);

@@ -189,6 +189,19 @@ class ModelCache : public torch::CustomClassHolder {
     });
   }
 
+  /// select::snapkv's snapshot of one layer's sequence (kvmosaic::cache::snapshot): `queries`
+  /// [window][num_q_heads][head_dim], the prompt's last queries (after RoPE), any supported dtype,
+  /// on the CPU whatever the layers' device; scale 0: 1/sqrt(head_dim). Evicts all but the budget
+  /// and compacts; returns the tokens evicted. A layer of another selector refuses it.
+  std::int64_t snapshot(std::int64_t layer, std::int64_t seq, const at::Tensor& queries, double scale) {
+    std::int64_t evicted = 0;
+    on_stream([&] {
+      const kvmosaic::tensor_ref<3> q = ref(queries, "queries", true);
+      evicted = model_->snapshot(checked_layer(layer), static_cast<kvmosaic::sequence_id>(seq), q, static_cast<float>(scale));
+    });
+    return evicted;
+  }
+
   /// Bytes and pages of every layer together (`layer` < 0) or of one layer.
   c10::Dict<std::string, std::int64_t> memory(std::int64_t layer) const {
     return guarded([&] {
@@ -303,6 +316,7 @@ TORCH_LIBRARY(kvmosaic, m) {
       .def("attend", &ModelCache::attend)
       .def("attend_into", &ModelCache::attend_into)
       .def("read", &ModelCache::read)
+      .def("snapshot", &ModelCache::snapshot)
       .def("memory", &ModelCache::memory);
   m.def("attend", &kvmosaic_torch::attend_op);
   m.def("append", &kvmosaic_torch::append_op);

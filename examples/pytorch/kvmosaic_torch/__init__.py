@@ -136,6 +136,12 @@ class ModelCache:
         k, v = self._impl.read(layer, seq)
         return k, v
 
+    def snapshot(self, layer: int, seq: int, queries: torch.Tensor, scale: float = 0.0) -> int:
+        """SnapKV's snapshot of `seq` in `layer` (a layer spec with selector snapkv): `queries`
+        [window][query heads][head_dim] are the prompt's last queries (after RoPE; moved to the CPU
+        here). Keeps the budget, compacts; returns the tokens evicted."""
+        return self._impl.snapshot(layer, seq, queries.detach().to("cpu"), float(scale))
+
     def memory(self, layer: int = -1) -> dict[str, int]:
         """tokens, stored_bytes, dense_bytes, pages_used, pages_free: of every layer, or of one."""
         return dict(self._impl.memory(layer))

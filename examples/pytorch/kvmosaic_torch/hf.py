@@ -13,7 +13,9 @@ stored; every decode step (one new token per sequence) appends to the kvmosaic c
 through it: `kvmosaic_attention` sees the step's keys marked by the cache and calls the library's
 decode instead of SDPA. A prefill that continues a sequence attends over the stored tokens read
 back (decoded) plus the new ones. Batches are sequences of equal length (no padding): a padded
-attention mask at decode is rejected.
+attention mask at decode is rejected. A layer whose selector is snapkv takes its snapshot right
+after its first prefill is attended: the prompt's last `window` queries (after RoPE) vote, and
+the layer keeps its budget.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import ModelCache, pages_for
 
-__all__ = ["KvmosaicCache", "kvmosaic_attention", "register", "ATTENTION_NAME"]
+__all__ = ["KvmosaicCache", "kvmosaic_attention", "register", "snapkv_window", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "kvmosaic"
 
@@ -83,6 +85,8 @@ class KvmosaicCache(Cache):
         super().__init__(layers=[_KvmosaicLayer(self, i) for i in range(config.num_hidden_layers)])
         self.sequences: list[int] = []
         self.pending_ids: torch.Tensor | None = None
+        specs = [layer_specs] * config.num_hidden_layers if isinstance(layer_specs, str) else list(layer_specs)
+        self.snapshot_windows = [snapkv_window(spec) for spec in specs]
 
     def attach(self, model: torch.nn.Module):
         """Records each forward's input_ids (for layer specs whose selector reads token ids)."""
@@ -115,6 +119,8 @@ class KvmosaicCache(Cache):
             self.kv.prefill(i, s, rows_k[b], rows_v[b], self._ids(b))
         layer.length += tokens
         if old is None:
+            if self.snapshot_windows[i] is not None:  # kvmosaic_attention takes the snapshot after SDPA
+                k._kvmosaic_prefill = (self, i)
             return k, v
         keys = torch.stack([o[0] for o in old]).to(k.dtype).to(k.device).transpose(1, 2)
         values = torch.stack([o[1] for o in old]).to(v.dtype).to(v.device).transpose(1, 2)
@@ -122,6 +128,28 @@ class KvmosaicCache(Cache):
 
     def memory(self) -> dict[str, int]:
         return self.kv.memory()
+
+    def snapshot(self, layer: int, query: torch.Tensor, scale: float = 0.0) -> int:
+        """SnapKV's snapshot of every sequence of `layer` from the prompt's queries `query`
+        ([batch][query heads][prompt][head_dim], after RoPE): its last `window` positions vote."""
+        window = self.snapshot_windows[layer]
+        evicted = 0
+        for b, seq in enumerate(self.sequences):
+            evicted += self.kv.snapshot(layer, seq, query[b, :, -window:, :].transpose(0, 1), scale)
+        return evicted
+
+
+def snapkv_window(spec: str) -> int | None:
+    """The observation window of a layer spec whose selector is snapkv (its `window`, 32 by
+    default), else None."""
+    parts = spec.split("/")
+    if len(parts) < 2:
+        return None
+    name, _, args = parts[1].partition(":")
+    if name.strip() != "snapkv":
+        return None
+    values = dict(item.split("=", 1) for item in args.split(",") if "=" in item)
+    return int(values.get("window", 32))
 
 
 def kvmosaic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -132,8 +160,12 @@ def kvmosaic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     everything else (prefill, other caches) to SDPA."""
     marker = getattr(key, "_kvmosaic", None)
     if marker is None or query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        prefill = getattr(key, "_kvmosaic_prefill", None)
+        if prefill is not None:  # a snapkv layer's prompt, attended over its exact K and V: now the snapshot
+            prefill[0].snapshot(prefill[1], query, scaling or 0.0)
+        return out
     cache, layer = marker
     if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
         raise NotImplementedError("kvmosaic: padded batches (an attention mask that hides tokens) at decode")
