@@ -13961,7 +13961,8 @@ struct quant_decode_layout {
 /// type, head_dim, Pi, format (code width and V axis), copy path, `RowMasks`: whether a token-granular selection's row masks are
 /// read; without, the code has no mask test: benchmark/README.md, "Decisions the code cites";
 /// `Logits`: whether a step with token scores writes its rows' logits, `decode_params::token_logits`;
-/// without, the code has no store, which a runtime branch alone cost 2% at batch 8, 128K).
+/// without, the code has no store: a runtime test alone slowed steps without scores,
+/// benchmark/README.md).
 /// Grid: (splits capacity, num_kv_heads).
 template <class T, int HeadDim, int Partition, class Format, bool BulkCopy, bool RowMasks = false, bool Logits = false>
 __global__ void __launch_bounds__(128) decode_partial_quant_kernel(const __grid_constant__ split_params<quant_decode_params> p) {
