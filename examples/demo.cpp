@@ -47,6 +47,7 @@ int main(int argc, char** argv) {
         rows.push_back(demo::run_host(c, w, o.steps));
       }
       demo::for_each_streaming_cache<backend::host>(w.config, o.seed, [&](auto& c) { rows.push_back(demo::run_host(c, w, o.steps)); });
+      demo::for_each_scored_eviction_cache<backend::host>(w.config, [&](auto& c) { rows.push_back(demo::run_host(c, w, o.steps)); });
     }
     // MosaicKV's packed format has host kernels only so far: its rows run on the host backend in
     // either build (docs/packed_bitmap.md), with every token and with mean keys at 1/16.

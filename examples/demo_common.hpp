@@ -13,6 +13,7 @@
 #include <functional>
 #include <iostream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -150,17 +151,55 @@ template <class Cache, class RowsOf, class Timed, class ReadOut>
 row run(Cache& cache, const workload& w, int steps, RowsOf&& rows_of, Timed&& timed, ReadOut&& read_out) {
   const std::string name = cache.describe();
   const int batch = static_cast<int>(w.kv.size());
+  using selector_type = typename Cache::selector_type;
+  // A selector that evicts by each step's token scores (TOVA, H2O) evicts on a write after a step
+  // scored the prompt: the prefill leaves the last token out, one untimed step scores the rest,
+  // and the last token's append evicts down to the budget.
+  constexpr bool scores_first = kvmosaic::detail::token_scores_of<selector_type>::value != kvmosaic::score_use::none;
   std::vector<kvmosaic::sequence_id> seqs;
   for (int b = 0; b < batch; ++b) {
     progress("prefill " + name, static_cast<double>(b) / batch);
     const auto& kv = w.kv[static_cast<std::size_t>(b)];
     const auto kv_rows = rows_of(b);
+    const int n = scores_first ? kv.num_tokens - 1 : kv.num_tokens;
     seqs.push_back(cache.add_sequence());
-    cache.prefill(seqs.back(), kvmosaic::tensor_view<const float, 3>(kv_rows.first, kv.num_tokens, kv.num_kv_heads, kv.head_dim),
-                  kvmosaic::tensor_view<const float, 3>(kv_rows.second, kv.num_tokens, kv.num_kv_heads, kv.head_dim),
-                  kvmosaic::span<const std::int32_t>(w.tokens[static_cast<std::size_t>(b)].ids.data(), kv.num_tokens));
+    cache.prefill(seqs.back(), kvmosaic::tensor_view<const float, 3>(kv_rows.first, n, kv.num_kv_heads, kv.head_dim),
+                  kvmosaic::tensor_view<const float, 3>(kv_rows.second, n, kv.num_kv_heads, kv.head_dim),
+                  kvmosaic::span<const std::int32_t>(w.tokens[static_cast<std::size_t>(b)].ids.data(), n));
   }
   progress("prefill " + name, 1.0);
+  if constexpr (scores_first) {
+    timed([&](const float* q, float* out) {
+      const kvmosaic::cache_config& c = cache.config();
+      cache.attend(kvmosaic::span<const kvmosaic::sequence_id>(seqs.data(), batch),
+                   kvmosaic::tensor_view<const float, 3>(q, batch, c.num_q_heads(), c.head_dim),
+                   kvmosaic::tensor_view<float, 3>(out, batch, c.num_q_heads(), c.head_dim));
+    });
+    for (int b = 0; b < batch; ++b) {
+      const auto& kv = w.kv[static_cast<std::size_t>(b)];
+      const auto kv_rows = rows_of(b);
+      const std::size_t last = static_cast<std::size_t>(kv.num_tokens - 1) * kv.num_kv_heads * kv.head_dim;
+      cache.append(kvmosaic::span<const kvmosaic::sequence_id>(&seqs[static_cast<std::size_t>(b)], 1),
+                   kvmosaic::tensor_view<const float, 3>(kv_rows.first + last, 1, kv.num_kv_heads, kv.head_dim),
+                   kvmosaic::tensor_view<const float, 3>(kv_rows.second + last, 1, kv.num_kv_heads, kv.head_dim));
+    }
+  }
+  // SnapKV: one snapshot after the prompt, voted by the queries of its last `window` positions
+  // (host memory on every backend), the generator's as for the step's query.
+  if constexpr (std::is_same<selector_type, kvmosaic::select::snapkv>::value) {
+    const kvmosaic::cache_config& c = cache.config();
+    const int window = cache.selector().window;
+    for (int b = 0; b < batch; ++b) {
+      const int n = w.kv[static_cast<std::size_t>(b)].num_tokens;
+      std::vector<float> q;
+      for (int t = n - window; t < n; ++t) {
+        const std::vector<float> one = kvmosaic::synthetic::generate_query(w.generator, static_cast<std::uint64_t>(b), t + 1);
+        q.insert(q.end(), one.begin(), one.end());
+      }
+      cache.snapshot(seqs[static_cast<std::size_t>(b)],
+                     kvmosaic::tensor_view<const float, 3>(q.data(), window, c.num_q_heads(), c.head_dim));
+    }
+  }
 
   std::vector<double> times;
   for (int s = 0; s < steps; ++s) {
@@ -394,6 +433,32 @@ void for_each_streaming_cache(const kvmosaic::cache_config& base, std::uint64_t 
   }
   cache<format::quant2, select::streaming, compact::repack, Backend> repacked(q2_config, q2, streaming_variants().front());
   run_one(repacked);
+}
+
+/// Runs `run_one(cache)` for the rows that evict by attention scores on `Backend`, over dense
+/// pages at 1/8 and 1/4 with repack: TOVA and H2O (scored by the attend path, a compaction pass
+/// after every write so that the pages come back at once) and SnapKV (one snapshot after the
+/// prompt, window 32).
+template <class Backend, class RunOne>
+void for_each_scored_eviction_cache(const kvmosaic::cache_config& base, RunOne&& run_one) {
+  using namespace kvmosaic;
+  for (const int inverse : {8, 4}) {
+    const select::token_budget budget{1.0 / inverse, -1};
+    select::tova tova;
+    tova.budget = budget;
+    tova.compact_every = 1;
+    cache<format::dense, select::tova, compact::repack, Backend> by_tova(base, {}, tova);
+    run_one(by_tova);
+    select::h2o h2o;
+    h2o.budget = budget;
+    h2o.compact_every = 1;
+    cache<format::dense, select::h2o, compact::repack, Backend> by_h2o(base, {}, h2o);
+    run_one(by_h2o);
+    select::snapkv snap;
+    snap.budget = budget;
+    cache<format::dense, select::snapkv, compact::repack, Backend> by_snapkv(base, {}, snap);
+    run_one(by_snapkv);
+  }
 }
 
 /// The CUDA rows: defined in demo_cuda.cu when the demo is built with CUDA. Returns no rows when

@@ -90,6 +90,8 @@ std::vector<row> run_cuda(const workload& w, int steps) {
   // StreamingLLM: evicted as the prefill is sealed, compacted on the device.
   for_each_streaming_cache<demo_backend>(w.config, w.generator.seed,
                                          [&](auto& c) { rows.push_back(run(c, w, steps, rows_of, timed, read_out)); });
+  // TOVA, H2O (scored by the split kernels) and SnapKV (voted by them), evicted and compacted on the device.
+  for_each_scored_eviction_cache<demo_backend>(w.config, [&](auto& c) { rows.push_back(run(c, w, steps, rows_of, timed, read_out)); });
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   return rows;
