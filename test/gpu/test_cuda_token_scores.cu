@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Token scores on the CUDA backend (select::tova, select::h2o over format::dense,
-// format::bitmap_tiles and format::quant2): the same prompt, appends and queries on a host cache and a device cache. Each
+// format::bitmap_tiles, format::quant2 and format::quant4): the same prompt, appends and queries on a host cache and a device cache. Each
 // step's scores, which the device computes from the logits its split kernels write (normalized
 // after the merge), equal the host attend path's; the evictions they drive keep the same tokens,
 // pages and (dense) outputs. Every kernel path: the sm_90 kernels and the portable ones, dense's
@@ -110,8 +110,8 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
     for (std::size_t i = 0; i < q.size(); ++i)
       worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
     INFO("step " << step << ", largest |gpu - host| output " << worst_out);
-    if constexpr (!std::is_same<Format, format::quant2>::value)
-      CHECK(worst_out <= 2e-5);  // quant2's outputs, with their derived bounds: test_cuda_quant2.cu
+    if constexpr (!format::is_quant_v<Format>)
+      CHECK(worst_out <= 2e-5);  // quant's outputs, with their derived bounds: test_cuda_quant2.cu, _quant_widths.cu
     for (const sequence_id seq : seqs) {
       const auto& hs = host.selector_state(seq).scores.values;
       const auto& ds = device.selector_state(seq).scores.values;
@@ -187,6 +187,14 @@ TEST_CASE("GPU token scores over quant2: the host attend path's, both kernel pat
   twin_settings<format::quant2> t;
   t.page_size = 32;
   t.format.partition = 32;  // 4 sinks (quant2's default): exact rows in the read order, page 0 masked
+  check_format_scores(t, 96);
+}
+
+TEST_CASE("GPU token scores over quant4: the host attend path's, both kernel paths", "[gpu][token_scores][quant4]") {
+  if (!gpu_available()) return;
+  twin_settings<format::quant4> t;  // 4-bit codes through the same kernel template as quant2's
+  t.page_size = 32;
+  t.format.partition = 32;
   check_format_scores(t, 96);
 }
 
