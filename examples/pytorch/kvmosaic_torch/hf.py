@@ -120,6 +120,7 @@ class KvmosaicCache(Cache):
         layer.length += tokens
         if old is None:
             if self.snapshot_windows[i] is not None:  # kvmosaic_attention takes the snapshot after SDPA
+                k = k.view_as(k)  # the mark goes on a view this call returns, not on the caller's tensor
                 k._kvmosaic_prefill = (self, i)
             return k, v
         keys = torch.stack([o[0] for o in old]).to(k.dtype).to(k.device).transpose(1, 2)
