@@ -256,15 +256,8 @@ void decode(benchmark::State& state) {
   kv.plan(step_seqs);
   cudaGraph_t graph;
   cudaGraphExec_t step;
-  // A selector that reads token scores (select::tova, select::h2o): the engine's step, which
-  // computes them on the device; the cache's `run` would also wait for them and file them by
-  // position on the host (timed apart below, as download_us).
-  constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
   KVMOSAIC_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  if constexpr (records_scores)
-    engine.run(step_q, step_out, tensor_view<float, 2>{});
-  else
-    kv.run(step_q, step_out);
+  kv.run(step_q, step_out);
   KVMOSAIC_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   KVMOSAIC_CUDA_CHECK(cudaGraphInstantiate(&step, graph, 0));
   // Warm-up by time, at least 0.2 s of steps: the first configuration run after a large one
@@ -299,18 +292,6 @@ void decode(benchmark::State& state) {
     state.counters["page"] = c.page_size;
     cudaGraphExecDestroy(select_step);
     cudaGraphDestroy(select_graph);
-  }
-  if constexpr (records_scores) {  // the scores' copy to the host, after a step
-    std::vector<double> download_times;
-    for (int i = 0; i < 10; ++i) {
-      KVMOSAIC_CUDA_CHECK(cudaGraphLaunch(step, stream));
-      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
-      const auto start = std::chrono::steady_clock::now();
-      engine.download_token_scores();
-      (void)engine.token_scores();
-      download_times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    }
-    state.counters["download_us"] = median(download_times) * 1e6;
   }
   cudaGraphExecDestroy(step);
   cudaGraphDestroy(graph);
@@ -407,6 +388,83 @@ void window_votes(benchmark::State& state) {
   report(state, times, static_cast<double>(window) * static_cast<double>(kv.sequence_memory(seq).stored_bytes));
   state.counters["context"] = context;
   state.counters["window"] = window;
+}
+
+/// A whole decode step of format::dense as an engine waits for it, host bookkeeping included:
+/// plan, run, then the append of the next token, timed on the host clock from the plan to the end
+/// of the stream's work, after an L2 flush. Batch x context; an evicting selector keeps a budget
+/// of the context in tokens, so every append over it evicts one token per sequence (its ranking,
+/// the copy back of the chosen slot, the host's position map), and compacts beyond the timed steps
+/// (compaction is timed apart). `select::all`: the same step without scores or eviction, same run.
+template <class Selector>
+void decode_append_step(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
+  cache_config c;
+  c.num_kv_heads = 8;
+  c.group_size = 4;
+  c.head_dim = 128;
+  c.page_size = 64;
+  c.storage = dtype::bf16;
+  c.max_sequences = batch;
+  c.max_pages = batch * (context / c.page_size + 4);
+  Selector selector{};
+  if constexpr (selector_traits<Selector>::evicts) {
+    selector.budget.tokens = context;
+    selector.compact_every = 1 << 30;
+  }
+  cuda_cache<format::dense, Selector> kv(c, format::dense{}, selector);
+  const int chunk = std::min(context, 16384);
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
+  fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
+  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  const bfloat16* rows = source.as<const bfloat16>();
+  std::vector<sequence_id> seqs;
+  for (int b = 0; b < batch; ++b) {
+    seqs.push_back(kv.add_sequence());
+    for (int done = 0; done < context; done += chunk) {
+      const int n = std::min(chunk, context - done);
+      kv.prefill(seqs.back(), tensor_view<const bfloat16, 3>(rows, n, c.num_kv_heads, c.head_dim),
+                 tensor_view<const bfloat16, 3>(rows + chunk * row, n, c.num_kv_heads, c.head_dim));
+    }
+  }
+  const std::size_t q_count = static_cast<std::size_t>(batch) * c.num_q_heads() * c.head_dim;
+  kvmosaic::cuda::device_buffer q(q_count * sizeof(float)), out(q_count * sizeof(float));
+  std::vector<float> q_host(q_count);
+  for (std::size_t i = 0; i < q_count; ++i) q_host[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(q.data(), q_host.data(), q_count * sizeof(float), cudaMemcpyHostToDevice));
+  const span<const sequence_id> step_seqs(seqs.data(), batch);
+  const tensor_view<const float, 3> step_q(q.as<const float>(), batch, c.num_q_heads(), c.head_dim);
+  const tensor_view<float, 3> step_out(out.as<float>(), batch, c.num_q_heads(), c.head_dim);
+  const tensor_view<const bfloat16, 3> next_k(rows, batch, c.num_kv_heads, c.head_dim);
+  const tensor_view<const bfloat16, 3> next_v(rows + chunk * row, batch, c.num_kv_heads, c.head_dim);
+  const cudaStream_t stream = kv.engine().stream();
+  const auto step = [&] {
+    kv.plan(step_seqs);
+    kv.run(step_q, step_out);
+    kv.append(step_seqs, next_k, next_v);
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  for (int warm = 0; warm < 3; ++warm) step();  // first launches, the buffers' growth
+  l2_flusher flusher;
+  std::vector<double> times;
+  for (auto _ : state) {
+    flusher.flush(stream);
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    times.push_back(seconds);
+    state.SetIterationTime(seconds);
+  }
+  double bytes = 0;
+  for (const sequence_id seq : seqs) bytes += static_cast<double>(kv.sequence_memory(seq).stored_bytes);
+  report(state, times, bytes);
+  state.counters["length"] = static_cast<double>(kv.length(seqs[0]));
+  if constexpr (selector_traits<Selector>::evicts) {  // live sealed tokens of the first sequence
+    const std::vector<std::int64_t> positions = kv.positions(seqs[0]);
+    state.counters["live_sealed"] = static_cast<double>(std::count_if(positions.begin(), positions.end(), [](std::int64_t p) { return p >= 0; }));
+  }
 }
 
 }  // namespace
@@ -596,9 +654,9 @@ BENCHMARK(decode<format::quant2, select::streaming>)
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 // Steps that compute token scores on the device (select::tova, select::h2o: the split kernels
-// write their rows' logits, a score kernel normalizes them after the merge) with a budget of the
-// whole context, so no token is evicted and every step reads what dense_decode reads: the cost of
-// the scores alone, against dense_decode in the same run. download_us: their copy to the host.
+// write their rows' logits, a score kernel normalizes them after the merge and files them by
+// position) with a budget of the whole context, so no token is evicted and every step reads what
+// dense_decode reads: the cost of the scores alone, against dense_decode in the same run.
 BENCHMARK(decode<format::dense, select::tova>)
     ->Name("dense_tova_scores_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "sparsity", "budget_inverse"})
@@ -626,6 +684,30 @@ BENCHMARK(decode<format::quant2, select::tova>)
     ->Name("quant2_tova_scores_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "partition", "budget_inverse"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {64}, {1}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// Whole decode steps with the next token's append, on the host clock: TOVA and H2O at a budget of
+// the context (each append evicts a token per sequence, ranked on the device) against the same
+// step of select::all.
+BENCHMARK(decode_append_step<select::all>)
+    ->Name("dense_decode_append_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode_append_step<select::tova>)
+    ->Name("dense_tova_evict_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode_append_step<select::h2o>)
+    ->Name("dense_h2o_evict_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{8}, {131072}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

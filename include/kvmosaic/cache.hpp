@@ -23,6 +23,7 @@
 /// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
 
 #include <algorithm>
+#include <bitset>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -475,13 +476,14 @@ class cache
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      const sequence_state& s = live(seqs(b), where);
+      sequence_state& s = live(seqs(b), where);
       detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
       const std::uint64_t* live_rows = nullptr;
       if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
       batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
       if constexpr (records_scores) {  // the step writes each read token's score, by logical position
+        if constexpr (rows_on_device) upload_positions(s, slot_of(seqs(b)));
         detail::sequence_ref& ref = batch.back();
         ref.scores = selector_traits<Selector>::scores(state_of(seqs(b)).selector_state).values.data();
         ref.positions = s.slots.position.data();
@@ -519,9 +521,8 @@ class cache
   /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
   /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
   /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
-  /// A selector that reads token scores (select::tova, select::h2o) on backend::cuda: the step's
-  /// scores are copied to the host and filed by position before this returns (it waits for the
-  /// step; capture the engine's `run` instead to put the kernels in a graph).
+  /// A selector that reads token scores (select::tova, select::h2o): the step also writes them
+  /// (on backend::cuda into the selector's device buffers, without waiting for the step).
   template <class Q, class O>
   void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
     static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
@@ -548,7 +549,6 @@ class cache
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (records_scores) {
-      if constexpr (!engine_type::scores_by_position) absorb_device_scores();
       for (const sequence_id seq : planned_) {
         sequence_state& s = state_of(seq);
         selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
@@ -673,6 +673,37 @@ class cache
     s.pages.swap(pages);
     s.slots = std::move(next);
     s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+    if (!sorted.empty()) s.device_positions = std::min(s.device_positions, sorted.front());
+    if (!empty.empty()) s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(empty.front()) * page);
+  }
+
+  /// Evicts sealed `slots` of `seq` (ascending, distinct, live, past the sinks: a device ranking's
+  /// choice, which the device mirror already marks). Cost: O(slots given) on the host, plus
+  /// O(sealed slots) when a page empties (the position map drops it, as `evict` does).
+  void evict_slots(sequence_id seq, const std::vector<std::int64_t>& slots) {
+    sequence_state& s = state_of(seq);
+    const int page = config_.page_size;
+    const int words = detail::slot_positions::words(page);
+    // Pages left with no live row, found before anything changes: a page empties when every live
+    // row it has is among `slots` (ascending, so a page's slots are adjacent).
+    std::vector<std::int32_t> empty;
+    for (std::size_t i = 0; i < slots.size();) {
+      const std::int64_t p = slots[i] / page;
+      std::size_t j = i;
+      while (j < slots.size() && slots[j] / page == p) ++j;
+      int live = 0;
+      for (int w = 0; w < words; ++w) live += static_cast<int>(std::bitset<64>(s.slots.live[static_cast<std::size_t>(p * words + w)]).count());
+      if (live == static_cast<int>(j - i)) empty.push_back(static_cast<std::int32_t>(p));
+      i = j;
+    }
+    if (!empty.empty()) {  // rare: the general path (it copies the map before changing it)
+      std::vector<std::int64_t> positions;
+      positions.reserve(slots.size());
+      for (const std::int64_t slot : slots) positions.push_back(s.slots.position[static_cast<std::size_t>(slot)]);
+      evict_positions(seq, span<const std::int64_t>(positions.data(), static_cast<std::int64_t>(positions.size())), false);
+      return;
+    }
+    for (const std::int64_t slot : slots) s.slots.evict(slot, page);  // cannot throw
   }
 
   /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
@@ -681,11 +712,21 @@ class cache
   void after_write(sequence_id seq, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
       sequence_state& s = state_of(seq);
-      const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
-                               static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
-      const std::vector<std::int64_t> dead =
-          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
-      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+      if constexpr (records_scores && rows_on_device) {  // ranked where the scores are: on the device
+        const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+                                                                               s.seen - tail_rows(s), s.stored - s.slots.dead);
+        if (quota.count > 0) {
+          upload_positions(s, slot_of(seq));
+          evict_slots(seq, engine_.selection().lowest_scored(slot_of(seq), static_cast<std::int64_t>(s.slots.position.size()),
+                                                           sink_rows(format_), quota.before, quota.count, engine_.stream()));
+        }
+      } else {
+        const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                                 static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
+        const std::vector<std::int64_t> dead =
+            selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+        if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+      }
       if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
     }
   }
@@ -739,6 +780,8 @@ class cache
         count = static_cast<std::uint8_t>(std::min(count + 1, 255));
       }
     engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    for (const detail::slot_move& m : plan.moves) s.device_positions = std::min({s.device_positions, m.from, m.to});
+    s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(plan.positions.size()));
     // Commit (cannot throw): emptied pages go back to the pool.
     for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
     s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
@@ -940,6 +983,19 @@ class cache
     }
   }
 
+  /// A selector that reads token scores (select::tova, select::h2o): the scores of `seq`,
+  /// [position][num_kv_heads] for every position it has held (select/token_scores.hpp; evicted
+  /// positions keep their last value). On backend::cuda they are copied from the device (this
+  /// waits for the engine's stream). Cost: 4 bytes per position and KV head.
+  std::vector<float> token_scores(sequence_id seq) const {
+    static_assert(records_scores, "kvmosaic::cache::token_scores: this cache's selector reads no token scores "
+                                  "(select::tova and select::h2o do)");
+    const sequence_state& s = live(seq, "cache::token_scores");
+    const detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
+    if constexpr (rows_on_device) return engine_.selection().scores(slot_of(seq), buffer.tokens(), engine_.stream());
+    else return buffer.values;
+  }
+
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -979,6 +1035,9 @@ class cache
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
     std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
+    /// Sealed slots whose positions the device mirror holds as `slots.position` does (backend::cuda
+    /// with a selector that reads token scores: its stage's `upload_positions`).
+    std::int64_t device_positions = 0;
   };
 
   /// Bytes of one pool page, with the key bounds a selector keeps per page.
@@ -1007,30 +1066,14 @@ class cache
   /// The selector reads the attend path's token scores (select::tova, select::h2o).
   static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
 
-  /// A step's token scores computed on the device (backend::cuda), per row of each sequence's
-  /// read order, into the selector's buffers by logical position: written (score_use::last_step)
-  /// or added (cumulative). Rows of evicted tokens, and page rows attended from their exact copies
-  /// (sinks, recent window), carry no score. Waits for the step: the eviction that follows reads
-  /// the scores on the host. Cost: one copy of 4 bytes per row and KV head, O(rows x KV heads) here.
-  void absorb_device_scores() {
-    engine_.download_token_scores();
-    const auto rows = engine_.token_scores();
-    const int heads = config_.num_kv_heads;
-    const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
-    for (std::size_t b = 0; b < planned_.size(); ++b) {
-      sequence_state& s = state_of(planned_[b]);
-      detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
-      const std::vector<std::int64_t> positions = read_order_positions(s);
-      for (std::size_t r = 0; r < positions.size(); ++r) {
-        if (positions[r] < 0) continue;
-        for (int h = 0; h < heads; ++h) {
-          const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
-                                            static_cast<std::size_t>(rows.row_stride) + r];
-          float& score = buffer.values[static_cast<std::size_t>(positions[r]) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
-          score = cumulative ? score + value : value;
-        }
-      }
-    }
+  /// Brings the device mirror of `s`'s position map up to date (backend::cuda, a selector that
+  /// reads token scores): the slots from the first one changed since the last upload. Cost: 8
+  /// bytes per slot copied; a decode step copies only what sealing and evictions changed.
+  void upload_positions(sequence_state& s, std::int32_t slot) {
+    const auto slots = static_cast<std::int64_t>(s.slots.position.size());
+    if (s.device_positions < slots)
+      engine_.selection().upload_positions(slot, s.slots.position.data(), s.device_positions, slots, engine_.stream());
+    s.device_positions = slots;
   }
 
   /// The logical position of each row of a sequence's read order on backend::cuda (its sealed

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../support/feed.hpp"
+#include "kvmosaic/cuda/kernel/token_scores.cuh"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -44,8 +45,8 @@ struct twin_settings {
 /// Runs `steps` decode steps (append, then attend) of a batch of two sequences of different
 /// lengths on twin caches and checks the scores after each, then the positions, pages and
 /// outputs. Returns the largest relative score difference.
-template <class Format, class Selector>
-double check_score_twins(const twin_settings<Format>& t, Selector selector, int steps) {
+template <class Format, class Selector, class Compactor = compact::repack>
+double check_score_twins(const twin_settings<Format>& t, Selector selector, int steps, Compactor compactor = {}) {
   cache_config c;
   c.num_kv_heads = 2;
   c.group_size = t.group;
@@ -55,8 +56,8 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
   c.max_sequences = 2;
   selector.budget.tokens = t.budget;
   selector.compact_every = t.compact_every;
-  cache<Format, Selector, compact::repack> host(c, t.format, selector);
-  cache<Format, Selector, compact::repack, score_shapes> device(c, t.format, selector);
+  cache<Format, Selector, Compactor> host(c, t.format, selector, compactor);
+  cache<Format, Selector, Compactor, score_shapes> device(c, t.format, selector, compactor);
   if (t.portable) device.engine().use_portable_kernel();
   const int hq = c.num_q_heads(), dim = c.head_dim;
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * dim;
@@ -113,8 +114,7 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
     if constexpr (!format::is_quant_v<Format>)
       CHECK(worst_out <= 2e-5);  // quant's outputs, with their derived bounds: test_cuda_quant2.cu, _quant_widths.cu
     for (const sequence_id seq : seqs) {
-      const auto& hs = host.selector_state(seq).scores.values;
-      const auto& ds = device.selector_state(seq).scores.values;
+      const std::vector<float> hs = host.token_scores(seq), ds = device.token_scores(seq);
       REQUIRE(hs.size() == ds.size());
       std::size_t scored = 0;
       for (std::size_t i = 0; i < hs.size(); ++i) {
@@ -217,5 +217,106 @@ TEST_CASE("GPU token scores: evictions by them keep the host's tokens", "[gpu][t
     t.group = 6;
     t.format.sink_tokens = 4;
     check_score_twins(t, select::h2o{}, 8);
+  }
+}
+
+TEST_CASE("GPU token scores: evictions ranked on the device keep the host's tokens under hole filling and any budget",
+          "[gpu][token_scores][eviction]") {
+  if (!gpu_available()) return;
+  for (const bool portable : {false, true}) {
+    INFO((portable ? "portable kernel" : "sm_90 kernel where there is one"));
+    twin_settings<> t;
+    t.portable = portable;
+    t.compact_every = 3;  // hole filling moves the last rows into holes: slots no longer in position order
+    t.budget = 40;
+    check_score_twins(t, select::tova{}, 8, compact::hole_fill{});
+    select::h2o h;
+    h.recent_share = 0.25;
+    check_score_twins(t, h, 8, compact::hole_fill{});
+    t.budget = 0;  // everything evictable goes: the tail and what no step has read stay
+    check_score_twins(t, select::tova{}, 4);
+    t.budget = 1 << 20;  // beyond the context: nothing goes
+    check_score_twins(t, select::h2o{}, 3, compact::hole_fill{});
+  }
+}
+
+namespace {
+/// The device ranking (`kernel::lowest_scored_kernel`) on hand-made scores against the host's
+/// `detail::lowest_ranked` of the same shared scores: ties (many exact zeros and equal values),
+/// NaN, evicted slots, slots out of position order, sinks and a `before` bound.
+std::vector<std::int64_t> device_ranking(const std::vector<float>& scores_by_head, std::int64_t stride, int heads,
+                                         const std::vector<std::int64_t>& slot_positions, std::int64_t first_evictable,
+                                         std::int64_t before, std::int64_t count, std::vector<std::int64_t>& positions_after) {
+  device_array<float> scores(scores_by_head);
+  device_array<std::int64_t> positions(slot_positions);
+  const auto slots = static_cast<std::int64_t>(slot_positions.size());
+  device_array<unsigned long long> keys(std::vector<unsigned long long>(static_cast<std::size_t>(slots)));
+  device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(count) + 1, -7));
+  device_array<std::int32_t> chosen_count(std::vector<std::int32_t>(1, -1));
+  const kvmosaic::cuda::kernel::rank_params p{kvmosaic::cuda::kernel::score_slot{scores.data(), stride, positions.data()},
+                             heads, slots, first_evictable, before, count, keys.data(), chosen.data(), chosen_count.data()};
+  kvmosaic::cuda::kernel::lowest_scored_kernel<><<<1, kvmosaic::cuda::kernel::rank_threads>>>(p);
+  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const int n = chosen_count.to_host(1)[0];
+  std::vector<std::int64_t> out = chosen.to_host(static_cast<std::size_t>(count) + 1);
+  out.resize(static_cast<std::size_t>(std::max(n, 0)));
+  positions_after = positions.to_host(slot_positions.size());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("GPU eviction ranking: the host's lowest_ranked on the same scores", "[gpu][token_scores][ranking]") {
+  if (!gpu_available()) return;
+  const int heads = 3;
+  for (const std::int64_t slots : {std::int64_t{1}, std::int64_t{37}, std::int64_t{1000}, std::int64_t{70000}}) {
+    const std::int64_t stride = slots + 5;
+    std::vector<float> scores(static_cast<std::size_t>(heads * stride));
+    std::uint64_t state = 0x9e3779b97f4a7c15ull ^ static_cast<std::uint64_t>(slots);
+    const auto next = [&state] {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      return state;
+    };
+    for (float& x : scores) {
+      const std::uint64_t r = next() % 16;
+      x = r < 6 ? 0.0f : r < 9 ? 0.25f : r == 9 ? -0.0f : static_cast<float>(next() % 1000) / 997.0f;  // ties galore
+    }
+    scores[static_cast<std::size_t>(stride / 2)] = std::nanf("");  // NaN ranks highest
+    // Slots out of position order (a hole-filling compaction), some evicted.
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(slots));
+    for (std::int64_t i = 0; i < slots; ++i) positions[static_cast<std::size_t>(i)] = i;
+    for (std::int64_t i = slots - 1; i > 0; --i) std::swap(positions[static_cast<std::size_t>(i)], positions[next() % static_cast<std::size_t>(i + 1)]);
+    for (std::int64_t i = 0; i < slots; i += 7) positions[static_cast<std::size_t>(i)] = -1;
+    const std::int64_t first_evictable = std::min<std::int64_t>(4, slots), before = slots - slots / 5;
+    std::vector<std::int64_t> candidates;
+    for (const std::int64_t p : positions)
+      if (p >= first_evictable && p < before) candidates.push_back(p);
+    std::sort(candidates.begin(), candidates.end());
+    const auto shared = [&](std::int64_t p) {
+      float total = 0.0f;
+      for (int h = 0; h < heads; ++h) total += scores[static_cast<std::size_t>(h * stride + p)];
+      return total;
+    };
+    for (const std::int64_t count : {std::int64_t{1}, std::int64_t{2}, slots / 3 + 1, static_cast<std::int64_t>(candidates.size()),
+                                     static_cast<std::int64_t>(candidates.size()) + 9}) {
+      INFO("slots " << slots << ", count " << count << ", candidates " << candidates.size());
+      const std::vector<std::int64_t> expected = detail::lowest_ranked(candidates, count, shared);
+      std::vector<std::int64_t> after;
+      const std::vector<std::int64_t> chosen = device_ranking(scores, stride, heads, positions, first_evictable, before, count, after);
+      std::vector<std::int64_t> chosen_positions;
+      for (const std::int64_t slot : chosen) {
+        REQUIRE(slot >= 0);
+        REQUIRE(slot < slots);
+        chosen_positions.push_back(positions[static_cast<std::size_t>(slot)]);
+        CHECK(after[static_cast<std::size_t>(slot)] == -1);  // marked evicted in the mirror
+      }
+      std::vector<std::int64_t> sorted_expected = expected;
+      std::sort(sorted_expected.begin(), sorted_expected.end());
+      std::sort(chosen_positions.begin(), chosen_positions.end());
+      REQUIRE(chosen_positions == sorted_expected);
+      std::int64_t marked = 0;
+      for (std::size_t i = 0; i < after.size(); ++i) marked += after[i] != positions[i];
+      CHECK(marked == static_cast<std::int64_t>(chosen.size()));
+    }
   }
 }

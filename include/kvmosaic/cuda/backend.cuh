@@ -94,8 +94,6 @@ class engine {
   static constexpr bool records_token_scores =
       writes_token_logits<Format>::value && (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none ||
                                              kvmosaic::detail::reads_window_votes<Selector>::value);
-  /// They come back per row of the read order (`token_scores`), not by logical position.
-  static constexpr bool scores_by_position = false;
   /// `window_votes` runs on the device where the engine records token scores and its format's
   /// logits are exact (`writes_exact_logits`: dense, bitmap_tiles); elsewhere the cache scores
   /// the keys it reads back.
@@ -374,13 +372,14 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
-  /// With `scores.use` other than none (format::dense's and the quantized formats' kernels;
-  /// `writes_token_logits`), the
-  /// step also computes each read token's score (select/token_scores.hpp) on the device: the
-  /// split kernels write their rows' logits, a score kernel after the merge normalizes and
-  /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
-  /// `token_scores` bring them to the host. Cost: per token and KV head, 4 x group bytes written
-  /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
+  /// With `scores.use` other than none (`records_token_scores`), the step also computes each read
+  /// token's score (select/token_scores.hpp) on the device: the split kernels write their rows'
+  /// logits, a score kernel after the merge normalizes and combines them and files them by logical
+  /// position in the selector stage's score buffers (`selection().score_table()`: a sealed row's
+  /// position from the stage's mirror of the cache's position map, a tail row's from the
+  /// sequence's `tail_position`). Nothing comes back to the host. Cost: per token and KV head,
+  /// 4 x group bytes written and read back, 4 written (8 moved when cumulative); device memory
+  /// 4 x group bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
@@ -391,35 +390,6 @@ class engine {
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
     if (scores.use != score_use::none) reserve_token_scores();
-  }
-
-  /// The token scores of the last step run with scores, as laid out on the device: [batch][KV
-  /// head][row_stride] fp32, row r of (b, h) the r-th row of b's read order (block-table entry x
-  /// page_size + page row, then its exact and tail rows).
-  struct token_score_rows {
-    const float* data;
-    std::int64_t row_stride;
-  };
-  /// Device pointer to the last step's token scores (valid after it ran on the stream).
-  token_score_rows device_token_scores() const noexcept {
-    return {token_scores_.as<const float>(), logit_slots_};
-  }
-  /// Enqueues the copy of the step's token scores to page-locked host memory (one 2D copy of the
-  /// rows each sequence has); `token_scores` waits for it.
-  void download_token_scores() {
-    kvmosaic::detail::require(planned_scores_.use != score_use::none, "cuda::engine::download_token_scores",
-                              "the planned step", "without token scores", "a step planned with score_settings");
-    const std::size_t pitch = static_cast<std::size_t>(logit_slots_) * sizeof(float);
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(scores_host_.data(), pitch, token_scores_.data(), pitch,
-                                          static_cast<std::size_t>(step_rows_) * sizeof(float),
-                                          static_cast<std::size_t>(batch_) * shape_.num_kv_heads, cudaMemcpyDeviceToHost,
-                                          stream_));
-  }
-  /// The downloaded token scores (host memory, the layout of `device_token_scores`); waits for
-  /// the engine's stream.
-  token_score_rows token_scores() const {
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return {scores_host_.as<const float>(), logit_slots_};
   }
 
   /// The device half (`cache::run`), enqueued on the engine's stream and capturable in a CUDA
@@ -482,7 +452,8 @@ class engine {
     layout_.tail_rows = layout_.slots + align(capacity_.batch * sizeof(std::int32_t));
     layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
     layout_.read_pages = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.tables = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tail_positions = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tables = layout_.tail_positions + align(capacity_.batch * sizeof(std::int64_t));
     layout_.live_masks = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
     layout_.selection = layout_.live_masks + (capacity_.live_masks ? align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride *
                                                                            live_mask_words() * sizeof(std::uint32_t))
@@ -548,6 +519,10 @@ class engine {
     std::memcpy(host + layout_.partial_offset, plan.partial_offset.data(), plan.partial_offset.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.slots, slots.data(), slots.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.tail_rows, tail_rows.data(), tail_rows.size() * sizeof(std::int32_t));
+    auto* tail_positions = reinterpret_cast<std::int64_t*>(host + layout_.tail_positions);
+    for (std::size_t b = 0; b < batch.size(); ++b)
+      tail_positions[b] = batch[b].tail_position >= 0 ? batch[b].tail_position
+                                                      : static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
@@ -579,8 +554,8 @@ class engine {
   void launch_selection_only(const float* q);
 
  private:
-  /// Room for the token scores of a step of the reserved layout: rows of the read order per
-  /// (sequence, KV head), logits and scores on the device, scores in page-locked host memory.
+  /// Room for the logits of a step of the reserved layout: rows of the read order per (sequence,
+  /// KV head), and the merge's log-sum-exps when the caller wants none.
   void reserve_token_scores() {
     const std::int64_t rows = static_cast<std::int64_t>(capacity_.table_stride) * shape_.page_size +
                               static_cast<std::int64_t>(geometry_.exact_rows) + shape_.page_size;
@@ -590,8 +565,6 @@ class engine {
     score_batch_ = std::max(capacity_.batch, score_batch_);
     const std::size_t slots = static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * static_cast<std::size_t>(logit_slots_);
     token_logits_ = device_buffer(slots * shape_.group_size * sizeof(float));
-    token_scores_ = device_buffer(slots * sizeof(float));
-    scores_host_ = pinned_buffer(slots * sizeof(float));
     score_lse_ = device_buffer(static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * shape_.group_size * sizeof(float));
   }
 
@@ -870,10 +843,10 @@ class engine {
   /// 32-bit row-mask words per page.
   int live_mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
-  /// [pages to read][tables][the selection stage's inputs].
+  /// [pages to read][tail positions][tables][live masks][the selection stage's inputs].
   struct step_layout {
-    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0, tables = 0,
-                live_masks = 0, selection = 0, bytes = 0;
+    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0,
+                tail_positions = 0, tables = 0, live_masks = 0, selection = 0, bytes = 0;
   };
   kvmosaic::detail::engine_shape shape_;
   Format format_;
@@ -904,8 +877,6 @@ class engine {
   std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
   std::int32_t score_batch_ = 0;   ///< sequences they hold
   device_buffer token_logits_;     ///< [batch][KV head][logit_slots_][group] (steps with token scores)
-  device_buffer token_scores_;     ///< [batch][KV head][logit_slots_]
-  pinned_buffer scores_host_;      ///< the same, downloaded
   device_buffer score_lse_;        ///< [batch][num_q_heads]: the merge's log-sum-exps when the caller wants none
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
@@ -960,7 +931,9 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
-  if constexpr (records_token_scores) {
+  // A selector that reads token scores keeps them in its stage (`score_table`); window votes
+  // (select::snapkv) read the logits themselves.
+  if constexpr (records_token_scores && kvmosaic::detail::token_scores_of<Selector>::value != score_use::none) {
     if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.
@@ -970,7 +943,9 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto, auto group) {
       detail::launch_kernel(kernel::token_scores_kernel<decltype(group)::value>, grid_scores,
                             dim3(static_cast<unsigned>(kernel::token_score_threads)), 0, stream_, dependent_launch_, common,
-                            token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
+                            selection_.score_table(),
+                            reinterpret_cast<const std::int64_t*>(step_metadata_.as<const std::byte>() + layout_.tail_positions),
+                            planned_scores_.combine == group_combine::max, planned_scores_.use == score_use::cumulative);
     });
   }
 }

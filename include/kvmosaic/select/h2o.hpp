@@ -65,16 +65,14 @@ struct selector_traits<select::h2o> : detail::scored_eviction_hooks<select::h2o,
   static std::int64_t recent_tokens(const select::h2o& s, std::int64_t keep) noexcept {
     return static_cast<std::int64_t>(std::floor(s.recent_share * static_cast<double>(keep)));
   }
-  /// The positions to evict now: of the live sealed tokens before the recent window that a step
-  /// has read, the lowest-scored, as many as the stored tokens exceed the budget (fewer when there
-  /// are not that many candidates).
-  static std::vector<std::int64_t> evictions(const select::h2o& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens before the recent window that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::h2o& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
+    if (stored <= keep) return {};
     const std::int64_t recent_from = length - recent_tokens(s, keep);
-    const std::int64_t before = std::min({open_from, recent_from, state.scores.scored_tokens});
-    return detail::lowest_scored(state.scores, live.evictable(before), live.stored - keep);
+    return {stored - keep, std::min({open_from, recent_from, state.scores.scored_tokens})};
   }
 };
 

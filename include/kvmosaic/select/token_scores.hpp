@@ -39,36 +39,50 @@ struct score_settings {
   group_combine combine = group_combine::sum;
 };
 
+/// What a score-based selector evicts after a write: the `count` live sealed tokens with the
+/// lowest shared score (`token_score_buffer::shared`; ties to the earlier position, NaN highest)
+/// among positions [first_evictable, before), or every such token when there are fewer.
+struct score_eviction {
+  std::int64_t count = 0;
+  std::int64_t before = 0;
+};
+
 namespace detail {
 
 /// One sequence's token scores, by logical position: [position][num_kv_heads] fp32, zero until a
 /// step reads the token. Evicted positions keep their last value and are never read again. Cost:
-/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`).
+/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`), in host memory on
+/// backend::host; on a device backend (`on_device`) the values live with the selector's device
+/// part (cuda/select/scored_eviction.cuh) and this buffer keeps only the length.
 struct token_score_buffer {
-  std::vector<float> values;
+  std::vector<float> values;  ///< host memory; empty when `on_device`
   int heads = 0;
+  std::int64_t length = 0;         ///< positions held
   std::int64_t scored_tokens = 0;  ///< tokens the sequence held at its last step with scores
+  bool on_device = false;          ///< the values live in device memory (backend::cuda)
 
-  std::int64_t tokens() const noexcept {
-    return heads > 0 ? static_cast<std::int64_t>(values.size()) / heads : 0;
-  }
+  std::int64_t tokens() const noexcept { return length; }
   float at(std::int64_t position, int head) const noexcept {
     return values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(head)];
   }
   /// Room for `tokens` positions of `num_heads` heads (growing geometrically: appends cost
   /// amortized O(1)); may throw (allocation), changes no score.
   void reserve(std::int64_t tokens, int num_heads) {
+    if (on_device) return;
     const std::size_t needed = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (needed > values.capacity()) values.reserve(std::max(needed, 2 * values.capacity()));
   }
   /// Grows to `tokens` positions (new ones 0) within the room `reserve` made: cannot throw.
   void grow_to(std::int64_t tokens, int num_heads) noexcept {
     heads = num_heads;
+    length = std::max(length, tokens);
+    if (on_device) return;
     const std::size_t size = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (size > values.size()) values.resize(size, 0.0f);  // capacity reserved: no allocation
   }
   /// The score of `position` for the eviction decision of one slot layout shared by every KV
-  /// head: the sum over the heads (their mean, up to a constant factor that no ranking sees).
+  /// head: the sum over the heads in head order, in fp32 (their mean, up to a constant factor that
+  /// no ranking sees). The device ranking (cuda/kernel/token_scores.cuh) sums in the same order.
   float shared(std::int64_t position) const noexcept {
     float total = 0.0f;
     for (int h = 0; h < heads; ++h) total += at(position, h);

@@ -52,14 +52,13 @@ struct selector_traits<select::tova> : detail::scored_eviction_hooks<select::tov
     s.budget.validate(where);
     detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
   }
-  /// The positions to evict now: the lowest-scored live sealed tokens that a step has read, as
-  /// many as the stored tokens exceed the budget (fewer when there are not that many).
-  static std::vector<std::int64_t> evictions(const select::tova& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::tova& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
-    return detail::lowest_scored(state.scores, live.evictable(std::min(open_from, state.scores.scored_tokens)),
-                                 live.stored - keep);
+    if (stored <= keep) return {};
+    return {stored - keep, std::min(open_from, state.scores.scored_tokens)};
   }
 };
 
