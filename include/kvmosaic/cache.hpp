@@ -368,7 +368,7 @@ class cache
     s.stored += rows;
     s.seen += rows;
     traits::commit(s.selector_state, staged);
-    after_write(seq, rows);
+    after_write(span<const sequence_id>(&seq, 1), rows);
   }
 
  public:
@@ -448,7 +448,7 @@ class cache
       ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
-    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
+    after_write(seqs, 1);
   }
 
  public:
@@ -706,28 +706,46 @@ class cache
     for (const std::int64_t slot : slots) s.slots.evict(slot, page);  // cannot throw
   }
 
-  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
-  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
-  /// the written tokens stored and the evictions to the next write.
-  void after_write(sequence_id seq, std::int64_t written) {
+  /// After a write of `written` tokens to each of `seqs` (committed): a keep-less selector's
+  /// evictions, then its compaction cadence. Runs after the write's commit: a failure here (an
+  /// allocation) leaves the written tokens stored and the evictions to the next write. A selector
+  /// that reads token scores on backend::cuda ranks the whole batch's evictions in one pass on the
+  /// device (`selection().lowest_scored`), where the scores are; the others rank on the host.
+  void after_write(span<const sequence_id> seqs, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
-      sequence_state& s = state_of(seq);
-      if constexpr (records_scores && rows_on_device) {  // ranked where the scores are: on the device
-        const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
-                                                                               s.seen - tail_rows(s), s.stored - s.slots.dead);
-        if (quota.count > 0) {
-          upload_positions(s, slot_of(seq));
-          evict_slots(seq, engine_.selection().lowest_scored(slot_of(seq), static_cast<std::int64_t>(s.slots.position.size()),
-                                                           sink_rows(format_), quota.before, quota.count, engine_.stream()));
+      if constexpr (records_scores && rows_on_device) {
+        using stage = typename engine_type::selection_type;
+        std::vector<typename stage::ranking> rankings;
+        std::vector<sequence_id> ranked;
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+                                                                                 s.seen - tail_rows(s), s.stored - s.slots.dead);
+          if (quota.count <= 0) continue;
+          upload_positions(s, slot_of(seqs(b)));
+          rankings.push_back({slot_of(seqs(b)), static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_),
+                              quota.before, quota.count});
+          ranked.push_back(seqs(b));
+        }
+        const std::vector<std::vector<std::int64_t>> chosen =
+            rankings.empty() ? std::vector<std::vector<std::int64_t>>{} : engine_.selection().lowest_scored(rankings, engine_.stream());
+        for (std::int64_t b = 0, i = 0; b < seqs.size(); ++b) {  // each sequence evicts, then compacts, in batch order
+          if (i < static_cast<std::int64_t>(ranked.size()) && ranked[static_cast<std::size_t>(i)] == seqs(b))
+            evict_slots(seqs(b), chosen[static_cast<std::size_t>(i++)]);
+          if (selector_traits<Selector>::compaction_due(selector_, state_of(seqs(b)).selector_state, written)) compact(seqs(b));
         }
       } else {
-        const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
-                                 static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
-        const std::vector<std::int64_t> dead =
-            selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
-        if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                                   static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
+          const std::vector<std::int64_t> dead =
+              selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+          if (!dead.empty())
+            evict_positions(seqs(b), span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+          if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seqs(b));
+        }
       }
-      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
     }
   }
 

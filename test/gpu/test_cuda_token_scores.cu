@@ -247,22 +247,37 @@ namespace {
 std::vector<std::int64_t> device_ranking(const std::vector<float>& scores_by_head, std::int64_t stride, int heads,
                                          const std::vector<std::int64_t>& slot_positions, std::int64_t first_evictable,
                                          std::int64_t before, std::int64_t count, std::vector<std::int64_t>& positions_after) {
+  namespace k = kvmosaic::cuda::kernel;
   device_array<float> scores(scores_by_head);
   device_array<std::int64_t> positions(slot_positions);
   const auto slots = static_cast<std::int64_t>(slot_positions.size());
-  device_array<unsigned long long> keys(std::vector<unsigned long long>(static_cast<std::size_t>(slots)));
-  device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(count) + 1, -7));
-  device_array<std::int32_t> chosen_count(std::vector<std::int32_t>(1, -1));
-  const kvmosaic::cuda::kernel::rank_params p{kvmosaic::cuda::kernel::score_slot{scores.data(), stride, positions.data()},
-                             heads, slots, first_evictable, before, count, keys.data(), chosen.data(), chosen_count.data()};
-  kvmosaic::cuda::kernel::lowest_scored_kernel<><<<1, kvmosaic::cuda::kernel::rank_threads>>>(p);
+  // Two requests over the same sequence's keys, the second the one checked: requests index their
+  // own keys and counters.
+  const std::vector<k::rank_request> requests{
+      k::rank_request{k::score_slot{scores.data(), stride, positions.data()}, std::min<std::int64_t>(slots, 3), first_evictable,
+                      before, 0, 0},
+      k::rank_request{k::score_slot{scores.data(), stride, positions.data()}, slots, first_evictable, before, count, 3}};
+  std::vector<unsigned char> request_bytes(sizeof(k::rank_request) * requests.size());
+  std::memcpy(request_bytes.data(), requests.data(), request_bytes.size());
+  device_array<unsigned char> device_requests(request_bytes);
+  device_array<unsigned long long> keys(std::vector<unsigned long long>(static_cast<std::size_t>(slots + 3)));
+  device_array<int> counters(std::vector<int>(2 * 257, 0));
+  const std::int64_t stride_chosen = std::max<std::int64_t>(count, 1);
+  device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(2 * (stride_chosen + 1)), -7));
+  const k::rank_params p{reinterpret_cast<const k::rank_request*>(device_requests.data()),
+                         heads, keys.data(), counters.data(), counters.data() + 2 * 256, chosen.data(), stride_chosen};
+  k::rank_keys_kernel<><<<dim3(3, 2), k::rank_key_threads>>>(p);
+  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  k::lowest_scored_kernel<><<<2, k::rank_threads>>>(p);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-  const int n = chosen_count.to_host(1)[0];
-  std::vector<std::int64_t> out = chosen.to_host(static_cast<std::size_t>(count) + 1);
-  out.resize(static_cast<std::size_t>(std::max(n, 0)));
+  const std::vector<std::int64_t> all = chosen.to_host(static_cast<std::size_t>(2 * (stride_chosen + 1)));
+  REQUIRE(all[0] == 0);  // the first request asks for none
+  const std::int64_t* row = all.data() + stride_chosen + 1;
+  REQUIRE(row[0] >= 0);
+  REQUIRE(row[0] <= stride_chosen);
   positions_after = positions.to_host(slot_positions.size());
-  return out;
+  return std::vector<std::int64_t>(row + 1, row + 1 + row[0]);
 }
 }  // namespace
 

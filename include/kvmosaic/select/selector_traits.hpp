@@ -80,6 +80,11 @@
 ///   static group_combine score_combine(const Selector&);   // how the group's probabilities combine
 ///   static detail::token_score_buffer& scores(sequence_state&);  // where steps write them (and
 ///                                 // the const overload)
+///   static score_eviction eviction_quota(const Selector&, const sequence_state&,
+///                       std::int64_t length, std::int64_t open_from, std::int64_t stored);
+///                                 // how many of the lowest-scored tokens below which position
+///                                 // to evict after a write (`evictions` ranks them on the host;
+///                                 // a device backend ranks them where its scores are)
 ///   // read-less selectors (reads_all_pages == false) also provide:
 ///   static detail::selection_request start_request(const Selector&, const selector_shape&);
 ///                                 // the step's fields (score combination, span kind)

@@ -8,9 +8,10 @@
 ///     query head's log-sum-exp over all the step's splits (written by the merge), filed by
 ///     logical position into each sequence's device score buffer (written, or added for
 ///     cumulative scores): no eager attention, no second pass over K, no copy to the host.
-///   - `lowest_scored_kernel`: the eviction ranking (`detail::lowest_scored` on the host) over
-///     those buffers: the lowest shared scores among a sequence's live sealed slots, by a radix
-///     select on 64-bit keys (score, position), so that only the chosen slots leave the device.
+///   - `rank_keys_kernel`, `lowest_scored_kernel`: the eviction ranking (`detail::lowest_scored`
+///     on the host) over those buffers, for a batch of sequences: the lowest shared scores among
+///     each sequence's live sealed slots, by a radix select on 64-bit keys (score, position), so
+///     that only the chosen slots leave the device.
 
 #include <cuda.h>
 
@@ -118,20 +119,26 @@ __global__ void __launch_bounds__(token_score_threads)
   }
 }
 
-/// Threads of the `lowest_scored_kernel` CTA: one per radix bin, four times over.
-inline constexpr int rank_threads = 1024;
-
-/// What one eviction ranking reads and writes.
-struct rank_params {
+/// One sequence's eviction ranking (`rank_keys_kernel`, `lowest_scored_kernel`).
+struct rank_request {
   score_slot target;             ///< the sequence's scores and slot positions
-  int num_kv_heads;
   std::int64_t slots;            ///< sealed slots of the sequence
   std::int64_t first_evictable;  ///< candidates: live slots whose position is in [first_evictable, before)
   std::int64_t before;
   std::int64_t count;            ///< how many to choose (fewer when there are fewer candidates)
-  unsigned long long* keys;      ///< scratch, [slots]
-  std::int64_t* chosen;          ///< [count]: the chosen slots, in no particular order
-  std::int32_t* chosen_count;    ///< [1]
+  std::int64_t keys;             ///< offset of its keys in `rank_params::keys` ([slots])
+};
+
+/// A batch of rankings. Per request r: 256 histogram bins and a candidate count (zeroed by the
+/// caller), and `chosen` [r][1 + chosen_stride]: the number chosen, then the chosen slots.
+struct rank_params {
+  const rank_request* requests;
+  int num_kv_heads;
+  unsigned long long* keys;
+  int* histograms;               ///< [requests][256]: the keys' top digits
+  int* candidates;               ///< [requests]
+  std::int64_t* chosen;
+  std::int64_t chosen_stride;
 };
 
 namespace detail_scores {
@@ -148,86 +155,117 @@ __device__ __forceinline__ unsigned long long rank_key(float score, std::int64_t
 inline constexpr unsigned long long not_a_candidate = ~0ull;
 }  // namespace detail_scores
 
-/// The eviction ranking of one sequence: the `count` candidate slots with the lowest keys
-/// (`rank_key` of the shared score, the sum over the KV heads in head order, as
-/// `token_score_buffer::shared` sums on the host), marked evicted in `positions` (-1) and listed
-/// in `chosen`. One CTA: a pass computes each slot's key into `keys`; then a radix select, 8 bits
-/// at a time from the top, finds the count-th smallest key, stopping as soon as every key left
-/// with the digits found so far is taken (keys are distinct: positions are). Cost: one read of the
-/// slot positions and of num_kv_heads scores per candidate, 8 bytes per slot written, then up to
-/// 8 passes over the keys (L2-resident at the lengths that matter).
+/// Threads of a `rank_keys_kernel` CTA.
+inline constexpr int rank_key_threads = 256;
+
+/// Each slot's key (`rank_key` of its shared score, the sum over the KV heads in head order as
+/// `token_score_buffer::shared` sums on the host; `not_a_candidate` for a slot that is not one),
+/// the candidates counted and their keys' top 8 bits in the request's histogram. Grid: (CTAs per
+/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read, 8
+/// written, and num_kv_heads scores read per candidate.
+template <int Threads = rank_key_threads>
+__global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p) {
+  __shared__ int histogram[256];
+  __shared__ int candidates;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
+  if (tid == 0) candidates = 0;
+  __syncthreads();
+  const rank_request q = p.requests[blockIdx.y];
+  unsigned long long* keys = p.keys + q.keys;
+  int mine = 0;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * Threads + tid; r < q.slots;
+       r += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const std::int64_t position = q.target.positions[r];
+    unsigned long long key = detail_scores::not_a_candidate;
+    if (position >= q.first_evictable && position < q.before) {
+      float total = 0.0f;
+      for (int h = 0; h < p.num_kv_heads; ++h) total += q.target.scores[static_cast<std::size_t>(h) * q.target.stride + position];
+      key = detail_scores::rank_key(total, position);
+      atomicAdd(&histogram[key >> 56], 1);
+      ++mine;
+    }
+    keys[r] = key;
+  }
+  if (mine > 0) atomicAdd(&candidates, mine);
+  __syncthreads();
+  int* bins = p.histograms + static_cast<std::size_t>(blockIdx.y) * 256;
+  for (int i = tid; i < 256; i += Threads)
+    if (histogram[i] != 0) atomicAdd(&bins[i], histogram[i]);
+  if (tid == 0 && candidates != 0) atomicAdd(&p.candidates[blockIdx.y], candidates);
+}
+
+/// Threads of a `lowest_scored_kernel` CTA: one per radix bin, four times over.
+inline constexpr int rank_threads = 1024;
+
+/// The ranking of each request, from the keys `rank_keys_kernel` wrote: the `count` candidate
+/// slots with the lowest keys (keys are distinct: positions are), marked evicted in the mirror
+/// (-1) and listed in `chosen`. A radix select, 8 bits at a time from the top (the first digit's
+/// histogram is the keys kernel's), stops as soon as every key with the digits found so far is
+/// taken. Grid: one CTA per request. Cost: up to 7 passes over the request's keys, 8 bytes per
+/// slot each (L2-resident at the lengths that matter), then one to list the chosen.
 template <int Threads = rank_threads>
 __global__ void __launch_bounds__(Threads) lowest_scored_kernel(const rank_params p) {
   static_assert(Threads >= 256, "a thread per radix bin");
   __shared__ int histogram[256];
-  __shared__ unsigned long long found;  // the digits found so far
-  __shared__ int need;                  // how many of the keys with those digits to take
+  __shared__ unsigned long long found;  // the digit found by this pass
+  __shared__ int need;                  // how many of the keys with the digits so far to take
+  __shared__ int in_bin;                // keys with the digits so far
   __shared__ int taken;
-  __shared__ int candidates;
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid == 0) candidates = 0, taken = 0;
-  __syncthreads();
-  int mine = 0;
-  for (std::int64_t r = tid; r < p.slots; r += Threads) {
-    const std::int64_t position = p.target.positions[r];
-    unsigned long long key = detail_scores::not_a_candidate;
-    if (position >= p.first_evictable && position < p.before) {
-      float total = 0.0f;
-      for (int h = 0; h < p.num_kv_heads; ++h) total += p.target.scores[static_cast<std::size_t>(h) * p.target.stride + position];
-      key = detail_scores::rank_key(total, position);
-      ++mine;
-    }
-    p.keys[r] = key;
-  }
-  atomicAdd(&candidates, mine);
-  __syncthreads();
-  const int n = candidates;
-  const int k = static_cast<int>(p.count < n ? p.count : n);
+  const rank_request q = p.requests[blockIdx.x];
+  const unsigned long long* keys = p.keys + q.keys;
+  std::int64_t* out = p.chosen + static_cast<std::size_t>(blockIdx.x) * (p.chosen_stride + 1);
+  const int n = p.candidates[blockIdx.x];
+  const int k = static_cast<int>(q.count < n ? q.count : n);
   if (k <= 0) {
-    if (tid == 0) *p.chosen_count = 0;
+    if (tid == 0) out[0] = 0;
     return;
   }
+  if (tid < 256) histogram[tid] = p.histograms[static_cast<std::size_t>(blockIdx.x) * 256 + tid];
+  if (tid == 0) need = k, taken = 0;
+  __syncthreads();
   // The threshold: every candidate key <= it is chosen (k of them).
   unsigned long long threshold = detail_scores::not_a_candidate - 1;
   if (k < n) {
     unsigned long long prefix = 0, mask = 0;
-    if (tid == 0) need = k;
     for (int shift = 56; shift >= 0; shift -= 8) {
-      if (tid < 256) histogram[tid] = 0;
-      __syncthreads();
-      for (std::int64_t r = tid; r < p.slots; r += Threads) {
-        const unsigned long long key = p.keys[r];
-        if (key != detail_scores::not_a_candidate && (key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
+      if (shift < 56) {  // the histogram of the next digit among the keys with the digits so far
+        if (tid < 256) histogram[tid] = 0;
+        __syncthreads();
+        for (std::int64_t r = tid; r < q.slots; r += Threads) {
+          const unsigned long long key = keys[r];
+          if (key != detail_scores::not_a_candidate && (key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
+        }
+        __syncthreads();
       }
-      __syncthreads();
-      if (tid == 0) {  // the digit where the count runs out (256 bins: a serial scan is cheap next to the pass)
-        int before = 0, digit = 0;
-        while (before + histogram[digit] < need) before += histogram[digit++];
+      if (tid == 0) {  // the digit where the count runs out (a serial scan of 256 bins: cheap next to a pass)
+        int below = 0, digit = 0;
+        while (below + histogram[digit] < need) below += histogram[digit++];
         found = static_cast<unsigned long long>(digit) << shift;
-        need -= before;
-        histogram[0] = histogram[digit];  // the keys with this digit: all taken when need equals it
+        need -= below;
+        in_bin = histogram[digit];
       }
       __syncthreads();
       prefix |= found;
       mask |= 255ull << shift;
-      const bool all_taken = histogram[0] == need;
-      __syncthreads();
+      const bool all_taken = in_bin == need;
+      __syncthreads();  // `found`, `in_bin` and the histogram are rewritten by the next pass
       if (all_taken) {
-        threshold = prefix | ((1ull << shift) - 1);  // shift == 0: the prefix itself
+        threshold = prefix | ((1ull << shift) - 1);  // shift 0: the prefix itself
         break;
       }
-      threshold = prefix;
     }
   }
-  for (std::int64_t r = tid; r < p.slots; r += Threads) {
-    const unsigned long long key = p.keys[r];
+  for (std::int64_t r = tid; r < q.slots; r += Threads) {
+    const unsigned long long key = keys[r];
     if (key != detail_scores::not_a_candidate && key <= threshold) {
-      p.chosen[atomicAdd(&taken, 1)] = r;
-      p.target.positions[r] = -1;
+      out[1 + atomicAdd(&taken, 1)] = r;
+      q.target.positions[r] = -1;
     }
   }
   __syncthreads();
-  if (tid == 0) *p.chosen_count = taken;
+  if (tid == 0) out[0] = taken;
 }
 
 }  // namespace kvmosaic::cuda::kernel

@@ -125,43 +125,79 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     KVMOSAIC_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
   }
 
-  /// The eviction ranking of `slot` on the device (`kernel::lowest_scored_kernel`): of its first
-  /// `slots` sealed slots, those whose position is in [first_evictable, before), the `count` with
-  /// the lowest shared score (ties to the earlier position, NaN highest), as the host's
-  /// `detail::lowest_scored` ranks. They are marked evicted in the device mirror; returned
-  /// ascending. Waits for the stream. Cost: the kernel, and 8 bytes per chosen slot copied back.
-  std::vector<std::int64_t> lowest_scored(std::int32_t slot, std::int64_t slots, std::int64_t first_evictable,
-                                          std::int64_t before, std::int64_t count, cudaStream_t stream) {
-    kvmosaic::detail::require(before <= (std::int64_t{1} << 32), "cuda::scored_selection_stage::lowest_scored", "before",
-                              before, "positions below 2^32");
-    const sequence& s = slots_[static_cast<std::size_t>(slot)];
-    if (count <= 0 || slots <= 0) return {};
-    if (static_cast<std::size_t>(slots) * sizeof(unsigned long long) > keys_.size())
-      keys_ = device_buffer(static_cast<std::size_t>(slots + slots / 2) * sizeof(unsigned long long));
-    const std::int64_t room = std::min(count, slots);
-    if (static_cast<std::size_t>(room + 1) * sizeof(std::int64_t) > chosen_.size()) {
-      chosen_ = device_buffer(static_cast<std::size_t>(room + room / 2 + 2) * sizeof(std::int64_t));
-      chosen_host_ = pinned_buffer(chosen_.size());
+  /// One sequence's eviction ranking: of the first `slots` sealed slots of `slot`, those whose
+  /// position is in [first_evictable, before), the `count` with the lowest shared score.
+  struct ranking {
+    std::int32_t slot;
+    std::int64_t slots;
+    std::int64_t first_evictable;
+    std::int64_t before;
+    std::int64_t count;
+  };
+  /// The rankings on the device, all in one pair of kernels (`kernel::rank_keys_kernel`,
+  /// `kernel::lowest_scored_kernel`): per ranking, the chosen slots (ascending), in the order the
+  /// host's `detail::lowest_scored` ranks (ties to the earlier position, NaN highest), marked
+  /// evicted in the device mirror. Waits for the stream. Cost: the kernels (one read of each
+  /// sequence's slot positions and of the candidates' scores, then a few passes over 8 bytes per
+  /// slot), and 8 bytes per chosen slot copied back.
+  std::vector<std::vector<std::int64_t>> lowest_scored(const std::vector<ranking>& rankings, cudaStream_t stream) {
+    const char* where = "cuda::scored_selection_stage::lowest_scored";
+    const auto n = static_cast<std::int32_t>(rankings.size());
+    std::vector<std::vector<std::int64_t>> out(rankings.size());
+    if (n == 0) return out;
+    std::int64_t total_slots = 0, stride = 1, longest = 1;
+    for (const ranking& r : rankings) {
+      kvmosaic::detail::require(r.before <= (std::int64_t{1} << 32), where, "before", r.before, "positions below 2^32");
+      total_slots += r.slots;
+      stride = std::max(stride, std::min(std::max<std::int64_t>(r.count, 0), r.slots));
+      longest = std::max(longest, r.slots);
     }
-    auto* chosen = chosen_.as<std::int64_t>();
-    const kernel::rank_params p{kernel::score_slot{static_cast<float*>(s.scores.data()), s.score_capacity, static_cast<std::int64_t*>(s.positions.data())},
+    // Device scratch: the requests, then per request 256 histogram bins and a candidate count.
+    const std::size_t requests_bytes = align(static_cast<std::size_t>(n) * sizeof(kernel::rank_request));
+    const std::size_t counters_bytes = static_cast<std::size_t>(n) * 257 * sizeof(int);
+    const std::size_t chosen_bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(stride + 1) * sizeof(std::int64_t);
+    grow(rank_scratch_, requests_bytes + counters_bytes);
+    grow(keys_, static_cast<std::size_t>(total_slots) * sizeof(unsigned long long));
+    grow(chosen_, chosen_bytes);
+    if (chosen_host_.size() < chosen_bytes) chosen_host_ = pinned_buffer(chosen_.size());
+    requests_host_.reserve(requests_bytes);
+    auto* requests = requests_host_.as<kernel::rank_request>();
+    std::int64_t keys_at = 0;
+    for (std::int32_t i = 0; i < n; ++i) {
+      const ranking& r = rankings[static_cast<std::size_t>(i)];
+      const sequence& s = slots_[static_cast<std::size_t>(r.slot)];
+      requests[i] = kernel::rank_request{
+          kernel::score_slot{static_cast<float*>(s.scores.data()), s.score_capacity, static_cast<std::int64_t*>(s.positions.data())},
+          std::min(r.slots, s.position_capacity), r.first_evictable, r.before, std::max<std::int64_t>(r.count, 0), keys_at};
+      keys_at += r.slots;
+    }
+    auto* scratch = rank_scratch_.as<std::byte>();
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(scratch, requests_host_.data(), static_cast<std::size_t>(n) * sizeof(kernel::rank_request),
+                                        cudaMemcpyHostToDevice, stream));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(scratch + requests_bytes, 0, counters_bytes, stream));
+    const kernel::rank_params p{reinterpret_cast<const kernel::rank_request*>(scratch),
                                 heads_,
-                                slots,
-                                first_evictable,
-                                before,
-                                room,
                                 keys_.as<unsigned long long>(),
-                                chosen + 1,
-                                reinterpret_cast<std::int32_t*>(chosen)};
-    kernel::lowest_scored_kernel<><<<1, kernel::rank_threads, 0, stream>>>(p);
+                                reinterpret_cast<int*>(scratch + requests_bytes),
+                                reinterpret_cast<int*>(scratch + requests_bytes) + static_cast<std::size_t>(n) * 256,
+                                chosen_.as<std::int64_t>(),
+                                stride};
+    // About 8 slots per thread: the longest sequence spread over the device.
+    constexpr std::int64_t slots_per_cta = 8 * kernel::rank_key_threads;
+    const auto ctas = static_cast<unsigned>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024));
+    kernel::rank_keys_kernel<><<<dim3(ctas, static_cast<unsigned>(n)), kernel::rank_key_threads, 0, stream>>>(p);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), static_cast<std::size_t>(room + 1) * sizeof(std::int64_t),
-                                        cudaMemcpyDeviceToHost, stream));
+    kernel::lowest_scored_kernel<><<<static_cast<unsigned>(n), kernel::rank_threads, 0, stream>>>(p);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), chosen_bytes, cudaMemcpyDeviceToHost, stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
-    const auto* host = chosen_host_.as<const std::int64_t>();
-    const auto taken = static_cast<std::size_t>(*reinterpret_cast<const std::int32_t*>(host));
-    std::vector<std::int64_t> out(host + 1, host + 1 + taken);
-    std::sort(out.begin(), out.end());
+    const auto* chosen = chosen_host_.as<const std::int64_t>();
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int64_t* row = chosen + static_cast<std::size_t>(i) * static_cast<std::size_t>(stride + 1);
+      std::vector<std::int64_t>& slots = out[static_cast<std::size_t>(i)];
+      slots.assign(row + 1, row + 1 + row[0]);
+      std::sort(slots.begin(), slots.end());
+    }
     return out;
   }
 
@@ -191,6 +227,11 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     device_buffer positions;  ///< [position_capacity]
     std::int64_t position_capacity = 0;
   };
+  static std::size_t align(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
+  /// Grows `buffer` to at least `bytes` (by half again), its contents not kept.
+  static void grow(device_buffer& buffer, std::size_t bytes) {
+    if (bytes > buffer.size()) buffer = device_buffer(std::max(bytes, buffer.size() + buffer.size() / 2));
+  }
   /// Writes `slot`'s table entry in stream order.
   void publish(std::int32_t slot, cudaStream_t stream) {
     const sequence& s = slots_[static_cast<std::size_t>(slot)];
@@ -203,9 +244,11 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
   int heads_;
   std::vector<sequence> slots_;
   device_buffer table_;        ///< [max_sequences] kernel::score_slot
-  device_buffer keys_;         ///< the ranking's scratch keys
-  device_buffer chosen_;       ///< [0]: how many were chosen (int32); then the chosen slots
+  device_buffer rank_scratch_;  ///< the rankings' requests, histograms and candidate counts
+  device_buffer keys_;          ///< the rankings' keys
+  device_buffer chosen_;        ///< per ranking: how many were chosen, then the chosen slots
   pinned_buffer chosen_host_;
+  pinned_buffer requests_host_;
   pinned_buffer staging_;      ///< position uploads
   cudaEvent_t uploaded_ = nullptr;
 };
