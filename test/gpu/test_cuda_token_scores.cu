@@ -241,12 +241,12 @@ TEST_CASE("GPU token scores: evictions ranked on the device keep the host's toke
 }
 
 namespace {
-/// The device ranking (`kernel::lowest_scored_kernel`) on hand-made scores against the host's
+/// The device ranking (`kernel::launch_ranking`, on `ctas` CTAs per request) on hand-made scores against the host's
 /// `detail::lowest_ranked` of the same shared scores: ties (many exact zeros and equal values),
 /// NaN, evicted slots, slots out of position order, sinks and a `before` bound.
 std::vector<std::int64_t> device_ranking(const std::vector<float>& scores_by_head, std::int64_t stride, int heads,
                                          const std::vector<std::int64_t>& slot_positions, std::int64_t first_evictable,
-                                         std::int64_t before, std::int64_t count, std::vector<std::int64_t>& positions_after) {
+                                         std::int64_t before, std::int64_t count, int ctas, std::vector<std::int64_t>& positions_after) {
   namespace k = kvmosaic::cuda::kernel;
   device_array<float> scores(scores_by_head);
   device_array<std::int64_t> positions(slot_positions);
@@ -261,14 +261,12 @@ std::vector<std::int64_t> device_ranking(const std::vector<float>& scores_by_hea
   std::memcpy(request_bytes.data(), requests.data(), request_bytes.size());
   device_array<unsigned char> device_requests(request_bytes);
   device_array<unsigned long long> keys(std::vector<unsigned long long>(static_cast<std::size_t>(slots + 3)));
-  device_array<int> counters(std::vector<int>(2 * 257, 0));
+  device_array<unsigned char> states(std::vector<unsigned char>(2 * sizeof(k::rank_state), 0));
   const std::int64_t stride_chosen = std::max<std::int64_t>(count, 1);
-  device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(2 * (stride_chosen + 1)), -7));
+  device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(2 * (stride_chosen + 1)), 0));
   const k::rank_params p{reinterpret_cast<const k::rank_request*>(device_requests.data()),
-                         heads, keys.data(), counters.data(), counters.data() + 2 * 256, chosen.data(), stride_chosen};
-  k::rank_keys_kernel<><<<dim3(3, 2), k::rank_key_threads>>>(p);
-  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-  k::lowest_scored_kernel<><<<2, k::rank_threads>>>(p);
+                         reinterpret_cast<k::rank_state*>(states.data()), heads, keys.data(), chosen.data(), stride_chosen};
+  k::launch_ranking(p, 2, ctas, nullptr);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<std::int64_t> all = chosen.to_host(static_cast<std::size_t>(2 * (stride_chosen + 1)));
@@ -317,7 +315,9 @@ TEST_CASE("GPU eviction ranking: the host's lowest_ranked on the same scores", "
       INFO("slots " << slots << ", count " << count << ", candidates " << candidates.size());
       const std::vector<std::int64_t> expected = detail::lowest_ranked(candidates, count, shared);
       std::vector<std::int64_t> after;
-      const std::vector<std::int64_t> chosen = device_ranking(scores, stride, heads, positions, first_evictable, before, count, after);
+      const int ctas = static_cast<int>(1 + (slots + count) % 5);  // one CTA, and several (the last-arriving one decides)
+      const std::vector<std::int64_t> chosen =
+          device_ranking(scores, stride, heads, positions, first_evictable, before, count, ctas, after);
       std::vector<std::int64_t> chosen_positions;
       for (const std::int64_t slot : chosen) {
         REQUIRE(slot >= 0);

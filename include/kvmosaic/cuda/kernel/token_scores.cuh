@@ -8,12 +8,15 @@
 ///     query head's log-sum-exp over all the step's splits (written by the merge), filed by
 ///     logical position into each sequence's device score buffer (written, or added for
 ///     cumulative scores): no eager attention, no second pass over K, no copy to the host.
-///   - `rank_keys_kernel`, `lowest_scored_kernel`: the eviction ranking (`detail::lowest_scored`
-///     on the host) over those buffers, for a batch of sequences: the lowest shared scores among
-///     each sequence's live sealed slots, by a radix select on 64-bit keys (score, position), so
-///     that only the chosen slots leave the device.
+///   - `rank_keys_kernel`, `rank_digit_kernel`, `rank_choose_kernel`: the eviction ranking
+///     (`detail::lowest_scored` on the host) over those buffers, for a batch of sequences: the
+///     lowest shared scores among each sequence's live sealed slots, by a radix select on 64-bit
+///     keys (score, position) spread over the whole device, so that only the chosen slots leave
+///     the device.
 
 #include <cuda.h>
+
+#include <cub/block/block_scan.cuh>
 
 #include <cstddef>
 #include <cstdint>
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(token_score_threads)
   }
 }
 
-/// One sequence's eviction ranking (`rank_keys_kernel`, `lowest_scored_kernel`).
+/// One sequence's eviction ranking (`rank_keys_kernel`, `rank_digit_kernel`, `rank_choose_kernel`).
 struct rank_request {
   score_slot target;             ///< the sequence's scores and slot positions
   std::int64_t slots;            ///< sealed slots of the sequence
@@ -129,17 +132,30 @@ struct rank_request {
   std::int64_t keys;             ///< offset of its keys in `rank_params::keys` ([slots])
 };
 
-/// A batch of rankings. Per request r: 256 histogram bins and a candidate count (zeroed by the
-/// caller), and `chosen` [r][1 + chosen_stride]: the number chosen, then the chosen slots.
+/// Where one ranking's radix select stands between its kernels (zeroed before the first).
+struct rank_state {
+  unsigned long long prefix;     ///< the digits found so far
+  unsigned long long threshold;  ///< once done: every candidate key <= it is chosen
+  int need;                      ///< how many of the keys with those digits to take
+  int candidates;
+  int done;
+  unsigned arrivals;             ///< CTAs of the current kernel that have added their histogram
+  int histogram[256];            ///< of the current digit, over the keys with the digits so far
+};
+
+/// A batch of rankings: per request its state, its keys, and `chosen` [r][1 + chosen_stride]:
+/// the number chosen (zeroed by the caller), then the chosen slots.
 struct rank_params {
   const rank_request* requests;
+  rank_state* states;
   int num_kv_heads;
   unsigned long long* keys;
-  int* histograms;               ///< [requests][256]: the keys' top digits
-  int* candidates;               ///< [requests]
   std::int64_t* chosen;
   std::int64_t chosen_stride;
 };
+
+/// Threads of a ranking kernel's CTA.
+inline constexpr int rank_threads = 256;
 
 namespace detail_scores {
 /// A 64-bit key in the host ranking's order (`detail::lowest_ranked`): the shared score's order
@@ -153,119 +169,167 @@ __device__ __forceinline__ unsigned long long rank_key(float score, std::int64_t
 }
 /// A slot that is not a candidate.
 inline constexpr unsigned long long not_a_candidate = ~0ull;
-}  // namespace detail_scores
 
-/// Threads of a `rank_keys_kernel` CTA.
-inline constexpr int rank_key_threads = 256;
+/// Counts `bin` (-1: nothing) in a shared histogram, for a whole warp at once: one atomic when
+/// every lane has the same bin (the common case: near-equal scores share their top digits, and
+/// 32 lanes adding to one address would replay 32 times), else one per lane. Whole warp.
+__device__ __forceinline__ void count_bin(int* histogram, int bin) {
+  constexpr unsigned full = 0xffffffffu;
+  const int first = __shfl_sync(full, bin, 0);
+  if (__all_sync(full, bin == first)) {
+    if ((threadIdx.x & 31) == 0 && first >= 0) atomicAdd(&histogram[first], 32);
+  } else if (bin >= 0) {
+    atomicAdd(&histogram[bin], 1);
+  }
+}
+
+/// Adds this CTA's histogram to the request's; returns true in the CTA that arrives last, which
+/// then sees every CTA's counts (the threadfence reduction pattern). Whole CTA.
+template <int Threads>
+__device__ __forceinline__ bool add_histogram(rank_state& state, const int* histogram, int& last) {
+  for (int i = static_cast<int>(threadIdx.x); i < 256; i += Threads)
+    if (histogram[i] != 0) atomicAdd(&state.histogram[i], histogram[i]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&state.arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last != 0;
+}
+
+/// In the last CTA (whole CTA, a thread per bin): the digit at `shift` where the count of `need`
+/// keys runs out, found by a block scan of the request's histogram; the state moved past it and
+/// the histogram cleared for the next kernel. Done when every key with the digits so far is
+/// taken (keys are distinct: positions are), and at the last digit.
+template <int Threads>
+__device__ __forceinline__ void take_digit(rank_state& state, int shift, int need,
+                                           typename cub::BlockScan<int, Threads>::TempStorage& scan) {
+  static_assert(Threads == 256, "a thread per radix bin");
+  const int tid = static_cast<int>(threadIdx.x);
+  volatile int* bins = state.histogram;
+  const int count = bins[tid];
+  int inclusive = 0;
+  cub::BlockScan<int, Threads>(scan).InclusiveSum(count, inclusive);
+  if (inclusive >= need && inclusive - count < need) {  // exactly one bin
+    const int left = need - (inclusive - count);
+    const unsigned long long prefix = state.prefix | (static_cast<unsigned long long>(tid) << shift);
+    state.need = left;
+    state.prefix = prefix;
+    if (count == left || shift == 0) {
+      state.done = 1;
+      state.threshold = prefix | ((1ull << shift) - 1);
+    }
+  }
+  bins[tid] = 0;
+  if (tid == 0) state.arrivals = 0;
+}
+}  // namespace detail_scores
 
 /// Each slot's key (`rank_key` of its shared score, the sum over the KV heads in head order as
 /// `token_score_buffer::shared` sums on the host; `not_a_candidate` for a slot that is not one),
-/// the candidates counted and their keys' top 8 bits in the request's histogram. Grid: (CTAs per
-/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read, 8
-/// written, and num_kv_heads scores read per candidate.
-template <int Threads = rank_key_threads>
+/// the candidates counted, and the radix select's first digit (bits 56-63). Grid: (CTAs per
+/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read and
+/// 8 written, and num_kv_heads scores read per candidate.
+template <int Threads = rank_threads>
 __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p) {
   __shared__ int histogram[256];
   __shared__ int candidates;
+  __shared__ int last;
+  __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x);
   for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
   if (tid == 0) candidates = 0;
   __syncthreads();
   const rank_request q = p.requests[blockIdx.y];
+  rank_state& state = p.states[blockIdx.y];
   unsigned long long* keys = p.keys + q.keys;
   int mine = 0;
-  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * Threads + tid; r < q.slots;
-       r += static_cast<std::int64_t>(gridDim.x) * Threads) {
-    const std::int64_t position = q.target.positions[r];
+  // Warp-uniform trips (count_bin needs every lane).
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
+       first += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const std::int64_t r = first + (tid & 31);
+    const std::int64_t position = r < q.slots ? q.target.positions[r] : -1;
     unsigned long long key = detail_scores::not_a_candidate;
     if (position >= q.first_evictable && position < q.before) {
       float total = 0.0f;
       for (int h = 0; h < p.num_kv_heads; ++h) total += q.target.scores[static_cast<std::size_t>(h) * q.target.stride + position];
       key = detail_scores::rank_key(total, position);
-      atomicAdd(&histogram[key >> 56], 1);
       ++mine;
     }
-    keys[r] = key;
+    detail_scores::count_bin(histogram, key == detail_scores::not_a_candidate ? -1 : static_cast<int>(key >> 56));
+    if (r < q.slots) keys[r] = key;
   }
   if (mine > 0) atomicAdd(&candidates, mine);
   __syncthreads();
-  int* bins = p.histograms + static_cast<std::size_t>(blockIdx.y) * 256;
-  for (int i = tid; i < 256; i += Threads)
-    if (histogram[i] != 0) atomicAdd(&bins[i], histogram[i]);
-  if (tid == 0 && candidates != 0) atomicAdd(&p.candidates[blockIdx.y], candidates);
-}
-
-/// Threads of a `lowest_scored_kernel` CTA: one per radix bin, four times over.
-inline constexpr int rank_threads = 1024;
-
-/// The ranking of each request, from the keys `rank_keys_kernel` wrote: the `count` candidate
-/// slots with the lowest keys (keys are distinct: positions are), marked evicted in the mirror
-/// (-1) and listed in `chosen`. A radix select, 8 bits at a time from the top (the first digit's
-/// histogram is the keys kernel's), stops as soon as every key with the digits found so far is
-/// taken. Grid: one CTA per request. Cost: up to 7 passes over the request's keys, 8 bytes per
-/// slot each (L2-resident at the lengths that matter), then one to list the chosen.
-template <int Threads = rank_threads>
-__global__ void __launch_bounds__(Threads) lowest_scored_kernel(const rank_params p) {
-  static_assert(Threads >= 256, "a thread per radix bin");
-  __shared__ int histogram[256];
-  __shared__ unsigned long long found;  // the digit found by this pass
-  __shared__ int need;                  // how many of the keys with the digits so far to take
-  __shared__ int in_bin;                // keys with the digits so far
-  __shared__ int taken;
-  const int tid = static_cast<int>(threadIdx.x);
-  const rank_request q = p.requests[blockIdx.x];
-  const unsigned long long* keys = p.keys + q.keys;
-  std::int64_t* out = p.chosen + static_cast<std::size_t>(blockIdx.x) * (p.chosen_stride + 1);
-  const int n = p.candidates[blockIdx.x];
+  if (tid == 0 && candidates != 0) atomicAdd(&state.candidates, candidates);
+  if (!detail_scores::add_histogram<Threads>(state, histogram, last)) return;
+  const int n = *static_cast<volatile int*>(&state.candidates);
   const int k = static_cast<int>(q.count < n ? q.count : n);
-  if (k <= 0) {
-    if (tid == 0) out[0] = 0;
+  if (k <= 0 || k == n) {  // nothing to choose, or every candidate
+    if (tid == 0) {
+      state.done = 1;
+      state.threshold = k <= 0 ? 0ull : detail_scores::not_a_candidate - 1;
+      state.arrivals = 0;
+    }
+    static_cast<volatile int*>(state.histogram)[tid] = 0;
     return;
   }
-  if (tid < 256) histogram[tid] = p.histograms[static_cast<std::size_t>(blockIdx.x) * 256 + tid];
-  if (tid == 0) need = k, taken = 0;
+  detail_scores::take_digit<Threads>(state, 56, k, scan);
+}
+
+/// One more digit (bits shift to shift + 7) of each unfinished ranking: the histogram of the keys
+/// that carry the digits found so far. Grid: (CTAs per request, requests). Cost: a read of the
+/// request's keys (L2-resident at the lengths that matter), nothing once it is done.
+template <int Threads = rank_threads>
+__global__ void __launch_bounds__(Threads) rank_digit_kernel(const rank_params p, int shift) {
+  __shared__ int histogram[256];
+  __shared__ int last;
+  __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
+  rank_state& state = p.states[blockIdx.y];
+  if (state.done) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
   __syncthreads();
-  // The threshold: every candidate key <= it is chosen (k of them).
-  unsigned long long threshold = detail_scores::not_a_candidate - 1;
-  if (k < n) {
-    unsigned long long prefix = 0, mask = 0;
-    for (int shift = 56; shift >= 0; shift -= 8) {
-      if (shift < 56) {  // the histogram of the next digit among the keys with the digits so far
-        if (tid < 256) histogram[tid] = 0;
-        __syncthreads();
-        for (std::int64_t r = tid; r < q.slots; r += Threads) {
-          const unsigned long long key = keys[r];
-          if (key != detail_scores::not_a_candidate && (key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], 1);
-        }
-        __syncthreads();
-      }
-      if (tid == 0) {  // the digit where the count runs out (a serial scan of 256 bins: cheap next to a pass)
-        int below = 0, digit = 0;
-        while (below + histogram[digit] < need) below += histogram[digit++];
-        found = static_cast<unsigned long long>(digit) << shift;
-        need -= below;
-        in_bin = histogram[digit];
-      }
-      __syncthreads();
-      prefix |= found;
-      mask |= 255ull << shift;
-      const bool all_taken = in_bin == need;
-      __syncthreads();  // `found`, `in_bin` and the histogram are rewritten by the next pass
-      if (all_taken) {
-        threshold = prefix | ((1ull << shift) - 1);  // shift 0: the prefix itself
-        break;
-      }
-    }
+  const rank_request q = p.requests[blockIdx.y];
+  const unsigned long long* keys = p.keys + q.keys;
+  const unsigned long long prefix = state.prefix, mask = ~0ull << (shift + 8);
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
+       first += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const std::int64_t r = first + (tid & 31);
+    const unsigned long long key = r < q.slots ? keys[r] : detail_scores::not_a_candidate;
+    const bool counted = (key & mask) == prefix && key != detail_scores::not_a_candidate;
+    detail_scores::count_bin(histogram, counted ? static_cast<int>((key >> shift) & 255u) : -1);
   }
-  for (std::int64_t r = tid; r < q.slots; r += Threads) {
+  __syncthreads();
+  if (detail_scores::add_histogram<Threads>(state, histogram, last)) detail_scores::take_digit<Threads>(state, shift, state.need, scan);
+}
+
+/// Lists each ranking's chosen slots (candidate keys <= its threshold) and marks them evicted in
+/// the mirror (-1). Grid: (CTAs per request, requests). Cost: a read of the keys.
+template <int Threads = rank_threads>
+__global__ void __launch_bounds__(Threads) rank_choose_kernel(const rank_params p) {
+  const rank_request q = p.requests[blockIdx.y];
+  const unsigned long long threshold = p.states[blockIdx.y].threshold;
+  const unsigned long long* keys = p.keys + q.keys;
+  std::int64_t* out = p.chosen + static_cast<std::size_t>(blockIdx.y) * (p.chosen_stride + 1);
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * Threads + threadIdx.x; r < q.slots;
+       r += static_cast<std::int64_t>(gridDim.x) * Threads) {
     const unsigned long long key = keys[r];
     if (key != detail_scores::not_a_candidate && key <= threshold) {
-      out[1 + atomicAdd(&taken, 1)] = r;
+      out[1 + atomicAdd(reinterpret_cast<unsigned long long*>(out), 1ull)] = r;
       q.target.positions[r] = -1;
     }
   }
-  __syncthreads();
-  if (tid == 0) out[0] = taken;
+}
+
+/// Enqueues a batch of rankings on `stream`: the keys, up to seven more digits, the choice. The
+/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request.
+inline void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(requests));
+  rank_keys_kernel<><<<grid, rank_threads, 0, stream>>>(p);
+  for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
+    rank_digit_kernel<><<<grid, rank_threads, 0, stream>>>(p, shift);
+  rank_choose_kernel<><<<grid, rank_threads, 0, stream>>>(p);
 }
 
 }  // namespace kvmosaic::cuda::kernel

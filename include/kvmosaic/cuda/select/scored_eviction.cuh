@@ -134,12 +134,12 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     std::int64_t before;
     std::int64_t count;
   };
-  /// The rankings on the device, all in one pair of kernels (`kernel::rank_keys_kernel`,
-  /// `kernel::lowest_scored_kernel`): per ranking, the chosen slots (ascending), in the order the
-  /// host's `detail::lowest_scored` ranks (ties to the earlier position, NaN highest), marked
-  /// evicted in the device mirror. Waits for the stream. Cost: the kernels (one read of each
-  /// sequence's slot positions and of the candidates' scores, then a few passes over 8 bytes per
-  /// slot), and 8 bytes per chosen slot copied back.
+  /// The rankings on the device, all at once (kernel/token_scores.cuh: `rank_keys_kernel`, up to
+  /// seven `rank_digit_kernel`s, `rank_choose_kernel`): per ranking, the chosen slots
+  /// (ascending), in the order the host's `detail::lowest_scored` ranks (ties to the earlier
+  /// position, NaN highest), marked evicted in the device mirror. Waits for the stream. Cost:
+  /// one read of each sequence's slot positions and of its candidates' scores, then a pass over 8
+  /// bytes per slot per digit until the count is decided, and 8 bytes per chosen slot copied back.
   std::vector<std::vector<std::int64_t>> lowest_scored(const std::vector<ranking>& rankings, cudaStream_t stream) {
     const char* where = "cuda::scored_selection_stage::lowest_scored";
     const auto n = static_cast<std::int32_t>(rankings.size());
@@ -152,11 +152,11 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
       stride = std::max(stride, std::min(std::max<std::int64_t>(r.count, 0), r.slots));
       longest = std::max(longest, r.slots);
     }
-    // Device scratch: the requests, then per request 256 histogram bins and a candidate count.
+    // Device scratch: the requests, then each one's radix-select state (zeroed).
     const std::size_t requests_bytes = align(static_cast<std::size_t>(n) * sizeof(kernel::rank_request));
-    const std::size_t counters_bytes = static_cast<std::size_t>(n) * 257 * sizeof(int);
+    const std::size_t states_bytes = static_cast<std::size_t>(n) * sizeof(kernel::rank_state);
     const std::size_t chosen_bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(stride + 1) * sizeof(std::int64_t);
-    grow(rank_scratch_, requests_bytes + counters_bytes);
+    grow(rank_scratch_, requests_bytes + states_bytes);
     grow(keys_, static_cast<std::size_t>(total_slots) * sizeof(unsigned long long));
     grow(chosen_, chosen_bytes);
     if (chosen_host_.size() < chosen_bytes) chosen_host_ = pinned_buffer(chosen_.size());
@@ -174,20 +174,18 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     auto* scratch = rank_scratch_.as<std::byte>();
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(scratch, requests_host_.data(), static_cast<std::size_t>(n) * sizeof(kernel::rank_request),
                                         cudaMemcpyHostToDevice, stream));
-    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(scratch + requests_bytes, 0, counters_bytes, stream));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(scratch + requests_bytes, 0, states_bytes, stream));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(chosen_.data(), 0, chosen_bytes, stream));
     const kernel::rank_params p{reinterpret_cast<const kernel::rank_request*>(scratch),
+                                reinterpret_cast<kernel::rank_state*>(scratch + requests_bytes),
                                 heads_,
                                 keys_.as<unsigned long long>(),
-                                reinterpret_cast<int*>(scratch + requests_bytes),
-                                reinterpret_cast<int*>(scratch + requests_bytes) + static_cast<std::size_t>(n) * 256,
                                 chosen_.as<std::int64_t>(),
                                 stride};
-    // About 8 slots per thread: the longest sequence spread over the device.
-    constexpr std::int64_t slots_per_cta = 8 * kernel::rank_key_threads;
-    const auto ctas = static_cast<unsigned>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024));
-    kernel::rank_keys_kernel<><<<dim3(ctas, static_cast<unsigned>(n)), kernel::rank_key_threads, 0, stream>>>(p);
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-    kernel::lowest_scored_kernel<><<<static_cast<unsigned>(n), kernel::rank_threads, 0, stream>>>(p);
+    // About 4 slots per thread: the longest sequence spread over the device.
+    constexpr std::int64_t slots_per_cta = 4 * kernel::rank_threads;
+    kernel::launch_ranking(p, n, static_cast<int>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024)),
+                           stream);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), chosen_bytes, cudaMemcpyDeviceToHost, stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
