@@ -2835,6 +2835,11 @@ struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
 ///   static group_combine score_combine(const Selector&);   // how the group's probabilities combine
 ///   static detail::token_score_buffer& scores(sequence_state&);  // where steps write them (and
 ///                                 // the const overload)
+///   static score_eviction eviction_quota(const Selector&, const sequence_state&,
+///                       std::int64_t length, std::int64_t open_from, std::int64_t stored);
+///                                 // how many of the lowest-scored tokens below which position
+///                                 // to evict after a write (`evictions` ranks them on the host;
+///                                 // a device backend ranks them where its scores are)
 ///   // read-less selectors (reads_all_pages == false) also provide:
 ///   static detail::selection_request start_request(const Selector&, const selector_shape&);
 ///                                 // the step's fields (score combination, span kind)
@@ -3072,36 +3077,50 @@ struct score_settings {
   group_combine combine = group_combine::sum;
 };
 
+/// What a score-based selector evicts after a write: the `count` live sealed tokens with the
+/// lowest shared score (`token_score_buffer::shared`; ties to the earlier position, NaN highest)
+/// among positions [first_evictable, before), or every such token when there are fewer.
+struct score_eviction {
+  std::int64_t count = 0;
+  std::int64_t before = 0;
+};
+
 namespace detail {
 
 /// One sequence's token scores, by logical position: [position][num_kv_heads] fp32, zero until a
 /// step reads the token. Evicted positions keep their last value and are never read again. Cost:
-/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`).
+/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`), in host memory on
+/// backend::host; on a device backend (`on_device`) the values live with the selector's device
+/// part (cuda/select/scored_eviction.cuh) and this buffer keeps only the length.
 struct token_score_buffer {
-  std::vector<float> values;
+  std::vector<float> values;  ///< host memory; empty when `on_device`
   int heads = 0;
+  std::int64_t length = 0;         ///< positions held
   std::int64_t scored_tokens = 0;  ///< tokens the sequence held at its last step with scores
+  bool on_device = false;          ///< the values live in device memory (backend::cuda)
 
-  std::int64_t tokens() const noexcept {
-    return heads > 0 ? static_cast<std::int64_t>(values.size()) / heads : 0;
-  }
+  std::int64_t tokens() const noexcept { return length; }
   float at(std::int64_t position, int head) const noexcept {
     return values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(head)];
   }
   /// Room for `tokens` positions of `num_heads` heads (growing geometrically: appends cost
   /// amortized O(1)); may throw (allocation), changes no score.
   void reserve(std::int64_t tokens, int num_heads) {
+    if (on_device) return;
     const std::size_t needed = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (needed > values.capacity()) values.reserve(std::max(needed, 2 * values.capacity()));
   }
   /// Grows to `tokens` positions (new ones 0) within the room `reserve` made: cannot throw.
   void grow_to(std::int64_t tokens, int num_heads) noexcept {
     heads = num_heads;
+    length = std::max(length, tokens);
+    if (on_device) return;
     const std::size_t size = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (size > values.size()) values.resize(size, 0.0f);  // capacity reserved: no allocation
   }
   /// The score of `position` for the eviction decision of one slot layout shared by every KV
-  /// head: the sum over the heads (their mean, up to a constant factor that no ranking sees).
+  /// head: the sum over the heads in head order, in fp32 (their mean, up to a constant factor that
+  /// no ranking sees). The device ranking (cuda/kernel/token_scores.cuh) sums in the same order.
   float shared(std::int64_t position) const noexcept {
     float total = 0.0f;
     for (int h = 0; h < heads; ++h) total += at(position, h);
@@ -3891,8 +3910,10 @@ struct selector_traits<select::streaming> : stateless_selector_hooks {
 /// \file
 /// The host hooks the score-based keep-less selectors share (`select::tova`, `select::h2o`): a
 /// per-sequence token score buffer (select/token_scores.hpp) grown with every write and written by
-/// every attend step, and the compaction cadence of `select::streaming`. Each selector adds its
-/// description and its `evictions`.
+/// every attend step, the ranking that turns a selector's `eviction_quota` into positions, and the
+/// compaction cadence of `select::streaming`. Each selector adds its description and its
+/// `eviction_quota`. On a device backend the scores stay in device memory and the ranking runs
+/// there (cuda/select/scored_eviction.cuh); the cache asks the quota, not the positions.
 
 
 
@@ -3910,8 +3931,14 @@ struct scored_state {
 namespace detail {
 
 /// Hooks of a selector `S` with members `combine` (group_combine) and `compact_every` (int)
-/// whose state is `select::scored_state`. Cost per write: the buffer grows by 4 bytes per token
-/// and KV head (amortized O(1)); per step, the attend path writes the scores of the tokens it reads.
+/// whose state is `select::scored_state`, and whose traits provide
+///
+///     static score_eviction eviction_quota(const S&, const sequence_state&, std::int64_t length,
+///                                          std::int64_t open_from, std::int64_t stored);
+///
+/// (how many of the lowest-scored tokens below which position to evict after a write that leaves
+/// `stored` live tokens). Cost per write: the buffer grows by 4 bytes per token and KV head
+/// (amortized O(1)); per step, the attend path writes the scores of the tokens it reads.
 template <class S, score_use Use>
 struct scored_eviction_hooks {
   static constexpr bool reads_all_pages = true;  // every live token: eviction already dropped the rest
@@ -3922,37 +3949,57 @@ struct scored_eviction_hooks {
 
   using sequence_state = select::scored_state;
   struct update {
-    std::int64_t added;  ///< tokens the write adds to the sequence
+    std::int64_t added;   ///< tokens the write adds to the sequence
+    std::int64_t length;  ///< the sequence's positions after the write
     int heads;
+    bool on_device;       ///< the scores live in device memory
   };
   template <class Cache>
   struct cache_members {};
   template <bool OnDevice, class T>
-  static update stage(const S&, const selector_shape& shape, const sequence_state&, const tensor_view<const T, 3>&,
+  static update stage(const S&, const selector_shape& shape, const sequence_state& state, const tensor_view<const T, 3>&,
                       span<const std::int32_t>, std::int64_t /*first row*/, std::int64_t n) noexcept {
-    return {n, shape.num_kv_heads};
+    return {n, state.scores.tokens() + n, shape.num_kv_heads, OnDevice};
   }
   static void reserve(sequence_state& state, const update& u) {
-    state.scores.reserve(state.scores.tokens() + u.added, u.heads);
+    state.scores.on_device = u.on_device;  // fixed by the backend: the same on every write
+    state.scores.reserve(u.length, u.heads);
   }
-  static void commit(sequence_state& state, update& u) noexcept {
-    state.scores.grow_to(state.scores.tokens() + u.added, u.heads);
-  }
+  static void commit(sequence_state& state, update& u) noexcept { state.scores.grow_to(u.length, u.heads); }
+  /// On a device backend the selection stage makes room for the new positions' scores (zero).
   template <bool OnDevice, class Engine, class T>
-  static void write(Engine&, std::int32_t, const update&, const tensor_view<const T, 3>&, std::int64_t, std::int64_t) noexcept {}
+  static void write(Engine& engine, std::int32_t slot, const update& u, const tensor_view<const T, 3>&, std::int64_t,
+                    std::int64_t) {
+    if constexpr (OnDevice) engine.selection().reserve_scores(slot, u.length, engine.stream());
+  }
+  /// On a device backend the child's scores are a copy of the parent's.
   template <bool OnDevice, class Engine>
-  static void fork(Engine&, std::int32_t, std::int32_t) noexcept {}
+  static void fork(Engine& engine, std::int32_t from, std::int32_t to) {
+    if constexpr (OnDevice) engine.selection().copy_scores(from, to, engine.stream());
+  }
+  /// On a device backend the slot's score storage is freed.
   template <bool OnDevice, class Engine>
-  static void release(Engine&, std::int32_t) noexcept {}
-  /// The score buffer: 4 bytes per token and KV head.
+  static void release(Engine& engine, std::int32_t slot) {
+    if constexpr (OnDevice) engine.selection().release_scores(slot);
+  }
+  /// The score buffer: 4 bytes per token and KV head, wherever it lives.
   static std::int64_t extra_bytes(const selector_shape&, const sequence_state& state) noexcept {
-    return static_cast<std::int64_t>(state.scores.values.size() * sizeof(float));
+    return state.scores.tokens() * state.scores.heads * static_cast<std::int64_t>(sizeof(float));
   }
   static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
 
   static group_combine score_combine(const S& s) noexcept { return s.combine; }
   static token_score_buffer& scores(sequence_state& state) noexcept { return state.scores; }
   static const token_score_buffer& scores(const sequence_state& state) noexcept { return state.scores; }
+
+  /// The host ranking of `S::eviction_quota`: the live sealed positions in [first_evictable,
+  /// quota.before) with the lowest shared scores. Cost: O(slots log slots) on the host.
+  static std::vector<std::int64_t> evictions(const S& s, sequence_state& state, std::int64_t length, std::int64_t open_from,
+                                             const eviction_view& live) {
+    const score_eviction quota = selector_traits<S>::eviction_quota(s, state, length, open_from, live.stored);
+    if (quota.count <= 0) return {};
+    return lowest_scored(state.scores, live.evictable(quota.before), quota.count);
+  }
 
   /// Whether `written` more tokens bring the sequence to its next compaction pass.
   static bool compaction_due(const S& s, sequence_state& state, std::int64_t written) noexcept {
@@ -4012,14 +4059,13 @@ struct selector_traits<select::tova> : detail::scored_eviction_hooks<select::tov
     s.budget.validate(where);
     detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
   }
-  /// The positions to evict now: the lowest-scored live sealed tokens that a step has read, as
-  /// many as the stored tokens exceed the budget (fewer when there are not that many).
-  static std::vector<std::int64_t> evictions(const select::tova& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::tova& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
-    return detail::lowest_scored(state.scores, live.evictable(std::min(open_from, state.scores.scored_tokens)),
-                                 live.stored - keep);
+    if (stored <= keep) return {};
+    return {stored - keep, std::min(open_from, state.scores.scored_tokens)};
   }
 };
 
@@ -4083,16 +4129,14 @@ struct selector_traits<select::h2o> : detail::scored_eviction_hooks<select::h2o,
   static std::int64_t recent_tokens(const select::h2o& s, std::int64_t keep) noexcept {
     return static_cast<std::int64_t>(std::floor(s.recent_share * static_cast<double>(keep)));
   }
-  /// The positions to evict now: of the live sealed tokens before the recent window that a step
-  /// has read, the lowest-scored, as many as the stored tokens exceed the budget (fewer when there
-  /// are not that many candidates).
-  static std::vector<std::int64_t> evictions(const select::h2o& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens before the recent window that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::h2o& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
+    if (stored <= keep) return {};
     const std::int64_t recent_from = length - recent_tokens(s, keep);
-    const std::int64_t before = std::min({open_from, recent_from, state.scores.scored_tokens});
-    return detail::lowest_scored(state.scores, live.evictable(before), live.stored - keep);
+    return {stored - keep, std::min({open_from, recent_from, state.scores.scored_tokens})};
   }
 };
 
@@ -5914,6 +5958,7 @@ fidelity compare(const T* got, const double* exact, std::size_t count) {
 /// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
 /// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
 
+#include <bitset>
 
 
 namespace kvmosaic {
@@ -6236,7 +6281,7 @@ class cache
     s.stored += rows;
     s.seen += rows;
     traits::commit(s.selector_state, staged);
-    after_write(seq, rows);
+    after_write(span<const sequence_id>(&seq, 1), rows);
   }
 
  public:
@@ -6316,7 +6361,7 @@ class cache
       ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
-    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
+    after_write(seqs, 1);
   }
 
  public:
@@ -6344,13 +6389,14 @@ class cache
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      const sequence_state& s = live(seqs(b), where);
+      sequence_state& s = live(seqs(b), where);
       detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
       const std::uint64_t* live_rows = nullptr;
       if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
       batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
       if constexpr (records_scores) {  // the step writes each read token's score, by logical position
+        if constexpr (rows_on_device) upload_positions(s, slot_of(seqs(b)));
         detail::sequence_ref& ref = batch.back();
         ref.scores = selector_traits<Selector>::scores(state_of(seqs(b)).selector_state).values.data();
         ref.positions = s.slots.position.data();
@@ -6388,9 +6434,8 @@ class cache
   /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
   /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
   /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
-  /// A selector that reads token scores (select::tova, select::h2o) on backend::cuda: the step's
-  /// scores are copied to the host and filed by position before this returns (it waits for the
-  /// step; capture the engine's `run` instead to put the kernels in a graph).
+  /// A selector that reads token scores (select::tova, select::h2o): the step also writes them
+  /// (on backend::cuda into the selector's device buffers, without waiting for the step).
   template <class Q, class O>
   void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
     static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
@@ -6417,7 +6462,6 @@ class cache
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (records_scores) {
-      if constexpr (!engine_type::scores_by_position) absorb_device_scores();
       for (const sequence_id seq : planned_) {
         sequence_state& s = state_of(seq);
         selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
@@ -6542,20 +6586,79 @@ class cache
     s.pages.swap(pages);
     s.slots = std::move(next);
     s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+    if (!sorted.empty()) s.device_positions = std::min(s.device_positions, sorted.front());
+    if (!empty.empty()) s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(empty.front()) * page);
   }
 
-  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
-  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
-  /// the written tokens stored and the evictions to the next write.
-  void after_write(sequence_id seq, std::int64_t written) {
+  /// Evicts sealed `slots` of `seq` (ascending, distinct, live, past the sinks: a device ranking's
+  /// choice, which the device mirror already marks). Cost: O(slots given) on the host, plus
+  /// O(sealed slots) when a page empties (the position map drops it, as `evict` does).
+  void evict_slots(sequence_id seq, const std::vector<std::int64_t>& slots) {
+    sequence_state& s = state_of(seq);
+    const int page = config_.page_size;
+    const int words = detail::slot_positions::words(page);
+    // Pages left with no live row, found before anything changes: a page empties when every live
+    // row it has is among `slots` (ascending, so a page's slots are adjacent).
+    std::vector<std::int32_t> empty;
+    for (std::size_t i = 0; i < slots.size();) {
+      const std::int64_t p = slots[i] / page;
+      std::size_t j = i;
+      while (j < slots.size() && slots[j] / page == p) ++j;
+      int live = 0;
+      for (int w = 0; w < words; ++w) live += static_cast<int>(std::bitset<64>(s.slots.live[static_cast<std::size_t>(p * words + w)]).count());
+      if (live == static_cast<int>(j - i)) empty.push_back(static_cast<std::int32_t>(p));
+      i = j;
+    }
+    if (!empty.empty()) {  // rare: the general path (it copies the map before changing it)
+      std::vector<std::int64_t> positions;
+      positions.reserve(slots.size());
+      for (const std::int64_t slot : slots) positions.push_back(s.slots.position[static_cast<std::size_t>(slot)]);
+      evict_positions(seq, span<const std::int64_t>(positions.data(), static_cast<std::int64_t>(positions.size())), false);
+      return;
+    }
+    for (const std::int64_t slot : slots) s.slots.evict(slot, page);  // cannot throw
+  }
+
+  /// After a write of `written` tokens to each of `seqs` (committed): a keep-less selector's
+  /// evictions, then its compaction cadence. Runs after the write's commit: a failure here (an
+  /// allocation) leaves the written tokens stored and the evictions to the next write. A selector
+  /// that reads token scores on backend::cuda ranks the whole batch's evictions in one pass on the
+  /// device (`selection().lowest_scored`), where the scores are; the others rank on the host.
+  void after_write(span<const sequence_id> seqs, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
-      sequence_state& s = state_of(seq);
-      const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
-                               static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
-      const std::vector<std::int64_t> dead =
-          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
-      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
-      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
+      if constexpr (records_scores && rows_on_device) {
+        using stage = typename engine_type::selection_type;
+        std::vector<typename stage::ranking> rankings;
+        std::vector<sequence_id> ranked;
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+                                                                                 s.seen - tail_rows(s), s.stored - s.slots.dead);
+          if (quota.count <= 0) continue;
+          upload_positions(s, slot_of(seqs(b)));
+          rankings.push_back({slot_of(seqs(b)), static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_),
+                              quota.before, quota.count});
+          ranked.push_back(seqs(b));
+        }
+        const std::vector<std::vector<std::int64_t>> chosen =
+            rankings.empty() ? std::vector<std::vector<std::int64_t>>{} : engine_.selection().lowest_scored(rankings, engine_.stream());
+        for (std::int64_t b = 0, i = 0; b < seqs.size(); ++b) {  // each sequence evicts, then compacts, in batch order
+          if (i < static_cast<std::int64_t>(ranked.size()) && ranked[static_cast<std::size_t>(i)] == seqs(b))
+            evict_slots(seqs(b), chosen[static_cast<std::size_t>(i++)]);
+          if (selector_traits<Selector>::compaction_due(selector_, state_of(seqs(b)).selector_state, written)) compact(seqs(b));
+        }
+      } else {
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                                   static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
+          const std::vector<std::int64_t> dead =
+              selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+          if (!dead.empty())
+            evict_positions(seqs(b), span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+          if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seqs(b));
+        }
+      }
     }
   }
 
@@ -6608,6 +6711,8 @@ class cache
         count = static_cast<std::uint8_t>(std::min(count + 1, 255));
       }
     engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    for (const detail::slot_move& m : plan.moves) s.device_positions = std::min({s.device_positions, m.from, m.to});
+    s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(plan.positions.size()));
     // Commit (cannot throw): emptied pages go back to the pool.
     for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
     s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
@@ -6809,6 +6914,19 @@ class cache
     }
   }
 
+  /// A selector that reads token scores (select::tova, select::h2o): the scores of `seq`,
+  /// [position][num_kv_heads] for every position it has held (select/token_scores.hpp; evicted
+  /// positions keep their last value). On backend::cuda they are copied from the device (this
+  /// waits for the engine's stream). Cost: 4 bytes per position and KV head.
+  std::vector<float> token_scores(sequence_id seq) const {
+    static_assert(records_scores, "kvmosaic::cache::token_scores: this cache's selector reads no token scores "
+                                  "(select::tova and select::h2o do)");
+    const sequence_state& s = live(seq, "cache::token_scores");
+    const detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
+    if constexpr (rows_on_device) return engine_.selection().scores(slot_of(seq), buffer.tokens(), engine_.stream());
+    else return buffer.values;
+  }
+
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -6848,6 +6966,9 @@ class cache
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
     std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
+    /// Sealed slots whose positions the device mirror holds as `slots.position` does (backend::cuda
+    /// with a selector that reads token scores: its stage's `upload_positions`).
+    std::int64_t device_positions = 0;
   };
 
   /// Bytes of one pool page, with the key bounds a selector keeps per page.
@@ -6876,30 +6997,14 @@ class cache
   /// The selector reads the attend path's token scores (select::tova, select::h2o).
   static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
 
-  /// A step's token scores computed on the device (backend::cuda), per row of each sequence's
-  /// read order, into the selector's buffers by logical position: written (score_use::last_step)
-  /// or added (cumulative). Rows of evicted tokens, and page rows attended from their exact copies
-  /// (sinks, recent window), carry no score. Waits for the step: the eviction that follows reads
-  /// the scores on the host. Cost: one copy of 4 bytes per row and KV head, O(rows x KV heads) here.
-  void absorb_device_scores() {
-    engine_.download_token_scores();
-    const auto rows = engine_.token_scores();
-    const int heads = config_.num_kv_heads;
-    const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
-    for (std::size_t b = 0; b < planned_.size(); ++b) {
-      sequence_state& s = state_of(planned_[b]);
-      detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
-      const std::vector<std::int64_t> positions = read_order_positions(s);
-      for (std::size_t r = 0; r < positions.size(); ++r) {
-        if (positions[r] < 0) continue;
-        for (int h = 0; h < heads; ++h) {
-          const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
-                                            static_cast<std::size_t>(rows.row_stride) + r];
-          float& score = buffer.values[static_cast<std::size_t>(positions[r]) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
-          score = cumulative ? score + value : value;
-        }
-      }
-    }
+  /// Brings the device mirror of `s`'s position map up to date (backend::cuda, a selector that
+  /// reads token scores): the slots from the first one changed since the last upload. Cost: 8
+  /// bytes per slot copied; a decode step copies only what sealing and evictions changed.
+  void upload_positions(sequence_state& s, std::int32_t slot) {
+    const auto slots = static_cast<std::int64_t>(s.slots.position.size());
+    if (s.device_positions < slots)
+      engine_.selection().upload_positions(slot, s.slots.position.data(), s.device_positions, slots, engine_.stream());
+    s.device_positions = slots;
   }
 
   /// The logical position of each row of a sequence's read order on backend::cuda (its sealed
@@ -10274,29 +10379,67 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 
 // ---- begin <kvmosaic/cuda/kernel/token_scores.cuh> ----
 /// \file
-/// `token_scores_kernel`: the per-token attention scores of a decode step (select/token_scores.hpp)
-/// from the logits its split kernels wrote (`decode_params::token_logits`), normalized by each
-/// query head's log-sum-exp over all the step's splits (written by the merge): what `select::tova` and `select::h2o`
-/// rank by, computed without eager attention and without a second pass over K.
+/// The device half of the score-based selectors (`select::tova`, `select::h2o`):
+///   - `token_scores_kernel`: a decode step's per-token attention scores (select/token_scores.hpp)
+///     from the logits its split kernels wrote (`decode_params::token_logits`), normalized by each
+///     query head's log-sum-exp over all the step's splits (written by the merge), filed by
+///     logical position into each sequence's device score buffer (written, or added for
+///     cumulative scores): no eager attention, no second pass over K, no copy to the host.
+///   - `rank_keys_kernel`, `rank_digit_kernel`, `rank_choose_kernel`: the eviction ranking
+///     (`detail::lowest_scored` on the host) over those buffers, for a batch of sequences: the
+///     lowest shared scores among each sequence's live sealed slots, by a radix select on 64-bit
+///     keys (score, position) spread over the whole device, so that only the chosen slots leave
+///     the device.
 
+
+#include <cub/block/block_scan.cuh>
 
 
 
 namespace kvmosaic::cuda::kernel {
 
+/// One sequence slot's score storage (cuda/select/scored_eviction.cuh keeps a device table of
+/// them, one per sequence slot).
+struct score_slot {
+  float* scores;           ///< [num_kv_heads][stride] fp32, by logical position
+  std::int64_t stride;     ///< positions per head row
+  std::int64_t* positions; ///< per sealed slot of the sequence, its logical position (-1: evicted)
+};
+
 /// Threads of a `token_scores_kernel` CTA.
 inline constexpr int token_score_threads = 256;
 
-/// scores[b][h][r] = combine over the group's query heads j of exp(s_j - lse_j), for every row r
-/// of the read order of sequence b that the step covered (`decode_params::token_logits`: its
-/// pages' rows, then its exact and tail rows), lse_j being the head's log-sum-exp that the merge
-/// wrote (`decode_params::lse`). A row the step masked (logit -inf) scores 0, and so does every
-/// row of a head that read no token. `combine_max`: the group's largest probability, else their
-/// sum. Grid: (CTAs per (sequence, KV head), num_kv_heads, batch), each striding over the rows.
-/// Cost per row and KV head: 4 x Group bytes read, 4 written, Group exps.
+namespace detail_scores {
+/// The logical position of run row `i` (0 to exact rows held - 1) of the exact rows a sequence
+/// with `sealed` sealed slots folds before its tail rows: the inverse of
+/// `arena_geometry::exact_run_positions` (host/backend.hpp) for S sink rows and a ring of W
+/// window rows. -1 where the run row holds no token.
+__device__ __forceinline__ std::int64_t exact_run_position(std::int64_t i, std::int64_t sealed, int sinks, int window) {
+  const std::int64_t region = sinks + window;
+  const std::int64_t held = sealed < region ? sealed : region;
+  const std::int64_t row = i + (region - held);  // its row in the tail head: the window ring, then the sinks
+  if (row >= window) return row - window;
+  const std::int64_t phase = window - 1 - row;  // the window position t has (t - S) mod W == phase
+  const std::int64_t span = sealed - 1 - sinks - phase;
+  if (span < 0) return -1;
+  return sinks + phase + span / window * window;
+}
+}  // namespace detail_scores
+
+/// For every row r of the read order of sequence b that the step covered (`decode_params::
+/// token_logits`: its pages' rows, then its exact and tail rows) and every KV head: the combine
+/// over the group's query heads j of exp(s_j - lse_j), lse_j being the head's log-sum-exp that
+/// the merge wrote (`decode_params::lse`), written (or, `cumulative`, added) at the row's logical
+/// position in the score buffer of the sequence's slot. A row the step masked (every logit -inf:
+/// evicted, or a sealed row attended from its exact copy) keeps its score. Positions: a sealed
+/// row's from its slot's `positions`; an exact row's from the format's geometry; tail row t's
+/// tail_from[b] + t. `combine_max`: the group's largest probability, else their sum.
+/// Grid: (CTAs per (sequence, KV head), num_kv_heads, batch), each striding over the rows.
+/// Cost per row and KV head: 4 x Group bytes read, 4 written (8 moved when cumulative), Group exps.
 template <int Group>
-__global__ void __launch_bounds__(token_score_threads) token_scores_kernel(const decode_params p, float* scores,
-                                                                           bool combine_max) {
+__global__ void __launch_bounds__(token_score_threads)
+    token_scores_kernel(const decode_params p, const score_slot* slots, const std::int64_t* tail_from, bool combine_max,
+                        bool cumulative) {
   detail::wait_for_prior_grid();  // the split kernel's logits, the merge's log-sum-exps
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   float lse[Group];
@@ -10305,14 +10448,27 @@ __global__ void __launch_bounds__(token_score_threads) token_scores_kernel(const
     const float x = p.lse[b * p.lse_strides[0] + (head * Group + g) * p.lse_strides[1]];
     lse[g] = x == -HUGE_VALF ? HUGE_VALF : x;  // no token read: every p is 0
   }
+  const score_slot target = slots[p.tail_slots[b]];
   const std::int64_t sealed = static_cast<std::int64_t>(p.sealed_pages[b]) * p.page_size;
   const std::int64_t exact = sealed < p.exact_rows ? sealed : p.exact_rows;
   const std::int64_t rows = sealed + exact + p.tail_rows[b];
+  const int window = p.exact_rows - p.sink_rows;
   const std::size_t base = (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.logit_slots;
   const float* logits = p.token_logits + base * Group;
-  float* out = scores + base;
+  float* out = target.scores + static_cast<std::size_t>(head) * target.stride;
+  const std::int64_t first_tail = tail_from[b];
   for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * token_score_threads + threadIdx.x; r < rows;
        r += static_cast<std::int64_t>(gridDim.x) * token_score_threads) {
+    std::int64_t position;
+    if (r < sealed) {
+      if (exact > 0 && (r < p.sink_rows || r >= sealed - window)) continue;  // folded from its exact copy
+      position = target.positions[r];
+    } else if (r < sealed + exact) {
+      position = detail_scores::exact_run_position(r - sealed, sealed, p.sink_rows, window);
+    } else {
+      position = first_tail + (r - sealed - exact);
+    }
+    if (position < 0) continue;
     float s[Group];
     if constexpr (Group % 4 == 0) {
 #pragma unroll
@@ -10325,13 +10481,227 @@ __global__ void __launch_bounds__(token_score_threads) token_scores_kernel(const
       for (int g = 0; g < Group; ++g) s[g] = logits[r * Group + g];
     }
     float combined = 0.0f;
+    bool read = false;
 #pragma unroll
     for (int g = 0; g < Group; ++g) {
+      read = read || s[g] != -HUGE_VALF;
       const float probability = s[g] == -HUGE_VALF ? 0.0f : expf(s[g] - lse[g]);
       combined = combine_max ? fmaxf(combined, probability) : combined + probability;
     }
-    out[r] = combined;
+    if (!read) continue;  // masked: evicted, or not this step's to score
+    float& score = out[position];
+    score = cumulative ? score + combined : combined;
   }
+}
+
+/// One sequence's eviction ranking (`rank_keys_kernel`, `rank_digit_kernel`, `rank_choose_kernel`).
+struct rank_request {
+  score_slot target;             ///< the sequence's scores and slot positions
+  std::int64_t slots;            ///< sealed slots of the sequence
+  std::int64_t first_evictable;  ///< candidates: live slots whose position is in [first_evictable, before)
+  std::int64_t before;
+  std::int64_t count;            ///< how many to choose (fewer when there are fewer candidates)
+  std::int64_t keys;             ///< offset of its keys in `rank_params::keys` ([slots])
+};
+
+/// Where one ranking's radix select stands between its kernels (zeroed before the first).
+struct rank_state {
+  unsigned long long prefix;     ///< the digits found so far
+  unsigned long long threshold;  ///< once done: every candidate key <= it is chosen
+  int need;                      ///< how many of the keys with those digits to take
+  int candidates;
+  int done;
+  unsigned arrivals;             ///< CTAs of the current kernel that have added their histogram
+  int histogram[256];            ///< of the current digit, over the keys with the digits so far
+};
+
+/// A batch of rankings: per request its state, its keys, and `chosen` [r][1 + chosen_stride]:
+/// the number chosen (zeroed by the caller), then the chosen slots.
+struct rank_params {
+  const rank_request* requests;
+  rank_state* states;
+  int num_kv_heads;
+  unsigned long long* keys;
+  std::int64_t* chosen;
+  std::int64_t chosen_stride;
+};
+
+/// Threads of a ranking kernel's CTA.
+inline constexpr int rank_threads = 256;
+
+namespace detail_scores {
+/// A 64-bit key in the host ranking's order (`detail::lowest_ranked`): the shared score's order
+/// bits above (lower first, NaN as +infinity, -0 as +0), the position below (earlier first).
+__device__ __forceinline__ unsigned long long rank_key(float score, std::int64_t position) {
+  if (score != score) score = HUGE_VALF;
+  std::uint32_t u = __float_as_uint(score);
+  if (score == 0.0f) u = 0u;
+  u = (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(u) << 32) | static_cast<std::uint32_t>(position);
+}
+/// A slot that is not a candidate.
+inline constexpr unsigned long long not_a_candidate = ~0ull;
+
+/// Counts `bin` (-1: nothing) in a shared histogram, for a whole warp at once: one atomic when
+/// every lane has the same bin (the common case: near-equal scores share their top digits, and
+/// 32 lanes adding to one address would replay 32 times), else one per lane. Whole warp.
+__device__ __forceinline__ void count_bin(int* histogram, int bin) {
+  constexpr unsigned full = 0xffffffffu;
+  const int first = __shfl_sync(full, bin, 0);
+  if (__all_sync(full, bin == first)) {
+    if ((threadIdx.x & 31) == 0 && first >= 0) atomicAdd(&histogram[first], 32);
+  } else if (bin >= 0) {
+    atomicAdd(&histogram[bin], 1);
+  }
+}
+
+/// Adds this CTA's histogram to the request's; returns true in the CTA that arrives last, which
+/// then sees every CTA's counts (the threadfence reduction pattern). Whole CTA.
+template <int Threads>
+__device__ __forceinline__ bool add_histogram(rank_state& state, const int* histogram, int& last) {
+  for (int i = static_cast<int>(threadIdx.x); i < 256; i += Threads)
+    if (histogram[i] != 0) atomicAdd(&state.histogram[i], histogram[i]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&state.arrivals, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last != 0;
+}
+
+/// In the last CTA (whole CTA, a thread per bin): the digit at `shift` where the count of `need`
+/// keys runs out, found by a block scan of the request's histogram; the state moved past it and
+/// the histogram cleared for the next kernel. Done when every key with the digits so far is
+/// taken (keys are distinct: positions are), and at the last digit.
+template <int Threads>
+__device__ __forceinline__ void take_digit(rank_state& state, int shift, int need,
+                                           typename cub::BlockScan<int, Threads>::TempStorage& scan) {
+  static_assert(Threads == 256, "a thread per radix bin");
+  const int tid = static_cast<int>(threadIdx.x);
+  volatile int* bins = state.histogram;
+  const int count = bins[tid];
+  int inclusive = 0;
+  cub::BlockScan<int, Threads>(scan).InclusiveSum(count, inclusive);
+  if (inclusive >= need && inclusive - count < need) {  // exactly one bin
+    const int left = need - (inclusive - count);
+    const unsigned long long prefix = state.prefix | (static_cast<unsigned long long>(tid) << shift);
+    state.need = left;
+    state.prefix = prefix;
+    if (count == left || shift == 0) {
+      state.done = 1;
+      state.threshold = prefix | ((1ull << shift) - 1);
+    }
+  }
+  bins[tid] = 0;
+  if (tid == 0) state.arrivals = 0;
+}
+}  // namespace detail_scores
+
+/// Each slot's key (`rank_key` of its shared score, the sum over the KV heads in head order as
+/// `token_score_buffer::shared` sums on the host; `not_a_candidate` for a slot that is not one),
+/// the candidates counted, and the radix select's first digit (bits 56-63). Grid: (CTAs per
+/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read and
+/// 8 written, and num_kv_heads scores read per candidate.
+template <int Threads = rank_threads>
+__global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p) {
+  __shared__ int histogram[256];
+  __shared__ int candidates;
+  __shared__ int last;
+  __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
+  if (tid == 0) candidates = 0;
+  __syncthreads();
+  const rank_request q = p.requests[blockIdx.y];
+  rank_state& state = p.states[blockIdx.y];
+  unsigned long long* keys = p.keys + q.keys;
+  int mine = 0;
+  // Warp-uniform trips (count_bin needs every lane).
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
+       first += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const std::int64_t r = first + (tid & 31);
+    const std::int64_t position = r < q.slots ? q.target.positions[r] : -1;
+    unsigned long long key = detail_scores::not_a_candidate;
+    if (position >= q.first_evictable && position < q.before) {
+      float total = 0.0f;
+      for (int h = 0; h < p.num_kv_heads; ++h) total += q.target.scores[static_cast<std::size_t>(h) * q.target.stride + position];
+      key = detail_scores::rank_key(total, position);
+      ++mine;
+    }
+    detail_scores::count_bin(histogram, key == detail_scores::not_a_candidate ? -1 : static_cast<int>(key >> 56));
+    if (r < q.slots) keys[r] = key;
+  }
+  if (mine > 0) atomicAdd(&candidates, mine);
+  __syncthreads();
+  if (tid == 0 && candidates != 0) atomicAdd(&state.candidates, candidates);
+  if (!detail_scores::add_histogram<Threads>(state, histogram, last)) return;
+  const int n = *static_cast<volatile int*>(&state.candidates);
+  const int k = static_cast<int>(q.count < n ? q.count : n);
+  if (k <= 0 || k == n) {  // nothing to choose, or every candidate
+    if (tid == 0) {
+      state.done = 1;
+      state.threshold = k <= 0 ? 0ull : detail_scores::not_a_candidate - 1;
+      state.arrivals = 0;
+    }
+    static_cast<volatile int*>(state.histogram)[tid] = 0;
+    return;
+  }
+  detail_scores::take_digit<Threads>(state, 56, k, scan);
+}
+
+/// One more digit (bits shift to shift + 7) of each unfinished ranking: the histogram of the keys
+/// that carry the digits found so far. Grid: (CTAs per request, requests). Cost: a read of the
+/// request's keys (L2-resident at the lengths that matter), nothing once it is done.
+template <int Threads = rank_threads>
+__global__ void __launch_bounds__(Threads) rank_digit_kernel(const rank_params p, int shift) {
+  __shared__ int histogram[256];
+  __shared__ int last;
+  __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
+  rank_state& state = p.states[blockIdx.y];
+  if (state.done) return;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
+  __syncthreads();
+  const rank_request q = p.requests[blockIdx.y];
+  const unsigned long long* keys = p.keys + q.keys;
+  const unsigned long long prefix = state.prefix, mask = ~0ull << (shift + 8);
+  for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
+       first += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const std::int64_t r = first + (tid & 31);
+    const unsigned long long key = r < q.slots ? keys[r] : detail_scores::not_a_candidate;
+    const bool counted = (key & mask) == prefix && key != detail_scores::not_a_candidate;
+    detail_scores::count_bin(histogram, counted ? static_cast<int>((key >> shift) & 255u) : -1);
+  }
+  __syncthreads();
+  if (detail_scores::add_histogram<Threads>(state, histogram, last)) detail_scores::take_digit<Threads>(state, shift, state.need, scan);
+}
+
+/// Lists each ranking's chosen slots (candidate keys <= its threshold) and marks them evicted in
+/// the mirror (-1). Grid: (CTAs per request, requests). Cost: a read of the keys.
+template <int Threads = rank_threads>
+__global__ void __launch_bounds__(Threads) rank_choose_kernel(const rank_params p) {
+  const rank_request q = p.requests[blockIdx.y];
+  const unsigned long long threshold = p.states[blockIdx.y].threshold;
+  const unsigned long long* keys = p.keys + q.keys;
+  std::int64_t* out = p.chosen + static_cast<std::size_t>(blockIdx.y) * (p.chosen_stride + 1);
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * Threads + threadIdx.x; r < q.slots;
+       r += static_cast<std::int64_t>(gridDim.x) * Threads) {
+    const unsigned long long key = keys[r];
+    if (key != detail_scores::not_a_candidate && key <= threshold) {
+      out[1 + atomicAdd(reinterpret_cast<unsigned long long*>(out), 1ull)] = r;
+      q.target.positions[r] = -1;
+    }
+  }
+}
+
+/// Enqueues a batch of rankings on `stream`: the keys, up to seven more digits, the choice. The
+/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request.
+inline void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(requests));
+  rank_keys_kernel<><<<grid, rank_threads, 0, stream>>>(p);
+  for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
+    rank_digit_kernel<><<<grid, rank_threads, 0, stream>>>(p, shift);
+  rank_choose_kernel<><<<grid, rank_threads, 0, stream>>>(p);
 }
 
 }  // namespace kvmosaic::cuda::kernel
@@ -10605,8 +10975,6 @@ class engine {
   static constexpr bool records_token_scores =
       writes_token_logits<Format>::value && (kvmosaic::detail::token_scores_of<Selector>::value != score_use::none ||
                                              kvmosaic::detail::reads_window_votes<Selector>::value);
-  /// They come back per row of the read order (`token_scores`), not by logical position.
-  static constexpr bool scores_by_position = false;
   /// `window_votes` runs on the device where the engine records token scores and its format's
   /// logits are exact (`writes_exact_logits`: dense, bitmap_tiles); elsewhere the cache scores
   /// the keys it reads back.
@@ -10885,13 +11253,14 @@ class engine {
   /// The host half of a decode step (`cache::plan`): the split plan, and with a selection request
   /// what the device selects from, written to page-locked staging. Waits only for the previous
   /// step's copy out of that staging.
-  /// With `scores.use` other than none (format::dense's and the quantized formats' kernels;
-  /// `writes_token_logits`), the
-  /// step also computes each read token's score (select/token_scores.hpp) on the device: the
-  /// split kernels write their rows' logits, a score kernel after the merge normalizes and
-  /// combines them per (sequence, KV head, row of the read order); `download_token_scores` and
-  /// `token_scores` bring them to the host. Cost: per token and KV head, 4 x group bytes written
-  /// and read back, 4 written; device memory 4 x (group + 1) bytes per row of the batch's capacity.
+  /// With `scores.use` other than none (`records_token_scores`), the step also computes each read
+  /// token's score (select/token_scores.hpp) on the device: the split kernels write their rows'
+  /// logits, a score kernel after the merge normalizes and combines them and files them by logical
+  /// position in the selector stage's score buffers (`selection().score_table()`: a sealed row's
+  /// position from the stage's mirror of the cache's position map, a tail row's from the
+  /// sequence's `tail_position`). Nothing comes back to the host. Cost: per token and KV head,
+  /// 4 x group bytes written and read back, 4 written (8 moved when cumulative); device memory
+  /// 4 x group bytes per row of the batch's capacity.
   void plan(const std::vector<kvmosaic::detail::sequence_ref>& batch, float softmax_scale,
             const kvmosaic::detail::selection_request* request = nullptr, const score_settings& scores = {}) {
     kvmosaic::detail::require(scores.use == score_use::none || records_token_scores, "cuda::engine::plan", "token scores",
@@ -10902,35 +11271,6 @@ class engine {
     softmax_scale_ = softmax_scale;
     planned_scores_ = scores;
     if (scores.use != score_use::none) reserve_token_scores();
-  }
-
-  /// The token scores of the last step run with scores, as laid out on the device: [batch][KV
-  /// head][row_stride] fp32, row r of (b, h) the r-th row of b's read order (block-table entry x
-  /// page_size + page row, then its exact and tail rows).
-  struct token_score_rows {
-    const float* data;
-    std::int64_t row_stride;
-  };
-  /// Device pointer to the last step's token scores (valid after it ran on the stream).
-  token_score_rows device_token_scores() const noexcept {
-    return {token_scores_.as<const float>(), logit_slots_};
-  }
-  /// Enqueues the copy of the step's token scores to page-locked host memory (one 2D copy of the
-  /// rows each sequence has); `token_scores` waits for it.
-  void download_token_scores() {
-    kvmosaic::detail::require(planned_scores_.use != score_use::none, "cuda::engine::download_token_scores",
-                              "the planned step", "without token scores", "a step planned with score_settings");
-    const std::size_t pitch = static_cast<std::size_t>(logit_slots_) * sizeof(float);
-    KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(scores_host_.data(), pitch, token_scores_.data(), pitch,
-                                          static_cast<std::size_t>(step_rows_) * sizeof(float),
-                                          static_cast<std::size_t>(batch_) * shape_.num_kv_heads, cudaMemcpyDeviceToHost,
-                                          stream_));
-  }
-  /// The downloaded token scores (host memory, the layout of `device_token_scores`); waits for
-  /// the engine's stream.
-  token_score_rows token_scores() const {
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return {scores_host_.as<const float>(), logit_slots_};
   }
 
   /// The device half (`cache::run`), enqueued on the engine's stream and capturable in a CUDA
@@ -10993,7 +11333,8 @@ class engine {
     layout_.tail_rows = layout_.slots + align(capacity_.batch * sizeof(std::int32_t));
     layout_.sealed = layout_.tail_rows + align(capacity_.batch * sizeof(std::int32_t));
     layout_.read_pages = layout_.sealed + align(capacity_.batch * sizeof(std::int32_t));
-    layout_.tables = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tail_positions = layout_.read_pages + align(capacity_.batch * sizeof(std::int32_t));
+    layout_.tables = layout_.tail_positions + align(capacity_.batch * sizeof(std::int64_t));
     layout_.live_masks = layout_.tables + align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride * sizeof(std::int32_t));
     layout_.selection = layout_.live_masks + (capacity_.live_masks ? align(static_cast<std::size_t>(capacity_.batch) * capacity_.table_stride *
                                                                            live_mask_words() * sizeof(std::uint32_t))
@@ -11059,6 +11400,10 @@ class engine {
     std::memcpy(host + layout_.partial_offset, plan.partial_offset.data(), plan.partial_offset.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.slots, slots.data(), slots.size() * sizeof(std::int32_t));
     std::memcpy(host + layout_.tail_rows, tail_rows.data(), tail_rows.size() * sizeof(std::int32_t));
+    auto* tail_positions = reinterpret_cast<std::int64_t*>(host + layout_.tail_positions);
+    for (std::size_t b = 0; b < batch.size(); ++b)
+      tail_positions[b] = batch[b].tail_position >= 0 ? batch[b].tail_position
+                                                      : static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
     auto* tables = reinterpret_cast<std::int32_t*>(host + layout_.tables);
     for (std::size_t b = 0; b < batch.size(); ++b)
       std::copy(batch[b].pages->begin(), batch[b].pages->end(), tables + b * capacity_.table_stride);
@@ -11090,8 +11435,8 @@ class engine {
   void launch_selection_only(const float* q);
 
  private:
-  /// Room for the token scores of a step of the reserved layout: rows of the read order per
-  /// (sequence, KV head), logits and scores on the device, scores in page-locked host memory.
+  /// Room for the logits of a step of the reserved layout: rows of the read order per (sequence,
+  /// KV head), and the merge's log-sum-exps when the caller wants none.
   void reserve_token_scores() {
     const std::int64_t rows = static_cast<std::int64_t>(capacity_.table_stride) * shape_.page_size +
                               static_cast<std::int64_t>(geometry_.exact_rows) + shape_.page_size;
@@ -11101,8 +11446,6 @@ class engine {
     score_batch_ = std::max(capacity_.batch, score_batch_);
     const std::size_t slots = static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * static_cast<std::size_t>(logit_slots_);
     token_logits_ = device_buffer(slots * shape_.group_size * sizeof(float));
-    token_scores_ = device_buffer(slots * sizeof(float));
-    scores_host_ = pinned_buffer(slots * sizeof(float));
     score_lse_ = device_buffer(static_cast<std::size_t>(score_batch_) * shape_.num_kv_heads * shape_.group_size * sizeof(float));
   }
 
@@ -11381,10 +11724,10 @@ class engine {
   /// 32-bit row-mask words per page.
   int live_mask_words() const noexcept { return (shape_.page_size + 31) / 32; }
   /// Byte offsets of the step metadata: [header][work][partial_offset][slots][tail_rows][sealed pages]
-  /// [pages to read][tables][the selection stage's inputs].
+  /// [pages to read][tail positions][tables][live masks][the selection stage's inputs].
   struct step_layout {
-    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0, tables = 0,
-                live_masks = 0, selection = 0, bytes = 0;
+    std::size_t header = 0, work = 0, partial_offset = 0, slots = 0, tail_rows = 0, sealed = 0, read_pages = 0,
+                tail_positions = 0, tables = 0, live_masks = 0, selection = 0, bytes = 0;
   };
   kvmosaic::detail::engine_shape shape_;
   Format format_;
@@ -11415,8 +11758,6 @@ class engine {
   std::int64_t logit_slots_ = 0;   ///< rows per (sequence, KV head) of the token-score buffers
   std::int32_t score_batch_ = 0;   ///< sequences they hold
   device_buffer token_logits_;     ///< [batch][KV head][logit_slots_][group] (steps with token scores)
-  device_buffer token_scores_;     ///< [batch][KV head][logit_slots_]
-  pinned_buffer scores_host_;      ///< the same, downloaded
   device_buffer score_lse_;        ///< [batch][num_q_heads]: the merge's log-sum-exps when the caller wants none
   device_buffer scratch_;        ///< dense rows of pages to encode (encoded formats)
   device_buffer key_weights_;    ///< [max_sequences][num_kv_heads][head_dim] output-aware K weights
@@ -11471,7 +11812,9 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
                             dim3(merge_threads(head_dim)), 0, stream_, dependent_launch_, common, num_q_heads);
     });
   });
-  if constexpr (records_token_scores) {
+  // A selector that reads token scores keeps them in its stage (`score_table`); window votes
+  // (select::snapkv) read the logits themselves.
+  if constexpr (records_token_scores && kvmosaic::detail::token_scores_of<Selector>::value != score_use::none) {
     if (planned_scores_.use == score_use::none || logits_only_) return;
     // About 8 rows per thread: enough CTAs to fill the device at one sequence, few partial-state
     // merges per CTA.
@@ -11481,7 +11824,9 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, shape_.group_size, [&](auto, auto, auto group) {
       detail::launch_kernel(kernel::token_scores_kernel<decltype(group)::value>, grid_scores,
                             dim3(static_cast<unsigned>(kernel::token_score_threads)), 0, stream_, dependent_launch_, common,
-                            token_scores_.as<float>(), planned_scores_.combine == group_combine::max);
+                            selection_.score_table(),
+                            reinterpret_cast<const std::int64_t*>(step_metadata_.as<const std::byte>() + layout_.tail_positions),
+                            planned_scores_.combine == group_combine::max, planned_scores_.use == score_use::cumulative);
     });
   }
 }
@@ -15646,7 +15991,6 @@ struct device_format<format::packed_bitmap> {
 ///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
 ///     that writes the chosen page ids in sequence order: the split kernel's per-head page table.
 
-#include <cub/block/block_scan.cuh>
 
 
 
@@ -16926,28 +17270,255 @@ class selection_stage<select::snapkv, Shapes> : public selection_stage<select::a
 
 // ---- begin <kvmosaic/cuda/select/scored_eviction.cuh> ----
 /// \file
-/// `select::tova` and `select::h2o` on the CUDA backend: no selection stage. Every step reads
-/// every live row, as `select::all` does; the step's token scores come from the split kernels'
-/// logits (`cuda::engine::plan` with score_settings, kernel/token_scores.cuh), and the evictions
-/// they drive are the cache's (host bookkeeping, live-row masks, compaction on the device).
+/// `select::tova` and `select::h2o` on the CUDA backend. No selection: every step reads every live
+/// row, as `select::all` does. What the stage keeps is each sequence's token scores, in device
+/// memory by logical position: the step's score kernel (kernel/token_scores.cuh) writes them from
+/// the split kernels' logits, and the eviction after a write ranks them on the device
+/// (`lowest_scored`), so that a step copies nothing to the host and an eviction copies back only
+/// the slots it chose. The evictions themselves are the cache's (host bookkeeping, live-row masks,
+/// compaction on the device).
+
+
 
 
 namespace kvmosaic::cuda {
 
-/// Reads every live row. Cost: none beyond the scores and the cache's eviction and compaction.
+namespace kernel {
+/// table[slot] = value: a table entry changed in stream order (no staging to guard).
+template <class Slot>
+__global__ void set_score_slot_kernel(Slot* table, int slot, Slot value) {
+  table[slot] = value;
+}
+}  // namespace kernel
+
+/// The device part of a selector that reads token scores: every page read (`select::all`'s
+/// stage), plus per sequence slot its scores ([num_kv_heads][capacity] fp32 by logical position,
+/// zero until a step reads the token) and its sealed slots' logical positions (a mirror of the
+/// cache's position map, uploaded where it changed and kept by the ranking kernel when it
+/// evicts). Memory: 4 bytes per position and KV head plus 8 per sealed slot, per sequence, grown
+/// geometrically.
 template <class Shapes>
-class selection_stage<select::tova, Shapes> : public selection_stage<select::all, Shapes> {
+class scored_selection_stage : public selection_stage<select::all, Shapes> {
  public:
-  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::tova&) noexcept
-      : selection_stage<select::all, Shapes>(shape, select::all{}) {}
+  explicit scored_selection_stage(const kvmosaic::detail::engine_shape& shape)
+      : selection_stage<select::all, Shapes>(shape, select::all{}),
+        heads_(shape.num_kv_heads),
+        slots_(static_cast<std::size_t>(shape.max_sequences)),
+        table_(static_cast<std::size_t>(shape.max_sequences) * sizeof(kernel::score_slot)) {
+    KVMOSAIC_CUDA_CHECK(cudaMemset(table_.data(), 0, table_.size()));
+    KVMOSAIC_CUDA_CHECK(cudaEventCreateWithFlags(&uploaded_, cudaEventDisableTiming));
+  }
+  ~scored_selection_stage() {
+    if (uploaded_ != nullptr) cudaEventDestroy(uploaded_);
+  }
+  scored_selection_stage(const scored_selection_stage&) = delete;
+  scored_selection_stage& operator=(const scored_selection_stage&) = delete;
+
+  /// The per-slot table the score kernel reads (`kernel::score_slot`, [max_sequences]).
+  const kernel::score_slot* score_table() const noexcept { return table_.as<const kernel::score_slot>(); }
+
+  /// Room for `positions` positions of `slot`'s scores, the new ones zero. Cost: on growth (by at
+  /// least half), a stream synchronization and a copy of the old scores.
+  void reserve_scores(std::int32_t slot, std::int64_t positions, cudaStream_t stream) {
+    sequence& s = slots_[static_cast<std::size_t>(slot)];
+    if (positions <= s.score_capacity) return;
+    const std::int64_t capacity = std::max<std::int64_t>({positions, s.score_capacity + s.score_capacity / 2, 256});
+    device_buffer grown(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(capacity) * sizeof(float));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(grown.data(), 0, grown.size(), stream));
+    if (s.score_capacity > 0)
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(grown.data(), static_cast<std::size_t>(capacity) * sizeof(float), s.scores.data(),
+                                            static_cast<std::size_t>(s.score_capacity) * sizeof(float),
+                                            static_cast<std::size_t>(s.score_capacity) * sizeof(float),
+                                            static_cast<std::size_t>(heads_), cudaMemcpyDeviceToDevice, stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+    s.scores = std::move(grown);
+    s.score_capacity = capacity;
+    publish(slot, stream);
+  }
+
+  /// `to`'s scores and positions become a copy of `from`'s (a fork).
+  void copy_scores(std::int32_t from, std::int32_t to, cudaStream_t stream) {
+    const sequence& source = slots_[static_cast<std::size_t>(from)];
+    reserve_scores(to, source.score_capacity, stream);
+    sequence& target = slots_[static_cast<std::size_t>(to)];
+    if (source.score_capacity > 0)
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(target.scores.data(), static_cast<std::size_t>(target.score_capacity) * sizeof(float),
+                                            source.scores.data(), static_cast<std::size_t>(source.score_capacity) * sizeof(float),
+                                            static_cast<std::size_t>(source.score_capacity) * sizeof(float),
+                                            static_cast<std::size_t>(heads_), cudaMemcpyDeviceToDevice, stream));
+  }
+
+  /// Frees `slot`'s storage (the sequence ended).
+  void release_scores(std::int32_t slot) {
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());  // kernels of earlier steps may still read it
+    slots_[static_cast<std::size_t>(slot)] = sequence{};
+    const kernel::score_slot none{};
+    KVMOSAIC_CUDA_CHECK(cudaMemcpy(table_.as<kernel::score_slot>() + slot, &none, sizeof none, cudaMemcpyHostToDevice));
+  }
+
+  /// Copies positions[from, to) of `slot`'s sealed-slot position map (host memory) to the device
+  /// mirror, growing it as needed. Cost: 8 bytes per slot copied, through page-locked staging.
+  void upload_positions(std::int32_t slot, const std::int64_t* positions, std::int64_t from, std::int64_t to,
+                        cudaStream_t stream) {
+    if (from >= to) return;
+    sequence& s = slots_[static_cast<std::size_t>(slot)];
+    if (to > s.position_capacity) {
+      const std::int64_t capacity = std::max<std::int64_t>({to, s.position_capacity + s.position_capacity / 2, 256});
+      device_buffer grown(static_cast<std::size_t>(capacity) * sizeof(std::int64_t));
+      if (from > 0)
+        KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(grown.data(), s.positions.data(), static_cast<std::size_t>(from) * sizeof(std::int64_t),
+                                            cudaMemcpyDeviceToDevice, stream));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old mirror may still be read
+      s.positions = std::move(grown);
+      s.position_capacity = capacity;
+      publish(slot, stream);
+    }
+    const std::size_t bytes = static_cast<std::size_t>(to - from) * sizeof(std::int64_t);
+    KVMOSAIC_CUDA_CHECK(cudaEventSynchronize(uploaded_));  // the previous upload has left the staging
+    staging_.reserve(bytes);
+    std::copy(positions + from, positions + to, staging_.as<std::int64_t>());
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(static_cast<std::int64_t*>(s.positions.data()) + from, staging_.data(), bytes, cudaMemcpyHostToDevice, stream));
+    KVMOSAIC_CUDA_CHECK(cudaEventRecord(uploaded_, stream));
+  }
+
+  /// One sequence's eviction ranking: of the first `slots` sealed slots of `slot`, those whose
+  /// position is in [first_evictable, before), the `count` with the lowest shared score.
+  struct ranking {
+    std::int32_t slot;
+    std::int64_t slots;
+    std::int64_t first_evictable;
+    std::int64_t before;
+    std::int64_t count;
+  };
+  /// The rankings on the device, all at once (kernel/token_scores.cuh: `rank_keys_kernel`, up to
+  /// seven `rank_digit_kernel`s, `rank_choose_kernel`): per ranking, the chosen slots
+  /// (ascending), in the order the host's `detail::lowest_scored` ranks (ties to the earlier
+  /// position, NaN highest), marked evicted in the device mirror. Waits for the stream. Cost:
+  /// one read of each sequence's slot positions and of its candidates' scores, then a pass over 8
+  /// bytes per slot per digit until the count is decided, and 8 bytes per chosen slot copied back.
+  std::vector<std::vector<std::int64_t>> lowest_scored(const std::vector<ranking>& rankings, cudaStream_t stream) {
+    const char* where = "cuda::scored_selection_stage::lowest_scored";
+    const auto n = static_cast<std::int32_t>(rankings.size());
+    std::vector<std::vector<std::int64_t>> out(rankings.size());
+    if (n == 0) return out;
+    std::int64_t total_slots = 0, stride = 1, longest = 1;
+    for (const ranking& r : rankings) {
+      kvmosaic::detail::require(r.before <= (std::int64_t{1} << 32), where, "before", r.before, "positions below 2^32");
+      total_slots += r.slots;
+      stride = std::max(stride, std::min(std::max<std::int64_t>(r.count, 0), r.slots));
+      longest = std::max(longest, r.slots);
+    }
+    // Device scratch: the requests, then each one's radix-select state (zeroed).
+    const std::size_t requests_bytes = align(static_cast<std::size_t>(n) * sizeof(kernel::rank_request));
+    const std::size_t states_bytes = static_cast<std::size_t>(n) * sizeof(kernel::rank_state);
+    const std::size_t chosen_bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(stride + 1) * sizeof(std::int64_t);
+    grow(rank_scratch_, requests_bytes + states_bytes);
+    grow(keys_, static_cast<std::size_t>(total_slots) * sizeof(unsigned long long));
+    grow(chosen_, chosen_bytes);
+    if (chosen_host_.size() < chosen_bytes) chosen_host_ = pinned_buffer(chosen_.size());
+    requests_host_.reserve(requests_bytes);
+    auto* requests = requests_host_.as<kernel::rank_request>();
+    std::int64_t keys_at = 0;
+    for (std::int32_t i = 0; i < n; ++i) {
+      const ranking& r = rankings[static_cast<std::size_t>(i)];
+      const sequence& s = slots_[static_cast<std::size_t>(r.slot)];
+      requests[i] = kernel::rank_request{
+          kernel::score_slot{static_cast<float*>(s.scores.data()), s.score_capacity, static_cast<std::int64_t*>(s.positions.data())},
+          std::min(r.slots, s.position_capacity), r.first_evictable, r.before, std::max<std::int64_t>(r.count, 0), keys_at};
+      keys_at += r.slots;
+    }
+    auto* scratch = rank_scratch_.as<std::byte>();
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(scratch, requests_host_.data(), static_cast<std::size_t>(n) * sizeof(kernel::rank_request),
+                                        cudaMemcpyHostToDevice, stream));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(scratch + requests_bytes, 0, states_bytes, stream));
+    KVMOSAIC_CUDA_CHECK(cudaMemsetAsync(chosen_.data(), 0, chosen_bytes, stream));
+    const kernel::rank_params p{reinterpret_cast<const kernel::rank_request*>(scratch),
+                                reinterpret_cast<kernel::rank_state*>(scratch + requests_bytes),
+                                heads_,
+                                keys_.as<unsigned long long>(),
+                                chosen_.as<std::int64_t>(),
+                                stride};
+    // About 4 slots per thread: the longest sequence spread over the device.
+    constexpr std::int64_t slots_per_cta = 4 * kernel::rank_threads;
+    kernel::launch_ranking(p, n, static_cast<int>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024)),
+                           stream);
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), chosen_bytes, cudaMemcpyDeviceToHost, stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto* chosen = chosen_host_.as<const std::int64_t>();
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int64_t* row = chosen + static_cast<std::size_t>(i) * static_cast<std::size_t>(stride + 1);
+      std::vector<std::int64_t>& slots = out[static_cast<std::size_t>(i)];
+      slots.assign(row + 1, row + 1 + row[0]);
+      std::sort(slots.begin(), slots.end());
+    }
+    return out;
+  }
+
+  /// The first `positions` positions of `slot`'s scores, copied to the host as
+  /// [position][num_kv_heads] (`detail::token_score_buffer`'s layout). Waits for the stream.
+  std::vector<float> scores(std::int32_t slot, std::int64_t positions, cudaStream_t stream) const {
+    const sequence& s = slots_[static_cast<std::size_t>(slot)];
+    positions = std::min(positions, s.score_capacity);
+    std::vector<float> by_head(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(std::max<std::int64_t>(positions, 0)));
+    if (positions > 0)
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy2DAsync(by_head.data(), static_cast<std::size_t>(positions) * sizeof(float), s.scores.data(),
+                                            static_cast<std::size_t>(s.score_capacity) * sizeof(float),
+                                            static_cast<std::size_t>(positions) * sizeof(float), static_cast<std::size_t>(heads_),
+                                            cudaMemcpyDeviceToHost, stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> out(by_head.size());
+    for (int h = 0; h < heads_; ++h)
+      for (std::int64_t t = 0; t < positions; ++t)
+        out[static_cast<std::size_t>(t) * heads_ + h] = by_head[static_cast<std::size_t>(h) * positions + t];
+    return out;
+  }
+
+ private:
+  struct sequence {
+    device_buffer scores;     ///< [heads][score_capacity]
+    std::int64_t score_capacity = 0;
+    device_buffer positions;  ///< [position_capacity]
+    std::int64_t position_capacity = 0;
+  };
+  static std::size_t align(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
+  /// Grows `buffer` to at least `bytes` (by half again), its contents not kept.
+  static void grow(device_buffer& buffer, std::size_t bytes) {
+    if (bytes > buffer.size()) buffer = device_buffer(std::max(bytes, buffer.size() + buffer.size() / 2));
+  }
+  /// Writes `slot`'s table entry in stream order.
+  void publish(std::int32_t slot, cudaStream_t stream) {
+    const sequence& s = slots_[static_cast<std::size_t>(slot)];
+    kernel::set_score_slot_kernel<<<1, 1, 0, stream>>>(
+        table_.as<kernel::score_slot>(), slot,
+        kernel::score_slot{static_cast<float*>(s.scores.data()), s.score_capacity, static_cast<std::int64_t*>(s.positions.data())});
+    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  }
+
+  int heads_;
+  std::vector<sequence> slots_;
+  device_buffer table_;        ///< [max_sequences] kernel::score_slot
+  device_buffer rank_scratch_;  ///< the rankings' requests, histograms and candidate counts
+  device_buffer keys_;          ///< the rankings' keys
+  device_buffer chosen_;        ///< per ranking: how many were chosen, then the chosen slots
+  pinned_buffer chosen_host_;
+  pinned_buffer requests_host_;
+  pinned_buffer staging_;      ///< position uploads
+  cudaEvent_t uploaded_ = nullptr;
 };
 
-/// Reads every live row. Cost: none beyond the scores and the cache's eviction and compaction.
+/// Reads every live row; keeps and ranks the token scores on the device (above).
 template <class Shapes>
-class selection_stage<select::h2o, Shapes> : public selection_stage<select::all, Shapes> {
+class selection_stage<select::tova, Shapes> : public scored_selection_stage<Shapes> {
  public:
-  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::h2o&) noexcept
-      : selection_stage<select::all, Shapes>(shape, select::all{}) {}
+  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::tova&) : scored_selection_stage<Shapes>(shape) {}
+};
+
+/// Reads every live row; keeps and ranks the token scores on the device (above).
+template <class Shapes>
+class selection_stage<select::h2o, Shapes> : public scored_selection_stage<Shapes> {
+ public:
+  selection_stage(const kvmosaic::detail::engine_shape& shape, const select::h2o&) : scored_selection_stage<Shapes>(shape) {}
 };
 
 }  // namespace kvmosaic::cuda

@@ -2825,6 +2825,11 @@ struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
 ///   static group_combine score_combine(const Selector&);   // how the group's probabilities combine
 ///   static detail::token_score_buffer& scores(sequence_state&);  // where steps write them (and
 ///                                 // the const overload)
+///   static score_eviction eviction_quota(const Selector&, const sequence_state&,
+///                       std::int64_t length, std::int64_t open_from, std::int64_t stored);
+///                                 // how many of the lowest-scored tokens below which position
+///                                 // to evict after a write (`evictions` ranks them on the host;
+///                                 // a device backend ranks them where its scores are)
 ///   // read-less selectors (reads_all_pages == false) also provide:
 ///   static detail::selection_request start_request(const Selector&, const selector_shape&);
 ///                                 // the step's fields (score combination, span kind)
@@ -3062,36 +3067,50 @@ struct score_settings {
   group_combine combine = group_combine::sum;
 };
 
+/// What a score-based selector evicts after a write: the `count` live sealed tokens with the
+/// lowest shared score (`token_score_buffer::shared`; ties to the earlier position, NaN highest)
+/// among positions [first_evictable, before), or every such token when there are fewer.
+struct score_eviction {
+  std::int64_t count = 0;
+  std::int64_t before = 0;
+};
+
 namespace detail {
 
 /// One sequence's token scores, by logical position: [position][num_kv_heads] fp32, zero until a
 /// step reads the token. Evicted positions keep their last value and are never read again. Cost:
-/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`).
+/// 4 bytes per token and KV head (counted by the selector's `extra_bytes`), in host memory on
+/// backend::host; on a device backend (`on_device`) the values live with the selector's device
+/// part (cuda/select/scored_eviction.cuh) and this buffer keeps only the length.
 struct token_score_buffer {
-  std::vector<float> values;
+  std::vector<float> values;  ///< host memory; empty when `on_device`
   int heads = 0;
+  std::int64_t length = 0;         ///< positions held
   std::int64_t scored_tokens = 0;  ///< tokens the sequence held at its last step with scores
+  bool on_device = false;          ///< the values live in device memory (backend::cuda)
 
-  std::int64_t tokens() const noexcept {
-    return heads > 0 ? static_cast<std::int64_t>(values.size()) / heads : 0;
-  }
+  std::int64_t tokens() const noexcept { return length; }
   float at(std::int64_t position, int head) const noexcept {
     return values[static_cast<std::size_t>(position) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(head)];
   }
   /// Room for `tokens` positions of `num_heads` heads (growing geometrically: appends cost
   /// amortized O(1)); may throw (allocation), changes no score.
   void reserve(std::int64_t tokens, int num_heads) {
+    if (on_device) return;
     const std::size_t needed = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (needed > values.capacity()) values.reserve(std::max(needed, 2 * values.capacity()));
   }
   /// Grows to `tokens` positions (new ones 0) within the room `reserve` made: cannot throw.
   void grow_to(std::int64_t tokens, int num_heads) noexcept {
     heads = num_heads;
+    length = std::max(length, tokens);
+    if (on_device) return;
     const std::size_t size = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(num_heads);
     if (size > values.size()) values.resize(size, 0.0f);  // capacity reserved: no allocation
   }
   /// The score of `position` for the eviction decision of one slot layout shared by every KV
-  /// head: the sum over the heads (their mean, up to a constant factor that no ranking sees).
+  /// head: the sum over the heads in head order, in fp32 (their mean, up to a constant factor that
+  /// no ranking sees). The device ranking (cuda/kernel/token_scores.cuh) sums in the same order.
   float shared(std::int64_t position) const noexcept {
     float total = 0.0f;
     for (int h = 0; h < heads; ++h) total += at(position, h);
@@ -3881,8 +3900,10 @@ struct selector_traits<select::streaming> : stateless_selector_hooks {
 /// \file
 /// The host hooks the score-based keep-less selectors share (`select::tova`, `select::h2o`): a
 /// per-sequence token score buffer (select/token_scores.hpp) grown with every write and written by
-/// every attend step, and the compaction cadence of `select::streaming`. Each selector adds its
-/// description and its `evictions`.
+/// every attend step, the ranking that turns a selector's `eviction_quota` into positions, and the
+/// compaction cadence of `select::streaming`. Each selector adds its description and its
+/// `eviction_quota`. On a device backend the scores stay in device memory and the ranking runs
+/// there (cuda/select/scored_eviction.cuh); the cache asks the quota, not the positions.
 
 
 
@@ -3900,8 +3921,14 @@ struct scored_state {
 namespace detail {
 
 /// Hooks of a selector `S` with members `combine` (group_combine) and `compact_every` (int)
-/// whose state is `select::scored_state`. Cost per write: the buffer grows by 4 bytes per token
-/// and KV head (amortized O(1)); per step, the attend path writes the scores of the tokens it reads.
+/// whose state is `select::scored_state`, and whose traits provide
+///
+///     static score_eviction eviction_quota(const S&, const sequence_state&, std::int64_t length,
+///                                          std::int64_t open_from, std::int64_t stored);
+///
+/// (how many of the lowest-scored tokens below which position to evict after a write that leaves
+/// `stored` live tokens). Cost per write: the buffer grows by 4 bytes per token and KV head
+/// (amortized O(1)); per step, the attend path writes the scores of the tokens it reads.
 template <class S, score_use Use>
 struct scored_eviction_hooks {
   static constexpr bool reads_all_pages = true;  // every live token: eviction already dropped the rest
@@ -3912,37 +3939,57 @@ struct scored_eviction_hooks {
 
   using sequence_state = select::scored_state;
   struct update {
-    std::int64_t added;  ///< tokens the write adds to the sequence
+    std::int64_t added;   ///< tokens the write adds to the sequence
+    std::int64_t length;  ///< the sequence's positions after the write
     int heads;
+    bool on_device;       ///< the scores live in device memory
   };
   template <class Cache>
   struct cache_members {};
   template <bool OnDevice, class T>
-  static update stage(const S&, const selector_shape& shape, const sequence_state&, const tensor_view<const T, 3>&,
+  static update stage(const S&, const selector_shape& shape, const sequence_state& state, const tensor_view<const T, 3>&,
                       span<const std::int32_t>, std::int64_t /*first row*/, std::int64_t n) noexcept {
-    return {n, shape.num_kv_heads};
+    return {n, state.scores.tokens() + n, shape.num_kv_heads, OnDevice};
   }
   static void reserve(sequence_state& state, const update& u) {
-    state.scores.reserve(state.scores.tokens() + u.added, u.heads);
+    state.scores.on_device = u.on_device;  // fixed by the backend: the same on every write
+    state.scores.reserve(u.length, u.heads);
   }
-  static void commit(sequence_state& state, update& u) noexcept {
-    state.scores.grow_to(state.scores.tokens() + u.added, u.heads);
-  }
+  static void commit(sequence_state& state, update& u) noexcept { state.scores.grow_to(u.length, u.heads); }
+  /// On a device backend the selection stage makes room for the new positions' scores (zero).
   template <bool OnDevice, class Engine, class T>
-  static void write(Engine&, std::int32_t, const update&, const tensor_view<const T, 3>&, std::int64_t, std::int64_t) noexcept {}
+  static void write(Engine& engine, std::int32_t slot, const update& u, const tensor_view<const T, 3>&, std::int64_t,
+                    std::int64_t) {
+    if constexpr (OnDevice) engine.selection().reserve_scores(slot, u.length, engine.stream());
+  }
+  /// On a device backend the child's scores are a copy of the parent's.
   template <bool OnDevice, class Engine>
-  static void fork(Engine&, std::int32_t, std::int32_t) noexcept {}
+  static void fork(Engine& engine, std::int32_t from, std::int32_t to) {
+    if constexpr (OnDevice) engine.selection().copy_scores(from, to, engine.stream());
+  }
+  /// On a device backend the slot's score storage is freed.
   template <bool OnDevice, class Engine>
-  static void release(Engine&, std::int32_t) noexcept {}
-  /// The score buffer: 4 bytes per token and KV head.
+  static void release(Engine& engine, std::int32_t slot) {
+    if constexpr (OnDevice) engine.selection().release_scores(slot);
+  }
+  /// The score buffer: 4 bytes per token and KV head, wherever it lives.
   static std::int64_t extra_bytes(const selector_shape&, const sequence_state& state) noexcept {
-    return static_cast<std::int64_t>(state.scores.values.size() * sizeof(float));
+    return state.scores.tokens() * state.scores.heads * static_cast<std::int64_t>(sizeof(float));
   }
   static std::int64_t always_from(const sequence_state&, std::int64_t sealed) noexcept { return sealed; }
 
   static group_combine score_combine(const S& s) noexcept { return s.combine; }
   static token_score_buffer& scores(sequence_state& state) noexcept { return state.scores; }
   static const token_score_buffer& scores(const sequence_state& state) noexcept { return state.scores; }
+
+  /// The host ranking of `S::eviction_quota`: the live sealed positions in [first_evictable,
+  /// quota.before) with the lowest shared scores. Cost: O(slots log slots) on the host.
+  static std::vector<std::int64_t> evictions(const S& s, sequence_state& state, std::int64_t length, std::int64_t open_from,
+                                             const eviction_view& live) {
+    const score_eviction quota = selector_traits<S>::eviction_quota(s, state, length, open_from, live.stored);
+    if (quota.count <= 0) return {};
+    return lowest_scored(state.scores, live.evictable(quota.before), quota.count);
+  }
 
   /// Whether `written` more tokens bring the sequence to its next compaction pass.
   static bool compaction_due(const S& s, sequence_state& state, std::int64_t written) noexcept {
@@ -4002,14 +4049,13 @@ struct selector_traits<select::tova> : detail::scored_eviction_hooks<select::tov
     s.budget.validate(where);
     detail::require(s.compact_every >= 1, where, "compact_every", s.compact_every, ">= 1");
   }
-  /// The positions to evict now: the lowest-scored live sealed tokens that a step has read, as
-  /// many as the stored tokens exceed the budget (fewer when there are not that many).
-  static std::vector<std::int64_t> evictions(const select::tova& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::tova& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
-    return detail::lowest_scored(state.scores, live.evictable(std::min(open_from, state.scores.scored_tokens)),
-                                 live.stored - keep);
+    if (stored <= keep) return {};
+    return {stored - keep, std::min(open_from, state.scores.scored_tokens)};
   }
 };
 
@@ -4073,16 +4119,14 @@ struct selector_traits<select::h2o> : detail::scored_eviction_hooks<select::h2o,
   static std::int64_t recent_tokens(const select::h2o& s, std::int64_t keep) noexcept {
     return static_cast<std::int64_t>(std::floor(s.recent_share * static_cast<double>(keep)));
   }
-  /// The positions to evict now: of the live sealed tokens before the recent window that a step
-  /// has read, the lowest-scored, as many as the stored tokens exceed the budget (fewer when there
-  /// are not that many candidates).
-  static std::vector<std::int64_t> evictions(const select::h2o& s, sequence_state& state, std::int64_t length,
-                                             std::int64_t open_from, const eviction_view& live) {
+  /// After a write that leaves `stored` live tokens: as many of the lowest-scored live sealed
+  /// tokens before the recent window that a step has read as the stored tokens exceed the budget.
+  static score_eviction eviction_quota(const select::h2o& s, const sequence_state& state, std::int64_t length,
+                                       std::int64_t open_from, std::int64_t stored) {
     const std::int64_t keep = s.budget.resolve(length);
-    if (live.stored <= keep) return {};
+    if (stored <= keep) return {};
     const std::int64_t recent_from = length - recent_tokens(s, keep);
-    const std::int64_t before = std::min({open_from, recent_from, state.scores.scored_tokens});
-    return detail::lowest_scored(state.scores, live.evictable(before), live.stored - keep);
+    return {stored - keep, std::min({open_from, recent_from, state.scores.scored_tokens})};
   }
 };
 
@@ -5904,6 +5948,7 @@ fidelity compare(const T* got, const double* exact, std::size_t count) {
 /// What a new part must provide: see format/format_traits.hpp, select/selector_traits.hpp and
 /// compact/compactor_traits.hpp; docs/architecture.md walks through adding one.
 
+#include <bitset>
 
 
 namespace kvmosaic {
@@ -6226,7 +6271,7 @@ class cache
     s.stored += rows;
     s.seen += rows;
     traits::commit(s.selector_state, staged);
-    after_write(seq, rows);
+    after_write(span<const sequence_id>(&seq, 1), rows);
   }
 
  public:
@@ -6306,7 +6351,7 @@ class cache
       ++s.seen;
       traits::commit(s.selector_state, staged[static_cast<std::size_t>(b)]);
     }
-    for (std::int64_t b = 0; b < seqs.size(); ++b) after_write(seqs(b), 1);
+    after_write(seqs, 1);
   }
 
  public:
@@ -6334,13 +6379,14 @@ class cache
     std::vector<detail::sequence_ref> batch;
     batch.reserve(static_cast<std::size_t>(seqs.size()));
     for (std::int64_t b = 0; b < seqs.size(); ++b) {
-      const sequence_state& s = live(seqs(b), where);
+      sequence_state& s = live(seqs(b), where);
       detail::require(s.stored >= 1, where, "seqs (an empty sequence)", seqs(b),
                       "sequences holding at least one token");
       const std::uint64_t* live_rows = nullptr;
       if constexpr (evicts_tokens) live_rows = s.slots.dead > 0 ? s.slots.live.data() : nullptr;
       batch.push_back(detail::sequence_ref{&s.pages, s.stored, slot_of(seqs(b)), live_rows});
       if constexpr (records_scores) {  // the step writes each read token's score, by logical position
+        if constexpr (rows_on_device) upload_positions(s, slot_of(seqs(b)));
         detail::sequence_ref& ref = batch.back();
         ref.scores = selector_traits<Selector>::scores(state_of(seqs(b)).selector_state).values.data();
         ref.positions = s.slots.position.data();
@@ -6378,9 +6424,8 @@ class cache
   /// to float first, one small kernel); `lse` (optional, [batch][num_q_heads] float) receives
   /// each head's log-sum-exp of its scaled logits (natural log), so an engine can merge this
   /// attention with attention over other tokens computed elsewhere (cascade, chunked prefill).
-  /// A selector that reads token scores (select::tova, select::h2o) on backend::cuda: the step's
-  /// scores are copied to the host and filed by position before this returns (it waits for the
-  /// step; capture the engine's `run` instead to put the kernels in a graph).
+  /// A selector that reads token scores (select::tova, select::h2o): the step also writes them
+  /// (on backend::cuda into the selector's device buffers, without waiting for the step).
   template <class Q, class O>
   void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
     static_assert(detail::is_io_type<std::remove_const_t<Q>>::value && detail::is_io_type<O>::value,
@@ -6407,7 +6452,6 @@ class cache
     using query_type = std::remove_const_t<Q>;
     engine_.run(tensor_view<const query_type, 3>(q), out, lse);
     if constexpr (records_scores) {
-      if constexpr (!engine_type::scores_by_position) absorb_device_scores();
       for (const sequence_id seq : planned_) {
         sequence_state& s = state_of(seq);
         selector_traits<Selector>::scores(s.selector_state).scored_tokens = s.seen;
@@ -6532,20 +6576,79 @@ class cache
     s.pages.swap(pages);
     s.slots = std::move(next);
     s.stored -= static_cast<std::int64_t>(empty.size()) * page;
+    if (!sorted.empty()) s.device_positions = std::min(s.device_positions, sorted.front());
+    if (!empty.empty()) s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(empty.front()) * page);
   }
 
-  /// After a write of `written` tokens to `seq` (committed): a keep-less selector's evictions, then
-  /// its compaction cadence. Runs after the write's commit: a failure here (an allocation) leaves
-  /// the written tokens stored and the evictions to the next write.
-  void after_write(sequence_id seq, std::int64_t written) {
+  /// Evicts sealed `slots` of `seq` (ascending, distinct, live, past the sinks: a device ranking's
+  /// choice, which the device mirror already marks). Cost: O(slots given) on the host, plus
+  /// O(sealed slots) when a page empties (the position map drops it, as `evict` does).
+  void evict_slots(sequence_id seq, const std::vector<std::int64_t>& slots) {
+    sequence_state& s = state_of(seq);
+    const int page = config_.page_size;
+    const int words = detail::slot_positions::words(page);
+    // Pages left with no live row, found before anything changes: a page empties when every live
+    // row it has is among `slots` (ascending, so a page's slots are adjacent).
+    std::vector<std::int32_t> empty;
+    for (std::size_t i = 0; i < slots.size();) {
+      const std::int64_t p = slots[i] / page;
+      std::size_t j = i;
+      while (j < slots.size() && slots[j] / page == p) ++j;
+      int live = 0;
+      for (int w = 0; w < words; ++w) live += static_cast<int>(std::bitset<64>(s.slots.live[static_cast<std::size_t>(p * words + w)]).count());
+      if (live == static_cast<int>(j - i)) empty.push_back(static_cast<std::int32_t>(p));
+      i = j;
+    }
+    if (!empty.empty()) {  // rare: the general path (it copies the map before changing it)
+      std::vector<std::int64_t> positions;
+      positions.reserve(slots.size());
+      for (const std::int64_t slot : slots) positions.push_back(s.slots.position[static_cast<std::size_t>(slot)]);
+      evict_positions(seq, span<const std::int64_t>(positions.data(), static_cast<std::int64_t>(positions.size())), false);
+      return;
+    }
+    for (const std::int64_t slot : slots) s.slots.evict(slot, page);  // cannot throw
+  }
+
+  /// After a write of `written` tokens to each of `seqs` (committed): a keep-less selector's
+  /// evictions, then its compaction cadence. Runs after the write's commit: a failure here (an
+  /// allocation) leaves the written tokens stored and the evictions to the next write. A selector
+  /// that reads token scores on backend::cuda ranks the whole batch's evictions in one pass on the
+  /// device (`selection().lowest_scored`), where the scores are; the others rank on the host.
+  void after_write(span<const sequence_id> seqs, std::int64_t written) {
     if constexpr (selector_traits<Selector>::evicts) {
-      sequence_state& s = state_of(seq);
-      const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
-                               static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
-      const std::vector<std::int64_t> dead =
-          selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
-      if (!dead.empty()) evict_positions(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
-      if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seq);
+      if constexpr (records_scores && rows_on_device) {
+        using stage = typename engine_type::selection_type;
+        std::vector<typename stage::ranking> rankings;
+        std::vector<sequence_id> ranked;
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+                                                                                 s.seen - tail_rows(s), s.stored - s.slots.dead);
+          if (quota.count <= 0) continue;
+          upload_positions(s, slot_of(seqs(b)));
+          rankings.push_back({slot_of(seqs(b)), static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_),
+                              quota.before, quota.count});
+          ranked.push_back(seqs(b));
+        }
+        const std::vector<std::vector<std::int64_t>> chosen =
+            rankings.empty() ? std::vector<std::vector<std::int64_t>>{} : engine_.selection().lowest_scored(rankings, engine_.stream());
+        for (std::int64_t b = 0, i = 0; b < seqs.size(); ++b) {  // each sequence evicts, then compacts, in batch order
+          if (i < static_cast<std::int64_t>(ranked.size()) && ranked[static_cast<std::size_t>(i)] == seqs(b))
+            evict_slots(seqs(b), chosen[static_cast<std::size_t>(i++)]);
+          if (selector_traits<Selector>::compaction_due(selector_, state_of(seqs(b)).selector_state, written)) compact(seqs(b));
+        }
+      } else {
+        for (std::int64_t b = 0; b < seqs.size(); ++b) {
+          sequence_state& s = state_of(seqs(b));
+          const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
+                                   static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
+          const std::vector<std::int64_t> dead =
+              selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+          if (!dead.empty())
+            evict_positions(seqs(b), span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
+          if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seqs(b));
+        }
+      }
     }
   }
 
@@ -6598,6 +6701,8 @@ class cache
         count = static_cast<std::uint8_t>(std::min(count + 1, 255));
       }
     engine_.move_slots(slot_of(seq), s.pages, plan, !s.pages.empty() && frozen == 0 && sink_rows(format_) > 0);
+    for (const detail::slot_move& m : plan.moves) s.device_positions = std::min({s.device_positions, m.from, m.to});
+    s.device_positions = std::min(s.device_positions, static_cast<std::int64_t>(plan.positions.size()));
     // Commit (cannot throw): emptied pages go back to the pool.
     for (std::size_t i = static_cast<std::size_t>(plan.pages_kept); i < s.pages.size(); ++i) pool_.release(s.pages[i]);
     s.pages.resize(static_cast<std::size_t>(plan.pages_kept));
@@ -6799,6 +6904,19 @@ class cache
     }
   }
 
+  /// A selector that reads token scores (select::tova, select::h2o): the scores of `seq`,
+  /// [position][num_kv_heads] for every position it has held (select/token_scores.hpp; evicted
+  /// positions keep their last value). On backend::cuda they are copied from the device (this
+  /// waits for the engine's stream). Cost: 4 bytes per position and KV head.
+  std::vector<float> token_scores(sequence_id seq) const {
+    static_assert(records_scores, "kvmosaic::cache::token_scores: this cache's selector reads no token scores "
+                                  "(select::tova and select::h2o do)");
+    const sequence_state& s = live(seq, "cache::token_scores");
+    const detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
+    if constexpr (rows_on_device) return engine_.selection().scores(slot_of(seq), buffer.tokens(), engine_.stream());
+    else return buffer.values;
+  }
+
   /// The page ids of a sequence's full pages, in order.
   const block_table& pages(sequence_id seq) const { return live(seq, "cache::pages").pages; }
 
@@ -6838,6 +6956,9 @@ class cache
     selection_stats last_selection;
     /// The previous selected step's ranges per KV head (for reuse).
     std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> selected;
+    /// Sealed slots whose positions the device mirror holds as `slots.position` does (backend::cuda
+    /// with a selector that reads token scores: its stage's `upload_positions`).
+    std::int64_t device_positions = 0;
   };
 
   /// Bytes of one pool page, with the key bounds a selector keeps per page.
@@ -6866,30 +6987,14 @@ class cache
   /// The selector reads the attend path's token scores (select::tova, select::h2o).
   static constexpr bool records_scores = detail::token_scores_of<Selector>::value != score_use::none;
 
-  /// A step's token scores computed on the device (backend::cuda), per row of each sequence's
-  /// read order, into the selector's buffers by logical position: written (score_use::last_step)
-  /// or added (cumulative). Rows of evicted tokens, and page rows attended from their exact copies
-  /// (sinks, recent window), carry no score. Waits for the step: the eviction that follows reads
-  /// the scores on the host. Cost: one copy of 4 bytes per row and KV head, O(rows x KV heads) here.
-  void absorb_device_scores() {
-    engine_.download_token_scores();
-    const auto rows = engine_.token_scores();
-    const int heads = config_.num_kv_heads;
-    const bool cumulative = detail::token_scores_of<Selector>::value == score_use::cumulative;
-    for (std::size_t b = 0; b < planned_.size(); ++b) {
-      sequence_state& s = state_of(planned_[b]);
-      detail::token_score_buffer& buffer = selector_traits<Selector>::scores(s.selector_state);
-      const std::vector<std::int64_t> positions = read_order_positions(s);
-      for (std::size_t r = 0; r < positions.size(); ++r) {
-        if (positions[r] < 0) continue;
-        for (int h = 0; h < heads; ++h) {
-          const float value = rows.data[(b * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) *
-                                            static_cast<std::size_t>(rows.row_stride) + r];
-          float& score = buffer.values[static_cast<std::size_t>(positions[r]) * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)];
-          score = cumulative ? score + value : value;
-        }
-      }
-    }
+  /// Brings the device mirror of `s`'s position map up to date (backend::cuda, a selector that
+  /// reads token scores): the slots from the first one changed since the last upload. Cost: 8
+  /// bytes per slot copied; a decode step copies only what sealing and evictions changed.
+  void upload_positions(sequence_state& s, std::int32_t slot) {
+    const auto slots = static_cast<std::int64_t>(s.slots.position.size());
+    if (s.device_positions < slots)
+      engine_.selection().upload_positions(slot, s.slots.position.data(), s.device_positions, slots, engine_.stream());
+    s.device_positions = slots;
   }
 
   /// The logical position of each row of a sequence's read order on backend::cuda (its sealed
