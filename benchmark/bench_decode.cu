@@ -334,6 +334,33 @@ void decode(benchmark::State& state) {
   state.counters["head_dim"] = c.head_dim;
 }
 
+/// The shape of record (8 KV heads, groups of 4, head_dim 128, pages of 64, bf16) for `sequences`
+/// sequences of `context` tokens, with `spare_pages` pages more each.
+cache_config record_shape(int sequences, int context, int spare_pages) {
+  cache_config c;
+  c.num_kv_heads = 8;
+  c.group_size = 4;
+  c.head_dim = 128;
+  c.page_size = 64;
+  c.storage = dtype::bf16;
+  c.max_sequences = sequences;
+  c.max_pages = sequences * (context / c.page_size + spare_pages);
+  return c;
+}
+
+/// Prefills `seq` with `context` tokens in chunks of `chunk` rows from `rows` (K rows, then V rows
+/// chunk x row further): the values repeat per chunk, the pages they land in never do.
+template <class Cache>
+void prefill_repeated(Cache& kv, sequence_id seq, const bfloat16* rows, int chunk, int context) {
+  const cache_config& c = kv.config();
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  for (int done = 0; done < context; done += chunk) {
+    const int n = std::min(chunk, context - done);
+    kv.prefill(seq, tensor_view<const bfloat16, 3>(rows, n, c.num_kv_heads, c.head_dim),
+               tensor_view<const bfloat16, 3>(rows + chunk * row, n, c.num_kv_heads, c.head_dim));
+  }
+}
+
 /// select::snapkv's scoring on the device: `cache::window_votes` over one format::dense sequence
 /// of `context` tokens (Hkv=8, head_dim 128, groups of 4, bf16, pages of 64) and a window of
 /// `window` queries: the host staging, ceil(window / 8) decode steps of up to 8 copies of the
@@ -343,14 +370,7 @@ void decode(benchmark::State& state) {
 /// the sequence's K and V read once per window query.
 void window_votes(benchmark::State& state) {
   const int context = static_cast<int>(state.range(0)), window = static_cast<int>(state.range(1));
-  cache_config c;
-  c.num_kv_heads = 8;
-  c.group_size = 4;
-  c.head_dim = 128;
-  c.page_size = 64;
-  c.storage = dtype::bf16;
-  c.max_sequences = 1;
-  c.max_pages = context / c.page_size + 1;
+  const cache_config c = record_shape(1, context, 1);
   select::snapkv snap;
   snap.window = window;
   cuda_cache<format::dense, select::snapkv> kv(c, format::dense{}, snap);
@@ -360,12 +380,7 @@ void window_votes(benchmark::State& state) {
   kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
   fill_kernel<<<1024, 256>>>(source.as<bfloat16>(), 2 * chunk * row, 7u);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
-  for (int done = 0; done < context; done += chunk) {
-    const int n = std::min(chunk, context - done);
-    const bfloat16* k = source.as<const bfloat16>();
-    kv.prefill(seq, tensor_view<const bfloat16, 3>(k, n, c.num_kv_heads, c.head_dim),
-               tensor_view<const bfloat16, 3>(k + chunk * row, n, c.num_kv_heads, c.head_dim));
-  }
+  prefill_repeated(kv, seq, source.as<const bfloat16>(), chunk, context);
   std::vector<float> queries(static_cast<std::size_t>(window) * c.num_q_heads() * c.head_dim);
   for (std::size_t i = 0; i < queries.size(); ++i) queries[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.0f - 1.0f;
   const tensor_view<const float, 3> q(queries.data(), window, c.num_q_heads(), c.head_dim);
@@ -399,14 +414,7 @@ void window_votes(benchmark::State& state) {
 template <class Selector>
 void decode_append_step(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
-  cache_config c;
-  c.num_kv_heads = 8;
-  c.group_size = 4;
-  c.head_dim = 128;
-  c.page_size = 64;
-  c.storage = dtype::bf16;
-  c.max_sequences = batch;
-  c.max_pages = batch * (context / c.page_size + 4);
+  const cache_config c = record_shape(batch, context, 4);
   Selector selector{};
   if constexpr (selector_traits<Selector>::evicts) {
     selector.budget.tokens = context;
@@ -422,11 +430,7 @@ void decode_append_step(benchmark::State& state) {
   std::vector<sequence_id> seqs;
   for (int b = 0; b < batch; ++b) {
     seqs.push_back(kv.add_sequence());
-    for (int done = 0; done < context; done += chunk) {
-      const int n = std::min(chunk, context - done);
-      kv.prefill(seqs.back(), tensor_view<const bfloat16, 3>(rows, n, c.num_kv_heads, c.head_dim),
-                 tensor_view<const bfloat16, 3>(rows + chunk * row, n, c.num_kv_heads, c.head_dim));
-    }
+    prefill_repeated(kv, seqs.back(), rows, chunk, context);
   }
   const std::size_t q_count = static_cast<std::size_t>(batch) * c.num_q_heads() * c.head_dim;
   kvmosaic::cuda::device_buffer q(q_count * sizeof(float)), out(q_count * sizeof(float));
