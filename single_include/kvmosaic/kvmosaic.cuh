@@ -6610,6 +6610,8 @@ class cache
       i = j;
     }
     if (!empty.empty()) {  // rare: the general path (it copies the map before changing it)
+      // The mirror already marks these slots: re-uploaded from the first of them if that path throws.
+      s.device_positions = std::min(s.device_positions, slots.front());
       std::vector<std::int64_t> positions;
       positions.reserve(slots.size());
       for (const std::int64_t slot : slots) positions.push_back(s.slots.position[static_cast<std::size_t>(slot)]);
