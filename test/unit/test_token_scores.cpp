@@ -178,6 +178,8 @@ void check_step_scores(const Format& format, int page_size) {
   const detail::token_score_buffer after_first = kv.selector_state(seq).scores;
   REQUIRE(after_first.tokens() == 100);
   REQUIRE(after_first.scored_tokens == 100);
+  CHECK(kv.token_scores(seq) == after_first.values);  // the public copy, [position][KV head]
+  CHECK(kv.selector_state(seq).scores.values.size() == 100u * static_cast<std::size_t>(c.num_kv_heads));
   for (std::int64_t p = 0; p < 100; ++p)
     for (int h = 0; h < c.num_kv_heads; ++h) {
       const std::size_t at = static_cast<std::size_t>(p) * c.num_kv_heads + static_cast<std::size_t>(h);
