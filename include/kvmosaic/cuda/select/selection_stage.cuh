@@ -41,8 +41,11 @@
 /// gets the live rows of every (sequence, block-table entry) first (`use_live_masks`); a stage
 /// that selects writes row masks then, each ANDed with its page's live rows. `plan` fills `read_pages[b]`,
 /// the pages sequence b's splits cover (`planned_pages`): every sealed page, or fewer when the
-/// selection is known to read fewer whole pages. docs/architecture.md ("Adding a selector") lists
-/// the files a new selector writes.
+/// selection is known to read fewer whole pages. A selector that reads token scores
+/// (`selector_traits::token_scores`) keeps them in its stage: the engine's score kernel writes
+/// them through `score_table()` (per sequence slot, its scores and slot positions:
+/// `cuda::scored_selection_stage`, cuda/select/scored_eviction.cuh, is the one implementation).
+/// docs/architecture.md ("Adding a selector") lists the files a new selector writes.
 
 #include <cuda_runtime.h>
 
