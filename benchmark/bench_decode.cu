@@ -410,8 +410,11 @@ void window_votes(benchmark::State& state) {
 /// of the stream's work, after an L2 flush. Batch x context; an evicting selector keeps a budget
 /// of the context in tokens, so every append over it evicts one token per sequence (its ranking,
 /// the copy back of the chosen slot, the host's position map), and compacts beyond the timed steps
-/// (compaction is timed apart). `select::all`: the same step without scores or eviction, same run.
-template <class Selector>
+/// (compaction is timed apart). `select::all`: the same step without scores or eviction, same run;
+/// with `Masked`, the same after the caller evicted 40 tokens of each sequence (`cache::evict`,
+/// no compaction): what reading around evicted rows costs (the live-row masks every step stages
+/// and the split kernels apply), apart from any selector.
+template <class Selector, bool Masked = false>
 void decode_append_step(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
   const cache_config c = record_shape(batch, context, 4);
@@ -420,7 +423,8 @@ void decode_append_step(benchmark::State& state) {
     selector.budget.tokens = context;
     selector.compact_every = 1 << 30;
   }
-  cuda_cache<format::dense, Selector> kv(c, format::dense{}, selector);
+  using compactor = std::conditional_t<Masked || selector_traits<Selector>::evicts, compact::hole_fill, compact::none>;
+  cache<format::dense, Selector, compactor, backend_for<format::dense, Selector>> kv(c, format::dense{}, selector);
   const int chunk = std::min(context, 16384);
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
   kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
@@ -431,6 +435,11 @@ void decode_append_step(benchmark::State& state) {
   for (int b = 0; b < batch; ++b) {
     seqs.push_back(kv.add_sequence());
     prefill_repeated(kv, seqs.back(), rows, chunk, context);
+    if constexpr (Masked) {  // 40 tokens spread over the context, as 40 steps of TOVA would leave
+      std::vector<std::int64_t> evicted;
+      for (int i = 0; i < 40; ++i) evicted.push_back(64 + static_cast<std::int64_t>(i) * (context / 41));
+      kv.evict(seqs.back(), span<const std::int64_t>(evicted.data(), static_cast<std::int64_t>(evicted.size())));
+    }
   }
   const std::size_t q_count = static_cast<std::size_t>(batch) * c.num_q_heads() * c.head_dim;
   kvmosaic::cuda::device_buffer q(q_count * sizeof(float)), out(q_count * sizeof(float));
@@ -693,9 +702,16 @@ BENCHMARK(decode<format::quant2, select::tova>)
     ->Unit(benchmark::kMicrosecond);
 // Whole decode steps with the next token's append, on the host clock: TOVA and H2O at a budget of
 // the context (each append evicts a token per sequence, ranked on the device) against the same
-// step of select::all.
+// step of select::all, with and without 40 evicted rows per sequence to read around.
 BENCHMARK(decode_append_step<select::all>)
     ->Name("dense_decode_append_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode_append_step<select::all, true>)
+    ->Name("dense_masked_append_step")
     ->ArgNames({"batch", "context"})
     ->ArgsProduct({{1, 8}, {32768, 131072}})
     ->UseManualTime()
