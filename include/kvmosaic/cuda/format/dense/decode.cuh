@@ -312,19 +312,27 @@ __global__ void __launch_bounds__(128) decode_partial_tma_kernel(const __grid_co
   attend state;
   state.start();
   float* const split_logits = detail_decode::split_logits(p, w, head, range, Group);
+  // The warp's 16 rows of a stage that the step reads (row masks: evicted rows, a token-granular
+  // selection; all 16 without masks, with no load). Loaded a stage ahead, so the mask's global
+  // load is not on the path from the stage's copy to its fold.
+  const auto rows_read_of = [&](int stage) -> std::uint32_t {
+    const int row0 = stage * StageTokens + warp * 16;
+    return row0 < page_tokens ? detail_decode::sixteen_rows_read(
+                                    detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
+                                    row0 % page_size)
+                              : 0xffffu;
+  };
+  std::uint32_t next_rows_read = num_stages > 0 ? rows_read_of(0) : 0u;
   for (int stage = 0; stage < num_stages; ++stage) {
     const int buffer = stage % Stages;
     const int n = min(StageTokens, tokens - stage * StageTokens);
+    const std::uint32_t rows_read = next_rows_read;
+    if (stage + 1 < num_stages) next_rows_read = rows_read_of(stage + 1);
     detail::barrier_wait(&full[buffer], static_cast<std::uint32_t>((stage / Stages) & 1));
     // A warp whose 16 rows start past the stage's last token skips it: no box wrote those rows,
     // and stale shared memory could hold non-finite bits that p = 0 would not cancel (0 x NaN).
     // So does a warp none of whose rows a token-granular selection picked.
     const int row0 = stage * StageTokens + warp * 16;
-    const std::uint32_t rows_read =
-        row0 < page_tokens ? detail_decode::sixteen_rows_read(
-                                 detail_decode::page_rows_read(p, w.batch_index, head, range.begin + row0 / page_size),
-                                 row0 % page_size)
-                           : 0xffffu;
     const std::uint32_t covered = attend::rows_before(warp * 16, n);
     const std::uint32_t rows = rows_read & covered;
     float* const warp_logits =
