@@ -5098,8 +5098,6 @@ class engine {
   using segment_t = typename detail::segment_type<Format>::type;
   /// Every format's attend path writes the scores of the tokens it reads (`plan`'s score_settings).
   static constexpr bool records_token_scores = true;
-  /// The scores land in the sequences' buffers during `run` (`detail::sequence_ref::scores`).
-  static constexpr bool scores_by_position = true;
   /// No device: `cache::window_votes` scores the keys it reads back, in fp64.
   static constexpr bool computes_window_votes = false;
 
