@@ -323,13 +323,15 @@ __global__ void __launch_bounds__(Threads) rank_choose_kernel(const rank_params 
 }
 
 /// Enqueues a batch of rankings on `stream`: the keys, up to seven more digits, the choice. The
-/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request.
-inline void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
+/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request. A template so
+/// that only the translation units that rank compile the three kernels.
+template <int Threads = rank_threads>
+void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(requests));
-  rank_keys_kernel<><<<grid, rank_threads, 0, stream>>>(p);
+  rank_keys_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
   for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
-    rank_digit_kernel<><<<grid, rank_threads, 0, stream>>>(p, shift);
-  rank_choose_kernel<><<<grid, rank_threads, 0, stream>>>(p);
+    rank_digit_kernel<Threads><<<grid, Threads, 0, stream>>>(p, shift);
+  rank_choose_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
 }
 
 }  // namespace kvmosaic::cuda::kernel
