@@ -405,6 +405,18 @@ void window_votes(benchmark::State& state) {
   state.counters["window"] = window;
 }
 
+/// The policy a selector runs: itself, or S for select::per_kv_head<S> (each head runs S).
+template <class Selector>
+struct policy_of {
+  using type = Selector;
+  static Selector& get(Selector& s) { return s; }
+};
+template <class S>
+struct policy_of<select::per_kv_head<S>> {
+  using type = S;
+  static S& get(select::per_kv_head<S>& s) { return s.selector; }
+};
+
 /// A whole decode step of format::dense as an engine waits for it, host bookkeeping included:
 /// plan, run, then the append of the next token, timed on the host clock from the plan to the end
 /// of the stream's work, after an L2 flush. Batch x context; an evicting selector keeps a budget
@@ -418,13 +430,16 @@ template <class Selector, bool Masked = false>
 void decode_append_step(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
   const cache_config c = record_shape(batch, context, 4);
+  constexpr bool per_head = detail::is_per_kv_head<Selector>::value;  // select::per_kv_head<Policy>
+  using Policy = typename policy_of<Selector>::type;
   Selector selector{};
-  if constexpr (selector_traits<Selector>::evicts) {
-    selector.budget.tokens = context;
-    selector.compact_every = 1 << 30;
+  if constexpr (selector_traits<Policy>::evicts) {
+    Policy& policy = policy_of<Selector>::get(selector);
+    policy.budget.tokens = context;
+    policy.compact_every = 1 << 30;
   }
-  using compactor = std::conditional_t<Masked || selector_traits<Selector>::evicts, compact::hole_fill, compact::none>;
-  cache<format::dense, Selector, compactor, backend_for<format::dense, Selector>> kv(c, format::dense{}, selector);
+  using compactor = std::conditional_t<Masked || selector_traits<Policy>::evicts, compact::hole_fill, compact::none>;
+  cache<format::dense, Selector, compactor, backend_for<format::dense, Policy>> kv(c, format::dense{}, selector);
   const int chunk = std::min(context, 16384);
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
   kvmosaic::cuda::device_buffer source(2 * chunk * row * sizeof(bfloat16));
@@ -474,8 +489,10 @@ void decode_append_step(benchmark::State& state) {
   for (const sequence_id seq : seqs) bytes += static_cast<double>(kv.sequence_memory(seq).stored_bytes);
   report(state, times, bytes);
   state.counters["length"] = static_cast<double>(kv.length(seqs[0]));
-  if constexpr (selector_traits<Selector>::evicts) {  // live sealed tokens of the first sequence
-    const std::vector<std::int64_t> positions = kv.positions(seqs[0]);
+  if constexpr (selector_traits<Policy>::evicts) {  // live sealed tokens of the first sequence (its head 0)
+    std::vector<std::int64_t> positions;
+    if constexpr (per_head) positions = kv.positions(seqs[0], 0);
+    else positions = kv.positions(seqs[0]);
     state.counters["live_sealed"] = static_cast<double>(std::count_if(positions.begin(), positions.end(), [](std::int64_t p) { return p >= 0; }));
   }
 }
@@ -726,6 +743,22 @@ BENCHMARK(decode_append_step<select::tova>)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(decode_append_step<select::h2o>)
     ->Name("dense_h2o_evict_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{8}, {131072}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+// The same TOVA step with one decision per KV head (select::per_kv_head): each head's tokens are
+// a one-head sequence of their own, batch x 8 of them per step.
+BENCHMARK(decode_append_step<select::per_kv_head<select::tova>>)
+    ->Name("dense_tova_per_head_evict_step")
+    ->ArgNames({"batch", "context"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode_append_step<select::per_kv_head<select::h2o>>)
+    ->Name("dense_h2o_per_head_evict_step")
     ->ArgNames({"batch", "context"})
     ->ArgsProduct({{8}, {131072}})
     ->UseManualTime()

@@ -45,6 +45,7 @@
 #include "kvmosaic/memory/block_table.hpp"
 #include "kvmosaic/memory/page_pool.hpp"
 #include "kvmosaic/select/all.hpp"
+#include "kvmosaic/select/per_kv_head.hpp"
 #include "kvmosaic/select/selection_request.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
 
@@ -177,6 +178,9 @@ class cache
   static_assert(is_backend_v<BackendArg>,
                 "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
                 "or kvmosaic::backend::cuda");
+  static_assert(!detail::is_per_kv_head<SelectorArg>::value,
+                "kvmosaic::cache: a cache of select::per_kv_head<S> is declared in kvmosaic/per_kv_head_cache.hpp "
+                "(kvmosaic/kvmosaic.hpp includes it)");
 
   // A policy in the wrong position fails its sentence above; the rest of the class then compiles
   // against a default of that kind, so that sentence is the only error a user reads.
@@ -267,6 +271,8 @@ class cache
     child.seen = parent.seen;
     child.slots = parent.slots;
     child.selector_state = parent.selector_state;
+    child.budget = parent.budget;
+    child.own_budget = parent.own_budget;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
       engine_.copy_tail(from, slot, tail_rows(parent));
@@ -582,6 +588,29 @@ class cache
     selector_.budget = budget;
   }
 
+  /// A keep-less selector's budget for `seq` alone from its next write (or snapshot) on, in place
+  /// of the selector's: engines give requests different budgets, and `select::per_kv_head` gives
+  /// each KV head its own. Tokens already evicted stay evicted; a smaller budget evicts at the next
+  /// write. Forks inherit it. Throws `invalid_argument` naming `budget.ratio` outside [0, 1], or
+  /// for a dead handle. Cost: O(1).
+  void set_budget(sequence_id seq, const select::token_budget& budget) {
+    static_assert(selector_traits<Selector>::evicts && detail::has_token_budget<Selector>::value,
+                  "kvmosaic::cache::set_budget(seq, budget): only a keep-less selector with a token budget (select::h2o, "
+                  "tova, snapkv, streaming) keeps one per sequence; a read-less one takes set_budget(budget)");
+    sequence_state& s = live(seq, "cache::set_budget");
+    budget.validate("cache::set_budget");
+    s.budget = budget;
+    s.own_budget = true;
+  }
+  /// The budget a keep-less selector applies to `seq`: its own (`set_budget(seq, budget)`), else
+  /// the selector's.
+  select::token_budget budget(sequence_id seq) const {
+    static_assert(selector_traits<Selector>::evicts && detail::has_token_budget<Selector>::value,
+                  "kvmosaic::cache::budget(seq): only a keep-less selector with a token budget keeps one per sequence");
+    const sequence_state& s = live(seq, "cache::budget");
+    return s.own_budget ? s.budget : selector_.budget;
+  }
+
   /// What the last step read for `seq` (read-less selectors; the sequence must have been in it).
   selection_stats selection(sequence_id seq) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
@@ -721,7 +750,7 @@ class cache
         std::vector<sequence_id> ranked;
         for (std::int64_t b = 0; b < seqs.size(); ++b) {
           sequence_state& s = state_of(seqs(b));
-          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_of(s), s.selector_state, s.seen,
                                                                                  s.seen - tail_rows(s), s.stored - s.slots.dead);
           if (quota.count <= 0) continue;
           upload_positions(s, slot_of(seqs(b)));
@@ -742,7 +771,7 @@ class cache
           const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
                                    static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
           const std::vector<std::int64_t> dead =
-              selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+              selector_traits<Selector>::evictions(selector_of(s), s.selector_state, s.seen, s.seen - tail_rows(s), view);
           if (!dead.empty())
             evict_positions(seqs(b), span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
           if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seqs(b));
@@ -1058,7 +1087,18 @@ class cache
     /// Sealed slots whose positions the device mirror holds as `slots.position` does (backend::cuda
     /// with a selector that reads token scores: its stage's `upload_positions`).
     std::int64_t device_positions = 0;
+    select::token_budget budget;  ///< a keep-less selector's budget for this sequence, when `own_budget`
+    bool own_budget = false;
   };
+
+  /// The selector as it applies to `s`: a copy of the cache's, with the sequence's own budget when
+  /// it has one. Cost: one copy of the selector (a few scalars) per write and sequence.
+  Selector selector_of(const sequence_state& s) const {
+    Selector copy = selector_;
+    if constexpr (detail::has_token_budget<Selector>::value)
+      if (s.own_budget) copy.budget = s.budget;
+    return copy;
+  }
 
   /// Bytes of one pool page, with the key bounds a selector keeps per page.
   std::int64_t page_bytes() const {

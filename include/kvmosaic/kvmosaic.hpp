@@ -30,6 +30,7 @@
 #include "kvmosaic/select/tova.hpp"
 #include "kvmosaic/select/h2o.hpp"
 #include "kvmosaic/select/snapkv.hpp"
+#include "kvmosaic/select/per_kv_head.hpp"
 
 #include "kvmosaic/compact/compactor_traits.hpp"
 #include "kvmosaic/compact/hole_fill.hpp"
@@ -43,4 +44,5 @@
 #include "kvmosaic/host/exact.hpp"
 
 #include "kvmosaic/cache.hpp"
+#include "kvmosaic/per_kv_head_cache.hpp"
 #include "kvmosaic/model_cache.hpp"

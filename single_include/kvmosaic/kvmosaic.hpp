@@ -3312,6 +3312,14 @@ struct keeps_token_ranges : std::false_type {};
 template <class Selector>
 struct keeps_token_ranges<Selector, std::void_t<decltype(selector_traits<Selector>::keeps_token_ranges)>>
     : std::bool_constant<selector_traits<Selector>::keeps_token_ranges> {};
+
+/// Whether `Selector` has a `budget` member of type `select::token_budget` (every selector of this
+/// library but select::all): what a per-sequence budget replaces.
+template <class Selector, class = void>
+struct has_token_budget : std::false_type {};
+template <class Selector>
+struct has_token_budget<Selector, std::void_t<decltype(std::declval<Selector&>().budget)>>
+    : std::is_same<std::remove_reference_t<decltype(std::declval<Selector&>().budget)>, select::token_budget> {};
 }  // namespace detail
 
 }  // namespace kvmosaic
@@ -4018,7 +4026,8 @@ namespace select {
 /// Keeps at most `budget` tokens: after each write that leaves more, the sealed tokens with the
 /// lowest score of the latest decode step (the attention probability each received, combined
 /// over the GQA group by `combine`, then summed over the KV heads: one decision for every head,
-/// as TOVA's layer-wise policy averages its heads) are evicted; every `compact_every` tokens
+/// as TOVA's layer-wise policy averages its heads; `select::per_kv_head<select::tova>` decides per
+/// head) are evicted; every `compact_every` tokens
 /// written the cache compacts the sequence. The dense tail and the format's sink tokens are never
 /// evicted and count in the budget; a token no step has read yet is not a candidate (a prefill is
 /// trimmed after its first decode step). Needs a compactor that frees memory.
@@ -4085,8 +4094,9 @@ namespace select {
 /// that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads, not one per head (a
-/// pool page holds every head of its tokens, so only a token every head drops frees memory:
-/// docs/architecture.md, "Per-KV-head eviction"); tokens leave in batches after a write, not one
+/// pool page holds every head of its tokens, so only a token every head drops frees memory);
+/// `select::per_kv_head<select::h2o>` decides per head, as the paper, in head pages of their own
+/// (docs/architecture.md, "Per-KV-head eviction"). Tokens leave in batches after a write, not one
 /// per step (the same set when each write is one token).
 ///
 /// What it computes: attention over the tokens kept; the attend path adds each read token's score
@@ -4163,7 +4173,7 @@ namespace select {
 /// compactor that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads instead of one per
-/// head; the group's query heads are combined by `combine` (sum by default) where the paper has
+/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's query heads are combined by `combine` (sum by default) where the paper has
 /// one query head per KV head; the budget counts the sinks and the tail.
 ///
 /// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
@@ -4282,7 +4292,7 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
         if (p >= first && p < before) candidates.push_back(p);
       }
       std::sort(candidates.begin(), candidates.end());
-      const std::int64_t keep = s.budget.resolve(length);
+      const std::int64_t keep = cache.budget(seq).resolve(length);  // the sequence's own, if it has one
       if (live <= keep) return 0;
       const std::vector<std::int64_t> dead = detail::lowest_ranked(
           candidates, live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });
@@ -4303,6 +4313,83 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/select/snapkv.hpp> ----
+
+// ---- begin <kvmosaic/select/per_kv_head.hpp> ----
+/// \file
+/// `select::per_kv_head<S>`: a keep-less selector run by each KV head on its own tokens, with a
+/// budget per head (H2O, TOVA and SnapKV as their papers score, one decision per head; Ada-KV's
+/// and PyramidKV's budgets that differ across heads), and memory freed per head. A cache of it is
+/// `cache<Format, select::per_kv_head<S>, Compactor, Backend>` (per_kv_head_cache.hpp), which
+/// stores each KV head of a sequence in pages of its own: docs/architecture.md, "Per-KV-head
+/// eviction".
+
+
+
+namespace kvmosaic {
+namespace select {
+
+/// Runs the keep-less selector `S` (select::h2o, tova, snapkv, streaming) on each KV head alone:
+/// head h keeps the tokens that S keeps when it sees head h's scores only, within `budgets[h]`
+/// (every head `selector.budget` when `budgets` is empty). The sinks and the dense tail are each
+/// head's, as a cache's are.
+///
+/// What it computes: for each KV head, attention over the tokens that head keeps. Cost: a head's
+/// tokens, scores and evictions cost what a one-head sequence's cost under S; a step plans
+/// num_kv_heads times as many (one-head) sequences, and block tables hold one entry per head page
+/// (4 bytes per head and page instead of per page). Kernels are those of S's cache, unchanged.
+template <class S>
+struct per_kv_head {
+  using policy_category = selector_tag;
+  using selector_type = S;
+
+  S selector{};                         ///< the policy each KV head runs, with its default budget
+  std::vector<token_budget> budgets{};  ///< per KV head, num_kv_heads of them; empty: selector.budget
+
+  /// Head `head`'s budget.
+  const token_budget& budget_of(int head) const noexcept {
+    return budgets.empty() ? selector.budget : budgets[static_cast<std::size_t>(head)];
+  }
+};
+
+}  // namespace select
+
+namespace detail {
+template <class S>
+struct is_per_kv_head : std::false_type {};
+template <class S>
+struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+}  // namespace detail
+
+/// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
+/// Its per-sequence hooks are S's, run by each head's one-head sequence (per_kv_head_cache.hpp).
+template <class S>
+struct per_kv_head_traits {
+  static_assert(selector_traits<S>::evicts && detail::has_token_budget<S>::value,
+                "kvmosaic::select::per_kv_head<S>: S must be a keep-less selector with a token budget "
+                "(select::h2o, select::tova, select::snapkv, select::streaming); read-less selectors "
+                "(select::quest, select::mean_keys) already choose per KV head at each step");
+  static std::string describe(const select::per_kv_head<S>& s) {
+    std::string text = std::string("per_kv_head(") + selector_traits<S>::describe(s.selector);
+    if (!s.budgets.empty()) {
+      text += ", budgets";
+      for (const select::token_budget& b : s.budgets) text += " " + b.describe() + ";";
+      text.pop_back();
+    }
+    return text + ")";
+  }
+  /// Throws `invalid_argument` naming `budgets` unless it is empty or has one budget per KV head,
+  /// each valid, or naming S's field that S's own checks reject.
+  static void validate(const select::per_kv_head<S>& s, int num_kv_heads, int page_size) {
+    const char* where = "select::per_kv_head";
+    selector_traits<S>::validate(s.selector, page_size);
+    detail::require(s.budgets.empty() || static_cast<int>(s.budgets.size()) == num_kv_heads, where, "budgets.size()",
+                    static_cast<std::int64_t>(s.budgets.size()), "0 (selector.budget for every head) or num_kv_heads");
+    for (const select::token_budget& b : s.budgets) b.validate(where);
+  }
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/select/per_kv_head.hpp> ----
 
 // ---- begin <kvmosaic/compact/compactor_traits.hpp> ----
 /// \file
@@ -6078,6 +6165,9 @@ class cache
   static_assert(is_backend_v<BackendArg>,
                 "kvmosaic::cache: the fourth template argument (Backend) must be kvmosaic::backend::host "
                 "or kvmosaic::backend::cuda");
+  static_assert(!detail::is_per_kv_head<SelectorArg>::value,
+                "kvmosaic::cache: a cache of select::per_kv_head<S> is declared in kvmosaic/per_kv_head_cache.hpp "
+                "(kvmosaic/kvmosaic.hpp includes it)");
 
   // A policy in the wrong position fails its sentence above; the rest of the class then compiles
   // against a default of that kind, so that sentence is the only error a user reads.
@@ -6168,6 +6258,8 @@ class cache
     child.seen = parent.seen;
     child.slots = parent.slots;
     child.selector_state = parent.selector_state;
+    child.budget = parent.budget;
+    child.own_budget = parent.own_budget;
     // The child's slot is not live until the end: a failed copy leaves nothing visible.
     write_then_commit({}, [&] {
       engine_.copy_tail(from, slot, tail_rows(parent));
@@ -6483,6 +6575,29 @@ class cache
     selector_.budget = budget;
   }
 
+  /// A keep-less selector's budget for `seq` alone from its next write (or snapshot) on, in place
+  /// of the selector's: engines give requests different budgets, and `select::per_kv_head` gives
+  /// each KV head its own. Tokens already evicted stay evicted; a smaller budget evicts at the next
+  /// write. Forks inherit it. Throws `invalid_argument` naming `budget.ratio` outside [0, 1], or
+  /// for a dead handle. Cost: O(1).
+  void set_budget(sequence_id seq, const select::token_budget& budget) {
+    static_assert(selector_traits<Selector>::evicts && detail::has_token_budget<Selector>::value,
+                  "kvmosaic::cache::set_budget(seq, budget): only a keep-less selector with a token budget (select::h2o, "
+                  "tova, snapkv, streaming) keeps one per sequence; a read-less one takes set_budget(budget)");
+    sequence_state& s = live(seq, "cache::set_budget");
+    budget.validate("cache::set_budget");
+    s.budget = budget;
+    s.own_budget = true;
+  }
+  /// The budget a keep-less selector applies to `seq`: its own (`set_budget(seq, budget)`), else
+  /// the selector's.
+  select::token_budget budget(sequence_id seq) const {
+    static_assert(selector_traits<Selector>::evicts && detail::has_token_budget<Selector>::value,
+                  "kvmosaic::cache::budget(seq): only a keep-less selector with a token budget keeps one per sequence");
+    const sequence_state& s = live(seq, "cache::budget");
+    return s.own_budget ? s.budget : selector_.budget;
+  }
+
   /// What the last step read for `seq` (read-less selectors; the sequence must have been in it).
   selection_stats selection(sequence_id seq) const {
     static_assert(!selector_traits<Selector>::reads_all_pages, "kvmosaic::cache::selection: select::all reads every token");
@@ -6622,7 +6737,7 @@ class cache
         std::vector<sequence_id> ranked;
         for (std::int64_t b = 0; b < seqs.size(); ++b) {
           sequence_state& s = state_of(seqs(b));
-          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_, s.selector_state, s.seen,
+          const score_eviction quota = selector_traits<Selector>::eviction_quota(selector_of(s), s.selector_state, s.seen,
                                                                                  s.seen - tail_rows(s), s.stored - s.slots.dead);
           if (quota.count <= 0) continue;
           upload_positions(s, slot_of(seqs(b)));
@@ -6643,7 +6758,7 @@ class cache
           const eviction_view view{s.stored - s.slots.dead, s.slots.position.data(),
                                    static_cast<std::int64_t>(s.slots.position.size()), sink_rows(format_)};
           const std::vector<std::int64_t> dead =
-              selector_traits<Selector>::evictions(selector_, s.selector_state, s.seen, s.seen - tail_rows(s), view);
+              selector_traits<Selector>::evictions(selector_of(s), s.selector_state, s.seen, s.seen - tail_rows(s), view);
           if (!dead.empty())
             evict_positions(seqs(b), span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())), true);
           if (selector_traits<Selector>::compaction_due(selector_, s.selector_state, written)) compact(seqs(b));
@@ -6959,7 +7074,18 @@ class cache
     /// Sealed slots whose positions the device mirror holds as `slots.position` does (backend::cuda
     /// with a selector that reads token scores: its stage's `upload_positions`).
     std::int64_t device_positions = 0;
+    select::token_budget budget;  ///< a keep-less selector's budget for this sequence, when `own_budget`
+    bool own_budget = false;
   };
+
+  /// The selector as it applies to `s`: a copy of the cache's, with the sequence's own budget when
+  /// it has one. Cost: one copy of the selector (a few scalars) per write and sequence.
+  Selector selector_of(const sequence_state& s) const {
+    Selector copy = selector_;
+    if constexpr (detail::has_token_budget<Selector>::value)
+      if (s.own_budget) copy.budget = s.budget;
+    return copy;
+  }
 
   /// Bytes of one pool page, with the key bounds a selector keeps per page.
   std::int64_t page_bytes() const {
@@ -7206,6 +7332,391 @@ class cache
 
 }  // namespace kvmosaic
 // ---- end <kvmosaic/cache.hpp> ----
+
+// ---- begin <kvmosaic/per_kv_head_cache.hpp> ----
+/// \file
+/// `cache<Format, select::per_kv_head<S>, Compactor, Backend>`: a cache whose KV heads keep
+/// different tokens, with different budgets, and free their memory on their own. Each (sequence,
+/// KV head) is a *lane*: a one-head sequence of an inner `cache<Format, S, Compactor, Backend>`
+/// with `num_kv_heads = 1`, so a pool page is one head's `[K page][V page]` of P tokens and each
+/// lane has its own block table, tail, scores, evictions and compactions. All lanes share the one
+/// pool. A decode step runs the inner cache's kernels, unchanged, over batch x num_kv_heads lanes:
+/// a [batch][num_q_heads][head_dim] query is the same memory as [batch x num_kv_heads][group]
+/// [head_dim] (docs/architecture.md, "Per-KV-head eviction").
+///
+/// Cost against a cache of S: the same bytes per token; per step, num_kv_heads times as many
+/// sequences to plan and stage (their block-table entries are as many in total: one per head page
+/// instead of one per all-heads page); per write, one eviction decision per lane, ranked together
+/// on backend::cuda. Memory: pool pages are head pages (`memory_stats::pages_used` and
+/// `pages_free` count them), num_kv_heads x `cache_config::max_pages` of them.
+
+
+
+namespace kvmosaic {
+
+namespace detail {
+
+/// `view`, [batch][heads x per][...] with dims 0 and 1 collapsible, as [batch x heads][per][...]:
+/// lane b x heads + h is head h's `per` entries of row b. Collapsible: one row, or
+/// stride(0) == heads x per x stride(1) (a contiguous tensor's). Throws `invalid_argument` naming
+/// `name` otherwise.
+template <class T, int Rank>
+tensor_view<T, Rank> rows_by_head(const tensor_view<T, Rank>& view, int heads, const char* where, const char* name) {
+  static_assert(Rank == 2 || Rank == 3, "kvmosaic::detail::rows_by_head: rank 2 or 3");
+  const std::int64_t per = view.extent(1) / heads;
+  detail::require(view.extent(0) <= 1 || view.stride(0) == view.extent(1) * view.stride(1), where, name,
+                  "strides whose first two dimensions do not collapse",
+                  "stride(0) == extent(1) x stride(1), as a contiguous tensor's (a per_kv_head cache reads each KV "
+                  "head's rows as a row of its own)");
+  std::int64_t extents[Rank], strides[Rank];
+  extents[0] = view.extent(0) * heads;
+  strides[0] = per * view.stride(1);
+  extents[1] = per;
+  strides[1] = view.stride(1);
+  if constexpr (Rank == 3) {
+    extents[2] = view.extent(2);
+    strides[2] = view.stride(2);
+  }
+  return tensor_view<T, Rank>::strided(view.data(), extents, strides);
+}
+
+/// Head `head` of `view`, [rows][heads][head_dim], as [rows][1][head_dim] (a strided view).
+template <class T>
+tensor_view<T, 3> one_head(const tensor_view<T, 3>& view, int head) {
+  const std::int64_t extents[3] = {view.extent(0), 1, view.extent(2)};
+  const std::int64_t strides[3] = {view.stride(0), view.stride(1), view.stride(2)};
+  return tensor_view<T, 3>::strided(view.data() + static_cast<std::ptrdiff_t>(head) * view.stride(1), extents, strides);
+}
+
+}  // namespace detail
+
+/// A cache of `select::per_kv_head<S>` (see the file comment). Its calls are the primary cache's,
+/// with a KV head named where the heads' tokens differ (`evict`, `positions`, `stored_tokens`,
+/// `read`, `token_scores`, `set_budget`); the rest take and return what the primary's do.
+template <class FormatArg, class S, class CompactorArg, class BackendArg>
+class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
+  using traits = per_kv_head_traits<S>;
+
+ public:
+  /// The inner cache: one one-head sequence per (sequence, KV head).
+  using lane_cache = cache<FormatArg, S, CompactorArg, BackendArg>;
+  using format_type = typename lane_cache::format_type;
+  using selector_type = select::per_kv_head<S>;
+  using compactor_type = typename lane_cache::compactor_type;
+  using backend_type = typename lane_cache::backend_type;
+  using engine_type = typename lane_cache::engine_type;
+
+  /// `config` as for any cache (its `max_pages` counts all-heads pages: the pool holds
+  /// num_kv_heads head pages for each). Throws `invalid_argument` naming the field at fault.
+  explicit cache(const cache_config& config, const format_type& format = {}, const selector_type& selector = {},
+                 const compactor_type& compactor = {})
+      : config_(checked(config, selector)),
+        selector_(selector),
+        lanes_(lane_config(config_), format, selector.selector, compactor),
+        heads_of_(static_cast<std::size_t>(lane_config(config_).max_sequences)) {}
+
+  const cache_config& config() const noexcept { return config_; }
+  const format_type& format() const noexcept { return lanes_.format(); }
+  const selector_type& selector() const noexcept { return selector_; }
+  const compactor_type& compactor() const noexcept { return lanes_.compactor(); }
+  const page_pool& pool() const noexcept { return lanes_.pool(); }
+  /// The engine of every lane (on backend::cuda, its stream orders every step).
+  const engine_type& engine() const noexcept { return lanes_.engine(); }
+  engine_type& engine() noexcept { return lanes_.engine(); }
+  /// The inner cache of one-head lanes (its sequences: `lanes(seq)`).
+  const lane_cache& lanes() const noexcept { return lanes_; }
+  lane_cache& lanes() noexcept { return lanes_; }
+  /// The lanes of `seq`, one per KV head in head order: handles of `lanes()`.
+  const std::vector<sequence_id>& lanes(sequence_id seq) const { return lanes_of(seq, "cache::lanes"); }
+
+  std::string describe() const {
+    return format_traits<format_type>::describe(format()) + "/" + traits::describe(selector_) + "/" +
+           compactor_traits<compactor_type>::describe(compactor()) + "/" + backend_type::name;
+  }
+
+  /// Starts an empty sequence: one lane per KV head, each with its head's budget. Throws
+  /// `capacity_error` when max_sequences are live; all or nothing.
+  sequence_id add_sequence() {
+    check_slots("cache::add_sequence");
+    std::vector<sequence_id> lanes;
+    lanes.reserve(static_cast<std::size_t>(config_.num_kv_heads));
+    try {
+      for (int h = 0; h < config_.num_kv_heads; ++h) {
+        lanes.push_back(lanes_.add_sequence());
+        lanes_.set_budget(lanes.back(), selector_.budget_of(h));
+      }
+    } catch (...) {
+      for (const sequence_id lane : lanes) lanes_.remove_sequence(lane);
+      throw;
+    }
+    return adopt(std::move(lanes));
+  }
+  /// Ends a sequence: every lane's pages go back to the pool (shared ones when their last holder ends).
+  void remove_sequence(sequence_id seq) {
+    std::vector<sequence_id> lanes = std::move(heads_of_[index_of(lanes_of(seq, "cache::remove_sequence"))]);
+    for (const sequence_id lane : lanes) lanes_.remove_sequence(lane);
+    --live_;
+  }
+  /// A new sequence sharing each lane's full pages (`cache::fork_sequence`, per lane); all or nothing.
+  sequence_id fork_sequence(sequence_id seq) {
+    const std::vector<sequence_id> parent = lanes_of(seq, "cache::fork_sequence");
+    check_slots("cache::fork_sequence");
+    std::vector<sequence_id> lanes;
+    lanes.reserve(parent.size());
+    try {
+      for (const sequence_id lane : parent) lanes.push_back(lanes_.fork_sequence(lane));
+    } catch (...) {
+      for (const sequence_id lane : lanes) lanes_.remove_sequence(lane);
+      throw;
+    }
+    return adopt(std::move(lanes));
+  }
+
+  /// `cache::prefill`: `k`, `v` [tokens][num_kv_heads][head_dim]; head h goes to lane h. All or
+  /// nothing: the pages every head needs are counted first (`capacity_error` when the pool lacks
+  /// them), and the first head checks the input for all.
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    const char* where = "cache::prefill";
+    const std::vector<sequence_id>& lanes = lanes_of(seq, where);
+    check_heads(where, "k", k.extent(1));
+    check_heads(where, "v", v.extent(1));
+    check_room(where, lanes, k.extent(0));
+    for (int h = 0; h < config_.num_kv_heads; ++h)
+      lanes_.prefill(lanes[static_cast<std::size_t>(h)], detail::one_head(k, h), detail::one_head(v, h));
+  }
+
+  /// `cache::append`: one token per sequence, `k`, `v` [batch][num_kv_heads][head_dim]; all or
+  /// nothing, as prefill. Every lane of the batch is written by one call of the inner cache (its
+  /// evictions ranked together), or, when k's or v's first two dimensions do not collapse, one call
+  /// per head.
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
+    const char* where = "cache::append";
+    check_heads(where, "k", k.extent(1));
+    check_heads(where, "v", v.extent(1));
+    const std::vector<sequence_id> lanes = batch_lanes(seqs, where);
+    check_room(where, lanes, 1);  // the fallback below writes head by head
+    const auto collapses = [](const tensor_view<const T, 3>& x) { return x.extent(0) <= 1 || x.stride(0) == x.extent(1) * x.stride(1); };
+    if (collapses(k) && collapses(v)) {
+      lanes_.append(span<const sequence_id>(lanes.data(), static_cast<std::int64_t>(lanes.size())),
+                    detail::rows_by_head(k, config_.num_kv_heads, where, "k"),
+                    detail::rows_by_head(v, config_.num_kv_heads, where, "v"));
+      return;
+    }
+    std::vector<sequence_id> of_head(static_cast<std::size_t>(seqs.size()));
+    for (int h = 0; h < config_.num_kv_heads; ++h) {
+      for (std::size_t b = 0; b < of_head.size(); ++b) of_head[b] = lanes[b * config_.num_kv_heads + h];
+      lanes_.append(span<const sequence_id>(of_head.data(), static_cast<std::int64_t>(of_head.size())), detail::one_head(k, h),
+                    detail::one_head(v, h));
+    }
+  }
+
+  /// `cache::plan` for `seqs`: plans their batch x num_kv_heads lanes.
+  void plan(span<const sequence_id> seqs, const attend_params& params = {}) {
+    planned_ = batch_lanes(seqs, "cache::plan");
+    lanes_.plan(span<const sequence_id>(planned_.data(), static_cast<std::int64_t>(planned_.size())), params);
+  }
+  /// `cache::run`: q, out [batch][num_q_heads][head_dim], lse [batch][num_q_heads] (optional), whose
+  /// first two dimensions collapse (a contiguous tensor's do), read as the lanes' [batch x
+  /// num_kv_heads][group][...]. Throws `invalid_argument` naming the view that does not.
+  template <class Q, class O>
+  void run(tensor_view<Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse = {}) {
+    const char* where = "cache::run";
+    const std::int64_t batch = static_cast<std::int64_t>(planned_.size()) / config_.num_kv_heads;
+    detail::require(q.extent(0) == batch, where, "q.extent(0) (batch)", q.extent(0), "the batch of the last plan");
+    detail::require(q.extent(1) == config_.num_q_heads(), where, "q.extent(1) (query heads)", q.extent(1),
+                    "num_kv_heads * group_size");
+    detail::require(out.extent(0) == q.extent(0) && out.extent(1) == q.extent(1) && out.extent(2) == q.extent(2), where,
+                    "out.extents", "mismatch", "the extents of q");
+    detail::require(lse.extent(0) == 0 || (lse.extent(0) == batch && lse.extent(1) == q.extent(1)), where, "lse.extents",
+                    "mismatch", "empty, or [batch][num_q_heads]");
+    const int heads = config_.num_kv_heads;
+    const tensor_view<float, 2> lane_lse =
+        lse.extent(0) == 0 ? tensor_view<float, 2>{} : detail::rows_by_head(lse, heads, where, "lse");
+    lanes_.run(detail::rows_by_head(q, heads, where, "q"), detail::rows_by_head(out, heads, where, "out"), lane_lse);
+  }
+  /// `plan` then `run`.
+  template <class Q, class O>
+  void attend(span<const sequence_id> seqs, tensor_view<Q, 3> q, tensor_view<O, 3> out, const attend_params& params = {}) {
+    plan(seqs, params);
+    run(q, out);
+  }
+  /// `cache::reserve_step` for batches of up to `batch` sequences (batch x num_kv_heads lanes).
+  void reserve_step(std::int32_t batch, std::int64_t max_tokens) {
+    detail::require(batch >= 1 && batch <= config_.max_sequences, "cache::reserve_step", "batch", batch,
+                    "1 to cache_config::max_sequences");
+    lanes_.reserve_step(batch * config_.num_kv_heads, max_tokens);
+  }
+
+  /// Head `head`'s budget for `seq` from its next write on (Ada-KV-style reallocation between
+  /// heads); `cache::set_budget(seq, budget)` of that lane.
+  void set_budget(sequence_id seq, int head, const select::token_budget& budget) {
+    lanes_.set_budget(lane(seq, head, "cache::set_budget"), budget);
+  }
+  /// Head `head`'s budget for `seq`.
+  select::token_budget budget(sequence_id seq, int head) const { return lanes_.budget(lane(seq, head, "cache::budget")); }
+
+  /// `cache::evict` of head `head` of `seq`: its tokens at `positions` leave that head only.
+  void evict(sequence_id seq, int head, span<const std::int64_t> positions) {
+    lanes_.evict(lane(seq, head, "cache::evict"), positions);
+  }
+  /// `cache::compact` of every lane of `seq`; the reports summed.
+  compaction_report compact(sequence_id seq) {
+    compaction_report total;
+    for (const sequence_id lane : lanes_of(seq, "cache::compact")) total += lanes_.compact(lane);
+    return total;
+  }
+  /// `compact(seq)` of every live sequence.
+  compaction_report compact() { return lanes_.compact(); }
+
+  /// `cache::positions` of head `head`: the logical position of each of its slots (-1 evicted).
+  std::vector<std::int64_t> positions(sequence_id seq, int head) const {
+    return lanes_.positions(lane(seq, head, "cache::positions"));
+  }
+  /// Tokens `seq` has been given (every head has been given the same).
+  std::int64_t length(sequence_id seq) const { return lanes_.length(lanes_of(seq, "cache::length").front()); }
+  /// Slots head `head` of `seq` holds (`cache::stored_tokens`).
+  std::int64_t stored_tokens(sequence_id seq, int head) const {
+    return lanes_.stored_tokens(lane(seq, head, "cache::stored_tokens"));
+  }
+  /// `cache::read` of head `head`: k, v [stored_tokens(seq, head)][1][head_dim].
+  template <class T>
+  void read(sequence_id seq, int head, tensor_view<T, 3> k, tensor_view<T, 3> v) const {
+    lanes_.read(lane(seq, head, "cache::read"), k, v);
+  }
+  /// `cache::token_scores` of head `head`: [position] for every position it has held.
+  std::vector<float> token_scores(sequence_id seq, int head) const {
+    return lanes_.token_scores(lane(seq, head, "cache::token_scores"));
+  }
+  /// select::snapkv: `cache::snapshot` of every head, each with its query heads' window queries
+  /// ([window][num_q_heads][head_dim], as the primary's) and its own budget. Returns the tokens
+  /// evicted, summed over the heads.
+  template <class Q>
+  std::int64_t snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f) {
+    const char* where = "cache::snapshot";
+    const std::vector<sequence_id> lanes = lanes_of(seq, where);
+    detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
+                    "num_kv_heads x group_size");
+    std::int64_t evicted = 0;
+    for (int h = 0; h < config_.num_kv_heads; ++h) {
+      const std::int64_t extents[3] = {queries.extent(0), config_.group_size, queries.extent(2)};
+      const std::int64_t strides[3] = {queries.stride(0), queries.stride(1), queries.stride(2)};
+      const auto group = tensor_view<const Q, 3>::strided(
+          queries.data() + static_cast<std::ptrdiff_t>(h) * config_.group_size * queries.stride(1), extents, strides);
+      evicted += lanes_.snapshot(lanes[static_cast<std::size_t>(h)], group, softmax_scale);
+    }
+    return evicted;
+  }
+
+  /// Memory of one sequence as if it were alone: its lanes' summed (pages are head pages).
+  memory_stats sequence_memory(sequence_id seq) const {
+    memory_stats total;
+    for (const sequence_id lane : lanes_of(seq, "cache::sequence_memory")) {
+      const memory_stats m = lanes_.sequence_memory(lane);
+      total.tokens += m.tokens;
+      total.stored_bytes += m.stored_bytes;
+      total.dense_bytes += m.dense_bytes;
+      total.pages_used = m.pages_used;
+      total.pages_free = m.pages_free;
+    }
+    total.tokens /= config_.num_kv_heads;  // a token is one row of each head: its heads' mean
+    return total;
+  }
+  /// Memory of the whole cache (`cache::memory` of the lanes; pages are head pages). `tokens` is
+  /// the mean over the heads of the tokens each stores.
+  memory_stats memory() const {
+    memory_stats m = lanes_.memory();
+    m.tokens /= config_.num_kv_heads;
+    return m;
+  }
+
+ private:
+  static const cache_config& checked(const cache_config& config, const selector_type& selector) {
+    config.validate();
+    traits::validate(selector, config.num_kv_heads, config.page_size);
+    const std::int64_t pages = static_cast<std::int64_t>(config.max_pages) * config.num_kv_heads;
+    const std::int64_t sequences = static_cast<std::int64_t>(config.max_sequences) * config.num_kv_heads;
+    detail::require(pages <= limits::max_pool_pages, "cache_config", "max_pages", config.max_pages,
+                    "at most limits::max_pool_pages / num_kv_heads (a per_kv_head cache's pool holds head pages)");
+    detail::require(sequences <= limits::max_sequences, "cache_config", "max_sequences", config.max_sequences,
+                    "at most limits::max_sequences / num_kv_heads (a per_kv_head cache has a lane per head)");
+    return config;
+  }
+  static cache_config lane_config(const cache_config& config) {
+    cache_config lane = config;
+    lane.num_kv_heads = 1;
+    lane.max_pages = config.max_pages * config.num_kv_heads;
+    lane.max_sequences = config.max_sequences * config.num_kv_heads;
+    return lane;
+  }
+
+  std::size_t index_of(const std::vector<sequence_id>& lanes) const { return static_cast<std::size_t>(lanes_.slot(lanes.front())); }
+  sequence_id adopt(std::vector<sequence_id>&& lanes) noexcept {
+    const sequence_id seq = lanes.front();
+    heads_of_[index_of(lanes)] = std::move(lanes);
+    ++live_;
+    return seq;
+  }
+  /// The lanes of a live sequence (its handle is its head-0 lane's), or `invalid_argument`.
+  const std::vector<sequence_id>& lanes_of(sequence_id seq, const char* where) const {
+    const auto slots = static_cast<std::int64_t>(heads_of_.size());
+    const std::vector<sequence_id>* lanes = seq >= 0 ? &heads_of_[static_cast<std::size_t>(seq % slots)] : nullptr;
+    detail::require(lanes != nullptr && !lanes->empty() && lanes->front() == seq, where, "seq", seq,
+                    "an id returned by add_sequence or fork_sequence and not removed");
+    return *lanes;
+  }
+  sequence_id lane(sequence_id seq, int head, const char* where) const {
+    const std::vector<sequence_id>& lanes = lanes_of(seq, where);
+    detail::require(head >= 0 && head < config_.num_kv_heads, where, "head", head, "0 to num_kv_heads - 1");
+    return lanes[static_cast<std::size_t>(head)];
+  }
+  /// The lanes of a batch, sequence-major: lane b x num_kv_heads + h is head h of seqs[b].
+  std::vector<sequence_id> batch_lanes(span<const sequence_id> seqs, const char* where) const {
+    std::vector<sequence_id> lanes;
+    lanes.reserve(static_cast<std::size_t>(seqs.size()) * static_cast<std::size_t>(config_.num_kv_heads));
+    for (std::int64_t b = 0; b < seqs.size(); ++b) {
+      const std::vector<sequence_id>& of = lanes_of(seqs(b), where);
+      lanes.insert(lanes.end(), of.begin(), of.end());
+    }
+    return lanes;
+  }
+  /// `capacity_error` when max_sequences are live.
+  void check_slots(const char* where) const {
+    if (live_ < config_.max_sequences) return;
+    throw capacity_error("max_sequences", std::string("kvmosaic: ") + where + ": all " + std::to_string(config_.max_sequences) +
+                                              " sequence slots are in use; allowed: at most cache_config::max_sequences "
+                                              "live sequences");
+  }
+  /// `capacity_error`, before anything changes, when writing `rows` more tokens to every lane of
+  /// `lanes` seals more head pages than the pool has free: lane by lane, (tail rows + rows) / P.
+  void check_room(const char* where, const std::vector<sequence_id>& lanes, std::int64_t rows) const {
+    const std::int64_t page = config_.page_size;
+    std::int64_t needed = 0;
+    for (const sequence_id l : lanes) {
+      const std::int64_t tail = lanes_.stored_tokens(l) - static_cast<std::int64_t>(lanes_.pages(l).size()) * page;
+      needed += (tail + std::max<std::int64_t>(rows, 0)) / page;
+    }
+    if (needed <= pool().free_pages()) return;
+    throw capacity_error("max_pages", std::string("kvmosaic: ") + where + ": the write seals " + std::to_string(needed) +
+                                          " head pages and the pool has " + std::to_string(pool().free_pages()) +
+                                          " free; allowed: writes within cache_config::max_pages x num_kv_heads head pages");
+  }
+  void check_heads(const char* where, const char* name, std::int64_t heads) const {
+    detail::require(heads == config_.num_kv_heads, where, name, heads, "num_kv_heads in dimension 1");
+  }
+
+  cache_config config_;
+  selector_type selector_;
+  lane_cache lanes_;
+  /// By the inner slot of each sequence's head-0 lane: its lanes in head order (empty elsewhere).
+  std::vector<std::vector<sequence_id>> heads_of_;
+  std::vector<sequence_id> planned_;  ///< the lanes of the last plan
+  std::int32_t live_ = 0;             ///< live sequences
+};
+
+}  // namespace kvmosaic
+// ---- end <kvmosaic/per_kv_head_cache.hpp> ----
 
 // ---- begin <kvmosaic/model_cache.hpp> ----
 /// \file

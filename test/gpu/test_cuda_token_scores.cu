@@ -134,6 +134,93 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
   return worst;
 }
 
+/// `check_score_twins` for a cache of `select::per_kv_head<Selector>`: twin caches, host and
+/// device, whose two KV heads keep `budgets` tokens each; after each step the heads' positions,
+/// scores and the outputs agree, and the heads kept different tokens. Returns the pool's head
+/// pages in use at the end (the same on both).
+template <class Format, class Selector>
+std::int32_t check_per_head_twins(const twin_settings<Format>& t, Selector selector, std::int64_t budget0, std::int64_t budget1,
+                                  int steps) {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = t.group;
+  c.head_dim = 64;
+  c.page_size = t.page_size;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  select::per_kv_head<Selector> s;
+  s.selector = selector;
+  s.selector.compact_every = t.compact_every;
+  s.budgets = {select::token_budget{0, budget0}, select::token_budget{0, budget1}};
+  cache<Format, select::per_kv_head<Selector>, compact::repack> host(c, t.format, s);
+  cache<Format, select::per_kv_head<Selector>, compact::repack, score_shapes> device(c, t.format, s);
+  if (t.portable) device.lanes().engine().use_portable_kernel();
+  const int hq = c.num_q_heads(), dim = c.head_dim;
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * dim;
+  const int lengths[2] = {5 * c.page_size + 13, 3 * c.page_size + 2};
+  std::vector<synthetic::kv_data> data;
+  std::vector<sequence_id> seqs;
+  for (int b = 0; b < 2; ++b) {
+    const int n = lengths[b];
+    data.push_back(synthetic::generate_kv(test::generator_for(c, 41 + static_cast<std::uint64_t>(b)), 0, n + steps));
+    device_array<float> k(data.back().k), v(data.back().v);
+    const sequence_id h = host.add_sequence(), d = device.add_sequence();
+    REQUIRE(h == d);
+    seqs.push_back(h);
+    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, dim),
+                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, dim));
+    device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, dim),
+                   tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, dim));
+  }
+  const span<const sequence_id> batch(seqs.data(), 2);
+  for (int step = 0; step < steps; ++step) {
+    if (step > 0) {
+      std::vector<float> next_k(2 * row), next_v(2 * row);
+      for (int b = 0; b < 2; ++b) {
+        const std::size_t at = static_cast<std::size_t>(lengths[b] + step) * row;
+        std::copy(data[b].k.begin() + at, data[b].k.begin() + at + row, next_k.begin() + b * row);
+        std::copy(data[b].v.begin() + at, data[b].v.begin() + at + row, next_v.begin() + b * row);
+      }
+      host.append(batch, tensor_view<const float, 3>(next_k.data(), 2, c.num_kv_heads, dim),
+                  tensor_view<const float, 3>(next_v.data(), 2, c.num_kv_heads, dim));
+      device_array<float> dk(next_k), dv(next_v);
+      device.append(batch, tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, dim),
+                    tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, dim));
+      for (const sequence_id seq : seqs)
+        for (int head = 0; head < 2; ++head) {
+          INFO("step " << step << ", sequence " << seq << ", head " << head);
+          REQUIRE(host.positions(seq, head) == device.positions(seq, head));
+          REQUIRE(host.stored_tokens(seq, head) == device.stored_tokens(seq, head));
+        }
+    }
+    std::vector<float> q = step_query(c, step), q1 = step_query(c, step + 100);
+    q.insert(q.end(), q1.begin(), q1.end());
+    std::vector<float> host_out(q.size());
+    host.attend(batch, tensor_view<const float, 3>(q.data(), 2, hq, dim), tensor_view<float, 3>(host_out.data(), 2, hq, dim));
+    device_array<float> dq(q), dout(q.size());
+    device.attend(batch, tensor_view<const float, 3>(dq.data(), 2, hq, dim), tensor_view<float, 3>(dout.data(), 2, hq, dim));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> gpu_out = dout.to_host(q.size());
+    double worst_out = 0;
+    for (std::size_t i = 0; i < q.size(); ++i)
+      worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
+    INFO("step " << step << ", largest |gpu - host| output " << worst_out);
+    if constexpr (!format::is_quant_v<Format>) CHECK(worst_out <= 2e-5);
+    for (const sequence_id seq : seqs)
+      for (int head = 0; head < 2; ++head) {
+        const std::vector<float> hs = host.token_scores(seq, head), ds = device.token_scores(seq, head);
+        REQUIRE(hs.size() == ds.size());
+        for (std::size_t i = 0; i < hs.size(); ++i) {
+          INFO("step " << step << ", sequence " << seq << ", head " << head << ", score " << i);
+          REQUIRE(std::abs(static_cast<double>(ds[i]) - hs[i]) <= 2e-4 * hs[i] + 1e-9);  // as check_score_twins
+        }
+      }
+  }
+  for (const sequence_id seq : seqs) CHECK(host.positions(seq, 0) != host.positions(seq, 1));
+  CHECK(host.pool().used_pages() == device.pool().used_pages());
+  return device.pool().used_pages();
+}
+
 }  // namespace
 
 TEST_CASE("GPU token scores: the host attend path's, on every kernel path", "[gpu][token_scores]") {
@@ -333,5 +420,34 @@ TEST_CASE("GPU eviction ranking: the host's lowest_ranked on the same scores", "
       for (std::size_t i = 0; i < after.size(); ++i) marked += after[i] != positions[i];
       CHECK(marked == static_cast<std::int64_t>(chosen.size()));
     }
+  }
+}
+
+TEST_CASE("GPU per-KV-head eviction: each head keeps the host's tokens within its own budget, and frees its pages",
+          "[gpu][token_scores][per_kv_head]") {
+  if (!gpu_available()) return;
+  for (const bool portable : {false, true}) {
+    INFO((portable ? "portable kernel" : "sm_90 kernel where there is one"));
+    twin_settings<> t;
+    t.portable = portable;
+    t.compact_every = 3;
+    const std::int32_t tova_pages = check_per_head_twins(t, select::tova{}, 24, 64, 10);
+    select::h2o h;
+    h.combine = group_combine::max;
+    const std::int32_t h2o_pages = check_per_head_twins(t, h, 24, 64, 10);
+    // Two sequences, each head at most its budget's pages plus a partial one: (24 + 64) / 16 + 2 per sequence.
+    CHECK(tova_pages <= 2 * ((24 + 64) / 16 + 2));
+    CHECK(h2o_pages <= 2 * ((24 + 64) / 16 + 2));
+  }
+  SECTION("bitmap_tiles") {
+    twin_settings<format::bitmap_tiles> t;
+    t.page_size = 64;
+    check_per_head_twins(t, select::h2o{}, 64, 200, 6);
+  }
+  SECTION("quant2") {
+    twin_settings<format::quant2> t;
+    t.page_size = 32;
+    t.format.partition = 32;
+    check_per_head_twins(t, select::tova{}, 40, 120, 6);
   }
 }

@@ -31,8 +31,9 @@ namespace select {
 /// that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads, not one per head (a
-/// pool page holds every head of its tokens, so only a token every head drops frees memory:
-/// docs/architecture.md, "Per-KV-head eviction"); tokens leave in batches after a write, not one
+/// pool page holds every head of its tokens, so only a token every head drops frees memory);
+/// `select::per_kv_head<select::h2o>` decides per head, as the paper, in head pages of their own
+/// (docs/architecture.md, "Per-KV-head eviction"). Tokens leave in batches after a write, not one
 /// per step (the same set when each write is one token).
 ///
 /// What it computes: attention over the tokens kept; the attend path adds each read token's score

@@ -102,6 +102,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmosaic/core/dtype.hpp"
@@ -220,6 +221,14 @@ struct keeps_token_ranges : std::false_type {};
 template <class Selector>
 struct keeps_token_ranges<Selector, std::void_t<decltype(selector_traits<Selector>::keeps_token_ranges)>>
     : std::bool_constant<selector_traits<Selector>::keeps_token_ranges> {};
+
+/// Whether `Selector` has a `budget` member of type `select::token_budget` (every selector of this
+/// library but select::all): what a per-sequence budget replaces.
+template <class Selector, class = void>
+struct has_token_budget : std::false_type {};
+template <class Selector>
+struct has_token_budget<Selector, std::void_t<decltype(std::declval<Selector&>().budget)>>
+    : std::is_same<std::remove_reference_t<decltype(std::declval<Selector&>().budget)>, select::token_budget> {};
 }  // namespace detail
 
 }  // namespace kvmosaic

@@ -44,7 +44,7 @@ namespace select {
 /// compactor that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads instead of one per
-/// head; the group's query heads are combined by `combine` (sum by default) where the paper has
+/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's query heads are combined by `combine` (sum by default) where the paper has
 /// one query head per KV head; the budget counts the sinks and the tail.
 ///
 /// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
@@ -163,7 +163,7 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
         if (p >= first && p < before) candidates.push_back(p);
       }
       std::sort(candidates.begin(), candidates.end());
-      const std::int64_t keep = s.budget.resolve(length);
+      const std::int64_t keep = cache.budget(seq).resolve(length);  // the sequence's own, if it has one
       if (live <= keep) return 0;
       const std::vector<std::int64_t> dead = detail::lowest_ranked(
           candidates, live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });

@@ -21,7 +21,8 @@ namespace select {
 /// Keeps at most `budget` tokens: after each write that leaves more, the sealed tokens with the
 /// lowest score of the latest decode step (the attention probability each received, combined
 /// over the GQA group by `combine`, then summed over the KV heads: one decision for every head,
-/// as TOVA's layer-wise policy averages its heads) are evicted; every `compact_every` tokens
+/// as TOVA's layer-wise policy averages its heads; `select::per_kv_head<select::tova>` decides per
+/// head) are evicted; every `compact_every` tokens
 /// written the cache compacts the sequence. The dense tail and the format's sink tokens are never
 /// evicted and count in the budget; a token no step has read yet is not a candidate (a prefill is
 /// trimmed after its first decode step). Needs a compactor that frees memory.

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `select::per_kv_head<S>`: a keep-less selector run by each KV head on its own tokens, with a
+/// budget per head (H2O, TOVA and SnapKV as their papers score, one decision per head; Ada-KV's
+/// and PyramidKV's budgets that differ across heads), and memory freed per head. A cache of it is
+/// `cache<Format, select::per_kv_head<S>, Compactor, Backend>` (per_kv_head_cache.hpp), which
+/// stores each KV head of a sequence in pages of its own: docs/architecture.md, "Per-KV-head
+/// eviction".
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/policy.hpp"
+#include "kvmosaic/select/selector_traits.hpp"
+#include "kvmosaic/select/span_score.hpp"
+
+namespace kvmosaic {
+namespace select {
+
+/// Runs the keep-less selector `S` (select::h2o, tova, snapkv, streaming) on each KV head alone:
+/// head h keeps the tokens that S keeps when it sees head h's scores only, within `budgets[h]`
+/// (every head `selector.budget` when `budgets` is empty). The sinks and the dense tail are each
+/// head's, as a cache's are.
+///
+/// What it computes: for each KV head, attention over the tokens that head keeps. Cost: a head's
+/// tokens, scores and evictions cost what a one-head sequence's cost under S; a step plans
+/// num_kv_heads times as many (one-head) sequences, and block tables hold one entry per head page
+/// (4 bytes per head and page instead of per page). Kernels are those of S's cache, unchanged.
+template <class S>
+struct per_kv_head {
+  using policy_category = selector_tag;
+  using selector_type = S;
+
+  S selector{};                         ///< the policy each KV head runs, with its default budget
+  std::vector<token_budget> budgets{};  ///< per KV head, num_kv_heads of them; empty: selector.budget
+
+  /// Head `head`'s budget.
+  const token_budget& budget_of(int head) const noexcept {
+    return budgets.empty() ? selector.budget : budgets[static_cast<std::size_t>(head)];
+  }
+};
+
+}  // namespace select
+
+namespace detail {
+template <class S>
+struct is_per_kv_head : std::false_type {};
+template <class S>
+struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+}  // namespace detail
+
+/// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
+/// Its per-sequence hooks are S's, run by each head's one-head sequence (per_kv_head_cache.hpp).
+template <class S>
+struct per_kv_head_traits {
+  static_assert(selector_traits<S>::evicts && detail::has_token_budget<S>::value,
+                "kvmosaic::select::per_kv_head<S>: S must be a keep-less selector with a token budget "
+                "(select::h2o, select::tova, select::snapkv, select::streaming); read-less selectors "
+                "(select::quest, select::mean_keys) already choose per KV head at each step");
+  static std::string describe(const select::per_kv_head<S>& s) {
+    std::string text = std::string("per_kv_head(") + selector_traits<S>::describe(s.selector);
+    if (!s.budgets.empty()) {
+      text += ", budgets";
+      for (const select::token_budget& b : s.budgets) text += " " + b.describe() + ";";
+      text.pop_back();
+    }
+    return text + ")";
+  }
+  /// Throws `invalid_argument` naming `budgets` unless it is empty or has one budget per KV head,
+  /// each valid, or naming S's field that S's own checks reject.
+  static void validate(const select::per_kv_head<S>& s, int num_kv_heads, int page_size) {
+    const char* where = "select::per_kv_head";
+    selector_traits<S>::validate(s.selector, page_size);
+    detail::require(s.budgets.empty() || static_cast<int>(s.budgets.size()) == num_kv_heads, where, "budgets.size()",
+                    static_cast<std::int64_t>(s.budgets.size()), "0 (selector.budget for every head) or num_kv_heads");
+    for (const select::token_budget& b : s.budgets) b.validate(where);
+  }
+};
+
+}  // namespace kvmosaic
