@@ -43,7 +43,7 @@ TEXTS = ["GPL-3", "LGPL-2.1", "MPL-1.1", "GFDL-1.3"]
 SNAPKV_WINDOW = 32  # the prompt queries kept for the snapkv configurations (their default window)
 
 
-def configurations(boundaries: str) -> list[tuple[str, str]]:
+def configurations(boundaries: str, per_head: bool = True) -> list[tuple[str, str]]:
     """(name, layer spec) of every configuration evaluated: each format and selector at budgets
     1/16, 1/8 and 1/4, with and without exact tokens (sinks and a recent window). Every spec
     states its sinks, window, rounding and block size, so a change of the library's defaults
@@ -78,6 +78,11 @@ def configurations(boundaries: str) -> list[tuple[str, str]]:
         configs.append((f"dense h2o {b} compact32", f"{dense}/h2o:budget={ratio},compact_every=32/repack"))
         # SnapKV: one snapshot after the prefill, voted by the prompt's last 32 queries.
         configs.append((f"dense snapkv {b}", f"{dense}/snapkv:budget={ratio}/repack"))
+        # One decision per KV head (select::per_kv_head; the extension compiles it for the CPU).
+        if per_head:
+            configs.append((f"dense tova {b} per_head", f"{dense}/tova:budget={ratio},per_head=1/repack"))
+            configs.append((f"dense h2o {b} per_head", f"{dense}/h2o:budget={ratio},per_head=1/repack"))
+            configs.append((f"dense snapkv {b} per_head", f"{dense}/snapkv:budget={ratio},per_head=1/repack"))
     dense_exact = "dense:" + exact(4, 64)
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",
@@ -244,7 +249,7 @@ def main():
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     texts = read_texts(tokenizer, args.context + args.decode)[: args.texts]
-    configs = configurations(sentence_boundaries(tokenizer))
+    configs = configurations(sentence_boundaries(tokenizer), per_head=device.type == "cpu")
     if args.only:
         keys = [k.strip() for k in args.only.split(";")]
         unknown = [k for k in keys if k not in {name for name, _ in configs}]

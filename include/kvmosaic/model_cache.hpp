@@ -205,8 +205,12 @@ template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
   using selector_type = typename Cache::selector_type;
+  using lane_selector = typename detail::lane_selector<selector_type>::type;
   static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
-  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
+  /// select::per_kv_head: the heads hold different tokens (read, window_votes and stored_tokens
+  /// differ; `get()` has them per head).
+  static constexpr bool per_head = detail::is_per_kv_head<selector_type>::value;
+  static constexpr bool ids_needed = selector_traits<lane_selector>::needs_token_ids;
 
  public:
   /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
@@ -288,17 +292,24 @@ class layer_cache_of final : public layer_cache {
 
   void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const override {
     const char* where = "layer_cache::read";
+    reject_per_head(where);
     same_type(where, k, v);
     detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      cache_.read(seq, k.as<T>(), v.as<T>());
+      if constexpr (!per_head) cache_.read(seq, k.as<T>(), v.as<T>());
     });
   }
 
   std::vector<double> window_votes(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f,
                                    group_combine combine = group_combine::sum) override {
+    reject_per_head("layer_cache::window_votes");
     return with_queries("layer_cache::window_votes", queries, [&](const auto& q) {
-      return cache_.window_votes(seq, q, softmax_scale, combine);
+      if constexpr (per_head) {
+        (void)q, (void)seq, (void)softmax_scale, (void)combine;
+        return std::vector<double>{};
+      } else {
+        return cache_.window_votes(seq, q, softmax_scale, combine);
+      }
     });
   }
 
@@ -308,17 +319,33 @@ class layer_cache_of final : public layer_cache {
       return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
     } else {
       (void)seq, (void)queries, (void)softmax_scale;
-      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
+      detail::require(false, where, "the layer's selector", selector_traits<lane_selector>::name,
                       "a selector that takes a snapshot (select::snapkv)");
       return 0;
     }
   }
 
   std::int64_t length(sequence_id seq) const override { return cache_.length(seq); }
-  std::int64_t stored_tokens(sequence_id seq) const override { return cache_.stored_tokens(seq); }
+  /// select::per_kv_head: the mean over the heads of the slots each holds.
+  std::int64_t stored_tokens(sequence_id seq) const override {
+    if constexpr (per_head) {
+      std::int64_t total = 0;
+      for (int h = 0; h < cache_.config().num_kv_heads; ++h) total += cache_.stored_tokens(seq, h);
+      return total / cache_.config().num_kv_heads;
+    } else {
+      return cache_.stored_tokens(seq);
+    }
+  }
   memory_stats memory() const override { return cache_.memory(); }
 
  private:
+  static void reject_per_head(const char* where) {
+    if constexpr (per_head)
+      detail::require(false, where, "the layer's selector", "select::per_kv_head (its heads hold different tokens)",
+                      "a selector that keeps the same tokens in every head (read each head through get())");
+    else
+      (void)where;
+  }
   /// f(queries as a typed view of host memory).
   template <class F>
   static auto with_queries(const char* where, const tensor_ref<3>& queries, F&& f) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmosaic/cache.hpp"
@@ -267,8 +268,9 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   /// select::snapkv: `cache::snapshot` of every head, each with its query heads' window queries
   /// ([window][num_q_heads][head_dim], as the primary's) and its own budget. Returns the tokens
   /// evicted, summed over the heads.
-  template <class Q>
-  std::int64_t snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f) {
+  template <class Q, class Lanes = lane_cache>
+  auto snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f)
+      -> decltype(std::declval<Lanes&>().snapshot(seq, queries, softmax_scale)) {
     const char* where = "cache::snapshot";
     const std::vector<sequence_id> lanes = lanes_of(seq, where);
     detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),

@@ -4368,6 +4368,16 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+/// The selector whose hooks run each sequence a cache holds: `Selector` itself, or S for
+/// `select::per_kv_head<S>` (each KV head's lane runs S).
+template <class Selector>
+struct lane_selector {
+  using type = Selector;
+};
+template <class S>
+struct lane_selector<select::per_kv_head<S>> {
+  using type = S;
+};
 }  // namespace detail
 
 /// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
@@ -7602,8 +7612,9 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   /// select::snapkv: `cache::snapshot` of every head, each with its query heads' window queries
   /// ([window][num_q_heads][head_dim], as the primary's) and its own budget. Returns the tokens
   /// evicted, summed over the heads.
-  template <class Q>
-  std::int64_t snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f) {
+  template <class Q, class Lanes = lane_cache>
+  auto snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f)
+      -> decltype(std::declval<Lanes&>().snapshot(seq, queries, softmax_scale)) {
     const char* where = "cache::snapshot";
     const std::vector<sequence_id> lanes = lanes_of(seq, where);
     detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
@@ -7919,8 +7930,12 @@ template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
   using selector_type = typename Cache::selector_type;
+  using lane_selector = typename detail::lane_selector<selector_type>::type;
   static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
-  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
+  /// select::per_kv_head: the heads hold different tokens (read, window_votes and stored_tokens
+  /// differ; `get()` has them per head).
+  static constexpr bool per_head = detail::is_per_kv_head<selector_type>::value;
+  static constexpr bool ids_needed = selector_traits<lane_selector>::needs_token_ids;
 
  public:
   /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
@@ -8002,17 +8017,24 @@ class layer_cache_of final : public layer_cache {
 
   void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const override {
     const char* where = "layer_cache::read";
+    reject_per_head(where);
     same_type(where, k, v);
     detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      cache_.read(seq, k.as<T>(), v.as<T>());
+      if constexpr (!per_head) cache_.read(seq, k.as<T>(), v.as<T>());
     });
   }
 
   std::vector<double> window_votes(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f,
                                    group_combine combine = group_combine::sum) override {
+    reject_per_head("layer_cache::window_votes");
     return with_queries("layer_cache::window_votes", queries, [&](const auto& q) {
-      return cache_.window_votes(seq, q, softmax_scale, combine);
+      if constexpr (per_head) {
+        (void)q, (void)seq, (void)softmax_scale, (void)combine;
+        return std::vector<double>{};
+      } else {
+        return cache_.window_votes(seq, q, softmax_scale, combine);
+      }
     });
   }
 
@@ -8022,17 +8044,33 @@ class layer_cache_of final : public layer_cache {
       return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
     } else {
       (void)seq, (void)queries, (void)softmax_scale;
-      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
+      detail::require(false, where, "the layer's selector", selector_traits<lane_selector>::name,
                       "a selector that takes a snapshot (select::snapkv)");
       return 0;
     }
   }
 
   std::int64_t length(sequence_id seq) const override { return cache_.length(seq); }
-  std::int64_t stored_tokens(sequence_id seq) const override { return cache_.stored_tokens(seq); }
+  /// select::per_kv_head: the mean over the heads of the slots each holds.
+  std::int64_t stored_tokens(sequence_id seq) const override {
+    if constexpr (per_head) {
+      std::int64_t total = 0;
+      for (int h = 0; h < cache_.config().num_kv_heads; ++h) total += cache_.stored_tokens(seq, h);
+      return total / cache_.config().num_kv_heads;
+    } else {
+      return cache_.stored_tokens(seq);
+    }
+  }
   memory_stats memory() const override { return cache_.memory(); }
 
  private:
+  static void reject_per_head(const char* where) {
+    if constexpr (per_head)
+      detail::require(false, where, "the layer's selector", "select::per_kv_head (its heads hold different tokens)",
+                      "a selector that keeps the same tokens in every head (read each head through get())");
+    else
+      (void)where;
+  }
   /// f(queries as a typed view of host memory).
   template <class F>
   static auto with_queries(const char* where, const tensor_ref<3>& queries, F&& f) {
@@ -10218,6 +10256,11 @@ struct extend_item {
   std::int32_t first_new_page;
 };
 
+/// Element strides of the input rows [rows][heads][head_dim] (the last dimension contiguous).
+struct row_strides {
+  std::int64_t k_row, k_head, v_row, v_head;
+};
+
 struct extend_params {
   std::byte* pages;
   std::byte* tails;
@@ -10231,6 +10274,7 @@ struct extend_params {
   int page_size;
   const extend_item* items;
   const std::int32_t* new_pages;
+  row_strides strides;            ///< of the input rows
 };
 
 namespace detail_extend {
@@ -10283,8 +10327,9 @@ __global__ void move_tail_rows_kernel(const extend_params p) {
   }
 }
 
-/// Writes each item's input rows (InT: float, half or bfloat16, [rows][heads][head_dim]) to their
-/// page or to the tail, as T. Grid: (vectors of the largest item, items).
+/// Writes each item's input rows (InT: float, half or bfloat16, [rows][heads][head_dim] with the
+/// strides `p.strides`) to their page or to the tail, as T. Grid: (vectors of the largest item,
+/// items).
 template <class T, class InT>
 __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict__ k, const InT* __restrict__ v) {
   const extend_item item = p.items[blockIdx.y];
@@ -10302,9 +10347,9 @@ __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict
     const bool to_page = page_index < full_pages;
     std::byte* base = to_page ? p.pages + static_cast<std::int64_t>(p.new_pages[item.first_new_page + page_index]) * p.page_slot_bytes
                               : p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
-    const InT* src = (is_v ? v : k) +
-                     ((item.src_row + r) * p.num_kv_heads + head) * static_cast<std::int64_t>(p.head_dim) +
-                     vector * detail::vector_elements;
+    const std::int64_t row_stride = is_v ? p.strides.v_row : p.strides.k_row;
+    const std::int64_t head_stride = is_v ? p.strides.v_head : p.strides.k_head;
+    const InT* src = (is_v ? v : k) + (item.src_row + r) * row_stride + head * head_stride + vector * detail::vector_elements;
     alignas(16) T converted[detail::vector_elements];
 #pragma unroll
     for (int e = 0; e < detail::vector_elements; ++e) converted[e] = T(to_float(src[e]));
@@ -11017,6 +11062,7 @@ struct rank_request {
 
 /// Where one ranking's radix select stands between its kernels (zeroed before the first).
 struct rank_state {
+  unsigned long long lowest_complement;  ///< ~(the lowest candidate key), 0 before any: a choice of one
   unsigned long long prefix;     ///< the digits found so far
   unsigned long long threshold;  ///< once done: every candidate key <= it is chosen
   int need;                      ///< how many of the keys with those digits to take
@@ -11110,23 +11156,29 @@ __device__ __forceinline__ void take_digit(rank_state& state, int shift, int nee
 
 /// Each slot's key (`rank_key` of its shared score, the sum over the KV heads in head order as
 /// `token_score_buffer::shared` sums on the host; `not_a_candidate` for a slot that is not one),
-/// the candidates counted, and the radix select's first digit (bits 56-63). Grid: (CTAs per
-/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read and
+/// the candidates counted, the lowest candidate key, and the radix select's first digit (bits
+/// 56-63); a request that chooses one key is done here. Grid: (CTAs per request, requests), each
+/// striding over its request's slots. Cost: per slot 8 bytes read and
 /// 8 written, and num_kv_heads scores read per candidate.
 template <int Threads = rank_threads>
 __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p) {
   __shared__ int histogram[256];
   __shared__ int candidates;
+  __shared__ unsigned long long lowest_complement;
   __shared__ int last;
   __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x);
   for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
-  if (tid == 0) candidates = 0;
+  if (tid == 0) {
+    candidates = 0;
+    lowest_complement = 0;
+  }
   __syncthreads();
   const rank_request q = p.requests[blockIdx.y];
   rank_state& state = p.states[blockIdx.y];
   unsigned long long* keys = p.keys + q.keys;
   int mine = 0;
+  unsigned long long lowest = detail_scores::not_a_candidate;
   // Warp-uniform trips (count_bin needs every lane).
   for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
        first += static_cast<std::int64_t>(gridDim.x) * Threads) {
@@ -11137,17 +11189,33 @@ __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p)
       float total = 0.0f;
       for (int h = 0; h < p.num_kv_heads; ++h) total += q.target.scores[static_cast<std::size_t>(h) * q.target.stride + position];
       key = detail_scores::rank_key(total, position);
+      lowest = key < lowest ? key : lowest;
       ++mine;
     }
     detail_scores::count_bin(histogram, key == detail_scores::not_a_candidate ? -1 : static_cast<int>(key >> 56));
     if (r < q.slots) keys[r] = key;
   }
-  if (mine > 0) atomicAdd(&candidates, mine);
+  if (mine > 0) {
+    atomicAdd(&candidates, mine);
+    atomicMax(&lowest_complement, ~lowest);
+  }
   __syncthreads();
-  if (tid == 0 && candidates != 0) atomicAdd(&state.candidates, candidates);
+  if (tid == 0 && candidates != 0) {
+    atomicAdd(&state.candidates, candidates);
+    atomicMax(&state.lowest_complement, lowest_complement);
+  }
   if (!detail_scores::add_histogram<Threads>(state, histogram, last)) return;
   const int n = *static_cast<volatile int*>(&state.candidates);
   const int k = static_cast<int>(q.count < n ? q.count : n);
+  if (k == 1 && n > 1) {  // the lowest key alone (keys are distinct): no digit passes
+    if (tid == 0) {
+      state.done = 1;
+      state.threshold = ~*static_cast<volatile unsigned long long*>(&state.lowest_complement);
+      state.arrivals = 0;
+    }
+    static_cast<volatile int*>(state.histogram)[tid] = 0;
+    return;
+  }
   if (k <= 0 || k == n) {  // nothing to choose, or every candidate
     if (tid == 0) {
       state.done = 1;
@@ -11206,14 +11274,17 @@ __global__ void __launch_bounds__(Threads) rank_choose_kernel(const rank_params 
 }
 
 /// Enqueues a batch of rankings on `stream`: the keys, up to seven more digits, the choice. The
-/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request. A template so
-/// that only the translation units that rank compile the three kernels.
+/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request. When no request
+/// chooses more than one key (`largest_count` <= 1: an eviction step's common case), the keys
+/// kernel finds each lowest key itself and no digit kernel is launched. A template so that only
+/// the translation units that rank compile the three kernels.
 template <int Threads = rank_threads>
-void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
+void launch_ranking(const rank_params& p, int requests, int ctas, std::int64_t largest_count, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(requests));
   rank_keys_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
-  for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
-    rank_digit_kernel<Threads><<<grid, Threads, 0, stream>>>(p, shift);
+  if (largest_count > 1)
+    for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
+      rank_digit_kernel<Threads><<<grid, Threads, 0, stream>>>(p, shift);
   rank_choose_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
 }
 
@@ -11592,7 +11663,8 @@ class engine {
       if constexpr (has_segments_v<Format>) plan_segments_in(slot, tail_rows, k, v, first, pages, sealed_pages);
       std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
       for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), strides_of(k, v), dtype_traits<T>::id,
+                 count, sealed);
       new_pages += pages;
       sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
@@ -11619,8 +11691,8 @@ class engine {
         sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
     }
-    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), dtype_traits<T>::id, 1,
-               sealed);
+    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), strides_of(k, v),
+               dtype_traits<T>::id, 1, sealed);
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
@@ -11930,6 +12002,13 @@ class engine {
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const std::int64_t sealed = static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
         const bool exact = geometry_.exact_rows > 0 && sealed > 0;
+        std::uint32_t* row = masks + b * static_cast<std::size_t>(capacity_.table_stride) * words;
+        if (!exact && shape_.page_size % 64 == 0) {  // the map's 64-bit words are the masks' 32-bit pairs
+          const std::size_t bytes = static_cast<std::size_t>(full_pages[b]) * static_cast<std::size_t>(words) * sizeof(std::uint32_t);
+          if (batch[b].live != nullptr) std::memcpy(row, batch[b].live, bytes);  // little-endian: low word first
+          else std::memset(row, 0xff, bytes);
+          continue;
+        }
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
@@ -11940,7 +12019,7 @@ class engine {
             if (exact && geometry_.any_exact_position(first, first + rows, sealed))
               for (int r = 0; r < rows; ++r)
                 if (geometry_.exact_position(first + r, sealed)) word &= ~(1u << r);
-            masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
+            row[static_cast<std::size_t>(i) * words + w] = word;
           }
       }
     }
@@ -12179,12 +12258,25 @@ class engine {
   /// sizes the split plan.
   void prepare_decode_kernel();
 
+  /// Rows are read through their strides (a cache of `select::per_kv_head` writes one head of the
+  /// caller's rows to each lane); each row's head_dim elements must be contiguous, and a format
+  /// with segments (it copies whole rows back to plan them) takes contiguous arrays only.
   template <class T>
   void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
-    kvmosaic::detail::require(k.is_contiguous() && v.is_contiguous(), where, "k, v layout", "strided",
-                              "contiguous device arrays [rows][num_kv_heads][head_dim] on the CUDA backend");
+    const auto fits = [](const tensor_view<const T, 3>& x) {
+      if constexpr (has_segments_v<Format>) return x.is_contiguous();
+      return (x.extent(2) <= 1 || x.stride(2) == 1) && x.stride(0) >= 0 && x.stride(1) >= 0;
+    };
+    kvmosaic::detail::require(fits(k) && fits(v), where, "k, v layout", "strided",
+                              has_segments_v<Format> ? "contiguous device arrays [rows][num_kv_heads][head_dim] for this format"
+                                                     : "device arrays [rows][num_kv_heads][head_dim] whose head_dim elements are "
+                                                       "contiguous (stride(2) == 1), other strides >= 0");
     require_device_memory(where, "k", k.data());
     require_device_memory(where, "v", v.data());
+  }
+  template <class T>
+  static kernel::row_strides strides_of(const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) noexcept {
+    return kernel::row_strides{k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
   }
   /// Rejects a pointer the device cannot read: host memory that is not mapped (page-locked
   /// host memory and managed memory are accepted). One driver query, no synchronization.
@@ -12203,7 +12295,8 @@ class engine {
   /// Writes rows and completes pages; `sealed[i]`: new page i's tail slot, first position and the
   /// sequence's window start once the write is done (its exact rows are copied to the tail slot).
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed);
+                  const void* k, const void* v, kernel::row_strides strides, dtype rows_type, std::int64_t max_rows,
+                  const std::vector<kernel::exact_item>& sealed);
   /// What the exact-row copy needs of page `index` of the sequence in `slot` that has `pages_after`
   /// pages once the write is done.
   kernel::exact_item sealed_page(std::int32_t slot, std::int64_t index, std::int64_t pages_after) const noexcept {
@@ -12600,8 +12693,9 @@ void engine<Format, Selector, Shapes>::prepare_decode_kernel() {
 
 template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages,
-                                               std::int32_t num_new_pages, const void* k, const void* v, dtype rows_type,
-                                               std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed) {
+                                               std::int32_t num_new_pages, const void* k, const void* v,
+                                               kernel::row_strides strides, dtype rows_type, std::int64_t max_rows,
+                                               const std::vector<kernel::exact_item>& sealed) {
   // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
   // weight row of each new page, -1 for none] [sink slots: a sequence's first page's slot, else
   // -1]; then, for formats with exact rows, [exact items].
@@ -12655,6 +12749,7 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   p.tail_row_offset = static_cast<std::int64_t>(geometry_.tail_row_offset());
   p.num_kv_heads = shape_.num_kv_heads;
   p.head_dim = shape_.head_dim;
+  p.strides = strides;
   p.page_size = shape_.page_size;
   p.items = reinterpret_cast<const kernel::extend_item*>(metadata);
   const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);
@@ -17965,7 +18060,7 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     // About 4 slots per thread: the longest sequence spread over the device.
     constexpr std::int64_t slots_per_cta = 4 * kernel::rank_threads;
     kernel::launch_ranking(p, n, static_cast<int>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024)),
-                           stream);
+                           stride, stream);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), chosen_bytes, cudaMemcpyDeviceToHost, stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));

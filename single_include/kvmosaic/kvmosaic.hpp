@@ -4358,6 +4358,16 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+/// The selector whose hooks run each sequence a cache holds: `Selector` itself, or S for
+/// `select::per_kv_head<S>` (each KV head's lane runs S).
+template <class Selector>
+struct lane_selector {
+  using type = Selector;
+};
+template <class S>
+struct lane_selector<select::per_kv_head<S>> {
+  using type = S;
+};
 }  // namespace detail
 
 /// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
@@ -7592,8 +7602,9 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   /// select::snapkv: `cache::snapshot` of every head, each with its query heads' window queries
   /// ([window][num_q_heads][head_dim], as the primary's) and its own budget. Returns the tokens
   /// evicted, summed over the heads.
-  template <class Q>
-  std::int64_t snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f) {
+  template <class Q, class Lanes = lane_cache>
+  auto snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f)
+      -> decltype(std::declval<Lanes&>().snapshot(seq, queries, softmax_scale)) {
     const char* where = "cache::snapshot";
     const std::vector<sequence_id> lanes = lanes_of(seq, where);
     detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
@@ -7909,8 +7920,12 @@ template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
   using selector_type = typename Cache::selector_type;
+  using lane_selector = typename detail::lane_selector<selector_type>::type;
   static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
-  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
+  /// select::per_kv_head: the heads hold different tokens (read, window_votes and stored_tokens
+  /// differ; `get()` has them per head).
+  static constexpr bool per_head = detail::is_per_kv_head<selector_type>::value;
+  static constexpr bool ids_needed = selector_traits<lane_selector>::needs_token_ids;
 
  public:
   /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
@@ -7992,17 +8007,24 @@ class layer_cache_of final : public layer_cache {
 
   void read(sequence_id seq, tensor_ref<3> k, tensor_ref<3> v) const override {
     const char* where = "layer_cache::read";
+    reject_per_head(where);
     same_type(where, k, v);
     detail::with_io_type(k.type, where, "k.type", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      cache_.read(seq, k.as<T>(), v.as<T>());
+      if constexpr (!per_head) cache_.read(seq, k.as<T>(), v.as<T>());
     });
   }
 
   std::vector<double> window_votes(sequence_id seq, tensor_ref<3> queries, float softmax_scale = 0.0f,
                                    group_combine combine = group_combine::sum) override {
+    reject_per_head("layer_cache::window_votes");
     return with_queries("layer_cache::window_votes", queries, [&](const auto& q) {
-      return cache_.window_votes(seq, q, softmax_scale, combine);
+      if constexpr (per_head) {
+        (void)q, (void)seq, (void)softmax_scale, (void)combine;
+        return std::vector<double>{};
+      } else {
+        return cache_.window_votes(seq, q, softmax_scale, combine);
+      }
     });
   }
 
@@ -8012,17 +8034,33 @@ class layer_cache_of final : public layer_cache {
       return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
     } else {
       (void)seq, (void)queries, (void)softmax_scale;
-      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
+      detail::require(false, where, "the layer's selector", selector_traits<lane_selector>::name,
                       "a selector that takes a snapshot (select::snapkv)");
       return 0;
     }
   }
 
   std::int64_t length(sequence_id seq) const override { return cache_.length(seq); }
-  std::int64_t stored_tokens(sequence_id seq) const override { return cache_.stored_tokens(seq); }
+  /// select::per_kv_head: the mean over the heads of the slots each holds.
+  std::int64_t stored_tokens(sequence_id seq) const override {
+    if constexpr (per_head) {
+      std::int64_t total = 0;
+      for (int h = 0; h < cache_.config().num_kv_heads; ++h) total += cache_.stored_tokens(seq, h);
+      return total / cache_.config().num_kv_heads;
+    } else {
+      return cache_.stored_tokens(seq);
+    }
+  }
   memory_stats memory() const override { return cache_.memory(); }
 
  private:
+  static void reject_per_head(const char* where) {
+    if constexpr (per_head)
+      detail::require(false, where, "the layer's selector", "select::per_kv_head (its heads hold different tokens)",
+                      "a selector that keeps the same tokens in every head (read each head through get())");
+    else
+      (void)where;
+  }
   /// f(queries as a typed view of host memory).
   template <class F>
   static auto with_queries(const char* where, const tensor_ref<3>& queries, F&& f) {

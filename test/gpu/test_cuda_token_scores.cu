@@ -353,7 +353,7 @@ std::vector<std::int64_t> device_ranking(const std::vector<float>& scores_by_hea
   device_array<std::int64_t> chosen(std::vector<std::int64_t>(static_cast<std::size_t>(2 * (stride_chosen + 1)), 0));
   const k::rank_params p{reinterpret_cast<const k::rank_request*>(device_requests.data()),
                          reinterpret_cast<k::rank_state*>(states.data()), heads, keys.data(), chosen.data(), stride_chosen};
-  k::launch_ranking(p, 2, ctas, nullptr);
+  k::launch_ranking(p, 2, ctas, count, nullptr);
   KVMOSAIC_CUDA_CHECK(cudaGetLastError());
   KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<std::int64_t> all = chosen.to_host(static_cast<std::size_t>(2 * (stride_chosen + 1)));

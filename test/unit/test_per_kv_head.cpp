@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../support/feed.hpp"
@@ -449,4 +450,35 @@ TEST_CASE("a keep-less cache keeps a budget per sequence: cache::set_budget(seq,
   CHECK(kv.budget(fork).tokens == 80);
   CHECK_THROWS_WITH(kv.set_budget(b, select::token_budget{1.5, -1}), Catch::Contains("budget.ratio"));
   CHECK_THROWS_WITH(kv.budget(a), Catch::Contains("seq"));
+}
+
+TEST_CASE("per_kv_head behind layer_cache: the same attention; read and window votes rejected, naming the selector",
+          "[per_kv_head][model_cache]") {
+  const cache_config c = small_config(64);
+  select::per_kv_head<select::snapkv> s;
+  s.selector.window = 4;
+  s.budgets = {select::token_budget{0, 24}, select::token_budget{0, 48}};
+  using snap_cache = cache<format::dense, select::per_kv_head<select::snapkv>, compact::repack>;
+  const std::unique_ptr<layer_cache> layer = make_layer<snap_cache>(c, format::dense{}, s);
+  snap_cache typed(c, {}, s);
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 43), 0, 100);
+  const sequence_id seq = layer->add_sequence(), twin = typed.add_sequence();
+  layer->prefill(seq, tensor_ref<3>::of(test::k_view(data)), tensor_ref<3>::of(test::v_view(data)), {});
+  prefill(typed, twin, data, 100);
+  std::vector<float> window(static_cast<std::size_t>(4 * c.num_q_heads() * c.head_dim));
+  for (std::size_t i = 0; i < window.size(); ++i) window[i] = std::cos(0.21f * static_cast<float>(i));
+  const tensor_view<const float, 3> queries(window.data(), 4, c.num_q_heads(), c.head_dim);
+  CHECK(layer->snapshot(seq, tensor_ref<3>::of(queries)) == typed.snapshot(twin, queries));
+  CHECK(layer->stored_tokens(seq) == (typed.stored_tokens(twin, 0) + typed.stored_tokens(twin, 1)) / 2);
+  const std::vector<float> q = query(c, 5);
+  std::vector<float> out(q.size());
+  const sequence_id one[] = {seq};
+  layer->attend(span<const sequence_id>(one, 1), tensor_ref<3>::of(tensor_view<const float, 3>(q.data(), 1, c.num_q_heads(), c.head_dim)),
+                tensor_ref<3>::of(tensor_view<float, 3>(out.data(), 1, c.num_q_heads(), c.head_dim)));
+  CHECK(out == attend(typed, twin, q));
+  std::vector<float> k(100 * 2 * 64), v(k.size());
+  CHECK_THROWS_WITH(layer->read(seq, tensor_ref<3>::of(tensor_view<float, 3>(k.data(), 100, 2, 64)),
+                                tensor_ref<3>::of(tensor_view<float, 3>(v.data(), 100, 2, 64))),
+                    Catch::Contains("per_kv_head"));
+  CHECK_THROWS_WITH(layer->window_votes(seq, tensor_ref<3>::of(queries)), Catch::Contains("per_kv_head"));
 }

@@ -19,6 +19,7 @@ namespace kvmosaic_torch {
 /// Makes `kvmosaic::cache<F, S, C, backend::host>` layers.
 struct host_layer_maker {
   static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o
+  static constexpr bool per_kv_head_layers = true;          // select::per_kv_head (per_head=1)
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const {
@@ -30,6 +31,7 @@ struct host_layer_maker {
 /// the kernel shapes).
 struct cuda_layer_maker {
   static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o (dense pages)
+  static constexpr bool per_kv_head_layers = false;         // no configuration file compiles them
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
   std::unique_ptr<kvmosaic::layer_cache> operator()(const F& format, const S& selector, const C& compactor) const;

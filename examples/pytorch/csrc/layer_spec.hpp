@@ -159,6 +159,16 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 /// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
 /// select::all. Every combination is made for either backend (`make` is the host or the CUDA maker
 /// of layer_factory.hpp).
+/// The `per_head` key of a keep-less selector (0 or 1): one decision per KV head, each head in
+/// pages of its own (`select::per_kv_head`), where the maker compiles such layers (the host's).
+template <class Make>
+bool per_head(policy_args& args, const Make&) {
+  const bool on = args.integer("per_head", 0, "0 (one decision for every KV head) or 1 (one per head)") != 0;
+  if (on && !std::decay_t<Make>::per_kv_head_layers)
+    reject("per_head", "1", "0 on this device: the extension compiles per-KV-head layers for the CPU only");
+  return on;
+}
+
 template <class Make>
 auto with_layer_policies(const layer_spec& spec, Make&& make) {
   namespace kv = kvmosaic;
@@ -214,7 +224,12 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
       // CUDA. Over dense pages only here (each adds engines to the extension's build).
       if constexpr (std::decay_t<Make>::attend_writes_token_scores &&
                     std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
+        const bool by_head = per_head(args, make);
         auto with_compactor = [&](const auto& s) {
+          if (by_head) {
+            require(compactor == "repack", "compactor", compactor, "repack with per_head=1");
+            return make(format, kv::select::per_kv_head<std::decay_t<decltype(s)>>{s, {}}, kv::compact::repack{});
+          }
           if (compactor == "repack") return make(format, s, kv::compact::repack{});
           require(compactor == "hole_fill", "compactor", compactor, "hole_fill or repack with selector " + spec.selector.name);
           return make(format, s, kv::compact::hole_fill{});
@@ -248,8 +263,10 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         s.window = static_cast<int>(args.integer("window", s.window, "W, the observation window (>= 1)"));
         s.pool_kernel = static_cast<int>(args.integer("pool", s.pool_kernel, "an odd pooling width"));
         s.combine = args.choice("combine", s.combine, {{"max", kv::group_combine::max}, {"sum", kv::group_combine::sum}});
+        const bool by_head = per_head(args, make);
         args.finish();
         require(compactor == "repack", "compactor", compactor, "repack with selector snapkv");
+        if (by_head) return make(format, kv::select::per_kv_head<kv::select::snapkv>{s, {}}, kv::compact::repack{});
         return make(format, s, kv::compact::repack{});
       } else {
         reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense)");

@@ -195,7 +195,8 @@ class engine {
       if constexpr (has_segments_v<Format>) plan_segments_in(slot, tail_rows, k, v, first, pages, sealed_pages);
       std::vector<kernel::exact_item> sealed(static_cast<std::size_t>(pages));
       for (std::int32_t i = 0; i < pages; ++i) sealed[static_cast<std::size_t>(i)] = sealed_page(slot, sealed_pages + i, sealed_pages + pages);
-      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), dtype_traits<T>::id, count, sealed);
+      run_extend(std::vector<kernel::extend_item>{item}, new_pages, pages, k.data(), v.data(), strides_of(k, v), dtype_traits<T>::id,
+                 count, sealed);
       new_pages += pages;
       sealed_pages += pages;
       tail_rows = (tail_rows + count) % shape_.page_size;
@@ -222,8 +223,8 @@ class engine {
         sealed.push_back(sealed_page(items[b].slot, items[b].sealed_pages, items[b].sealed_pages + 1));
       }
     }
-    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), dtype_traits<T>::id, 1,
-               sealed);
+    run_extend(work, new_pages.data(), static_cast<std::int32_t>(new_pages.size()), k.data(), v.data(), strides_of(k, v),
+               dtype_traits<T>::id, 1, sealed);
   }
 
   /// Undoes the writes since the last `commit` that a caller can see: the tail rows an `extend`
@@ -533,6 +534,13 @@ class engine {
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const std::int64_t sealed = static_cast<std::int64_t>(full_pages[b]) * shape_.page_size;
         const bool exact = geometry_.exact_rows > 0 && sealed > 0;
+        std::uint32_t* row = masks + b * static_cast<std::size_t>(capacity_.table_stride) * words;
+        if (!exact && shape_.page_size % 64 == 0) {  // the map's 64-bit words are the masks' 32-bit pairs
+          const std::size_t bytes = static_cast<std::size_t>(full_pages[b]) * static_cast<std::size_t>(words) * sizeof(std::uint32_t);
+          if (batch[b].live != nullptr) std::memcpy(row, batch[b].live, bytes);  // little-endian: low word first
+          else std::memset(row, 0xff, bytes);
+          continue;
+        }
         for (std::int32_t i = 0; i < full_pages[b]; ++i)
           for (int w = 0; w < words; ++w) {
             const int rows = std::min(32, shape_.page_size - 32 * w);
@@ -543,7 +551,7 @@ class engine {
             if (exact && geometry_.any_exact_position(first, first + rows, sealed))
               for (int r = 0; r < rows; ++r)
                 if (geometry_.exact_position(first + r, sealed)) word &= ~(1u << r);
-            masks[(b * static_cast<std::size_t>(capacity_.table_stride) + static_cast<std::size_t>(i)) * words + w] = word;
+            row[static_cast<std::size_t>(i) * words + w] = word;
           }
       }
     }
@@ -782,12 +790,25 @@ class engine {
   /// sizes the split plan.
   void prepare_decode_kernel();
 
+  /// Rows are read through their strides (a cache of `select::per_kv_head` writes one head of the
+  /// caller's rows to each lane); each row's head_dim elements must be contiguous, and a format
+  /// with segments (it copies whole rows back to plan them) takes contiguous arrays only.
   template <class T>
   void check_device_rows(const char* where, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) const {
-    kvmosaic::detail::require(k.is_contiguous() && v.is_contiguous(), where, "k, v layout", "strided",
-                              "contiguous device arrays [rows][num_kv_heads][head_dim] on the CUDA backend");
+    const auto fits = [](const tensor_view<const T, 3>& x) {
+      if constexpr (has_segments_v<Format>) return x.is_contiguous();
+      return (x.extent(2) <= 1 || x.stride(2) == 1) && x.stride(0) >= 0 && x.stride(1) >= 0;
+    };
+    kvmosaic::detail::require(fits(k) && fits(v), where, "k, v layout", "strided",
+                              has_segments_v<Format> ? "contiguous device arrays [rows][num_kv_heads][head_dim] for this format"
+                                                     : "device arrays [rows][num_kv_heads][head_dim] whose head_dim elements are "
+                                                       "contiguous (stride(2) == 1), other strides >= 0");
     require_device_memory(where, "k", k.data());
     require_device_memory(where, "v", v.data());
+  }
+  template <class T>
+  static kernel::row_strides strides_of(const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v) noexcept {
+    return kernel::row_strides{k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
   }
   /// Rejects a pointer the device cannot read: host memory that is not mapped (page-locked
   /// host memory and managed memory are accepted). One driver query, no synchronization.
@@ -806,7 +827,8 @@ class engine {
   /// Writes rows and completes pages; `sealed[i]`: new page i's tail slot, first position and the
   /// sequence's window start once the write is done (its exact rows are copied to the tail slot).
   void run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages, std::int32_t num_new_pages,
-                  const void* k, const void* v, dtype rows_type, std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed);
+                  const void* k, const void* v, kernel::row_strides strides, dtype rows_type, std::int64_t max_rows,
+                  const std::vector<kernel::exact_item>& sealed);
   /// What the exact-row copy needs of page `index` of the sequence in `slot` that has `pages_after`
   /// pages once the write is done.
   kernel::exact_item sealed_page(std::int32_t slot, std::int64_t index, std::int64_t pages_after) const noexcept {
@@ -1203,8 +1225,9 @@ void engine<Format, Selector, Shapes>::prepare_decode_kernel() {
 
 template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::extend_item>& items, const page_id* new_pages,
-                                               std::int32_t num_new_pages, const void* k, const void* v, dtype rows_type,
-                                               std::int64_t max_rows, const std::vector<kernel::exact_item>& sealed) {
+                                               std::int32_t num_new_pages, const void* k, const void* v,
+                                               kernel::row_strides strides, dtype rows_type, std::int64_t max_rows,
+                                               const std::vector<kernel::exact_item>& sealed) {
   // Staging: [items][new page ids], and for encoded formats [scratch ordinals 0 .. n) [the K
   // weight row of each new page, -1 for none] [sink slots: a sequence's first page's slot, else
   // -1]; then, for formats with exact rows, [exact items].
@@ -1258,6 +1281,7 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
   p.tail_row_offset = static_cast<std::int64_t>(geometry_.tail_row_offset());
   p.num_kv_heads = shape_.num_kv_heads;
   p.head_dim = shape_.head_dim;
+  p.strides = strides;
   p.page_size = shape_.page_size;
   p.items = reinterpret_cast<const kernel::extend_item*>(metadata);
   const std::int64_t vectors_per_row = 2LL * shape_.num_kv_heads * (shape_.head_dim / 8);

@@ -53,6 +53,16 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+/// The selector whose hooks run each sequence a cache holds: `Selector` itself, or S for
+/// `select::per_kv_head<S>` (each KV head's lane runs S).
+template <class Selector>
+struct lane_selector {
+  using type = Selector;
+};
+template <class S>
+struct lane_selector<select::per_kv_head<S>> {
+  using type = S;
+};
 }  // namespace detail
 
 /// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.

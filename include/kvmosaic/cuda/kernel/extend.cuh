@@ -28,6 +28,11 @@ struct extend_item {
   std::int32_t first_new_page;
 };
 
+/// Element strides of the input rows [rows][heads][head_dim] (the last dimension contiguous).
+struct row_strides {
+  std::int64_t k_row, k_head, v_row, v_head;
+};
+
 struct extend_params {
   std::byte* pages;
   std::byte* tails;
@@ -41,6 +46,7 @@ struct extend_params {
   int page_size;
   const extend_item* items;
   const std::int32_t* new_pages;
+  row_strides strides;            ///< of the input rows
 };
 
 namespace detail_extend {
@@ -93,8 +99,9 @@ __global__ void move_tail_rows_kernel(const extend_params p) {
   }
 }
 
-/// Writes each item's input rows (InT: float, half or bfloat16, [rows][heads][head_dim]) to their
-/// page or to the tail, as T. Grid: (vectors of the largest item, items).
+/// Writes each item's input rows (InT: float, half or bfloat16, [rows][heads][head_dim] with the
+/// strides `p.strides`) to their page or to the tail, as T. Grid: (vectors of the largest item,
+/// items).
 template <class T, class InT>
 __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict__ k, const InT* __restrict__ v) {
   const extend_item item = p.items[blockIdx.y];
@@ -112,9 +119,9 @@ __global__ void scatter_rows_kernel(const extend_params p, const InT* __restrict
     const bool to_page = page_index < full_pages;
     std::byte* base = to_page ? p.pages + static_cast<std::int64_t>(p.new_pages[item.first_new_page + page_index]) * p.page_slot_bytes
                               : p.tails + static_cast<std::int64_t>(item.slot) * p.tail_slot_bytes;
-    const InT* src = (is_v ? v : k) +
-                     ((item.src_row + r) * p.num_kv_heads + head) * static_cast<std::int64_t>(p.head_dim) +
-                     vector * detail::vector_elements;
+    const std::int64_t row_stride = is_v ? p.strides.v_row : p.strides.k_row;
+    const std::int64_t head_stride = is_v ? p.strides.v_head : p.strides.k_head;
+    const InT* src = (is_v ? v : k) + (item.src_row + r) * row_stride + head * head_stride + vector * detail::vector_elements;
     alignas(16) T converted[detail::vector_elements];
 #pragma unroll
     for (int e = 0; e < detail::vector_elements; ++e) converted[e] = T(to_float(src[e]));

@@ -134,6 +134,7 @@ struct rank_request {
 
 /// Where one ranking's radix select stands between its kernels (zeroed before the first).
 struct rank_state {
+  unsigned long long lowest_complement;  ///< ~(the lowest candidate key), 0 before any: a choice of one
   unsigned long long prefix;     ///< the digits found so far
   unsigned long long threshold;  ///< once done: every candidate key <= it is chosen
   int need;                      ///< how many of the keys with those digits to take
@@ -227,23 +228,29 @@ __device__ __forceinline__ void take_digit(rank_state& state, int shift, int nee
 
 /// Each slot's key (`rank_key` of its shared score, the sum over the KV heads in head order as
 /// `token_score_buffer::shared` sums on the host; `not_a_candidate` for a slot that is not one),
-/// the candidates counted, and the radix select's first digit (bits 56-63). Grid: (CTAs per
-/// request, requests), each striding over its request's slots. Cost: per slot 8 bytes read and
+/// the candidates counted, the lowest candidate key, and the radix select's first digit (bits
+/// 56-63); a request that chooses one key is done here. Grid: (CTAs per request, requests), each
+/// striding over its request's slots. Cost: per slot 8 bytes read and
 /// 8 written, and num_kv_heads scores read per candidate.
 template <int Threads = rank_threads>
 __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p) {
   __shared__ int histogram[256];
   __shared__ int candidates;
+  __shared__ unsigned long long lowest_complement;
   __shared__ int last;
   __shared__ typename cub::BlockScan<int, Threads>::TempStorage scan;
   const int tid = static_cast<int>(threadIdx.x);
   for (int i = tid; i < 256; i += Threads) histogram[i] = 0;
-  if (tid == 0) candidates = 0;
+  if (tid == 0) {
+    candidates = 0;
+    lowest_complement = 0;
+  }
   __syncthreads();
   const rank_request q = p.requests[blockIdx.y];
   rank_state& state = p.states[blockIdx.y];
   unsigned long long* keys = p.keys + q.keys;
   int mine = 0;
+  unsigned long long lowest = detail_scores::not_a_candidate;
   // Warp-uniform trips (count_bin needs every lane).
   for (std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * Threads + (tid & ~31); first < q.slots;
        first += static_cast<std::int64_t>(gridDim.x) * Threads) {
@@ -254,17 +261,33 @@ __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p)
       float total = 0.0f;
       for (int h = 0; h < p.num_kv_heads; ++h) total += q.target.scores[static_cast<std::size_t>(h) * q.target.stride + position];
       key = detail_scores::rank_key(total, position);
+      lowest = key < lowest ? key : lowest;
       ++mine;
     }
     detail_scores::count_bin(histogram, key == detail_scores::not_a_candidate ? -1 : static_cast<int>(key >> 56));
     if (r < q.slots) keys[r] = key;
   }
-  if (mine > 0) atomicAdd(&candidates, mine);
+  if (mine > 0) {
+    atomicAdd(&candidates, mine);
+    atomicMax(&lowest_complement, ~lowest);
+  }
   __syncthreads();
-  if (tid == 0 && candidates != 0) atomicAdd(&state.candidates, candidates);
+  if (tid == 0 && candidates != 0) {
+    atomicAdd(&state.candidates, candidates);
+    atomicMax(&state.lowest_complement, lowest_complement);
+  }
   if (!detail_scores::add_histogram<Threads>(state, histogram, last)) return;
   const int n = *static_cast<volatile int*>(&state.candidates);
   const int k = static_cast<int>(q.count < n ? q.count : n);
+  if (k == 1 && n > 1) {  // the lowest key alone (keys are distinct): no digit passes
+    if (tid == 0) {
+      state.done = 1;
+      state.threshold = ~*static_cast<volatile unsigned long long*>(&state.lowest_complement);
+      state.arrivals = 0;
+    }
+    static_cast<volatile int*>(state.histogram)[tid] = 0;
+    return;
+  }
   if (k <= 0 || k == n) {  // nothing to choose, or every candidate
     if (tid == 0) {
       state.done = 1;
@@ -323,14 +346,17 @@ __global__ void __launch_bounds__(Threads) rank_choose_kernel(const rank_params 
 }
 
 /// Enqueues a batch of rankings on `stream`: the keys, up to seven more digits, the choice. The
-/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request. A template so
-/// that only the translation units that rank compile the three kernels.
+/// caller zeroes `p.states` and the chosen counts first; `ctas` CTAs per request. When no request
+/// chooses more than one key (`largest_count` <= 1: an eviction step's common case), the keys
+/// kernel finds each lowest key itself and no digit kernel is launched. A template so that only
+/// the translation units that rank compile the three kernels.
 template <int Threads = rank_threads>
-void launch_ranking(const rank_params& p, int requests, int ctas, cudaStream_t stream) {
+void launch_ranking(const rank_params& p, int requests, int ctas, std::int64_t largest_count, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(requests));
   rank_keys_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
-  for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
-    rank_digit_kernel<Threads><<<grid, Threads, 0, stream>>>(p, shift);
+  if (largest_count > 1)
+    for (int shift = 48; shift >= 0; shift -= 8)  // a kernel whose rankings are all done returns at once
+      rank_digit_kernel<Threads><<<grid, Threads, 0, stream>>>(p, shift);
   rank_choose_kernel<Threads><<<grid, Threads, 0, stream>>>(p);
 }
 

@@ -185,7 +185,7 @@ class scored_selection_stage : public selection_stage<select::all, Shapes> {
     // About 4 slots per thread: the longest sequence spread over the device.
     constexpr std::int64_t slots_per_cta = 4 * kernel::rank_threads;
     kernel::launch_ranking(p, n, static_cast<int>(std::min<std::int64_t>((longest + slots_per_cta - 1) / slots_per_cta, 1024)),
-                           stream);
+                           stride, stream);
     KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(chosen_host_.data(), chosen_.data(), chosen_bytes, cudaMemcpyDeviceToHost, stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream));
