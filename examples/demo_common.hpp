@@ -235,6 +235,8 @@ row run(Cache& cache, const workload& w, int steps, RowsOf&& rows_of, Timed&& ti
   }
   row r;
   r.pages_used = cache.memory().pages_used;
+  if constexpr (kvmosaic::detail::is_per_kv_head<selector_type>::value)  // head pages, counted as all-heads pages
+    r.pages_used = (r.pages_used + c.num_kv_heads - 1) / c.num_kv_heads;
   r.pages_freed = full_pages - r.pages_used;
   r.cache = name;
   r.format = kvmosaic::format_traits<typename Cache::format_type>::describe(cache.format());
@@ -437,8 +439,8 @@ void for_each_streaming_cache(const kvmosaic::cache_config& base, std::uint64_t 
 
 /// Runs `run_one(cache)` for the rows that evict by attention scores on `Backend`, over dense
 /// pages at 1/8 and 1/4 with repack: TOVA and H2O (scored by the attend path, a compaction pass
-/// after every write so that the pages come back at once) and SnapKV (one snapshot after the
-/// prompt, window 32).
+/// after every write so that the pages come back at once), SnapKV (one snapshot after the
+/// prompt, window 32) and H2O per KV head.
 template <class Backend, class RunOne>
 void for_each_scored_eviction_cache(const kvmosaic::cache_config& base, RunOne&& run_one) {
   using namespace kvmosaic;
@@ -458,6 +460,11 @@ void for_each_scored_eviction_cache(const kvmosaic::cache_config& base, RunOne&&
     snap.budget = budget;
     cache<format::dense, select::snapkv, compact::repack, Backend> by_snapkv(base, {}, snap);
     run_one(by_snapkv);
+    // H2O with one decision per KV head, each head in pages of its own (select::per_kv_head).
+    select::per_kv_head<select::h2o> h2o_by_head;
+    h2o_by_head.selector = h2o;
+    cache<format::dense, select::per_kv_head<select::h2o>, compact::repack, Backend> by_head(base, {}, h2o_by_head);
+    run_one(by_head);
   }
 }
 

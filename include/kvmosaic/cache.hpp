@@ -185,7 +185,8 @@ class cache
   // A policy in the wrong position fails its sentence above; the rest of the class then compiles
   // against a default of that kind, so that sentence is the only error a user reads.
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
-  using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
+  using Selector = std::conditional_t<is_selector_v<SelectorArg> && !detail::is_per_kv_head<SelectorArg>::value, SelectorArg,
+                                      select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
   static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
                                              !std::is_same_v<BackendArg, backend::host>;
@@ -318,8 +319,9 @@ class cache
     engine_.set_key_weights(slot_of(seq), dense.data());
   }
 
-  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
-  /// values are rounded to the storage dtype, finite values beyond its range saturated to its
+  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16,
+  /// any strides; on backend::cuda device memory whose head_dim elements are contiguous, and
+  /// contiguous arrays for a format with segments; values are rounded to the storage dtype, finite values beyond its range saturated to its
   /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
   /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
   /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks

@@ -205,12 +205,11 @@ template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
   using selector_type = typename Cache::selector_type;
-  using lane_selector = typename detail::lane_selector<selector_type>::type;
   static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
   /// select::per_kv_head: the heads hold different tokens (read, window_votes and stored_tokens
   /// differ; `get()` has them per head).
   static constexpr bool per_head = detail::is_per_kv_head<selector_type>::value;
-  static constexpr bool ids_needed = selector_traits<lane_selector>::needs_token_ids;
+  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
 
  public:
   /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
@@ -319,7 +318,7 @@ class layer_cache_of final : public layer_cache {
       return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
     } else {
       (void)seq, (void)queries, (void)softmax_scale;
-      detail::require(false, where, "the layer's selector", selector_traits<lane_selector>::name,
+      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
                       "a selector that takes a snapshot (select::snapkv)");
       return 0;
     }

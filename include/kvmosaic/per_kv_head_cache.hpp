@@ -71,7 +71,7 @@ tensor_view<T, 3> one_head(const tensor_view<T, 3>& view, int head) {
 /// `read`, `token_scores`, `set_budget`); the rest take and return what the primary's do.
 template <class FormatArg, class S, class CompactorArg, class BackendArg>
 class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
-  using traits = per_kv_head_traits<S>;
+  using traits = selector_traits<select::per_kv_head<S>>;
 
  public:
   /// The inner cache: one one-head sequence per (sequence, KV head).
@@ -105,9 +105,10 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   /// The lanes of `seq`, one per KV head in head order: handles of `lanes()`.
   const std::vector<sequence_id>& lanes(sequence_id seq) const { return lanes_of(seq, "cache::lanes"); }
 
+  /// "format/selector/compactor" with parameters, for reports.
   std::string describe() const {
     return format_traits<format_type>::describe(format()) + "/" + traits::describe(selector_) + "/" +
-           compactor_traits<compactor_type>::describe(compactor()) + "/" + backend_type::name;
+           compactor_traits<compactor_type>::describe(compactor());
   }
 
   /// Starts an empty sequence: one lane per KV head, each with its head's budget. Throws
@@ -161,6 +162,13 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
     for (int h = 0; h < config_.num_kv_heads; ++h)
       lanes_.prefill(lanes[static_cast<std::size_t>(h)], detail::one_head(k, h), detail::one_head(v, h));
   }
+  /// `prefill` with the tokens' ids (`cache::prefill`'s overload: one per token; S reads none).
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
+                    "k.extent(0) (one id per token)");
+    prefill(seq, k, v);
+  }
 
   /// `cache::append`: one token per sequence, `k`, `v` [batch][num_kv_heads][head_dim]; all or
   /// nothing, as prefill. Every lane of the batch is written by one call of the inner cache (its
@@ -186,6 +194,15 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
       lanes_.append(span<const sequence_id>(of_head.data(), static_cast<std::int64_t>(of_head.size())), detail::one_head(k, h),
                     detail::one_head(v, h));
     }
+  }
+
+  /// `append` with each new token's id (`cache::append`'s overload: one per sequence; S reads none).
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == seqs.size(), "cache::append", "token_ids.size()", token_ids.size(),
+                    "seqs.size() (one id per sequence)");
+    append(seqs, k, v);
   }
 
   /// `cache::plan` for `seqs`: plans their batch x num_kv_heads lanes.

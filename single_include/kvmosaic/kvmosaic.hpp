@@ -4358,26 +4358,27 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
-/// The selector whose hooks run each sequence a cache holds: `Selector` itself, or S for
-/// `select::per_kv_head<S>` (each KV head's lane runs S).
-template <class Selector>
-struct lane_selector {
-  using type = Selector;
-};
-template <class S>
-struct lane_selector<select::per_kv_head<S>> {
-  using type = S;
-};
 }  // namespace detail
 
-/// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
-/// Its per-sequence hooks are S's, run by each head's one-head sequence (per_kv_head_cache.hpp).
+/// `select::per_kv_head<S>`'s traits: its name, description and checks, and S's properties
+/// (what it reads, whether it evicts, which scores its lanes record), so that code reading a
+/// selector's properties reads these. It declares no per-sequence hooks: S's run in each lane
+/// (per_kv_head_cache.hpp), and the primary cache template does not take it.
 template <class S>
-struct per_kv_head_traits {
+struct selector_traits<select::per_kv_head<S>> {
   static_assert(selector_traits<S>::evicts && detail::has_token_budget<S>::value,
                 "kvmosaic::select::per_kv_head<S>: S must be a keep-less selector with a token budget "
                 "(select::h2o, select::tova, select::snapkv, select::streaming); read-less selectors "
                 "(select::quest, select::mean_keys) already choose per KV head at each step");
+  static constexpr const char* name = "per_kv_head";
+  static constexpr bool reads_all_pages = selector_traits<S>::reads_all_pages;
+  static constexpr bool evicts = true;
+  static constexpr bool needs_token_ids = selector_traits<S>::needs_token_ids;
+  static constexpr score_use token_scores = detail::token_scores_of<S>::value;
+  static constexpr bool reads_window_votes = detail::reads_window_votes<S>::value;
+  template <class Cache>
+  struct cache_members {};  // the specialization's own members (snapshot) stand in
+
   static std::string describe(const select::per_kv_head<S>& s) {
     std::string text = std::string("per_kv_head(") + selector_traits<S>::describe(s.selector);
     if (!s.budgets.empty()) {
@@ -6182,7 +6183,8 @@ class cache
   // A policy in the wrong position fails its sentence above; the rest of the class then compiles
   // against a default of that kind, so that sentence is the only error a user reads.
   using Format = std::conditional_t<is_format_v<FormatArg>, FormatArg, format::dense>;
-  using Selector = std::conditional_t<is_selector_v<SelectorArg>, SelectorArg, select::all>;
+  using Selector = std::conditional_t<is_selector_v<SelectorArg> && !detail::is_per_kv_head<SelectorArg>::value, SelectorArg,
+                                      select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
   static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
                                              !std::is_same_v<BackendArg, backend::host>;
@@ -6315,8 +6317,9 @@ class cache
     engine_.set_key_weights(slot_of(seq), dense.data());
   }
 
-  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16;
-  /// values are rounded to the storage dtype, finite values beyond its range saturated to its
+  /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16,
+  /// any strides; on backend::cuda device memory whose head_dim elements are contiguous, and
+  /// contiguous arrays for a format with segments; values are rounded to the storage dtype, finite values beyond its range saturated to its
   /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
   /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
   /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
@@ -7405,7 +7408,7 @@ tensor_view<T, 3> one_head(const tensor_view<T, 3>& view, int head) {
 /// `read`, `token_scores`, `set_budget`); the rest take and return what the primary's do.
 template <class FormatArg, class S, class CompactorArg, class BackendArg>
 class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
-  using traits = per_kv_head_traits<S>;
+  using traits = selector_traits<select::per_kv_head<S>>;
 
  public:
   /// The inner cache: one one-head sequence per (sequence, KV head).
@@ -7439,9 +7442,10 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   /// The lanes of `seq`, one per KV head in head order: handles of `lanes()`.
   const std::vector<sequence_id>& lanes(sequence_id seq) const { return lanes_of(seq, "cache::lanes"); }
 
+  /// "format/selector/compactor" with parameters, for reports.
   std::string describe() const {
     return format_traits<format_type>::describe(format()) + "/" + traits::describe(selector_) + "/" +
-           compactor_traits<compactor_type>::describe(compactor()) + "/" + backend_type::name;
+           compactor_traits<compactor_type>::describe(compactor());
   }
 
   /// Starts an empty sequence: one lane per KV head, each with its head's budget. Throws
@@ -7495,6 +7499,13 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
     for (int h = 0; h < config_.num_kv_heads; ++h)
       lanes_.prefill(lanes[static_cast<std::size_t>(h)], detail::one_head(k, h), detail::one_head(v, h));
   }
+  /// `prefill` with the tokens' ids (`cache::prefill`'s overload: one per token; S reads none).
+  template <class T>
+  void prefill(sequence_id seq, tensor_view<const T, 3> k, tensor_view<const T, 3> v, span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == k.extent(0), "cache::prefill", "token_ids.size()", token_ids.size(),
+                    "k.extent(0) (one id per token)");
+    prefill(seq, k, v);
+  }
 
   /// `cache::append`: one token per sequence, `k`, `v` [batch][num_kv_heads][head_dim]; all or
   /// nothing, as prefill. Every lane of the batch is written by one call of the inner cache (its
@@ -7520,6 +7531,15 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
       lanes_.append(span<const sequence_id>(of_head.data(), static_cast<std::int64_t>(of_head.size())), detail::one_head(k, h),
                     detail::one_head(v, h));
     }
+  }
+
+  /// `append` with each new token's id (`cache::append`'s overload: one per sequence; S reads none).
+  template <class T>
+  void append(span<const sequence_id> seqs, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+              span<const std::int32_t> token_ids) {
+    detail::require(token_ids.size() == seqs.size(), "cache::append", "token_ids.size()", token_ids.size(),
+                    "seqs.size() (one id per sequence)");
+    append(seqs, k, v);
   }
 
   /// `cache::plan` for `seqs`: plans their batch x num_kv_heads lanes.
@@ -7920,12 +7940,11 @@ template <class Cache>
 class layer_cache_of final : public layer_cache {
   using backend_type = typename Cache::backend_type;
   using selector_type = typename Cache::selector_type;
-  using lane_selector = typename detail::lane_selector<selector_type>::type;
   static constexpr bool device_backend = !std::is_same<backend_type, backend::host>::value;
   /// select::per_kv_head: the heads hold different tokens (read, window_votes and stored_tokens
   /// differ; `get()` has them per head).
   static constexpr bool per_head = detail::is_per_kv_head<selector_type>::value;
-  static constexpr bool ids_needed = selector_traits<lane_selector>::needs_token_ids;
+  static constexpr bool ids_needed = selector_traits<selector_type>::needs_token_ids;
 
  public:
   /// Builds the cache: `Cache(cache_args...)`, e.g. (config), (config, format, selector).
@@ -8034,7 +8053,7 @@ class layer_cache_of final : public layer_cache {
       return with_queries(where, queries, [&](const auto& q) { return cache_.snapshot(seq, q, softmax_scale); });
     } else {
       (void)seq, (void)queries, (void)softmax_scale;
-      detail::require(false, where, "the layer's selector", selector_traits<lane_selector>::name,
+      detail::require(false, where, "the layer's selector", selector_traits<selector_type>::name,
                       "a selector that takes a snapshot (select::snapkv)");
       return 0;
     }

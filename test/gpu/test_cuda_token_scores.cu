@@ -25,11 +25,51 @@ namespace {
 /// Two kernel shapes: a group the tensor-core kernel packs (3) and one it does not (6).
 using score_shapes = backend::cuda_for<kernel_shape<dtype::bf16, 64, 3>, kernel_shape<dtype::bf16, 64, 6>>;
 
-std::vector<float> step_query(const cache_config& c, int step) {
-  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
-  for (std::size_t i = 0; i < q.size(); ++i)
-    q[i] = 1.5f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(step));
-  return q;
+using test::step_query;
+
+/// Appends token lengths[b] + step of data[b] to sequence b of `batch` on both caches (the
+/// device's from device memory).
+template <class Host, class Device>
+void append_next(Host& host, Device& device, span<const sequence_id> batch, const std::vector<synthetic::kv_data>& data,
+                 const int* lengths, int step) {
+  const cache_config& c = host.config();
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  const auto n = static_cast<std::size_t>(batch.size());
+  std::vector<float> next_k(n * row), next_v(n * row);
+  for (std::size_t b = 0; b < n; ++b) {
+    const std::size_t at = static_cast<std::size_t>(lengths[b] + step) * row;
+    std::copy(data[b].k.begin() + at, data[b].k.begin() + at + row, next_k.begin() + b * row);
+    std::copy(data[b].v.begin() + at, data[b].v.begin() + at + row, next_v.begin() + b * row);
+  }
+  host.append(batch, tensor_view<const float, 3>(next_k.data(), batch.size(), c.num_kv_heads, c.head_dim),
+              tensor_view<const float, 3>(next_v.data(), batch.size(), c.num_kv_heads, c.head_dim));
+  device_array<float> dk(next_k), dv(next_v);
+  device.append(batch, tensor_view<const float, 3>(dk.data(), batch.size(), c.num_kv_heads, c.head_dim),
+                tensor_view<const float, 3>(dv.data(), batch.size(), c.num_kv_heads, c.head_dim));
+}
+
+/// Attends both caches with step `step`'s queries (sequence b: step_query(c, step + 100 b));
+/// returns the largest |gpu - host| output.
+template <class Host, class Device>
+double attend_both(Host& host, Device& device, span<const sequence_id> batch, int step) {
+  const cache_config& c = host.config();
+  const int hq = c.num_q_heads(), dim = c.head_dim;
+  std::vector<float> q;
+  for (std::int64_t b = 0; b < batch.size(); ++b) {
+    const std::vector<float> one = step_query(c, step + 100 * static_cast<int>(b));
+    q.insert(q.end(), one.begin(), one.end());
+  }
+  std::vector<float> host_out(q.size());
+  host.attend(batch, tensor_view<const float, 3>(q.data(), batch.size(), hq, dim),
+              tensor_view<float, 3>(host_out.data(), batch.size(), hq, dim));
+  device_array<float> dq(q), dout(q.size());
+  device.attend(batch, tensor_view<const float, 3>(dq.data(), batch.size(), hq, dim),
+                tensor_view<float, 3>(dout.data(), batch.size(), hq, dim));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> gpu_out = dout.to_host(q.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < q.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
+  return worst;
 }
 
 template <class Format = format::dense>
@@ -42,11 +82,9 @@ struct twin_settings {
   int compact_every = 4;
 };
 
-/// Runs `steps` decode steps (append, then attend) of a batch of two sequences of different
-/// lengths on twin caches and checks the scores after each, then the positions, pages and
-/// outputs. Returns the largest relative score difference.
-template <class Format, class Selector, class Compactor = compact::repack>
-double check_score_twins(const twin_settings<Format>& t, Selector selector, int steps, Compactor compactor = {}) {
+/// The twins' shape: 2 KV heads of head_dim 64, `t`'s group and page size, 64 pages, 2 sequences.
+template <class Format>
+cache_config twin_config(const twin_settings<Format>& t) {
   cache_config c;
   c.num_kv_heads = 2;
   c.group_size = t.group;
@@ -54,62 +92,58 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
   c.page_size = t.page_size;
   c.max_pages = 64;
   c.max_sequences = 2;
+  return c;
+}
+
+/// Two sequences on both caches, sequence b prefilled with lengths[b] tokens of synthetic data
+/// (seed + b) that has `steps` more for the appends; the data in `data`, the ids returned.
+template <class Host, class Device>
+std::vector<sequence_id> prefill_both(Host& host, Device& device, const int* lengths, std::uint64_t seed, int steps,
+                                      std::vector<synthetic::kv_data>& data) {
+  const cache_config& c = host.config();
+  std::vector<sequence_id> seqs;
+  for (int b = 0; b < 2; ++b) {
+    const int n = lengths[b];
+    data.push_back(synthetic::generate_kv(test::generator_for(c, seed + static_cast<std::uint64_t>(b)), 0, n + steps));
+    const device_array<float> k(data.back().k), v(data.back().v);
+    const sequence_id h = host.add_sequence(), d = device.add_sequence();
+    REQUIRE(h == d);
+    seqs.push_back(h);
+    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, c.head_dim),
+                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, c.head_dim));
+    device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, c.head_dim),
+                   tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, c.head_dim));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());  // the rows are read before k and v are freed
+  }
+  return seqs;
+}
+
+/// Runs `steps` decode steps (append, then attend) of a batch of two sequences of different
+/// lengths on twin caches and checks the scores after each, then the positions, pages and
+/// outputs. Returns the largest relative score difference.
+template <class Format, class Selector, class Compactor = compact::repack>
+double check_score_twins(const twin_settings<Format>& t, Selector selector, int steps, Compactor compactor = {}) {
+  const cache_config c = twin_config(t);
   selector.budget.tokens = t.budget;
   selector.compact_every = t.compact_every;
   cache<Format, Selector, Compactor> host(c, t.format, selector, compactor);
   cache<Format, Selector, Compactor, score_shapes> device(c, t.format, selector, compactor);
   if (t.portable) device.engine().use_portable_kernel();
-  const int hq = c.num_q_heads(), dim = c.head_dim;
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * dim;
   const int lengths[2] = {5 * c.page_size + 13, 3 * c.page_size + 2};  // one in a split of its own, one not
   std::vector<synthetic::kv_data> data;
-  std::vector<device_array<float>> k, v;
-  std::vector<sequence_id> seqs;
-  for (int b = 0; b < 2; ++b) {
-    const int n = lengths[b];
-    data.push_back(synthetic::generate_kv(test::generator_for(c, 17 + static_cast<std::uint64_t>(b)), 0, n + steps));
-    k.emplace_back(data.back().k);
-    v.emplace_back(data.back().v);
-    const sequence_id h = host.add_sequence(), d = device.add_sequence();
-    REQUIRE(h == d);
-    seqs.push_back(h);
-    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, dim),
-                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, dim));
-    device.prefill(d, tensor_view<const float, 3>(k[b].data(), n, c.num_kv_heads, dim),
-                   tensor_view<const float, 3>(v[b].data(), n, c.num_kv_heads, dim));
-  }
+  const std::vector<sequence_id> seqs = prefill_both(host, device, lengths, 17, steps, data);
   const span<const sequence_id> batch(seqs.data(), 2);
   double worst = 0;
   for (int step = 0; step < steps; ++step) {
     if (step > 0) {  // the next token: the eviction it triggers ranks by the previous step's scores
-      std::vector<float> next_k(2 * row), next_v(2 * row);
-      for (int b = 0; b < 2; ++b) {
-        const std::size_t at = static_cast<std::size_t>(lengths[b] + step) * row;
-        std::copy(data[b].k.begin() + at, data[b].k.begin() + at + row, next_k.begin() + b * row);
-        std::copy(data[b].v.begin() + at, data[b].v.begin() + at + row, next_v.begin() + b * row);
-      }
-      host.append(batch, tensor_view<const float, 3>(next_k.data(), 2, c.num_kv_heads, dim),
-                  tensor_view<const float, 3>(next_v.data(), 2, c.num_kv_heads, dim));
-      device_array<float> dk(next_k), dv(next_v);
-      device.append(batch, tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, dim),
-                    tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, dim));
+      append_next(host, device, batch, data, lengths, step);
       for (const sequence_id seq : seqs) {
         INFO("step " << step << ", sequence " << seq);
         REQUIRE(host.positions(seq) == device.positions(seq));
         REQUIRE(host.pages(seq) == device.pages(seq));
       }
     }
-    std::vector<float> q = step_query(c, step), q1 = step_query(c, step + 100);
-    q.insert(q.end(), q1.begin(), q1.end());
-    std::vector<float> host_out(q.size());
-    host.attend(batch, tensor_view<const float, 3>(q.data(), 2, hq, dim), tensor_view<float, 3>(host_out.data(), 2, hq, dim));
-    device_array<float> dq(q), dout(q.size());
-    device.attend(batch, tensor_view<const float, 3>(dq.data(), 2, hq, dim), tensor_view<float, 3>(dout.data(), 2, hq, dim));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> gpu_out = dout.to_host(q.size());
-    double worst_out = 0;
-    for (std::size_t i = 0; i < q.size(); ++i)
-      worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
+    const double worst_out = attend_both(host, device, batch, step);
     INFO("step " << step << ", largest |gpu - host| output " << worst_out);
     if constexpr (!format::is_quant_v<Format>)
       CHECK(worst_out <= 2e-5);  // quant's outputs, with their derived bounds: test_cuda_quant2.cu, _quant_widths.cu
@@ -141,13 +175,7 @@ double check_score_twins(const twin_settings<Format>& t, Selector selector, int 
 template <class Format, class Selector>
 std::int32_t check_per_head_twins(const twin_settings<Format>& t, Selector selector, std::int64_t budget0, std::int64_t budget1,
                                   int steps) {
-  cache_config c;
-  c.num_kv_heads = 2;
-  c.group_size = t.group;
-  c.head_dim = 64;
-  c.page_size = t.page_size;
-  c.max_pages = 64;
-  c.max_sequences = 2;
+  const cache_config c = twin_config(t);
   select::per_kv_head<Selector> s;
   s.selector = selector;
   s.selector.compact_every = t.compact_every;
@@ -155,37 +183,13 @@ std::int32_t check_per_head_twins(const twin_settings<Format>& t, Selector selec
   cache<Format, select::per_kv_head<Selector>, compact::repack> host(c, t.format, s);
   cache<Format, select::per_kv_head<Selector>, compact::repack, score_shapes> device(c, t.format, s);
   if (t.portable) device.lanes().engine().use_portable_kernel();
-  const int hq = c.num_q_heads(), dim = c.head_dim;
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * dim;
   const int lengths[2] = {5 * c.page_size + 13, 3 * c.page_size + 2};
   std::vector<synthetic::kv_data> data;
-  std::vector<sequence_id> seqs;
-  for (int b = 0; b < 2; ++b) {
-    const int n = lengths[b];
-    data.push_back(synthetic::generate_kv(test::generator_for(c, 41 + static_cast<std::uint64_t>(b)), 0, n + steps));
-    device_array<float> k(data.back().k), v(data.back().v);
-    const sequence_id h = host.add_sequence(), d = device.add_sequence();
-    REQUIRE(h == d);
-    seqs.push_back(h);
-    host.prefill(h, tensor_view<const float, 3>(data[b].k.data(), n, c.num_kv_heads, dim),
-                 tensor_view<const float, 3>(data[b].v.data(), n, c.num_kv_heads, dim));
-    device.prefill(d, tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, dim),
-                   tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, dim));
-  }
+  const std::vector<sequence_id> seqs = prefill_both(host, device, lengths, 41, steps, data);
   const span<const sequence_id> batch(seqs.data(), 2);
   for (int step = 0; step < steps; ++step) {
     if (step > 0) {
-      std::vector<float> next_k(2 * row), next_v(2 * row);
-      for (int b = 0; b < 2; ++b) {
-        const std::size_t at = static_cast<std::size_t>(lengths[b] + step) * row;
-        std::copy(data[b].k.begin() + at, data[b].k.begin() + at + row, next_k.begin() + b * row);
-        std::copy(data[b].v.begin() + at, data[b].v.begin() + at + row, next_v.begin() + b * row);
-      }
-      host.append(batch, tensor_view<const float, 3>(next_k.data(), 2, c.num_kv_heads, dim),
-                  tensor_view<const float, 3>(next_v.data(), 2, c.num_kv_heads, dim));
-      device_array<float> dk(next_k), dv(next_v);
-      device.append(batch, tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, dim),
-                    tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, dim));
+      append_next(host, device, batch, data, lengths, step);
       for (const sequence_id seq : seqs)
         for (int head = 0; head < 2; ++head) {
           INFO("step " << step << ", sequence " << seq << ", head " << head);
@@ -193,17 +197,7 @@ std::int32_t check_per_head_twins(const twin_settings<Format>& t, Selector selec
           REQUIRE(host.stored_tokens(seq, head) == device.stored_tokens(seq, head));
         }
     }
-    std::vector<float> q = step_query(c, step), q1 = step_query(c, step + 100);
-    q.insert(q.end(), q1.begin(), q1.end());
-    std::vector<float> host_out(q.size());
-    host.attend(batch, tensor_view<const float, 3>(q.data(), 2, hq, dim), tensor_view<float, 3>(host_out.data(), 2, hq, dim));
-    device_array<float> dq(q), dout(q.size());
-    device.attend(batch, tensor_view<const float, 3>(dq.data(), 2, hq, dim), tensor_view<float, 3>(dout.data(), 2, hq, dim));
-    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> gpu_out = dout.to_host(q.size());
-    double worst_out = 0;
-    for (std::size_t i = 0; i < q.size(); ++i)
-      worst_out = std::max(worst_out, static_cast<double>(std::abs(gpu_out[i] - host_out[i])));
+    const double worst_out = attend_both(host, device, batch, step);
     INFO("step " << step << ", largest |gpu - host| output " << worst_out);
     if constexpr (!format::is_quant_v<Format>) CHECK(worst_out <= 2e-5);
     for (const sequence_id seq : seqs)

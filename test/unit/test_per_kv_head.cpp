@@ -22,48 +22,12 @@ using namespace kvmosaic;
 
 namespace {
 
-cache_config small_config(int max_pages = 64) {
-  cache_config c;
-  c.num_kv_heads = 2;
-  c.group_size = 2;
-  c.head_dim = 64;
-  c.page_size = 16;
-  c.max_pages = max_pages;
-  c.max_sequences = 2;
-  return c;
-}
+using test::append_token;
+using test::attend_one;
+using test::prefill_tokens;
+using test::step_query;
 
-std::vector<float> query(const cache_config& c, int step) {
-  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 1.5f * std::cos(0.13f * static_cast<float>(i) + 0.9f * static_cast<float>(step));
-  return q;
-}
-
-template <class Cache>
-std::vector<float> attend(Cache& kv, sequence_id seq, const std::vector<float>& q) {
-  const cache_config& c = kv.config();
-  std::vector<float> out(q.size());
-  const sequence_id one[] = {seq};
-  kv.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(q.data(), 1, c.num_q_heads(), c.head_dim),
-            tensor_view<float, 3>(out.data(), 1, c.num_q_heads(), c.head_dim));
-  return out;
-}
-
-template <class Cache>
-void prefill(Cache& kv, sequence_id seq, const synthetic::kv_data& data, int tokens) {
-  const cache_config& c = kv.config();
-  kv.prefill(seq, tensor_view<const float, 3>(data.k.data(), tokens, c.num_kv_heads, c.head_dim),
-             tensor_view<const float, 3>(data.v.data(), tokens, c.num_kv_heads, c.head_dim));
-}
-
-template <class Cache>
-void append_row(Cache& kv, sequence_id seq, const synthetic::kv_data& data, int t) {
-  const cache_config& c = kv.config();
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  const sequence_id one[] = {seq};
-  kv.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(data.k.data() + t * row, 1, c.num_kv_heads, c.head_dim),
-            tensor_view<const float, 3>(data.v.data() + t * row, 1, c.num_kv_heads, c.head_dim));
-}
+cache_config small_config(int max_pages = 64) { return test::two_head_config(max_pages); }
 
 std::vector<std::int64_t> live_of(const std::vector<std::int64_t>& positions) {
   std::vector<std::int64_t> live;
@@ -138,14 +102,14 @@ TEST_CASE("per_kv_head<h2o>: each head keeps its recent window and its own heavi
   s.budgets[0].tokens = 32;  // 16 recent, 16 heavy hitters
   s.budgets[1].tokens = 96;  // 48 recent, 48 heavy hitters
   h2o_cache kv(c, {}, s);
-  CHECK(kv.describe() == "dense/per_kv_head(h2o(1/16, recent 0.5, sum, compact every 16), budgets 32 tokens; 96 tokens)/repack/host");
+  CHECK(kv.describe() == "dense/per_kv_head(h2o(1/16, recent 0.5, sum, compact every 16), budgets 32 tokens; 96 tokens)/repack");
   const int total = 400;
   const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 11), 0, total);
   const sequence_id seq = kv.add_sequence();
-  prefill(kv, seq, data, 40);
+  prefill_tokens(kv, seq, data, 40);
   for (int t = 40; t < total; ++t) {
-    const std::vector<float> q = query(c, t);
-    const std::vector<float> out = attend(kv, seq, q);
+    const std::vector<float> q = step_query(c, t);
+    const std::vector<float> out = attend_one(kv, seq, q);
     std::vector<std::vector<float>> scores(2);
     std::vector<std::vector<std::int64_t>> before(2);
     for (int h = 0; h < 2; ++h) {
@@ -154,7 +118,7 @@ TEST_CASE("per_kv_head<h2o>: each head keeps its recent window and its own heavi
       scores[static_cast<std::size_t>(h)] = kv.token_scores(seq, h);
       REQUIRE(scores[static_cast<std::size_t>(h)].size() == static_cast<std::size_t>(t));  // one head: [position]
     }
-    append_row(kv, seq, data, t);
+    append_token(kv, seq, data, t);
     const std::int64_t n = t + 1;
     CAPTURE(t);
     for (int h = 0; h < 2; ++h) {
@@ -191,14 +155,14 @@ TEST_CASE("per_kv_head frees memory by head: with budgets that differ, the pool 
   cache<format::dense, select::tova, compact::repack> shared(c, {}, shared_budget);
   const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 13), 0, 600);
   const sequence_id a = heads.add_sequence(), b = shared.add_sequence();
-  prefill(heads, a, data, 64);
-  prefill(shared, b, data, 64);
+  prefill_tokens(heads, a, data, 64);
+  prefill_tokens(shared, b, data, 64);
   for (int t = 64; t < 600; ++t) {
-    const std::vector<float> q = query(c, t);
-    attend(heads, a, q);
-    attend(shared, b, q);
-    append_row(heads, a, data, t);
-    append_row(shared, b, data, t);
+    const std::vector<float> q = step_query(c, t);
+    attend_one(heads, a, q);
+    attend_one(shared, b, q);
+    append_token(heads, a, data, t);
+    append_token(shared, b, data, t);
   }
   heads.compact(a);
   shared.compact(b);
@@ -235,25 +199,25 @@ TEST_CASE("per_kv_head: a head is a one-head cache fed that head's data", "[per_
   const synthetic::kv_data heads[2] = {one_head(data, 0), one_head(data, 1)};
   const sequence_id seq = kv.add_sequence();
   sequence_id lone[2];
-  prefill(kv, seq, data, 50);
+  prefill_tokens(kv, seq, data, 50);
   for (int h = 0; h < 2; ++h) {
     lone[h] = alone[static_cast<std::size_t>(h)].add_sequence();
-    prefill(alone[static_cast<std::size_t>(h)], lone[h], heads[h], 50);
+    prefill_tokens(alone[static_cast<std::size_t>(h)], lone[h], heads[h], 50);
   }
   const std::size_t d = static_cast<std::size_t>(c.head_dim);
   for (int t = 50; t < total; ++t) {
-    const std::vector<float> q = query(c, t);
-    const std::vector<float> out = attend(kv, seq, q);
+    const std::vector<float> q = step_query(c, t);
+    const std::vector<float> out = attend_one(kv, seq, q);
     for (int h = 0; h < 2; ++h) {
       const std::vector<float> qh(q.begin() + static_cast<std::ptrdiff_t>(h * 2 * d),
                                   q.begin() + static_cast<std::ptrdiff_t>((h + 1) * 2 * d));
-      const std::vector<float> oh = attend(alone[static_cast<std::size_t>(h)], lone[h], qh);
+      const std::vector<float> oh = attend_one(alone[static_cast<std::size_t>(h)], lone[h], qh);
       INFO("t " << t << ", head " << h);
       REQUIRE(std::equal(oh.begin(), oh.end(), out.begin() + static_cast<std::ptrdiff_t>(h * 2 * d)));
     }
-    append_row(kv, seq, data, t);
+    append_token(kv, seq, data, t);
     for (int h = 0; h < 2; ++h) {
-      append_row(alone[static_cast<std::size_t>(h)], lone[h], heads[h], t);
+      append_token(alone[static_cast<std::size_t>(h)], lone[h], heads[h], t);
       REQUIRE(kv.positions(seq, h) == alone[static_cast<std::size_t>(h)].positions(lone[h]));
       REQUIRE(kv.token_scores(seq, h) == alone[static_cast<std::size_t>(h)].token_scores(lone[h]));
     }
@@ -274,14 +238,14 @@ TEST_CASE("per_kv_head: a batch whose k, v do not collapse is written head by he
   for (int i = 0; i < 2; ++i) {
     a[i] = contiguous.add_sequence();
     b[i] = head_major.add_sequence();
-    prefill(contiguous, a[i], data, 30);
-    prefill(head_major, b[i], data, 30);
+    prefill_tokens(contiguous, a[i], data, 30);
+    prefill_tokens(head_major, b[i], data, 30);
   }
   for (int t = 30; t < 160; ++t) {
     // Sequence i appends token t - 10 i of the data ([batch][head][d] in k, [head][batch][d] in kh).
     std::vector<float> q(2 * 4 * d), k(2 * 2 * d), v(k.size()), kh(k.size()), vh(k.size());
     for (std::size_t i = 0; i < 2; ++i) {
-      const std::vector<float> qi = query(c, t + 7 * static_cast<int>(i));
+      const std::vector<float> qi = step_query(c, t + 7 * static_cast<int>(i));
       std::copy(qi.begin(), qi.end(), q.begin() + static_cast<std::ptrdiff_t>(i * 4 * d));
       const std::size_t token = static_cast<std::size_t>(t) - 10 * i;
       for (std::size_t h = 0; h < 2; ++h)
@@ -318,7 +282,7 @@ TEST_CASE("per_kv_head<snapkv>: each head's snapshot keeps its budget by its own
   one.num_kv_heads = 1;
   const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 23), 0, 300);
   const sequence_id seq = kv.add_sequence();
-  prefill(kv, seq, data, 300);
+  prefill_tokens(kv, seq, data, 300);
   std::vector<float> window(static_cast<std::size_t>(8 * c.num_q_heads() * c.head_dim));
   for (std::size_t i = 0; i < window.size(); ++i) window[i] = std::sin(0.37f * static_cast<float>(i));
   const std::int64_t evicted = kv.snapshot(seq, tensor_view<const float, 3>(window.data(), 8, c.num_q_heads(), c.head_dim));
@@ -329,7 +293,7 @@ TEST_CASE("per_kv_head<snapkv>: each head's snapshot keeps its budget by its own
     sh.budget = s.budgets[static_cast<std::size_t>(h)];
     cache<format::dense, select::snapkv, compact::repack> alone(one, {}, sh);
     const sequence_id lone = alone.add_sequence();
-    prefill(alone, lone, one_head(data, h), 300);
+    prefill_tokens(alone, lone, one_head(data, h), 300);
     std::vector<float> wh;  // head h's query heads of each window query
     for (std::size_t w = 0; w < 8; ++w) {
       const auto from = window.begin() + static_cast<std::ptrdiff_t>((w * 2 + static_cast<std::size_t>(h)) * gd);
@@ -352,9 +316,9 @@ TEST_CASE("per_kv_head: budgets of 0, the whole context and beyond; forks; set_b
   cache<format::dense, select::per_kv_head<select::tova>, compact::repack> kv(c, {}, s);
   const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 29), 0, 140);
   const sequence_id seq = kv.add_sequence();
-  prefill(kv, seq, data, 100);
-  attend(kv, seq, query(c, 1));
-  append_row(kv, seq, data, 100);  // 101 tokens: head 0 keeps only its tail, head 1 everything
+  prefill_tokens(kv, seq, data, 100);
+  attend_one(kv, seq, step_query(c, 1));
+  append_token(kv, seq, data, 100);  // 101 tokens: head 0 keeps only its tail, head 1 everything
   CHECK(live_of(kv.positions(seq, 0)).size() == 101u % 16u);
   CHECK(live_of(kv.positions(seq, 1)).size() == 101u);
   CHECK(kv.budget(seq, 1).tokens == (1 << 20));
@@ -362,14 +326,14 @@ TEST_CASE("per_kv_head: budgets of 0, the whole context and beyond; forks; set_b
   const sequence_id child = kv.fork_sequence(seq);
   kv.set_budget(child, 1, select::token_budget{0, 64});
   CHECK(kv.budget(seq, 1).tokens == (1 << 20));
-  attend(kv, child, query(c, 2));
-  append_row(kv, child, data, 101);
+  attend_one(kv, child, step_query(c, 2));
+  append_token(kv, child, data, 101);
   CHECK(live_of(kv.positions(child, 1)).size() == 64u);
   CHECK(live_of(kv.positions(seq, 1)).size() == 101u);
   // Head 1's budget set to the whole context by ratio: it evicts nothing more.
   kv.set_budget(seq, 1, select::token_budget{1.0, -1});
-  attend(kv, seq, query(c, 3));
-  append_row(kv, seq, data, 101);
+  attend_one(kv, seq, step_query(c, 3));
+  append_token(kv, seq, data, 101);
   CHECK(live_of(kv.positions(seq, 1)).size() == 102u);
   CHECK(kv.length(seq) == 102);
   kv.remove_sequence(child);
@@ -401,16 +365,16 @@ TEST_CASE("per_kv_head rejects bad input, naming it", "[per_kv_head][errors]") {
   CHECK_THROWS_WITH(kv.set_budget(seq, 0, select::token_budget{-1.0, -1}), Catch::Contains("budget.ratio"));
   CHECK_THROWS_WITH(kv.positions(seq + 1, 0), Catch::Contains("seq"));
   // 8 head pages: a prefill of 80 tokens needs 10; nothing is stored in any head.
-  CHECK_THROWS_AS(prefill(kv, seq, data, 80), capacity_error);
+  CHECK_THROWS_AS(prefill_tokens(kv, seq, data, 80), capacity_error);
   CHECK(kv.stored_tokens(seq, 0) == 0);
   CHECK(kv.stored_tokens(seq, 1) == 0);
   CHECK(kv.pool().used_pages() == 0);
   CHECK_THROWS_WITH(kv.prefill(seq, tensor_view<const float, 3>(data.k.data(), 10, 1, c.head_dim),
                                tensor_view<const float, 3>(data.v.data(), 10, 1, c.head_dim)),
                     Catch::Contains("num_kv_heads"));
-  prefill(kv, seq, data, 20);
+  prefill_tokens(kv, seq, data, 20);
   const sequence_id second = kv.add_sequence();
-  prefill(kv, second, data, 20);
+  prefill_tokens(kv, second, data, 20);
   // A query whose first two dimensions do not collapse: [query head][batch][d] in memory.
   std::vector<float> q(static_cast<std::size_t>(2 * c.num_q_heads() * c.head_dim)), out(q.size());
   const std::int64_t extents[3] = {2, c.num_q_heads(), c.head_dim};
@@ -435,13 +399,13 @@ TEST_CASE("a keep-less cache keeps a budget per sequence: cache::set_budget(seq,
   kv.set_budget(b, select::token_budget{0, 80});
   CHECK(kv.budget(a).tokens == 48);
   CHECK(kv.budget(b).tokens == 80);
-  prefill(kv, a, data, 100);
-  prefill(kv, b, data, 100);
+  prefill_tokens(kv, a, data, 100);
+  prefill_tokens(kv, b, data, 100);
   for (int t = 100; t < 140; ++t) {
-    attend(kv, a, query(c, t));
-    attend(kv, b, query(c, t));
-    append_row(kv, a, data, t);
-    append_row(kv, b, data, t);
+    attend_one(kv, a, step_query(c, t));
+    attend_one(kv, b, step_query(c, t));
+    append_token(kv, a, data, t);
+    append_token(kv, b, data, t);
   }
   CHECK(live_of(kv.positions(a)).size() == 48u);
   CHECK(live_of(kv.positions(b)).size() == 80u);
@@ -464,18 +428,18 @@ TEST_CASE("per_kv_head behind layer_cache: the same attention; read and window v
   const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 43), 0, 100);
   const sequence_id seq = layer->add_sequence(), twin = typed.add_sequence();
   layer->prefill(seq, tensor_ref<3>::of(test::k_view(data)), tensor_ref<3>::of(test::v_view(data)), {});
-  prefill(typed, twin, data, 100);
+  prefill_tokens(typed, twin, data, 100);
   std::vector<float> window(static_cast<std::size_t>(4 * c.num_q_heads() * c.head_dim));
   for (std::size_t i = 0; i < window.size(); ++i) window[i] = std::cos(0.21f * static_cast<float>(i));
   const tensor_view<const float, 3> queries(window.data(), 4, c.num_q_heads(), c.head_dim);
   CHECK(layer->snapshot(seq, tensor_ref<3>::of(queries)) == typed.snapshot(twin, queries));
   CHECK(layer->stored_tokens(seq) == (typed.stored_tokens(twin, 0) + typed.stored_tokens(twin, 1)) / 2);
-  const std::vector<float> q = query(c, 5);
+  const std::vector<float> q = step_query(c, 5);
   std::vector<float> out(q.size());
   const sequence_id one[] = {seq};
   layer->attend(span<const sequence_id>(one, 1), tensor_ref<3>::of(tensor_view<const float, 3>(q.data(), 1, c.num_q_heads(), c.head_dim)),
                 tensor_ref<3>::of(tensor_view<float, 3>(out.data(), 1, c.num_q_heads(), c.head_dim)));
-  CHECK(out == attend(typed, twin, q));
+  CHECK(out == attend_one(typed, twin, q));
   std::vector<float> k(100 * 2 * 64), v(k.size());
   CHECK_THROWS_WITH(layer->read(seq, tensor_ref<3>::of(tensor_view<float, 3>(k.data(), 100, 2, 64)),
                                 tensor_ref<3>::of(tensor_view<float, 3>(v.data(), 100, 2, 64))),

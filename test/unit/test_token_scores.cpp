@@ -21,42 +21,11 @@ using namespace kvmosaic;
 
 namespace {
 
-cache_config small_config(int max_pages = 64) {
-  cache_config c;
-  c.num_kv_heads = 2;
-  c.group_size = 2;
-  c.head_dim = 64;
-  c.page_size = 16;
-  c.max_pages = max_pages;
-  c.max_sequences = 2;
-  return c;
-}
+using test::append_token;
+using test::attend_one;
+using test::step_query;
 
-/// A query per step: different directions at different steps.
-std::vector<float> query(const cache_config& c, int step) {
-  std::vector<float> q(static_cast<std::size_t>(c.num_q_heads()) * c.head_dim);
-  for (std::size_t i = 0; i < q.size(); ++i) q[i] = 1.5f * std::cos(0.11f * static_cast<float>(i) + 0.7f * static_cast<float>(step));
-  return q;
-}
-
-template <class Cache>
-std::vector<float> attend(Cache& kv, sequence_id seq, const std::vector<float>& q) {
-  const cache_config& c = kv.config();
-  std::vector<float> out(q.size());
-  const sequence_id one[] = {seq};
-  kv.attend(span<const sequence_id>(one, 1), tensor_view<const float, 3>(q.data(), 1, c.num_q_heads(), c.head_dim),
-            tensor_view<float, 3>(out.data(), 1, c.num_q_heads(), c.head_dim));
-  return out;
-}
-
-template <class Cache>
-void append_row(Cache& kv, sequence_id seq, const synthetic::kv_data& data, int t) {
-  const cache_config& c = kv.config();
-  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
-  const sequence_id one[] = {seq};
-  kv.append(span<const sequence_id>(one, 1), tensor_view<const float, 3>(data.k.data() + t * row, 1, c.num_kv_heads, c.head_dim),
-            tensor_view<const float, 3>(data.v.data() + t * row, 1, c.num_kv_heads, c.head_dim));
-}
+cache_config small_config(int max_pages = 64) { return test::two_head_config(max_pages); }
 
 template <class Cache>
 std::vector<std::int64_t> live_positions(const Cache& kv, sequence_id seq) {
@@ -172,9 +141,9 @@ void check_step_scores(const Format& format, int page_size) {
              tensor_view<const float, 3>(data.v.data(), 100, c.num_kv_heads, c.head_dim));
   // Step 1 over 100 tokens (pages and a tail), then one more token and step 2: the buffer
   // holds the sum of the two steps' probabilities (H2O's accumulation).
-  const std::vector<float> q1 = query(c, 1), q2 = query(c, 2);
+  const std::vector<float> q1 = step_query(c, 1), q2 = step_query(c, 2);
   const expected_scores first = oracle_scores(kv, seq, q1, combine);
-  attend(kv, seq, q1);
+  attend_one(kv, seq, q1);
   const detail::token_score_buffer after_first = kv.selector_state(seq).scores;
   REQUIRE(after_first.tokens() == 100);
   REQUIRE(after_first.scored_tokens == 100);
@@ -192,9 +161,9 @@ void check_step_scores(const Format& format, int page_size) {
     for (std::int64_t p = 0; p < 100; ++p) total += after_first.at(p, h);
     if (combine == group_combine::sum) CHECK(std::abs(total - c.group_size) < 1e-4);
   }
-  append_row(kv, seq, data, 100);
+  append_token(kv, seq, data, 100);
   const expected_scores second = oracle_scores(kv, seq, q2, combine);
-  attend(kv, seq, q2);
+  attend_one(kv, seq, q2);
   const detail::token_score_buffer& after_second = kv.selector_state(seq).scores;
   REQUIRE(after_second.tokens() == 101);
   for (std::int64_t p = 0; p < 101; ++p)
@@ -230,9 +199,9 @@ TEST_CASE("select::tova evicts the tokens the last step attended to least, as a 
              tensor_view<const float, 3>(data.v.data(), 100, c.num_kv_heads, c.head_dim));
   // No step has scored the prefill: nothing is evicted however far over the budget it is.
   CHECK(live_positions(kv, seq).size() == 100);
-  attend(kv, seq, query(c, 3));
+  attend_one(kv, seq, step_query(c, 3));
   const detail::token_score_buffer scores = kv.selector_state(seq).scores;
-  append_row(kv, seq, data, 100);  // 101 tokens, the tail 96..100: the candidates are 0..95
+  append_token(kv, seq, data, 100);  // 101 tokens, the tail 96..100: the candidates are 0..95
   std::vector<std::int64_t> candidates;
   for (std::int64_t p = 0; p < 96; ++p) candidates.push_back(p);
   const std::int64_t over = std::max<std::int64_t>(0, 101 - budget);
@@ -244,8 +213,8 @@ TEST_CASE("select::tova evicts the tokens the last step attended to least, as a 
   CHECK(static_cast<std::int64_t>(live.size()) == std::max<std::int64_t>(std::min<std::int64_t>(budget, 101), 5));
 
   // Attention then reads exactly the live tokens (fp64 oracle over them).
-  const std::vector<float> q = query(c, 4);
-  const std::vector<float> out = attend(kv, seq, q);
+  const std::vector<float> q = step_query(c, 4);
+  const std::vector<float> out = attend_one(kv, seq, q);
   const synthetic::kv_data kept = test::tokens_of(test::rounded(data, c.storage), live);
   const double scale = 1.0 / std::sqrt(64.0);
   const std::vector<double> exact = test::exact(q, kept, scale);
@@ -278,13 +247,13 @@ TEST_CASE("select::h2o keeps the recent window and the heaviest hitters, frees m
                       tensor_view<const float, 3>(data.v.data(), 40, c.num_kv_heads, c.head_dim));
   std::int64_t most_pages = 0;
   for (int t = 40; t < total; ++t) {
-    const std::vector<float> q = query(c, t);
-    const std::vector<float> out = attend(kv, seq, q);
-    attend(uncompacted, other, q);
+    const std::vector<float> q = step_query(c, t);
+    const std::vector<float> out = attend_one(kv, seq, q);
+    attend_one(uncompacted, other, q);
     const detail::token_score_buffer scores = kv.selector_state(seq).scores;
     const std::vector<std::int64_t> before = live_positions(kv, seq);
-    append_row(kv, seq, data, t);
-    append_row(uncompacted, other, data, t);
+    append_token(kv, seq, data, t);
+    append_token(uncompacted, other, data, t);
     const std::int64_t n = t + 1;
     const std::vector<std::int64_t> live = live_positions(kv, seq);
     CAPTURE(t);

@@ -19,6 +19,7 @@
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
+#include "kvmosaic/select/token_scores.hpp"
 
 namespace kvmosaic {
 namespace select {
@@ -53,26 +54,27 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
-/// The selector whose hooks run each sequence a cache holds: `Selector` itself, or S for
-/// `select::per_kv_head<S>` (each KV head's lane runs S).
-template <class Selector>
-struct lane_selector {
-  using type = Selector;
-};
-template <class S>
-struct lane_selector<select::per_kv_head<S>> {
-  using type = S;
-};
 }  // namespace detail
 
-/// What the cache template reads of `per_kv_head<S>`: its name and description, and its checks.
-/// Its per-sequence hooks are S's, run by each head's one-head sequence (per_kv_head_cache.hpp).
+/// `select::per_kv_head<S>`'s traits: its name, description and checks, and S's properties
+/// (what it reads, whether it evicts, which scores its lanes record), so that code reading a
+/// selector's properties reads these. It declares no per-sequence hooks: S's run in each lane
+/// (per_kv_head_cache.hpp), and the primary cache template does not take it.
 template <class S>
-struct per_kv_head_traits {
+struct selector_traits<select::per_kv_head<S>> {
   static_assert(selector_traits<S>::evicts && detail::has_token_budget<S>::value,
                 "kvmosaic::select::per_kv_head<S>: S must be a keep-less selector with a token budget "
                 "(select::h2o, select::tova, select::snapkv, select::streaming); read-less selectors "
                 "(select::quest, select::mean_keys) already choose per KV head at each step");
+  static constexpr const char* name = "per_kv_head";
+  static constexpr bool reads_all_pages = selector_traits<S>::reads_all_pages;
+  static constexpr bool evicts = true;
+  static constexpr bool needs_token_ids = selector_traits<S>::needs_token_ids;
+  static constexpr score_use token_scores = detail::token_scores_of<S>::value;
+  static constexpr bool reads_window_votes = detail::reads_window_votes<S>::value;
+  template <class Cache>
+  struct cache_members {};  // the specialization's own members (snapshot) stand in
+
   static std::string describe(const select::per_kv_head<S>& s) {
     std::string text = std::string("per_kv_head(") + selector_traits<S>::describe(s.selector);
     if (!s.budgets.empty()) {

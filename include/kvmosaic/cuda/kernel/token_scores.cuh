@@ -279,19 +279,14 @@ __global__ void __launch_bounds__(Threads) rank_keys_kernel(const rank_params p)
   if (!detail_scores::add_histogram<Threads>(state, histogram, last)) return;
   const int n = *static_cast<volatile int*>(&state.candidates);
   const int k = static_cast<int>(q.count < n ? q.count : n);
-  if (k == 1 && n > 1) {  // the lowest key alone (keys are distinct): no digit passes
+  // Decided without digit passes: nothing to choose, every candidate, or the lowest key alone
+  // (keys are distinct).
+  if (k <= 1 || k == n) {
     if (tid == 0) {
       state.done = 1;
-      state.threshold = ~*static_cast<volatile unsigned long long*>(&state.lowest_complement);
-      state.arrivals = 0;
-    }
-    static_cast<volatile int*>(state.histogram)[tid] = 0;
-    return;
-  }
-  if (k <= 0 || k == n) {  // nothing to choose, or every candidate
-    if (tid == 0) {
-      state.done = 1;
-      state.threshold = k <= 0 ? 0ull : detail_scores::not_a_candidate - 1;
+      state.threshold = k <= 0   ? 0ull
+                        : k == n ? detail_scores::not_a_candidate - 1
+                                 : ~*static_cast<volatile unsigned long long*>(&state.lowest_complement);
       state.arrivals = 0;
     }
     static_cast<volatile int*>(state.histogram)[tid] = 0;
