@@ -405,17 +405,7 @@ void window_votes(benchmark::State& state) {
   state.counters["window"] = window;
 }
 
-/// The policy a selector runs: itself, or S for select::per_kv_head<S> (each head runs S).
-template <class Selector>
-struct policy_of {
-  using type = Selector;
-  static Selector& get(Selector& s) { return s; }
-};
-template <class S>
-struct policy_of<select::per_kv_head<S>> {
-  using type = S;
-  static S& get(select::per_kv_head<S>& s) { return s.selector; }
-};
+using kvmosaic::detail::policy_of;
 
 /// A whole decode step of format::dense as an engine waits for it, host bookkeeping included:
 /// plan, run, then the append of the next token, timed on the host clock from the plan to the end

@@ -1,16 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvmosaic_eviction_metrics: how well the keep-less selectors keep, on the synthetic workload
 // (host backend, dense pages of 64, compact::repack). select::streaming (4 sinks), select::tova,
-// select::h2o and select::snapkv (window 32, its queries those of the prompt's last 32 positions) at
-// budgets 1/8 and 1/4 of the context: each sequence is prefilled with `--context` tokens (snapkv
+// select::h2o and select::snapkv (window 32, its queries those of the prompt's last 32 positions),
+// and the last three per KV head (select::per_kv_head), at budgets 1/8 and 1/4 of the context: each sequence is prefilled with `--context` tokens (snapkv
 // then snapshots), then decodes `--steps` tokens, each step an attend then an append (TOVA and H2O
 // evict after a write, by the scores of the steps before it). Every 8th step from the first,
 // averaged over the batch and those steps:
 //   - the output's relative L2 error and cosine against fp64 exact attention over every token the
 //     sequence was given (evicted ones included);
 //   - recall of the exact top-k attention tokens (k = the budget; per query head, fp64 weights over
-//     every token) among the tokens the cache still holds, and the exact attention mass they carry;
-//   - the live tokens and the pool pages held (x 64 tokens) at the end, as fractions of the length.
+//     every token) among the tokens the cache still holds for that query head's KV head, and the
+//     exact attention mass they carry;
+//   - the live tokens and the pool pages held (x 64 tokens) at the end, as fractions of the length
+//     (per KV head, averaged over the heads, for the per-head rows).
 //
 //   kvmosaic_eviction_metrics [--context 8192] [--batch 2] [--steps 136] [--json FILE]
 
@@ -51,11 +53,22 @@ struct workload {
   std::vector<synthetic::kv_data> kv;  // context + steps tokens per sequence
 };
 
+using kvmosaic::detail::policy_of;
+
+/// The positions KV head `head` of `seq` holds (every head's, unless the selector decides per head).
+template <class Cache>
+std::vector<std::int64_t> positions_of(const Cache& kv, sequence_id seq, int head) {
+  if constexpr (detail::is_per_kv_head<typename Cache::selector_type>::value) return kv.positions(seq, head);
+  else return (void)head, kv.positions(seq);
+}
+
 template <class Cache>
 void snapshot_if_snapkv(Cache& kv, const workload& w, sequence_id seq, std::size_t b) {
-  if constexpr (std::is_same_v<typename Cache::selector_type, select::snapkv>) {
+  using selector_type = typename Cache::selector_type;
+  if constexpr (std::is_same_v<typename policy_of<selector_type>::type, select::snapkv>) {
     const cache_config& c = w.config;
-    const int window = kv.selector().window;
+    selector_type s = kv.selector();
+    const int window = policy_of<selector_type>::get(s).window;
     std::vector<float> q;  // the queries of positions context - window ... context - 1
     for (int t = w.context - window; t < w.context; ++t) {
       const auto one = synthetic::generate_query(w.generator, b, t + 1);
@@ -71,7 +84,8 @@ void snapshot_if_snapkv(Cache& kv, const workload& w, sequence_id seq, std::size
 template <class Selector>
 void measure(const workload& w, Selector selector, int inverse, std::vector<eviction_row>& rows) {
   const cache_config& c = w.config;
-  selector.budget = select::token_budget{1.0 / inverse, -1};
+  auto& policy = policy_of<Selector>::get(selector);
+  policy.budget = select::token_budget{1.0 / inverse, -1};
   cache<format::dense, Selector, compact::repack> kv(c, {}, selector);
   const int hq = c.num_q_heads(), d = c.head_dim, g = c.group_size;
   const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * d;
@@ -108,11 +122,11 @@ void measure(const workload& w, Selector selector, int inverse, std::vector<evic
         const host::fidelity f = host::compare(out.data() + b * static_cast<std::size_t>(hq) * d, exact.data(), exact.size());
         r.rel_l2 += f.rel_l2_error / static_cast<double>(batch);
         r.cosine += f.cosine / static_cast<double>(batch);
-        std::vector<char> held(static_cast<std::size_t>(n), 0);
-        for (const std::int64_t p : kv.positions(seqs[b]))
-          if (p >= 0) held[static_cast<std::size_t>(p)] = 1;
-        const auto k = static_cast<std::size_t>(selector.budget.resolve(n));
+        const auto k = static_cast<std::size_t>(policy.budget.resolve(n));
         for (int j = 0; j < hq; ++j) {
+          std::vector<char> held(static_cast<std::size_t>(n), 0);  // what query head j's KV head holds
+          for (const std::int64_t p : positions_of(kv, seqs[b], j / g))
+            if (p >= 0) held[static_cast<std::size_t>(p)] = 1;
           const kvmosaic_examples::held_share share = kvmosaic_examples::share_held(exact_weights(qb, j, w.kv[b], n, g), held, k);
           r.recall += share.topk_recall / static_cast<double>(batch * hq);
           r.mass += share.mass / static_cast<double>(batch * hq);
@@ -129,12 +143,18 @@ void measure(const workload& w, Selector selector, int inverse, std::vector<evic
   }
   for (double* x : {&r.recall, &r.mass, &r.rel_l2, &r.cosine}) *x /= std::max(measured, 1);
   const double length = static_cast<double>(w.context + w.steps);
-  for (const sequence_id seq : seqs) {
-    std::int64_t live = 0;
-    for (const std::int64_t p : kv.positions(seq)) live += p >= 0;
-    r.live += static_cast<double>(live) / length / static_cast<double>(batch);
-    r.pages += static_cast<double>(kv.pages(seq).size()) * c.page_size / length / static_cast<double>(batch);
-  }
+  constexpr bool per_head = detail::is_per_kv_head<Selector>::value;
+  const int heads = per_head ? c.num_kv_heads : 1;  // live tokens and pages: the heads' mean
+  for (const sequence_id seq : seqs)
+    for (int h = 0; h < heads; ++h) {
+      std::int64_t live = 0;
+      for (const std::int64_t p : positions_of(kv, seq, h)) live += p >= 0;
+      std::size_t pages = 0;
+      if constexpr (per_head) pages = kv.lanes().pages(kv.lanes(seq)[static_cast<std::size_t>(h)]).size();
+      else pages = kv.pages(seq).size();
+      r.live += static_cast<double>(live) / length / static_cast<double>(batch * heads);
+      r.pages += static_cast<double>(pages) * c.page_size / length / static_cast<double>(batch * heads);
+    }
   std::printf("%-58s 1/%-2d recall %.3f  mass %.3f  relL2 %.3f  cos %.4f  live %.3f  pages %.3f\n", r.selector.c_str(), inverse,
               r.recall, r.mass, r.rel_l2, r.cosine, r.live, r.pages);
   std::fflush(stdout);
@@ -184,6 +204,9 @@ int main(int argc, char** argv) {
       measure(w, select::tova{}, inverse, rows);
       measure(w, select::h2o{}, inverse, rows);
       measure(w, select::snapkv{}, inverse, rows);
+      measure(w, select::per_kv_head<select::tova>{}, inverse, rows);  // one decision per KV head
+      measure(w, select::per_kv_head<select::h2o>{}, inverse, rows);
+      measure(w, select::per_kv_head<select::snapkv>{}, inverse, rows);
     }
     if (!o.json.empty()) {
       std::ofstream f(o.json);

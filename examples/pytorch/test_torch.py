@@ -186,6 +186,36 @@ def test_tova_and_h2o_keep_the_budget():
     ModelCache(1, kvh, group, d, "dense/h2o:combine=max/hole_fill", device=DEVICE)  # the other compactor, parsed
 
 
+def test_per_head_layers_keep_each_heads_budget():
+    """per_head=1 (select::per_kv_head, CPU layers): each KV head evicts by its own scores down to
+    the budget; with a budget of the whole context it attends as the one-decision layer does; read
+    is refused (the heads hold different tokens). On CUDA the spec is refused, naming per_head."""
+    torch.manual_seed(6)
+    kvh, group, d, n, page = 3, 3, 64, 300, 16
+    if DEVICE.type != "cpu":
+        with pytest.raises(ValueError, match="per_head"):
+            ModelCache(1, kvh, group, d, "dense/h2o:tokens=96,per_head=1/repack", device=DEVICE)
+        return
+    k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    q0, q1 = torch.randn(1, kvh * group, d), torch.randn(1, kvh * group, d)
+    k1, v1 = torch.randn(1, kvh, d), torch.randn(1, kvh, d)
+    outs = []
+    for spec in ("dense/tova:tokens=100000,compact_every=1/repack", "dense/tova:tokens=100000,compact_every=1,per_head=1/repack",
+                 "dense/tova:tokens=96,compact_every=1,per_head=1/repack"):
+        cache = ModelCache(1, kvh, group, d, spec, page_size=page, max_tokens=512, max_sequences=1)
+        seq = cache.add_sequence()
+        cache.prefill(0, seq, k, v)
+        cache.attend(0, [seq], q0)
+        cache.append(0, [seq], k1, v1)
+        outs.append(cache.attend(0, [seq], q1).float())
+        if "tokens=96" in spec:
+            assert 96 <= cache.stored_tokens(0, seq) < 96 + page  # every head's mean: its survivors and tail
+            with pytest.raises(ValueError, match="per_kv_head"):
+                cache.read(0, seq)
+    assert rel_l2(outs[0], outs[1]) < 1e-6  # nothing evicted: one decision or three, the same attention
+    assert rel_l2(outs[0], outs[2]) > 1e-4  # evicted: not the same
+
+
 def test_snapkv_snapshot_keeps_the_budget():
     """select::snapkv through the extension: after a prefill, the snapshot with the prompt's last
     queries keeps the budget and gives pages back (on CUDA tensors the CUDA layer, whose decode

@@ -4368,6 +4368,19 @@ template <class S>
 struct is_per_kv_head : std::false_type {};
 template <class S>
 struct is_per_kv_head<select::per_kv_head<S>> : std::true_type {};
+
+/// The policy a cache of `Selector` runs per sequence, and access to it: `Selector` itself, or S
+/// of `select::per_kv_head<S>` (each head's lane runs it).
+template <class Selector>
+struct policy_of {
+  using type = Selector;
+  static Selector& get(Selector& s) noexcept { return s; }
+};
+template <class S>
+struct policy_of<select::per_kv_head<S>> {
+  using type = S;
+  static S& get(select::per_kv_head<S>& s) noexcept { return s.selector; }
+};
 }  // namespace detail
 
 /// `select::per_kv_head<S>`'s traits: its name, description and checks, and S's properties

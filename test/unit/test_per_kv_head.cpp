@@ -446,3 +446,26 @@ TEST_CASE("per_kv_head behind layer_cache: the same attention; read and window v
                     Catch::Contains("per_kv_head"));
   CHECK_THROWS_WITH(layer->window_votes(seq, tensor_ref<3>::of(queries)), Catch::Contains("per_kv_head"));
 }
+
+TEST_CASE("per_kv_head<streaming>: each head keeps its sinks and its own window", "[per_kv_head][streaming]") {
+  const cache_config c = small_config(64);
+  select::per_kv_head<select::streaming> s;
+  s.selector.compact_every = 8;
+  s.budgets = {select::token_budget{0, 20}, select::token_budget{0, 68}};
+  cache<format::dense, select::per_kv_head<select::streaming>, compact::repack> kv(c, {}, s);
+  const synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 47), 0, 300);
+  const sequence_id seq = kv.add_sequence();
+  prefill_tokens(kv, seq, data, 100);
+  for (int t = 100; t < 300; ++t) append_token(kv, seq, data, t);
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t budget = s.budgets[static_cast<std::size_t>(h)].tokens;
+    const std::vector<std::int64_t> live = live_of(kv.positions(seq, h));
+    INFO("head " << h);
+    // The sinks, then the most recent tokens: at most the budget, plus the open tail's rows.
+    for (int p = 0; p < s.selector.sink_tokens; ++p) CHECK(std::binary_search(live.begin(), live.end(), p));
+    CHECK(static_cast<std::int64_t>(live.size()) <= budget + c.page_size);
+    CHECK(live.back() == 299);
+    for (std::size_t i = static_cast<std::size_t>(s.selector.sink_tokens) + 1; i < live.size(); ++i) CHECK(live[i] == live[i - 1] + 1);
+  }
+  CHECK(kv.stored_tokens(seq, 0) < kv.stored_tokens(seq, 1));
+}
