@@ -7490,7 +7490,9 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   }
   /// Ends a sequence: every lane's pages go back to the pool (shared ones when their last holder ends).
   void remove_sequence(sequence_id seq) {
-    std::vector<sequence_id> lanes = std::move(heads_of_[index_of(lanes_of(seq, "cache::remove_sequence"))]);
+    std::vector<sequence_id>& entry = heads_of_[index_of(lanes_of(seq, "cache::remove_sequence"))];
+    const std::vector<sequence_id> lanes = std::move(entry);
+    entry.clear();
     for (const sequence_id lane : lanes) lanes_.remove_sequence(lane);
     --live_;
   }
@@ -7567,8 +7569,9 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
 
   /// `cache::plan` for `seqs`: plans their batch x num_kv_heads lanes.
   void plan(span<const sequence_id> seqs, const attend_params& params = {}) {
-    planned_ = batch_lanes(seqs, "cache::plan");
-    lanes_.plan(span<const sequence_id>(planned_.data(), static_cast<std::int64_t>(planned_.size())), params);
+    std::vector<sequence_id> lanes = batch_lanes(seqs, "cache::plan");
+    lanes_.plan(span<const sequence_id>(lanes.data(), static_cast<std::int64_t>(lanes.size())), params);
+    planned_ = std::move(lanes);  // after the plan: a failed one leaves the last plan as it was
   }
   /// `cache::run`: q, out [batch][num_q_heads][head_dim], lse [batch][num_q_heads] (optional), whose
   /// first two dimensions collapse (a contiguous tensor's do), read as the lanes' [batch x
