@@ -207,6 +207,9 @@ int main(int argc, char** argv) {
       measure(w, select::per_kv_head<select::tova>{}, inverse, rows);  // one decision per KV head
       measure(w, select::per_kv_head<select::h2o>{}, inverse, rows);
       measure(w, select::per_kv_head<select::snapkv>{}, inverse, rows);
+      select::per_kv_head<select::snapkv> ada;  // Ada-KV: the heads' budgets allocated by the votes
+      ada.adaptive = true;
+      measure(w, ada, inverse, rows);
     }
     if (!o.json.empty()) {
       std::ofstream f(o.json);

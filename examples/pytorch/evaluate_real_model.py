@@ -83,6 +83,8 @@ def configurations(boundaries: str, per_head: bool = True) -> list[tuple[str, st
             configs.append((f"dense tova {b} per_head", f"{dense}/tova:budget={ratio},per_head=1/repack"))
             configs.append((f"dense h2o {b} per_head", f"{dense}/h2o:budget={ratio},per_head=1/repack"))
             configs.append((f"dense snapkv {b} per_head", f"{dense}/snapkv:budget={ratio},per_head=1/repack"))
+            # Ada-KV: the heads' budgets pooled, allocated by the votes (safeguard 0.2).
+            configs.append((f"dense snapkv {b} adakv", f"{dense}/snapkv:budget={ratio},per_head=1,adaptive=1/repack"))
     dense_exact = "dense:" + exact(4, 64)
     configs.append(("dense quest 1/8 block16 sinks4 recent64", f"{dense_exact}/quest:budget=0.125,block=16"))
     configs.append(("dense sentence_chunks 1/8 sinks4 recent64",

@@ -214,6 +214,15 @@ def test_per_head_layers_keep_each_heads_budget():
                 cache.read(0, seq)
     assert rel_l2(outs[0], outs[1]) < 1e-6  # nothing evicted: one decision or three, the same attention
     assert rel_l2(outs[0], outs[2]) > 1e-4  # evicted: not the same
+    # SnapKV with Ada-KV's allocation: the heads keep their budgets in all, spread by the votes.
+    cache = ModelCache(1, kvh, group, d, "dense/snapkv:tokens=96,window=8,per_head=1,adaptive=1/repack", page_size=page,
+                       max_tokens=512, max_sequences=1)
+    seq = cache.add_sequence()
+    cache.prefill(0, seq, k, v)
+    assert cache.snapshot(0, seq, torch.randn(8, kvh * group, d)) == kvh * (n - 96)
+    assert 96 <= cache.stored_tokens(0, seq) < 96 + page  # the heads' mean: survivors in whole pages, and the tail
+    with pytest.raises(ValueError, match="adaptive"):
+        ModelCache(1, kvh, group, d, "dense/snapkv:tokens=96,adaptive=1/repack")
 
 
 def test_snapkv_snapshot_keeps_the_budget():

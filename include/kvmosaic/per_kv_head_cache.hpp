@@ -18,8 +18,10 @@
 /// `pages_free` count them), num_kv_heads x `cache_config::max_pages` of them.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -285,9 +287,13 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   std::vector<float> token_scores(sequence_id seq, int head) const {
     return lanes_.token_scores(lane(seq, head, "cache::token_scores"));
   }
-  /// select::snapkv: `cache::snapshot` of every head, each with its query heads' window queries
-  /// ([window][num_q_heads][head_dim], as the primary's) and its own budget. Returns the tokens
-  /// evicted, summed over the heads.
+  /// select::snapkv: a snapshot of every head, each voted by its own query heads' window queries
+  /// ([window][num_q_heads][head_dim], as the primary's `snapshot`). Without `adaptive`, each head
+  /// keeps its own budget (`cache::snapshot` of its lane); with it, Ada-KV's allocation
+  /// (`select::per_kv_head::adaptive`): the heads evict as many tokens in all as their budgets
+  /// ask, chosen together by pooled vote. Returns the tokens evicted, summed over the heads.
+  /// Throws `invalid_argument`, before anything changes, for queries of the wrong extents or a
+  /// window longer than the sequence.
   template <class Q, class Lanes = lane_cache>
   auto snapshot(sequence_id seq, tensor_view<const Q, 3> queries, float softmax_scale = 0.0f)
       -> decltype(std::declval<Lanes&>().snapshot(seq, queries, softmax_scale)) {
@@ -295,14 +301,10 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
     const std::vector<sequence_id> lanes = lanes_of(seq, where);
     detail::require(queries.extent(1) == config_.num_q_heads(), where, "queries.extent(1) (query heads)", queries.extent(1),
                     "num_kv_heads x group_size");
+    if (selector_.adaptive) return adaptive_snapshot(lanes, queries, softmax_scale);
     std::int64_t evicted = 0;
-    for (int h = 0; h < config_.num_kv_heads; ++h) {
-      const std::int64_t extents[3] = {queries.extent(0), config_.group_size, queries.extent(2)};
-      const std::int64_t strides[3] = {queries.stride(0), queries.stride(1), queries.stride(2)};
-      const auto group = tensor_view<const Q, 3>::strided(
-          queries.data() + static_cast<std::ptrdiff_t>(h) * config_.group_size * queries.stride(1), extents, strides);
-      evicted += lanes_.snapshot(lanes[static_cast<std::size_t>(h)], group, softmax_scale);
-    }
+    for (int h = 0; h < config_.num_kv_heads; ++h)
+      evicted += lanes_.snapshot(lanes[static_cast<std::size_t>(h)], query_heads_of(queries, h), softmax_scale);
     return evicted;
   }
 
@@ -329,6 +331,79 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
   }
 
  private:
+  /// Head `head`'s query heads of `queries` ([window][num_q_heads][head_dim]): [window][group]
+  /// [head_dim], a strided view.
+  template <class Q>
+  tensor_view<const Q, 3> query_heads_of(const tensor_view<const Q, 3>& queries, int head) const {
+    const std::int64_t extents[3] = {queries.extent(0), config_.group_size, queries.extent(2)};
+    const std::int64_t strides[3] = {queries.stride(0), queries.stride(1), queries.stride(2)};
+    return tensor_view<const Q, 3>::strided(
+        queries.data() + static_cast<std::ptrdiff_t>(head) * config_.group_size * queries.stride(1), extents, strides);
+  }
+
+  /// Ada-KV's allocation over SnapKV's pooled votes (`select::per_kv_head::adaptive`). Each head h
+  /// scores its candidates (live tokens after the sinks, before the window and its open tail) by
+  /// its pooled votes and would evict e_h = live_h - budget_h of them; the top
+  /// floor(safeguard x (candidates_h - e_h)) of each head are kept whatever the others score (the
+  /// safeguard), and of all the heads' other candidates the sum of the e_h lowest, ranked
+  /// together (score, then position, then head; NaN highest), are evicted; then each head
+  /// compacts. Cost: each head's window votes (as its snapshot), then O(N log N) on the host for
+  /// N candidates in all.
+  template <class Q>
+  std::int64_t adaptive_snapshot(const std::vector<sequence_id>& lanes, const tensor_view<const Q, 3>& queries,
+                                 float softmax_scale) {
+    const char* where = "cache::snapshot";
+    const select::snapkv& s = selector_.selector;
+    const std::int64_t length = lanes_.length(lanes.front());
+    detail::require(queries.extent(0) == s.window, where, "queries.extent(0) (window)", queries.extent(0),
+                    "select::snapkv::window");
+    detail::require(s.window <= length, where, "select::snapkv::window", s.window,
+                    "at most length(seq): the window's tokens must be stored");
+    const std::int64_t window_start = length - s.window;
+    struct candidate {
+      double score;
+      std::int64_t position;
+      int head;
+      bool operator<(const candidate& o) const noexcept {
+        if (score != o.score) return score < o.score;
+        return position != o.position ? position < o.position : head < o.head;
+      }
+    };
+    std::vector<candidate> pool;  // every head's candidates but its safeguarded ones
+    std::int64_t to_evict = 0;
+    for (int h = 0; h < config_.num_kv_heads; ++h) {
+      const sequence_id lane = lanes[static_cast<std::size_t>(h)];
+      const std::vector<double> votes = lanes_.window_votes(lane, query_heads_of(queries, h), softmax_scale, s.combine);
+      const std::vector<double> score = detail::snapkv_pool(votes, window_start, 1, s.pool_kernel);
+      const std::int64_t open_from = length - lanes_.stored_tokens(lane) % config_.page_size;
+      const detail::snapshot_candidates c =
+          detail::candidates_of(lanes_.positions(lane), sink_rows(format()), std::min(window_start, open_from));
+      const auto n = static_cast<std::int64_t>(c.positions.size());
+      const std::int64_t evict = std::min(n, std::max<std::int64_t>(0, c.live - lanes_.budget(lane).resolve(length)));
+      const auto safe = static_cast<std::int64_t>(std::floor(selector_.safeguard * static_cast<double>(n - evict)));
+      std::vector<candidate> mine;
+      mine.reserve(c.positions.size());
+      for (const std::int64_t p : c.positions) {
+        const double x = score[static_cast<std::size_t>(p)];
+        mine.push_back({std::isnan(x) ? std::numeric_limits<double>::infinity() : x, p, h});
+      }
+      std::sort(mine.begin(), mine.end());
+      pool.insert(pool.end(), mine.begin(), mine.end() - safe);  // the top `safe` stay
+      to_evict += evict;
+    }
+    to_evict = std::min<std::int64_t>(to_evict, static_cast<std::int64_t>(pool.size()));
+    std::partial_sort(pool.begin(), pool.begin() + to_evict, pool.end());
+    std::vector<std::vector<std::int64_t>> dead(lanes.size());
+    for (std::int64_t i = 0; i < to_evict; ++i)
+      dead[static_cast<std::size_t>(pool[static_cast<std::size_t>(i)].head)].push_back(pool[static_cast<std::size_t>(i)].position);
+    for (std::size_t h = 0; h < lanes.size(); ++h) {
+      if (dead[h].empty()) continue;
+      lanes_.evict(lanes[h], span<const std::int64_t>(dead[h].data(), static_cast<std::int64_t>(dead[h].size())));
+      lanes_.compact(lanes[h]);
+    }
+    return to_evict;
+  }
+
   static const cache_config& checked(const cache_config& config, const selector_type& selector) {
     config.validate();
     traits::validate(selector, config.num_kv_heads, config.page_size);

@@ -469,3 +469,109 @@ TEST_CASE("per_kv_head<streaming>: each head keeps its sinks and its own window"
   }
   CHECK(kv.stored_tokens(seq, 0) < kv.stored_tokens(seq, 1));
 }
+
+TEST_CASE("per_kv_head<snapkv> adaptive (Ada-KV): the heads' evictions chosen together by pooled vote, a safeguard each",
+          "[per_kv_head][snapkv][adaptive]") {
+  const cache_config c = small_config(64);
+  const double safeguard = GENERATE(0.0, 0.2, 1.0);
+  CAPTURE(safeguard);
+  select::per_kv_head<select::snapkv> s;
+  s.selector.window = 8;
+  s.budgets = {select::token_budget{0, 60}, select::token_budget{0, 100}};
+  s.adaptive = true;
+  s.safeguard = safeguard;
+  cache<format::dense, select::per_kv_head<select::snapkv>, compact::repack> kv(c, {}, s);
+  CHECK(kv.describe() == "dense/per_kv_head(snapkv(1/16, window 8, pool 7, sum), adaptive, safeguard " +
+                             detail::to_text(safeguard) + ", budgets 60 tokens; 100 tokens)/repack");
+  const int n = 300;
+  synthetic::kv_data data = synthetic::generate_kv(test::generator_for(c, 53), 0, n);
+  const sequence_id seq = kv.add_sequence();
+  prefill_tokens(kv, seq, data, n);
+  std::vector<float> window(static_cast<std::size_t>(8 * c.num_q_heads() * c.head_dim));
+  for (std::size_t i = 0; i < window.size(); ++i) window[i] = 2.0f * std::sin(0.29f * static_cast<float>(i));
+  const tensor_view<const float, 3> queries(window.data(), 8, c.num_q_heads(), c.head_dim);
+
+  // The brute force, on each head's pooled votes from a one-head cache of that head's data:
+  // protect each head's top floor(safeguard x kept) by setting them to +infinity, then evict the
+  // lowest (sum of the heads' excess) of all heads' candidates together.
+  cache_config one = c;
+  one.num_kv_heads = 1;
+  const std::size_t gd = static_cast<std::size_t>(c.group_size * c.head_dim);
+  struct entry {
+    double score;
+    std::int64_t position;
+    int head;
+  };
+  std::vector<entry> all;
+  std::int64_t excess = 0;
+  std::vector<std::int64_t> safe(2);
+  for (int h = 0; h < 2; ++h) {
+    select::snapkv sh = s.selector;
+    sh.budget = s.budgets[static_cast<std::size_t>(h)];
+    cache<format::dense, select::snapkv, compact::repack> alone(one, {}, sh);
+    const sequence_id lone = alone.add_sequence();
+    prefill_tokens(alone, lone, one_head(data, h), n);
+    std::vector<float> wh;
+    for (std::size_t w = 0; w < 8; ++w) {
+      const auto from = window.begin() + static_cast<std::ptrdiff_t>((w * 2 + static_cast<std::size_t>(h)) * gd);
+      wh.insert(wh.end(), from, from + static_cast<std::ptrdiff_t>(gd));
+    }
+    const std::vector<double> pooled = detail::snapkv_pool(
+        alone.window_votes(lone, tensor_view<const float, 3>(wh.data(), 8, c.group_size, c.head_dim)), n - 8, 1, 7);
+    // Candidates: after no sinks, before the window (n - 8 = 292) and the open tail (288).
+    std::vector<entry> mine;
+    for (std::int64_t p = 0; p < 288; ++p) mine.push_back({pooled[static_cast<std::size_t>(p)], p, h});
+    const std::int64_t evict = n - s.budgets[static_cast<std::size_t>(h)].tokens;
+    safe[static_cast<std::size_t>(h)] = static_cast<std::int64_t>(std::floor(safeguard * static_cast<double>(288 - evict)));
+    std::sort(mine.begin(), mine.end(), [](const entry& a, const entry& b) {
+      return a.score != b.score ? a.score > b.score : a.position > b.position;  // highest first
+    });
+    for (std::int64_t i = 0; i < safe[static_cast<std::size_t>(h)]; ++i) mine[static_cast<std::size_t>(i)].score = INFINITY;
+    all.insert(all.end(), mine.begin(), mine.end());
+    excess += evict;
+  }
+  std::sort(all.begin(), all.end(), [](const entry& a, const entry& b) {
+    if (a.score != b.score) return a.score < b.score;
+    return a.position != b.position ? a.position < b.position : a.head < b.head;
+  });
+  std::vector<std::vector<std::int64_t>> expected_dead(2);
+  for (std::int64_t i = 0; i < excess; ++i)
+    expected_dead[static_cast<std::size_t>(all[static_cast<std::size_t>(i)].head)].push_back(all[static_cast<std::size_t>(i)].position);
+
+  CHECK(kv.snapshot(seq, queries) == excess);
+  std::int64_t live_total = 0;
+  std::vector<std::int64_t> every(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) every[static_cast<std::size_t>(p)] = p;
+  for (int h = 0; h < 2; ++h) {
+    INFO("head " << h);
+    std::vector<std::int64_t> dead = expected_dead[static_cast<std::size_t>(h)];
+    std::sort(dead.begin(), dead.end());
+    const std::vector<std::int64_t> live = live_of(kv.positions(seq, h));
+    CHECK(difference(every, live) == dead);
+    // Each head keeps its safeguard's share of what its own budget would keep, and the window.
+    CHECK(static_cast<std::int64_t>(live.size()) >= safe[static_cast<std::size_t>(h)] + (n - 288));
+    live_total += static_cast<std::int64_t>(live.size());
+  }
+  CHECK(live_total == 60 + 100);  // the budgets in all, spread by the votes
+  if (safeguard < 1.0)  // on this data the votes move 10 tokens of budget from head 1 to head 0
+    CHECK(live_of(kv.positions(seq, 0)).size() == 70u);
+  if (safeguard == 1.0) {  // every kept token safeguarded: each head keeps exactly its own budget
+    CHECK(live_of(kv.positions(seq, 0)).size() == 60u);
+    CHECK(live_of(kv.positions(seq, 1)).size() == 100u);
+  }
+  // Attention then reads each head's survivors (fp64 oracle).
+  const std::vector<float> q = step_query(c, 9);
+  const std::vector<float> out = attend_one(kv, seq, q);
+  for (int h = 0; h < 2; ++h) check_head_output(c, q, out, data, h, live_of(kv.positions(seq, h)));
+}
+
+TEST_CASE("per_kv_head rejects adaptive allocation for a selector that ranks at every write", "[per_kv_head][errors]") {
+  select::per_kv_head<select::h2o> s;
+  s.adaptive = true;
+  CHECK_THROWS_WITH((cache<format::dense, select::per_kv_head<select::h2o>, compact::repack>(small_config(), {}, s)),
+                    Catch::Contains("adaptive") && Catch::Contains("select::snapkv"));
+  select::per_kv_head<select::snapkv> k;
+  k.safeguard = 1.5;
+  CHECK_THROWS_WITH((cache<format::dense, select::per_kv_head<select::snapkv>, compact::repack>(small_config(), {}, k)),
+                    Catch::Contains("safeguard"));
+}

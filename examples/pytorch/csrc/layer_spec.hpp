@@ -264,9 +264,13 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         s.pool_kernel = static_cast<int>(args.integer("pool", s.pool_kernel, "an odd pooling width"));
         s.combine = args.choice("combine", s.combine, {{"max", kv::group_combine::max}, {"sum", kv::group_combine::sum}});
         const bool by_head = per_head(args, make);
+        kv::select::per_kv_head<kv::select::snapkv> heads{s, {}};
+        heads.adaptive = args.integer("adaptive", 0, "0, or 1 with per_head=1 (Ada-KV's allocation)") != 0;
+        heads.safeguard = args.number("safeguard", heads.safeguard, "with adaptive=1: each head's kept share, 0 to 1");
         args.finish();
         require(compactor == "repack", "compactor", compactor, "repack with selector snapkv");
-        if (by_head) return make(format, kv::select::per_kv_head<kv::select::snapkv>{s, {}}, kv::compact::repack{});
+        require(by_head || !heads.adaptive, "adaptive", "1", "0 without per_head=1");
+        if (by_head) return make(format, heads, kv::compact::repack{});
         return make(format, s, kv::compact::repack{});
       } else {
         reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense)");

@@ -3,8 +3,9 @@
 
 /// \file
 /// `select::per_kv_head<S>`: a keep-less selector run by each KV head on its own tokens, with a
-/// budget per head (H2O, TOVA and SnapKV as their papers score, one decision per head; Ada-KV's
-/// and PyramidKV's budgets that differ across heads), and memory freed per head. A cache of it is
+/// budget per head (H2O, TOVA and SnapKV as their papers score, one decision per head; budgets
+/// that differ across heads, set or, for SnapKV, allocated by Ada-KV's rule), and memory freed
+/// per head. A cache of it is
 /// `cache<Format, select::per_kv_head<S>, Compactor, Backend>` (per_kv_head_cache.hpp), which
 /// stores each KV head of a sequence in pages of its own: docs/architecture.md, "Per-KV-head
 /// eviction".
@@ -18,6 +19,7 @@
 #include "kvmosaic/core/error.hpp"
 #include "kvmosaic/core/policy.hpp"
 #include "kvmosaic/select/selector_traits.hpp"
+#include "kvmosaic/select/snapkv.hpp"
 #include "kvmosaic/select/span_score.hpp"
 #include "kvmosaic/select/token_scores.hpp"
 
@@ -40,6 +42,14 @@ struct per_kv_head {
 
   S selector{};                         ///< the policy each KV head runs, with its default budget
   std::vector<token_budget> budgets{};  ///< per KV head, num_kv_heads of them; empty: selector.budget
+  /// select::snapkv only: Ada-KV's allocation (Feng et al., "Ada-KV: Optimizing KV Cache
+  /// Eviction by Adaptive Budget Allocation"): a snapshot evicts as many tokens as the heads'
+  /// budgets ask in all, the lowest pooled votes of all heads ranked together, so that a head
+  /// whose attention is spread keeps more than one whose attention is concentrated.
+  bool adaptive = false;
+  /// With `adaptive`: the share of the tokens a head would keep under its own budget that it keeps
+  /// whatever the other heads score (Ada-KV's safeguard; kvpress's default 0.2).
+  double safeguard = 0.2;
 
   /// Head `head`'s budget.
   const token_budget& budget_of(int head) const noexcept {
@@ -90,6 +100,7 @@ struct selector_traits<select::per_kv_head<S>> {
 
   static std::string describe(const select::per_kv_head<S>& s) {
     std::string text = std::string("per_kv_head(") + selector_traits<S>::describe(s.selector);
+    if (s.adaptive) text += ", adaptive, safeguard " + detail::to_text(s.safeguard);
     if (!s.budgets.empty()) {
       text += ", budgets";
       for (const select::token_budget& b : s.budgets) text += " " + b.describe() + ";";
@@ -105,6 +116,9 @@ struct selector_traits<select::per_kv_head<S>> {
     detail::require(s.budgets.empty() || static_cast<int>(s.budgets.size()) == num_kv_heads, where, "budgets.size()",
                     static_cast<std::int64_t>(s.budgets.size()), "0 (selector.budget for every head) or num_kv_heads");
     for (const select::token_budget& b : s.budgets) b.validate(where);
+    detail::require(!s.adaptive || std::is_same<S, select::snapkv>::value, where, "adaptive", "true",
+                    "false unless S is select::snapkv (Ada-KV ranks one snapshot's votes of every head together)");
+    detail::require(s.safeguard >= 0.0 && s.safeguard <= 1.0, where, "safeguard", s.safeguard, "0 to 1");
   }
 };
 

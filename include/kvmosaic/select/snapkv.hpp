@@ -90,6 +90,25 @@ inline std::vector<double> snapkv_pool(const std::vector<double>& vote, std::int
   return score;
 }
 
+/// What a snapshot of one sequence may evict: how many live tokens it holds, and its candidates,
+/// the live positions in [first, before) (after the sinks, before the window and the open tail),
+/// ascending. Cost: O(slots log slots).
+struct snapshot_candidates {
+  std::int64_t live = 0;
+  std::vector<std::int64_t> positions;
+};
+inline snapshot_candidates candidates_of(const std::vector<std::int64_t>& slot_positions, std::int64_t first,
+                                         std::int64_t before) {
+  snapshot_candidates out;
+  for (const std::int64_t p : slot_positions) {
+    if (p < 0) continue;
+    ++out.live;
+    if (p >= first && p < before) out.positions.push_back(p);
+  }
+  std::sort(out.positions.begin(), out.positions.end());
+  return out;
+}
+
 /// The SnapKV scores of one sequence in fp64: of the tokens before `window_start`, by position,
 /// the window's votes (`window_votes`, the same arguments) pooled by `snapkv_pool`.
 template <class Keys, class Queries>
@@ -146,27 +165,17 @@ struct selector_traits<select::snapkv> : stateless_selector_hooks {
                       "num_kv_heads x group_size");
       detail::require(queries.extent(2) == c.head_dim, where, "queries.extent(2) (head_dim)", queries.extent(2),
                       "cache_config::head_dim");
-      const std::int64_t stored = cache.stored_tokens(seq);
-      const std::vector<std::int64_t> positions = cache.positions(seq);
       const std::int64_t window_start = length - s.window;
       const std::vector<double> score = detail::snapkv_pool(cache.window_votes(seq, queries, softmax_scale, s.combine),
                                                             window_start, c.num_kv_heads, s.pool_kernel);
       // Candidates: live sealed tokens after the sinks and before the window and the open tail.
-      const std::int64_t open_from = length - stored % c.page_size;
-      const std::int64_t before = std::min(window_start, open_from);
-      const std::int64_t first = kvmosaic::sink_rows(cache.format());
-      std::int64_t live = 0;
-      std::vector<std::int64_t> candidates;
-      for (const std::int64_t p : positions) {
-        if (p < 0) continue;
-        ++live;
-        if (p >= first && p < before) candidates.push_back(p);
-      }
-      std::sort(candidates.begin(), candidates.end());
+      const std::int64_t open_from = length - cache.stored_tokens(seq) % c.page_size;
+      const detail::snapshot_candidates candidates =
+          detail::candidates_of(cache.positions(seq), kvmosaic::sink_rows(cache.format()), std::min(window_start, open_from));
       const std::int64_t keep = cache.budget(seq).resolve(length);  // the sequence's own, if it has one
-      if (live <= keep) return 0;
+      if (candidates.live <= keep) return 0;
       const std::vector<std::int64_t> dead = detail::lowest_ranked(
-          candidates, live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });
+          candidates.positions, candidates.live - keep, [&score](std::int64_t p) { return score[static_cast<std::size_t>(p)]; });
       if (dead.empty()) return 0;
       cache.evict(seq, span<const std::int64_t>(dead.data(), static_cast<std::int64_t>(dead.size())));
       cache.compact(seq);
