@@ -321,8 +321,9 @@ class cache
 
   /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16,
   /// any strides; on backend::cuda device memory whose head_dim elements are contiguous, and
-  /// contiguous arrays for a format with segments; values are rounded to the storage dtype, finite values beyond its range saturated to its
-  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
+  /// contiguous arrays for a format with segments; values are rounded to the storage dtype,
+  /// finite values beyond its range saturated to its largest finite value, infinities and NaN
+  /// kept) to one sequence: a prefill, or a piece of one
   /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
   /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
   /// the pages, it throws `capacity_error` and nothing is stored. NaN input gives unspecified

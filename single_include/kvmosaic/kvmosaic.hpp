@@ -4173,8 +4173,9 @@ namespace select {
 /// compactor that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads instead of one per
-/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's query heads are combined by `combine` (sum by default) where the paper has
-/// one query head per KV head; the budget counts the sinks and the tail.
+/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's
+/// query heads are combined by `combine` (sum by default) where the paper has one query head per
+/// KV head; the budget counts the sinks and the tail.
 ///
 /// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
 /// (`cache::window_votes`): on backend::cuda over format::dense, ceil(W / 8) decode steps of up to
@@ -6354,8 +6355,9 @@ class cache
 
   /// Appends the tokens of `k` and `v` ([tokens][num_kv_heads][head_dim], float, half or bfloat16,
   /// any strides; on backend::cuda device memory whose head_dim elements are contiguous, and
-  /// contiguous arrays for a format with segments; values are rounded to the storage dtype, finite values beyond its range saturated to its
-  /// largest finite value, infinities and NaN kept) to one sequence: a prefill, or a piece of one
+  /// contiguous arrays for a format with segments; values are rounded to the storage dtype,
+  /// finite values beyond its range saturated to its largest finite value, infinities and NaN
+  /// kept) to one sequence: a prefill, or a piece of one
   /// of any size (pieces store exactly what one prefill of the same tokens stores). Full pages are
   /// encoded by the format; the rest stays in the dense tail. All or nothing: when the pool lacks
   /// the pages, it throws `capacity_error` and nothing is stored. NaN input gives unspecified
@@ -7404,6 +7406,13 @@ namespace kvmosaic {
 
 namespace detail {
 
+/// Whether dims 0 and 1 of `view` collapse into one: one row, or stride(0) == extent(1) x
+/// stride(1) (a contiguous tensor's).
+template <class T, int Rank>
+bool first_dims_collapse(const tensor_view<T, Rank>& view) noexcept {
+  return view.extent(0) <= 1 || view.stride(0) == view.extent(1) * view.stride(1);
+}
+
 /// `view`, [batch][heads x per][...] with dims 0 and 1 collapsible, as [batch x heads][per][...]:
 /// lane b x heads + h is head h's `per` entries of row b. Collapsible: one row, or
 /// stride(0) == heads x per x stride(1) (a contiguous tensor's). Throws `invalid_argument` naming
@@ -7412,7 +7421,7 @@ template <class T, int Rank>
 tensor_view<T, Rank> rows_by_head(const tensor_view<T, Rank>& view, int heads, const char* where, const char* name) {
   static_assert(Rank == 2 || Rank == 3, "kvmosaic::detail::rows_by_head: rank 2 or 3");
   const std::int64_t per = view.extent(1) / heads;
-  detail::require(view.extent(0) <= 1 || view.stride(0) == view.extent(1) * view.stride(1), where, name,
+  detail::require(first_dims_collapse(view), where, name,
                   "strides whose first two dimensions do not collapse",
                   "stride(0) == extent(1) x stride(1), as a contiguous tensor's (a per_kv_head cache reads each KV "
                   "head's rows as a row of its own)");
@@ -7555,8 +7564,7 @@ class cache<FormatArg, select::per_kv_head<S>, CompactorArg, BackendArg> {
     check_heads(where, "v", v.extent(1));
     const std::vector<sequence_id> lanes = batch_lanes(seqs, where);
     check_room(where, lanes, 1);  // the fallback below writes head by head
-    const auto collapses = [](const tensor_view<const T, 3>& x) { return x.extent(0) <= 1 || x.stride(0) == x.extent(1) * x.stride(1); };
-    if (collapses(k) && collapses(v)) {
+    if (detail::first_dims_collapse(k) && detail::first_dims_collapse(v)) {
       lanes_.append(span<const sequence_id>(lanes.data(), static_cast<std::int64_t>(lanes.size())),
                     detail::rows_by_head(k, config_.num_kv_heads, where, "k"),
                     detail::rows_by_head(v, config_.num_kv_heads, where, "v"));

@@ -44,8 +44,9 @@ namespace select {
 /// compactor that frees memory.
 ///
 /// Differs from the paper's code on purpose: one decision for all KV heads instead of one per
-/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's query heads are combined by `combine` (sum by default) where the paper has
-/// one query head per KV head; the budget counts the sinks and the tail.
+/// head (`select::per_kv_head<select::snapkv>` decides per head, as the paper); the group's
+/// query heads are combined by `combine` (sum by default) where the paper has one query head per
+/// KV head; the budget counts the sinks and the tail.
 ///
 /// What it computes: attention over the tokens kept. Cost of a snapshot: the window's votes
 /// (`cache::window_votes`): on backend::cuda over format::dense, ceil(W / 8) decode steps of up to
