@@ -12,6 +12,7 @@
 #include <set>
 
 #include "../support/packed_bound.hpp"
+#include "packed_records.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -58,17 +59,12 @@ void check_segments(const packed_twin& t) {
   }
 }
 
-/// The device's records against the host's: the same groups unless the fp64 energies of the
-/// groups that differ tie within twice the error either backend's fp32 energies may have, and the values of the groups both keep within
-/// 2 gamma_D sum_c |x_c B_cj| (each backend's fp32 product against the exact one) plus one
-/// 16-bit step. Returns the records that differ in their groups.
+/// The device's records against the host's (`test::check_record`, packed_records.hpp). Returns the
+/// records that differ in their groups.
 std::int64_t check_records(const packed_twin& t) {
   const page_shape shape = page_of(t.config);
   const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(t.format, shape);
   const std::size_t slot_bytes = t.host.engine().page_slot_bytes();
-  // One 16-bit step: relative for normal numbers, the subnormal spacing below them.
-  const double step = t.config.storage == dtype::bf16 ? std::ldexp(1.0, -7) : std::ldexp(1.0, -10);
-  const double spacing = t.config.storage == dtype::bf16 ? std::ldexp(1.0, -133) : std::ldexp(1.0, -24);
   std::vector<std::byte> device_slot(slot_bytes);
   std::int64_t differing = 0;
   const int d = t.config.head_dim;
@@ -88,56 +84,11 @@ std::int64_t check_records(const packed_twin& t) {
           const std::size_t offset = which == 0 ? t.host.engine().geometry().k_page_offset(h) : t.host.engine().geometry().v_page_offset(h);
           const std::byte* hp = host_slot + offset;
           const std::byte* dp = device_slot.data() + offset;
-          const int words = kvmosaic::detail::packed_geometry::bitmap_words(g.kept, st.group);
           for (int r = 0; r < t.config.page_size; ++r) {
             const std::int64_t token = static_cast<std::int64_t>(i) * t.config.page_size + r;
             CAPTURE(b, i, h, which, r);
-            std::vector<int> host_groups, device_groups;
-            for (int j = 0; j < g.kept / st.group; ++j) {
-              if ((g.bitmap(hp, r)[j / 32] >> (j % 32)) & 1u) host_groups.push_back(j);
-              if ((g.bitmap(dp, r)[j / 32] >> (j % 32)) & 1u) device_groups.push_back(j);
-            }
-            REQUIRE(static_cast<int>(device_groups.size()) == st.retained / st.group);
-            std::vector<float> hv(static_cast<std::size_t>(st.retained)), dv(hv.size());
-            kvmosaic::detail::load_dense_rows(t.config.storage, hp + g.values_offset(r), hv.size(), hv.data());
-            kvmosaic::detail::load_dense_rows(t.config.storage, dp + g.values_offset(r), dv.size(), dv.data());
             const float* x = which == 0 ? rows.k_row(static_cast<int>(token), h) : rows.v_row(static_cast<int>(token), h);
-            if (host_groups != device_groups) {
-              ++differing;
-              const std::vector<double> y = test::rotate(x, seg.basis[which], d, g.kept);
-              const auto energy = [&](int j) {
-                double e = 0;
-                for (int c = 0; c < st.group; ++c) e += y[static_cast<std::size_t>(j * st.group + c)] * y[static_cast<std::size_t>(j * st.group + c)];
-                return e;
-              };
-              // How far either backend's fp32 energy of group j may be from the exact one: each y_i
-              // within delta_i = gamma_D sum_c |x_c B_ci| of it, then the sum of g squares.
-              const auto energy_error = [&](int j) {
-                double e = 0;
-                for (int i = j * st.group; i < (j + 1) * st.group; ++i) {
-                  double delta = 0;
-                  for (int c = 0; c < d; ++c) delta += std::abs(static_cast<double>(x[c]) * seg.basis[which][static_cast<std::size_t>(c) * g.kept + i]);
-                  delta *= test::gamma(d);
-                  e += 2 * std::abs(y[static_cast<std::size_t>(i)]) * delta + delta * delta + test::gamma(st.group + 1) * y[static_cast<std::size_t>(i)] * y[static_cast<std::size_t>(i)];
-                }
-                return e;
-              };
-              std::vector<int> only_host, only_device;
-              std::set_difference(host_groups.begin(), host_groups.end(), device_groups.begin(), device_groups.end(), std::back_inserter(only_host));
-              std::set_difference(device_groups.begin(), device_groups.end(), host_groups.begin(), host_groups.end(), std::back_inserter(only_device));
-              for (const int a : only_host)
-                for (const int c : only_device) REQUIRE(std::abs(energy(a) - energy(c)) <= 2 * (energy_error(a) + energy_error(c)));
-              continue;
-            }
-            for (std::size_t v = 0; v < hv.size(); ++v) {
-              // Each backend's fp32 y_j is within gamma_D sum_c |x_c B_cj| of the exact one; then
-              // each rounds to 16 bits.
-              const int j = host_groups[v / static_cast<std::size_t>(st.group)] * st.group + static_cast<int>(v) % st.group;
-              double magnitude = 0;
-              for (int c = 0; c < d; ++c) magnitude += std::abs(static_cast<double>(x[c]) * seg.basis[which][static_cast<std::size_t>(c) * g.kept + j]);
-              INFO("value " << v << ": host " << hv[v] << ", device " << dv[v]);
-              REQUIRE(std::abs(hv[v] - dv[v]) <= 2 * test::gamma(d) * magnitude + step * std::max(std::abs(hv[v]), std::abs(dv[v])) + spacing);
-            }
+            differing += test::check_record(x, d, seg.basis[which], st, g, hp, dp, r, t.config.storage) ? 1 : 0;
           }
         }
     }

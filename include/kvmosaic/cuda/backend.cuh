@@ -856,6 +856,7 @@ class engine {
   /// ids, their scratch ordinals and K weight rows, the pages to unpack, and the row map.
   struct move_chunk {
     std::size_t written = 0, ordinals = 0, weight_rows = 0, unpacked = 0, sources_of = 0;
+    std::size_t unpacked_segments = 0, written_segments = 0;  ///< formats with segments: each page's segment entry
     std::int32_t pages_written = 0, pages_unpacked = 0;
   };
   struct layout_capacity {
@@ -1102,7 +1103,9 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
     c.weight_rows = c.ordinals + ids;
     c.unpacked = c.weight_rows + ids;
     c.sources_of = c.unpacked + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
-    bytes = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    c.unpacked_segments = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    c.written_segments = c.unpacked_segments + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
+    bytes = c.written_segments + ids;
     most_written = std::max(most_written, c.pages_written);
     most_read = std::max(most_read, c.pages_unpacked);
     move_chunks_.push_back(c);
@@ -1136,6 +1139,15 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
       weight_rows[i] = weighted ? slot : -1;
     }
     for (std::size_t i = 0; i < read.size(); ++i) unpacked[i] = pages[static_cast<std::size_t>(read[i])];
+    // A page's segment is its block-table index's (`plan_segment_pages`): the source pages' and
+    // the written pages' in this sequence's segments.
+    const auto segment_entry = [&](std::int32_t index) {
+      return plan_segment_pages() > 0 ? slot * segments_per_sequence_ + index / plan_segment_pages() : -1;
+    };
+    auto* unpacked_segments = reinterpret_cast<std::int32_t*>(host + c.unpacked_segments);
+    auto* written_segments = reinterpret_cast<std::int32_t*>(host + c.written_segments);
+    for (std::size_t i = 0; i < read.size(); ++i) unpacked_segments[i] = segment_entry(read[i]);
+    for (std::int32_t i = 0; i < c.pages_written; ++i) written_segments[i] = segment_entry(written[static_cast<std::size_t>(first + i)]);
     for (std::size_t at = 0; at < static_cast<std::size_t>(c.pages_written) * p; ++at) {
       const std::int64_t from = source[static_cast<std::size_t>(first) * p + at];
       const auto page = static_cast<std::int32_t>(from / p);
@@ -1164,10 +1176,13 @@ void engine<Format, Selector, Shapes>::launch_moves() {
   };
   const auto tail_slot = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
   const auto tail_head = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  [[maybe_unused]] const bool segmented = plan_segment_pages() > 0;
   for (const move_chunk& chunk : move_chunks_) {
     kernel::copy_rows_params gather{};
     if constexpr (encodes_pages) {
-      device::template unpack_pages<Shapes>(format_state_, format_, unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked});
+      device::template unpack_pages<Shapes>(format_state_, format_,
+                                            unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked,
+                                                           segmented ? i32(chunk.unpacked_segments) : nullptr});
       gather = {unpacked_.as<const std::byte>(), tail_slot, tail_head, nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
     } else {  // the pages are dense rows: read in place
       gather = {pages_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_slot_bytes()),
@@ -1188,7 +1203,7 @@ void engine<Format, Selector, Shapes>::launch_moves() {
     if constexpr (encodes_pages) {
       const encode_context e{&c, scratch_.as<const std::byte>(), i32(chunk.written), i32(chunk.weight_rows),
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written,
-                             nullptr};  // formats with segments do not compact on this backend (cache.hpp)
+                             segmented ? i32(chunk.written_segments) : nullptr};
       device::template encode_pages<Shapes>(format_state_, reencoding_, e);
     } else {
       kernel::copy_rows_params back = gather;

@@ -105,6 +105,8 @@ struct unpack_context {
   std::byte* rows;                    ///< scratch slots (device)
   const std::int32_t* page_ids;       ///< [n] pages to unpack (device)
   std::int32_t n;
+  const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
+                                        ///< arena (slot x segments_per_sequence + segment); else null
 };
 
 namespace detail {

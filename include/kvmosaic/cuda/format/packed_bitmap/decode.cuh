@@ -275,7 +275,7 @@ struct split_state {
 /// the segment's end (`leave_segment`) the warps' accumulators add up in shared memory and o =
 /// o' B_v^T (Group x head_dim x kept FMAs) merges into the split's state in head_dim space. A
 /// split without pages reads the exact rows and the tail, dense, as `decode_partial_kernel`.
-template <class T, int HeadDim, int Group, int Threads, int Unroll>
+template <class T, int HeadDim, int Group, int Threads, int Unroll, bool Logits = false>
 __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const split_params<packed_decode_params> p) {
   static_assert(Threads == 128, "the packed kernel runs 4 warps");
   using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
@@ -300,6 +300,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  // `Logits`: a step with token scores; each row's scaled logit (-inf where masked) at
+  // split_logits[(row of the split's read order) x Group + head of the group].
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
 
   if (range.begin == range.end) {  // the exact rows and the tail rows, dense, in head_dim space
     thread_state<Group> s;
@@ -308,7 +311,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
       const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
       const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                               static_cast<std::size_t>(run.first) * HeadDim * 2;
-      collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+      collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s, nullptr,
+                       split_logits);
     }
     detail_decode::write_partial<HeadDim, Group, Threads, collective::lanes_per_row>(
         p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, rows>*>(records));
@@ -454,6 +458,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
             detail_packed::score_record<T, Group, decltype(g)::value>(reinterpret_cast<const std::uint32_t*>(k_records) + tid * f.words,
                                                                       k_values + tid * stride, k_words, q_rotated, logit);
           });
+        if (Logits && split_logits != nullptr) {
+          float* at = split_logits + (static_cast<std::size_t>(i - range.begin) * p.page_size + row) * Group;
+#pragma unroll
+          for (int g = 0; g < Group; ++g) at[g] = logit[g];
+        }
       }
       // The tile's softmax step, once for the CTA: the max and the sum of p by warp shuffles.
       if (warp < 2) {
@@ -559,7 +568,7 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// Cost per 16 tokens and warp: the MMAs of the dense kernel over head_dim channels plus, per
 /// lane, 2 x head_dim / 64 K and 2 x head_dim / 64 V gathers of 16 channels (4 of 8 for V at
 /// head_dim 64); per segment 2 x Group x head_dim x kept FMAs and five CTA barriers.
-template <class T, int HeadDim, int Group>
+template <class T, int HeadDim, int Group, bool Logits = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
   using layout = packed_mma_layout<HeadDim, Group>;
@@ -592,6 +601,9 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_q_heads = p.num_kv_heads * Group;
   const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
+  // `Logits`: a step with token scores; each row's scaled logit (-inf where masked) at
+  // split_logits[(row of the split's read order) x Group + head of the group].
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
   if (tid == 0)
     for (int b = 0; b < stages; ++b) {
       detail::barrier_init(&full[b], 1);
@@ -712,11 +724,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     v_rows.page_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
-      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) &
-                                 attend::rows_before(first + rows_first, p.page_size);
+      const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
+      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered;
+      float* const warp_logits = Logits && split_logits != nullptr
+                                     ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
+                                     : nullptr;
       if (rows != 0) {
         k_rows.first = v_rows.first = first;
-        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows);
+        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows, warp_logits, covered);
+      } else if (warp_logits != nullptr) {
+        attend::write_masked_logits(warp_logits, covered);
       }
     }
     // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
@@ -739,9 +756,13 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     for (int first = 0; first < run.rows; first += tokens) {
       const std::uint32_t warp_rows = attend::rows_before(first + rows_first, run.rows);
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
+      float* const warp_logits = Logits && split_logits != nullptr
+                                     ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first + rows_first) * Group
+                                     : nullptr;
       if (warp_rows != 0)
         state.fold_chunks(global_dense_rows<HeadDim>{k_tail + skip, run.rows - first},
-                          global_dense_rows<HeadDim>{v_tail + skip, run.rows - first}, query_tiles, rows_first, warp_rows);
+                          global_dense_rows<HeadDim>{v_tail + skip, run.rows - first}, query_tiles, rows_first, warp_rows,
+                          warp_logits, warp_rows);
     }
     close_segment(nullptr);
   }

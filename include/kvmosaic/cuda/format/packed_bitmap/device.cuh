@@ -8,7 +8,9 @@
 /// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
 /// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
 /// (`decode_partial_packed_mma_kernel`, PackedAttention on tensor cores with bulk copies, sm_90;
-/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+).
+/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+); a compaction unpacks the pages
+/// it reads in their segments (`unpack_packed_pages_kernel`) and encodes the pages it writes in
+/// theirs.
 
 #include <cuda_runtime.h>
 
@@ -21,6 +23,7 @@
 #include "kvmosaic/cuda/format/device_format.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/unpack.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
 #include "kvmosaic/format/packed_bitmap.hpp"
@@ -31,6 +34,11 @@ template <>
 struct device_format<format::packed_bitmap> {
   static constexpr bool encodes_pages = true;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
+  /// Both split kernels write their rows' logits in a step with token scores (their `Logits`
+  /// instantiations): q' . y in the segment's rotated space, which is q . k of the decoded key up
+  /// to fp32 rounding (B_k's columns are orthonormal) and the sm_90 kernel's hi + lo split of q'.
+  static constexpr bool writes_token_logits = true;
+  static constexpr bool writes_exact_logits = true;
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::packed_decode_params;
   using traits = format_traits<format::packed_bitmap>;
@@ -67,7 +75,9 @@ struct device_format<format::packed_bitmap> {
     if (s.stages == 0) e.bulk_copy = false;
   }
 
-  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
+  /// `Logits`: the instantiations that write their rows' logits (an engine whose selector reads
+  /// token scores takes them; every other engine runs kernels with no store in them).
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
@@ -78,12 +88,12 @@ struct device_format<format::packed_bitmap> {
       constexpr int group_size = decltype(group)::value;
       if (s.stages > 0) {
         const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
-        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size>, 128,
+        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size, Logits>, 128,
              kernel::packed_mma_layout<head_dim, group_size>::bytes(pair, s.stages));
       } else {
         constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
         using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
-        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll, Logits>, t.threads,
              kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
       }
     });
@@ -151,12 +161,30 @@ struct device_format<format::packed_bitmap> {
     });
   }
 
-  /// Compaction of a format with segments is not on the CUDA backend yet (cache.hpp rejects the
-  /// combination at compile time); this is never reached.
+  /// Unpacks `c.n` pages (K and V of every KV head), each in its segment (`c.segment_entries`),
+  /// to dense rows for a compaction: one CTA per (page, head, K or V).
   template <class Shapes>
-  static void unpack_pages(const state&, const format::packed_bitmap&, const unpack_context&) {
-    kvmosaic::detail::require(false, "cuda::device_format<packed_bitmap>::unpack_pages", "compactor", "a compactor that moves rows",
-                              "compact::none (compaction of format::packed_bitmap runs on backend::host)");
+  static void unpack_pages(const state& s, const format::packed_bitmap& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_unpack_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
+    p.pages = e.pages;
+    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
+    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
+    p.page_ids = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.num_kv_heads = shape.num_kv_heads;
+    p.page_size = shape.page_size;
+    p.format = params_for(s, f, e);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
   }
 };
 

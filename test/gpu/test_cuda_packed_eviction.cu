@@ -1,0 +1,418 @@
+// SPDX-License-Identifier: Apache-2.0
+// format::packed_bitmap with score-based eviction on the CUDA backend (select::tova, select::h2o,
+// compact::repack), both kernel paths. The device's encoder and the host's differ by their fp32
+// summation order, so the device is checked against references computed from its own pages:
+// - each step's token scores against the fp64 softmax over the keys the device's pages decode to
+//   (`cache::read`), within a bound derived for the rotated computation; H2O's accumulated over
+//   the steps, with compactions between them;
+// - each eviction against `detail::lowest_ranked` of the device's own scores;
+// - each page a compaction writes against the host encoder's page of the same rows (each moved
+//   row decoded from its old page in its old segment and rounded, then encoded in its new page's
+//   segment), record by record within the bounds of `test::check_record`; pages it does not
+//   write keep their bytes.
+// Without a GPU the test says so and returns.
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "../support/feed.hpp"
+#include "../support/packed_bound.hpp"
+#include "packed_records.hpp"
+#include "twin.hpp"
+
+using namespace kvmosaic;
+using test::device_array;
+using test::gpu_available;
+
+namespace {
+
+using shapes = backend::cuda_for<kernel_shape<dtype::bf16, 64, 3>, kernel_shape<dtype::bf16, 64, 6>>;
+using traits = format_traits<format::packed_bitmap>;
+template <class Selector>
+using packed_cache = cache<format::packed_bitmap, Selector, compact::repack, shapes>;
+
+cache_config config_of(int group) {
+  cache_config c;
+  c.num_kv_heads = 2;
+  c.group_size = group;
+  c.head_dim = 64;
+  c.page_size = 64;
+  c.max_pages = 64;
+  c.max_sequences = 2;
+  return c;
+}
+
+/// Segments of two pages, so that a sequence spans several and a compaction moves rows across
+/// them.
+format::packed_bitmap make(int sinks) {
+  format::packed_bitmap f;
+  f.segment_tokens = 128;
+  f.sink_tokens = sinks;
+  return f;
+}
+
+/// Two sequences of synthetic data, prefilled on the device with `lengths` tokens and `steps`
+/// more kept for the appends.
+struct workload {
+  std::vector<synthetic::kv_data> data;
+  std::vector<sequence_id> seqs;
+  int lengths[2] = {5 * 64 + 13, 3 * 64 + 2};
+};
+
+template <class Cache>
+workload prefill(Cache& kv, int steps) {
+  const cache_config& c = kv.config();
+  workload w;
+  for (int b = 0; b < 2; ++b) {
+    const int n = w.lengths[b];
+    w.data.push_back(synthetic::generate_kv(test::generator_for(c, 29 + static_cast<std::uint64_t>(b)), 0, n + steps));
+    const device_array<float> k(w.data.back().k), v(w.data.back().v);
+    w.seqs.push_back(kv.add_sequence());
+    kv.prefill(w.seqs.back(), tensor_view<const float, 3>(k.data(), n, c.num_kv_heads, c.head_dim),
+               tensor_view<const float, 3>(v.data(), n, c.num_kv_heads, c.head_dim));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return w;
+}
+
+/// Appends token lengths[b] + step of each sequence's data, from device memory.
+template <class Cache>
+void append_next(Cache& kv, const workload& w, int step) {
+  const cache_config& c = kv.config();
+  const std::size_t row = static_cast<std::size_t>(c.num_kv_heads) * c.head_dim;
+  std::vector<float> k(2 * row), v(2 * row);
+  for (std::size_t b = 0; b < 2; ++b) {
+    const std::size_t at = static_cast<std::size_t>(w.lengths[b] + step) * row;
+    std::copy_n(w.data[b].k.begin() + static_cast<std::ptrdiff_t>(at), row, k.begin() + static_cast<std::ptrdiff_t>(b * row));
+    std::copy_n(w.data[b].v.begin() + static_cast<std::ptrdiff_t>(at), row, v.begin() + static_cast<std::ptrdiff_t>(b * row));
+  }
+  const device_array<float> dk(k), dv(v);
+  kv.append(span<const sequence_id>(w.seqs.data(), 2), tensor_view<const float, 3>(dk.data(), 2, c.num_kv_heads, c.head_dim),
+            tensor_view<const float, 3>(dv.data(), 2, c.num_kv_heads, c.head_dim));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/// One step's queries (sequence b: step_query(c, step + 100 b)), attended on the device.
+template <class Cache>
+std::vector<float> attend(Cache& kv, const workload& w, int step) {
+  const cache_config& c = kv.config();
+  const int hq = c.num_q_heads(), d = c.head_dim;
+  std::vector<float> q;
+  for (int b = 0; b < 2; ++b) {
+    const std::vector<float> one = test::step_query(c, step + 100 * b);
+    q.insert(q.end(), one.begin(), one.end());
+  }
+  device_array<float> dq(q), out(q.size());
+  kv.attend(span<const sequence_id>(w.seqs.data(), 2), tensor_view<const float, 3>(dq.data(), 2, hq, d),
+            tensor_view<float, 3>(out.data(), 2, hq, d));
+  KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const float x : out.to_host(q.size())) REQUIRE(std::isfinite(x));
+  return q;
+}
+
+std::vector<std::int64_t> live_positions(const std::vector<std::int64_t>& slots) {
+  std::vector<std::int64_t> live;
+  for (const std::int64_t p : slots)
+    if (p >= 0) live.push_back(p);
+  std::sort(live.begin(), live.end());
+  return live;
+}
+
+/// What one step writes to `seq`'s scores ([position][KV head], fp64) and the bound on the
+/// device's difference from it. Per query head, p = exp(s - m) / l over the live tokens, s = scale
+/// q . k on the keys the device's pages decode to. A logit of a sealed row is fl(fl(q B_k) . y) in
+/// its segment's basis: within delta = scale (2 gamma_{D + kept + 2} + q_rounding) sum_j
+/// sum_c |q_c| |B_cj| |y_j| of the oracle's (test/support/packed_bound.hpp, `folded_bound`: the
+/// decoded key the oracle reads is off by the same order), a dense row's (sinks, tail) within
+/// gamma_{D + 2} scale sum |q k|; the largest over every row and every segment of the sequence is
+/// taken. Then p moves by a factor within e^{4 delta + 2 u range} (1 + gamma_{n + blocks + 8}),
+/// as for the other formats (test/unit/test_token_scores.cpp).
+struct expected_scores {
+  std::vector<double> score, bound;
+  std::vector<bool> live;  ///< [position]: held at the step (an evicted position keeps its last score)
+};
+template <class Cache>
+expected_scores oracle_scores(const Cache& kv, sequence_id seq, const float* q, group_combine combine, int segment_pages) {
+  const cache_config& c = kv.config();
+  const int heads = c.num_kv_heads, groups = c.group_size, d = c.head_dim;
+  const std::int64_t stored = kv.stored_tokens(seq), length = kv.length(seq);
+  std::vector<float> k(static_cast<std::size_t>(stored) * heads * d), v(k.size());
+  kv.read(seq, tensor_view<float, 3>(k.data(), stored, heads, d), tensor_view<float, 3>(v.data(), stored, heads, d));
+  const std::vector<std::int64_t> slots = kv.positions(seq);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), u32 = std::ldexp(1.0, -24);
+  const double q_rounding = kv.engine().uses_bulk_copy() ? std::ldexp(1.0, -16) : 0.0;  // bf16 hi + lo halves of q'
+  const auto pages = static_cast<std::int64_t>(kv.pages(seq).size());
+  const std::int64_t segments = (pages + segment_pages - 1) / segment_pages;
+  expected_scores e;
+  e.score.assign(static_cast<std::size_t>(length) * heads, 0.0);
+  e.bound.assign(e.score.size(), 0.0);
+  e.live.assign(static_cast<std::size_t>(length), false);
+  std::int64_t live = 0;
+  for (const std::int64_t p : slots)
+    if (p >= 0) {
+      ++live;
+      e.live[static_cast<std::size_t>(p)] = true;
+    }
+  const double blocks = std::ceil(static_cast<double>(stored) / c.page_size) + 2;
+  const auto k_row = [&](std::size_t i, int h) { return k.data() + (i * heads + static_cast<std::size_t>(h)) * d; };
+  for (int h = 0; h < heads; ++h)
+    for (int g = 0; g < groups; ++g) {
+      const float* qj = q + static_cast<std::size_t>(h * groups + g) * d;
+      std::vector<double> logit(slots.size(), 0.0);
+      double m = -INFINITY, delta = 0;
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i] < 0) continue;
+        double dot = 0, magnitude = 0;
+        for (int x = 0; x < d; ++x) {
+          dot += static_cast<double>(qj[x]) * k_row(i, h)[x];
+          magnitude += std::abs(static_cast<double>(qj[x]) * k_row(i, h)[x]);
+        }
+        logit[i] = scale * dot;
+        m = std::max(m, logit[i]);
+        delta = std::max(delta, test::gamma(d + 2) * scale * magnitude);
+      }
+      for (std::int64_t s = 0; s < segments; ++s) {
+        const traits::segment& seg = kv.engine().segment(kv.slot(seq), s * segment_pages, h);
+        const int kept = seg.kept;
+        std::vector<double> qb(static_cast<std::size_t>(kept), 0.0);  // sum_c |q_c| |B_cj|
+        for (int j = 0; j < kept; ++j)
+          for (int x = 0; x < d; ++x)
+            qb[static_cast<std::size_t>(j)] += std::abs(static_cast<double>(qj[x]) * seg.basis[0][static_cast<std::size_t>(x) * kept + j]);
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          if (slots[i] < 0) continue;
+          const std::vector<double> y = test::rotate(k_row(i, h), seg.basis[0], d, kept);
+          double sum = 0;
+          for (int j = 0; j < kept; ++j) sum += qb[static_cast<std::size_t>(j)] * std::abs(y[static_cast<std::size_t>(j)]);
+          delta = std::max(delta, scale * (2 * test::gamma(d + kept + 2) + q_rounding) * sum);
+        }
+      }
+      double l = 0, range = 0;
+      for (std::size_t i = 0; i < slots.size(); ++i)
+        if (slots[i] >= 0) {
+          l += std::exp(logit[i] - m);
+          range = std::max(range, m - logit[i]);
+        }
+      const double relative = std::expm1(4 * delta + 2 * u32 * range) + test::gamma(static_cast<double>(live) + blocks + 8);
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        if (slots[i] < 0) continue;
+        const double p = std::exp(logit[i] - m) / l;
+        const std::size_t at = static_cast<std::size_t>(slots[i]) * heads + static_cast<std::size_t>(h);
+        if (combine == group_combine::sum) {
+          e.score[at] += p;
+          e.bound[at] += p * relative;
+        } else {
+          e.score[at] = std::max(e.score[at], p);
+          e.bound[at] = std::max(e.bound[at], p * relative);
+        }
+      }
+    }
+  return e;
+}
+
+/// Adds one step's expected scores to `total` (H2O's accumulation; new positions start at zero).
+void accumulate(expected_scores& total, const expected_scores& step) {
+  total.score.resize(step.score.size(), 0.0);
+  total.bound.resize(step.bound.size(), 0.0);
+  total.live = step.live;
+  for (std::size_t i = 0; i < step.score.size(); ++i) {
+    total.score[i] += step.score[i];
+    total.bound[i] += step.bound[i] + 2 * std::ldexp(1.0, -24) * total.score[i];  // one fp32 addition more
+  }
+}
+
+/// The device's scores of `seq`'s live positions within `e`'s bounds; returns how many scored
+/// above zero.
+template <class Cache>
+std::int64_t check_scores(const Cache& kv, sequence_id seq, const expected_scores& e) {
+  const std::vector<float> ds = kv.token_scores(seq);
+  REQUIRE(ds.size() == e.score.size());
+  std::int64_t scored = 0;
+  for (std::size_t i = 0; i < ds.size(); ++i) {
+    if (!e.live[i / static_cast<std::size_t>(kv.config().num_kv_heads)]) continue;
+    INFO("sequence " << seq << ", score " << i << ": device " << ds[i] << ", expected " << e.score[i] << " +- " << e.bound[i]);
+    REQUIRE(std::abs(ds[i] - e.score[i]) <= e.bound[i] + 1e-12);
+    scored += ds[i] > 0.0f;
+  }
+  return scored;
+}
+
+/// The page bytes of `seq`, in block-table order.
+template <class Cache>
+std::vector<std::byte> page_bytes(const Cache& kv, sequence_id seq) {
+  const std::vector<page_id>& pages = kv.pages(seq);
+  std::vector<std::byte> out(pages.size() * kv.engine().page_slot_bytes());
+  if (!pages.empty()) kv.engine().copy_pages_out(pages.data(), pages.size(), out.data());
+  return out;
+}
+
+/// Compacts `seq` and checks every page: one the pass did not write keeps its bytes; in one it
+/// wrote, each record holding a token is the host encoder's record of that token's row as the
+/// device's old page decodes it (`cache::read`, rounded to bf16), in the new page's segment
+/// (`test::check_record`, with one 16-bit step of slack per channel for the device's own decode).
+/// Returns the pages it wrote.
+template <class Cache>
+int check_compaction(Cache& kv, sequence_id seq, const format::packed_bitmap& f) {
+  const cache_config& c = kv.config();
+  const int heads = c.num_kv_heads, d = c.head_dim, p = c.page_size;
+  const page_shape shape{p, d, c.storage};
+  const std::int64_t stored = kv.stored_tokens(seq);
+  std::vector<float> k(static_cast<std::size_t>(stored) * heads * d), v(k.size());
+  kv.read(seq, tensor_view<float, 3>(k.data(), stored, heads, d), tensor_view<float, 3>(v.data(), stored, heads, d));
+  for (std::vector<float>* rows : {&k, &v})  // rounded as a compaction rounds the rows it decodes
+    for (float& x : *rows) x = kvmosaic::detail::storage_value(kvmosaic::detail::storage_bits(x, c.storage), c.storage);
+  const std::vector<std::int64_t> before = kv.positions(seq);
+  const std::vector<page_id> pages_before = kv.pages(seq);
+  const std::vector<std::byte> bytes_before = page_bytes(kv, seq);
+  kv.compact(seq);
+  const std::vector<std::int64_t> after = kv.positions(seq);
+  REQUIRE(live_positions(after) == live_positions(before));
+  const std::vector<page_id>& pages = kv.pages(seq);
+  const std::vector<std::byte> bytes = page_bytes(kv, seq);
+  std::map<std::int64_t, std::size_t> slot_before;
+  for (std::size_t i = 0; i < before.size(); ++i)
+    if (before[i] >= 0) slot_before[before[i]] = i;
+  const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape);
+  const kvmosaic::detail::arena_geometry& arena = kv.engine().geometry();
+  const std::size_t slot_bytes = kv.engine().page_slot_bytes();
+  const int per = traits::segment_pages(f, shape);
+  int written = 0;
+  std::vector<float> rows(static_cast<std::size_t>(p) * d);
+  std::vector<std::byte> expected(std::max(arena.k_page_bytes, arena.v_page_bytes));
+  for (std::size_t i = 0; i < pages.size(); ++i) {
+    const std::byte* now = bytes.data() + i * slot_bytes;
+    if (i < pages_before.size() && pages_before[i] == pages[i] && std::equal(now, now + slot_bytes, bytes_before.data() + i * slot_bytes))
+      continue;  // not written by the pass (or written with the same bytes)
+    ++written;
+    for (int h = 0; h < heads; ++h) {
+      const traits::segment& seg = kv.engine().segment(kv.slot(seq), static_cast<std::int64_t>(i) / per * per, h);
+      for (const int which : {0, 1}) {
+        // Row r of the page: the token now in slot i p + r, as its old slot decoded; a slot with
+        // no token takes the old row of the same slot (the pass's default source).
+        for (int r = 0; r < p; ++r) {
+          const std::size_t slot = i * p + static_cast<std::size_t>(r);
+          const std::size_t source = after[slot] >= 0 ? slot_before.at(after[slot]) : slot;
+          const float* x = (which == 0 ? k.data() : v.data()) + (source * heads + static_cast<std::size_t>(h)) * d;
+          std::copy_n(x, d, rows.begin() + static_cast<std::ptrdiff_t>(r) * d);
+        }
+        if (which == 0) traits::encode_k(f, shape, seg, rows.data(), expected.data());
+        else traits::encode_v(f, shape, seg, rows.data(), expected.data());
+        const std::byte* device_page = now + (which == 0 ? arena.k_page_offset(h) : arena.v_page_offset(h));
+        for (int r = 0; r < p; ++r) {
+          if (after[i * p + static_cast<std::size_t>(r)] < 0) continue;
+          CAPTURE(seq, i, h, which, r);
+          test::check_record(rows.data() + static_cast<std::ptrdiff_t>(r) * d, d, seg.basis[which], seg.strategy[which], g,
+                             expected.data(), device_page, r, c.storage, std::ldexp(1.0, -8));
+        }
+      }
+    }
+  }
+  return written;
+}
+
+/// TOVA over packed_bitmap on the device: `steps` decode steps of two sequences, a budget of 240
+/// tokens, a compaction of both every 6 steps (checked page by page); each step's scores against
+/// the fp64 oracle, each append's evictions against `lowest_ranked` of the device's scores.
+void check_tova(bool portable, int group) {
+  const cache_config c = config_of(group);
+  const format::packed_bitmap f = make(0);
+  select::tova s;
+  s.budget.tokens = 240;
+  s.compact_every = 1 << 20;  // the test compacts
+  packed_cache<select::tova> kv(c, f, s);
+  if (portable) kv.engine().use_portable_kernel();
+  const int steps = 19, per = traits::segment_pages(f, page_shape{c.page_size, c.head_dim, c.storage});
+  const workload w = prefill(kv, steps);
+  int evicted = 0, written = 0;
+  for (int step = 0; step < steps; ++step) {
+    if (step > 0 && step % 6 == 0)
+      for (const sequence_id seq : w.seqs) written += check_compaction(kv, seq, f);
+    const std::vector<float> q = attend(kv, w, step);
+    std::vector<std::vector<float>> scores;
+    std::vector<std::vector<std::int64_t>> live;
+    for (std::size_t b = 0; b < 2; ++b) {
+      INFO("step " << step << ", sequence " << b);
+      const sequence_id seq = w.seqs[b];
+      CHECK(check_scores(kv, seq,
+                         oracle_scores(kv, seq, q.data() + b * static_cast<std::size_t>(c.num_q_heads()) * c.head_dim,
+                                       group_combine::sum, per)) > 0);
+      scores.push_back(kv.token_scores(seq));
+      live.push_back(live_positions(kv.positions(seq)));
+    }
+    if (step + 1 == steps) break;
+    append_next(kv, w, step + 1);
+    for (std::size_t b = 0; b < 2; ++b) {
+      const sequence_id seq = w.seqs[b];
+      const std::vector<std::int64_t> slots = kv.positions(seq);
+      const std::size_t sealed = kv.pages(seq).size() * static_cast<std::size_t>(c.page_size);
+      std::int64_t open_from = kv.length(seq);
+      for (std::size_t i = sealed; i < slots.size(); ++i)
+        if (slots[i] >= 0) open_from = std::min(open_from, slots[i]);
+      std::vector<std::int64_t> candidates;
+      for (const std::int64_t p : live[b])
+        if (p < open_from) candidates.push_back(p);
+      const auto count = std::max<std::int64_t>(0, static_cast<std::int64_t>(live[b].size()) + 1 - s.budget.tokens);
+      const std::vector<float>& sc = scores[b];
+      std::vector<std::int64_t> expected = kvmosaic::detail::lowest_ranked(candidates, count, [&](std::int64_t p) {
+        float total = 0.0f;
+        for (int h = 0; h < c.num_kv_heads; ++h) total += sc[static_cast<std::size_t>(p) * c.num_kv_heads + static_cast<std::size_t>(h)];
+        return total;
+      });
+      std::sort(expected.begin(), expected.end());
+      std::vector<std::int64_t> before = live[b];
+      before.push_back(kv.length(seq) - 1);
+      const std::vector<std::int64_t> now = live_positions(slots);
+      std::vector<std::int64_t> gone;
+      std::set_difference(before.begin(), before.end(), now.begin(), now.end(), std::back_inserter(gone));
+      INFO("step " << step << ", sequence " << b);
+      REQUIRE(gone == expected);
+      evicted += static_cast<int>(gone.size());
+    }
+  }
+  CHECK(evicted > 0);
+  CHECK(written > 0);
+  for (const sequence_id seq : w.seqs) CHECK(kv.stored_tokens(seq) <= s.budget.tokens + c.page_size);
+}
+
+}  // namespace
+
+TEST_CASE("GPU packed_bitmap token scores: the fp64 softmax over the device's decoded keys, both kernels, groups 3 and 6",
+          "[gpu][packed_bitmap][token_scores]") {
+  if (!gpu_available()) return;
+  for (const int group : {3, 6})
+    for (const bool portable : {false, true}) {
+      INFO("group " << group << (portable ? ", portable kernel" : ", sm_90 kernel where there is one"));
+      const cache_config c = config_of(group);
+      const format::packed_bitmap f = make(4);  // sinks: exact rows, masked in page 0
+      const int per = traits::segment_pages(f, page_shape{c.page_size, c.head_dim, c.storage});
+      select::h2o s;  // H2O's accumulation, group max, over three steps
+      s.budget.tokens = 1 << 20;
+      s.combine = group_combine::max;
+      packed_cache<select::h2o> kv(c, f, s);
+      if (portable) kv.engine().use_portable_kernel();
+      const workload w = prefill(kv, 3);
+      std::vector<expected_scores> total(2);
+      for (int step = 0; step < 3; ++step) {
+        if (step > 0) append_next(kv, w, step);
+        std::vector<expected_scores> next;
+        for (std::size_t b = 0; b < 2; ++b) {
+          const std::vector<float> q = test::step_query(c, step + 100 * static_cast<int>(b));
+          next.push_back(oracle_scores(kv, w.seqs[b], q.data(), group_combine::max, per));
+        }
+        attend(kv, w, step);
+        for (std::size_t b = 0; b < 2; ++b) {
+          INFO("step " << step << ", sequence " << b);
+          accumulate(total[b], next[b]);
+          CHECK(check_scores(kv, w.seqs[b], total[b]) > 0);
+        }
+      }
+    }
+}
+
+TEST_CASE("GPU packed_bitmap eviction: TOVA evicts the lowest of the device's scores, compaction re-encodes in the new segments",
+          "[gpu][packed_bitmap][token_scores][compaction]") {
+  if (!gpu_available()) return;
+  SECTION("sm_90 kernel where there is one, group 3") { check_tova(false, 3); }
+  SECTION("portable kernel, group 6") { check_tova(true, 6); }
+}
