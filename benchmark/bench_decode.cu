@@ -707,6 +707,15 @@ BENCHMARK(decode<format::quant2, select::tova>)
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
+// The same over packed_bitmap at 25% retained (its logits in each segment's rotated space),
+// against packed_bitmap_decode.
+BENCHMARK(decode<format::packed_bitmap, select::tova>)
+    ->Name("packed_bitmap_tova_scores_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {1}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
 // Whole decode steps with the next token's append, on the host clock: TOVA and H2O at a budget of
 // the context (each append evicts a token per sequence, ranked on the device) against the same
 // step of select::all, with and without 40 evicted rows per sequence to read around.

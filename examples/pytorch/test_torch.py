@@ -354,8 +354,8 @@ def test_packed_bitmap_on_cuda_matches_cpu(strategy):
 
 
 def test_packed_bitmap_with_a_compactor_is_refused():
-    # packed_bitmap is compiled with select::all and no compactor only (on CUDA the library
-    # compacts no format with segments): an evicting selector with its compactor is refused.
+    # The extension compiles packed_bitmap with select::all and no compactor only: an evicting
+    # selector with its compactor is refused, naming what it takes.
     with pytest.raises(ValueError, match="no compactor"):
         ModelCache(1, 3, 3, 64, "packed_bitmap:retained=0.25,sinks=4/streaming:budget=0.5,sinks=4/repack",
                    max_tokens=256, max_sequences=1, device=DEVICE)

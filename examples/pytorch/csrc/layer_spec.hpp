@@ -332,10 +332,9 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     return make(fill(kv::format::quant<2, kv::format::value_axis::head_dim>{}), kv::select::all{}, kv::compact::none{});
   }
   if (spec.format.name == "packed_bitmap") {
-    // MosaicKV's stage 1, a format with segments, on either backend. Compiled with select::all
-    // and no compactor only: on backend::cuda the library compacts no format with segments
-    // (cache<packed_bitmap, S, repack or hole_fill, backend::cuda> does not compile), and the
-    // extension compiles the one configuration for both backends.
+    // MosaicKV's stage 1, a format with segments, on either backend. The extension compiles it
+    // with select::all and no compactor only (each more combination is a configuration built for
+    // both backends); the library itself takes any selector and compactor over it.
     require(spec.selector.name == "all" && spec.selector.values.empty() && spec.compactor.name == "none", "selector",
             spec.selector.name,
             "all (with no compactor) for packed_bitmap: this extension compiles it with select::all only");
