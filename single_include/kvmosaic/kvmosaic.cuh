@@ -6232,13 +6232,7 @@ class cache
   using Selector = std::conditional_t<is_selector_v<SelectorArg> && !detail::is_per_kv_head<SelectorArg>::value, SelectorArg,
                                       select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
-                                             !std::is_same_v<BackendArg, backend::host>;
-  static_assert(!segments_on_device || !compactor_traits<Compactor>::frees_memory,
-                "kvmosaic::cache: a format with segments (format::packed_bitmap) on backend::cuda does not compact: "
-                "use compact::none there, or backend::host (docs/packed_bitmap.md)");
-  using Backend = std::conditional_t<is_backend_v<BackendArg> && (!segments_on_device || !compactor_traits<Compactor>::frees_memory),
-                                     BackendArg, backend::host>;
+  using Backend = std::conditional_t<is_backend_v<BackendArg>, BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
@@ -6256,7 +6250,7 @@ class cache
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
                 "this backend's kernels do not write for this format: on backend::cuda use format::dense, "
-                "format::bitmap_tiles or format::quant (quant2, quant4), or use backend::host (every format)");
+                "format::bitmap_tiles, format::quant (quant2, quant4) or format::packed_bitmap, or use backend::host");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
@@ -10874,6 +10868,8 @@ struct unpack_context {
   std::byte* rows;                    ///< scratch slots (device)
   const std::int32_t* page_ids;       ///< [n] pages to unpack (device)
   std::int32_t n;
+  const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
+                                        ///< arena (slot x segments_per_sequence + segment); else null
 };
 
 namespace detail {
@@ -12457,6 +12453,7 @@ class engine {
   /// ids, their scratch ordinals and K weight rows, the pages to unpack, and the row map.
   struct move_chunk {
     std::size_t written = 0, ordinals = 0, weight_rows = 0, unpacked = 0, sources_of = 0;
+    std::size_t unpacked_segments = 0, written_segments = 0;  ///< formats with segments: each page's segment entry
     std::int32_t pages_written = 0, pages_unpacked = 0;
   };
   struct layout_capacity {
@@ -12703,7 +12700,9 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
     c.weight_rows = c.ordinals + ids;
     c.unpacked = c.weight_rows + ids;
     c.sources_of = c.unpacked + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
-    bytes = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    c.unpacked_segments = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
+    c.written_segments = c.unpacked_segments + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
+    bytes = c.written_segments + ids;
     most_written = std::max(most_written, c.pages_written);
     most_read = std::max(most_read, c.pages_unpacked);
     move_chunks_.push_back(c);
@@ -12737,6 +12736,15 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
       weight_rows[i] = weighted ? slot : -1;
     }
     for (std::size_t i = 0; i < read.size(); ++i) unpacked[i] = pages[static_cast<std::size_t>(read[i])];
+    // A page's segment is its block-table index's (`plan_segment_pages`): the source pages' and
+    // the written pages' in this sequence's segments.
+    const auto segment_entry = [&](std::int32_t index) {
+      return plan_segment_pages() > 0 ? slot * segments_per_sequence_ + index / plan_segment_pages() : -1;
+    };
+    auto* unpacked_segments = reinterpret_cast<std::int32_t*>(host + c.unpacked_segments);
+    auto* written_segments = reinterpret_cast<std::int32_t*>(host + c.written_segments);
+    for (std::size_t i = 0; i < read.size(); ++i) unpacked_segments[i] = segment_entry(read[i]);
+    for (std::int32_t i = 0; i < c.pages_written; ++i) written_segments[i] = segment_entry(written[static_cast<std::size_t>(first + i)]);
     for (std::size_t at = 0; at < static_cast<std::size_t>(c.pages_written) * p; ++at) {
       const std::int64_t from = source[static_cast<std::size_t>(first) * p + at];
       const auto page = static_cast<std::int32_t>(from / p);
@@ -12765,10 +12773,13 @@ void engine<Format, Selector, Shapes>::launch_moves() {
   };
   const auto tail_slot = static_cast<std::int64_t>(geometry_.tail_slot_bytes());
   const auto tail_head = static_cast<std::int64_t>(geometry_.tail_head_bytes);
+  [[maybe_unused]] const bool segmented = plan_segment_pages() > 0;
   for (const move_chunk& chunk : move_chunks_) {
     kernel::copy_rows_params gather{};
     if constexpr (encodes_pages) {
-      device::template unpack_pages<Shapes>(format_state_, format_, unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked});
+      device::template unpack_pages<Shapes>(format_state_, format_,
+                                            unpack_context{&c, unpacked_.as<std::byte>(), i32(chunk.unpacked), chunk.pages_unpacked,
+                                                           segmented ? i32(chunk.unpacked_segments) : nullptr});
       gather = {unpacked_.as<const std::byte>(), tail_slot, tail_head, nullptr, 0, 0, nullptr, nullptr, 0, 0, 0, 0};
     } else {  // the pages are dense rows: read in place
       gather = {pages_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_slot_bytes()),
@@ -12789,7 +12800,7 @@ void engine<Format, Selector, Shapes>::launch_moves() {
     if constexpr (encodes_pages) {
       const encode_context e{&c, scratch_.as<const std::byte>(), i32(chunk.written), i32(chunk.weight_rows),
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written,
-                             nullptr};  // formats with segments do not compact on this backend (cache.hpp)
+                             segmented ? i32(chunk.written_segments) : nullptr};
       device::template encode_pages<Shapes>(format_state_, reencoding_, e);
     } else {
       kernel::copy_rows_params back = gather;
@@ -15608,7 +15619,9 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 /// same `format_traits::plan_segment`, so the same bases), copied into the engine's segment arena,
 /// and read by the encode kernel (`encode_packed_pages_kernel`) and the split kernel
 /// (`decode_partial_packed_mma_kernel`, PackedAttention on tensor cores with bulk copies, sm_90;
-/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+).
+/// `decode_partial_packed_kernel` on CUDA cores elsewhere, sm_75+); a compaction unpacks the pages
+/// it reads in their segments (`unpack_packed_pages_kernel`) and encodes the pages it writes in
+/// theirs.
 
 
 
@@ -15970,7 +15983,7 @@ struct split_state {
 /// the segment's end (`leave_segment`) the warps' accumulators add up in shared memory and o =
 /// o' B_v^T (Group x head_dim x kept FMAs) merges into the split's state in head_dim space. A
 /// split without pages reads the exact rows and the tail, dense, as `decode_partial_kernel`.
-template <class T, int HeadDim, int Group, int Threads, int Unroll>
+template <class T, int HeadDim, int Group, int Threads, int Unroll, bool Logits = false>
 __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const split_params<packed_decode_params> p) {
   static_assert(Threads == 128, "the packed kernel runs 4 warps");
   using collective = page_attend<format::dense, T, HeadDim, Group, Threads, Unroll>;
@@ -15995,6 +16008,9 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
   const int head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   const detail_decode::split_pages range = detail_decode::pages_of_split(p, w, head);
+  // `Logits`: a step with token scores; each row's scaled logit (-inf where masked) at
+  // split_logits[(row of the split's read order) x Group + head of the group].
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
 
   if (range.begin == range.end) {  // the exact rows and the tail rows, dense, in head_dim space
     thread_state<Group> s;
@@ -16003,7 +16019,8 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
       const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
       const std::byte* slot = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                               static_cast<std::size_t>(run.first) * HeadDim * 2;
-      collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s);
+      collective::fold(slot + head * p.tail_head_bytes, slot + (p.num_kv_heads + head) * p.tail_head_bytes, run.rows, s, nullptr,
+                       split_logits);
     }
     detail_decode::write_partial<HeadDim, Group, Threads, collective::lanes_per_row>(
         p, work_index, head, s, *reinterpret_cast<decode_temp_storage<Group, HeadDim, rows>*>(records));
@@ -16149,6 +16166,11 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
             detail_packed::score_record<T, Group, decltype(g)::value>(reinterpret_cast<const std::uint32_t*>(k_records) + tid * f.words,
                                                                       k_values + tid * stride, k_words, q_rotated, logit);
           });
+        if (Logits && split_logits != nullptr) {
+          float* at = split_logits + (static_cast<std::size_t>(i - range.begin) * p.page_size + row) * Group;
+#pragma unroll
+          for (int g = 0; g < Group; ++g) at[g] = logit[g];
+        }
       }
       // The tile's softmax step, once for the CTA: the max and the sum of p by warp shuffles.
       if (warp < 2) {
@@ -16254,7 +16276,7 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// Cost per 16 tokens and warp: the MMAs of the dense kernel over head_dim channels plus, per
 /// lane, 2 x head_dim / 64 K and 2 x head_dim / 64 V gathers of 16 channels (4 of 8 for V at
 /// head_dim 64); per segment 2 x Group x head_dim x kept FMAs and five CTA barriers.
-template <class T, int HeadDim, int Group>
+template <class T, int HeadDim, int Group, bool Logits = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
   using layout = packed_mma_layout<HeadDim, Group>;
@@ -16287,6 +16309,9 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   const std::int32_t* table = detail_decode::page_table(p, w.batch_index, head) + range.begin;
   const int num_q_heads = p.num_kv_heads * Group;
   const float* q = p.q + (static_cast<std::size_t>(w.batch_index) * num_q_heads + head * Group) * HeadDim;
+  // `Logits`: a step with token scores; each row's scaled logit (-inf where masked) at
+  // split_logits[(row of the split's read order) x Group + head of the group].
+  float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
   if (tid == 0)
     for (int b = 0; b < stages; ++b) {
       detail::barrier_init(&full[b], 1);
@@ -16407,11 +16432,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     v_rows.page_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
-      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) &
-                                 attend::rows_before(first + rows_first, p.page_size);
+      const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
+      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered;
+      float* const warp_logits = Logits && split_logits != nullptr
+                                     ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
+                                     : nullptr;
       if (rows != 0) {
         k_rows.first = v_rows.first = first;
-        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows);
+        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows, warp_logits, covered);
+      } else if (warp_logits != nullptr) {
+        attend::write_masked_logits(warp_logits, covered);
       }
     }
     // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
@@ -16434,9 +16464,13 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     for (int first = 0; first < run.rows; first += tokens) {
       const std::uint32_t warp_rows = attend::rows_before(first + rows_first, run.rows);
       const std::size_t skip = static_cast<std::size_t>(first) * HeadDim * 2;
+      float* const warp_logits = Logits && split_logits != nullptr
+                                     ? split_logits + (static_cast<std::size_t>(num_pages) * p.page_size + first + rows_first) * Group
+                                     : nullptr;
       if (warp_rows != 0)
         state.fold_chunks(global_dense_rows<HeadDim>{k_tail + skip, run.rows - first},
-                          global_dense_rows<HeadDim>{v_tail + skip, run.rows - first}, query_tiles, rows_first, warp_rows);
+                          global_dense_rows<HeadDim>{v_tail + skip, run.rows - first}, query_tiles, rows_first, warp_rows,
+                          warp_logits, warp_rows);
     }
     close_segment(nullptr);
   }
@@ -16570,12 +16604,107 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
 
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/unpack.cuh> ----
+/// \file
+/// Device unpack of `format::packed_bitmap` pages, the inverse of `encode_packed_pages_kernel`
+/// for a compaction: each record's retained values back at their rotated channels (zeros
+/// elsewhere), rotated back to head_dim space in the segment the page was sealed in (x = y B^T,
+/// fp32, the kept channels summed in order) and rounded to the storage dtype: the host's
+/// `format_traits<packed_bitmap>::decode_k/v`, whose Eigen product sums in another order (a row
+/// may differ in its last fp32 bits, and so round to the neighbouring 16-bit number). A
+/// compaction then moves the rows and encodes the pages it writes in their own segments.
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Pages `page_ids[i]` unpacked, in the segment `segment_entries[i]` (an index of the engine's
+/// segment arena: slot x segments_per_sequence + segment), to dense rows in `rows` (slot i =
+/// [K: heads][V: heads] x rows_head_bytes, the first page_size rows 16-bit).
+struct packed_unpack_params {
+  std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::byte* pages;
+  std::int64_t page_slot_bytes;
+  std::int64_t page_bytes;  ///< one K (= one V) page
+  const std::int32_t* page_ids;
+  const std::int32_t* segment_entries;
+  int num_kv_heads;
+  int page_size;
+  packed_decode_params format;
+};
+
+constexpr int packed_unpack_threads = 128;
+/// Tokens whose rotated rows a CTA holds at once.
+constexpr int packed_unpack_tokens = 16;
+
+/// Grid (pages, num_kv_heads, 2: K then V); static shared memory: the rotated rows of 16 tokens
+/// at kept <= head_dim (8 KB at head_dim 128). Per 16 tokens: the values scattered to their
+/// channels (a thread per token and group: the popcount of the bits before it), then a thread
+/// per (token, channel) sums y_j B_cj over the kept channels. Cost per page and head, K or V:
+/// page_size x head_dim x kept FMAs, one read of the records and of the basis (from L2 after
+/// the first page), one write of the rows.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(packed_unpack_threads) unpack_packed_pages_kernel(const packed_unpack_params u) {
+  constexpr int tokens = packed_unpack_tokens;
+  __shared__ float y[tokens][HeadDim];
+  const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int which = static_cast<int>(blockIdx.z);  // 0: K, 1: V
+  const int tid = static_cast<int>(threadIdx.x);
+  const packed_decode_params& f = u.format;
+  const int kept = f.kept;
+  const std::int64_t head_at = static_cast<std::int64_t>(which == 0 ? 0 : u.num_kv_heads) + head;
+  const std::byte* page = u.pages + static_cast<std::int64_t>(u.page_ids[page_index]) * u.page_slot_bytes + head_at * u.page_bytes;
+  auto* rows = reinterpret_cast<T*>(u.rows + page_index * u.rows_slot_bytes + head_at * u.rows_head_bytes);
+  const std::byte* entry = f.segments + (static_cast<std::int64_t>(u.segment_entries[page_index]) * u.num_kv_heads + head) * f.entry_bytes;
+  const std::int64_t basis_floats = static_cast<std::int64_t>(HeadDim) * kept;
+  const auto* k_basis = reinterpret_cast<const float*>(entry);    // [HeadDim][kept]
+  const auto* v_basis_t = k_basis + basis_floats;                 // [kept][HeadDim]
+  const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * basis_floats * 4);
+  const int group = strategy[which * 2 + 1];
+  const int groups = kept / group, words = (groups + 31) / 32;
+  const auto* bits = reinterpret_cast<const std::uint32_t*>(page);
+  const auto* values = reinterpret_cast<const std::uint16_t*>(page + f.bitmap_bytes);
+
+  for (int first = 0; first < u.page_size; first += tokens) {
+    const int n = min(tokens, u.page_size - first);
+    // y[t][j * g + i]: the record's value (set bits before group j) x g + i, or zero.
+    for (int index = tid; index < n * groups; index += packed_unpack_threads) {
+      const int t = index / groups, j = index % groups;
+      const std::uint32_t* record = bits + static_cast<std::size_t>(first + t) * f.words;
+      const std::uint32_t word = record[j / 32];
+      const bool set = ((word >> (j % 32)) & 1u) != 0;
+      int before = __popc(word & ((1u << (j % 32)) - 1u));
+      for (int w = 0; w < j / 32 && w < words; ++w) before += __popc(record[w]);
+      const std::uint16_t* at = values + static_cast<std::size_t>(first + t) * f.retained + before * group;
+      for (int i = 0; i < group; ++i) y[t][j * group + i] = set ? to_float(T::from_bits(at[i])) : 0.0f;
+    }
+    __syncthreads();
+    for (int index = tid; index < n * HeadDim; index += packed_unpack_threads) {
+      const int t = index / HeadDim, c = index % HeadDim;
+      float x = 0.0f;
+      for (int j = 0; j < kept; ++j) x = fmaf(y[t][j], which == 0 ? k_basis[c * kept + j] : v_basis_t[j * HeadDim + c], x);
+      rows[static_cast<std::size_t>(first + t) * HeadDim + c] = T(x);
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/unpack.cuh> ----
+
 namespace kvmosaic::cuda {
 
 template <>
 struct device_format<format::packed_bitmap> {
   static constexpr bool encodes_pages = true;
   static constexpr bool masks_sink_rows = false;  ///< sinks are masked by the step's row masks
+  /// Both split kernels write their rows' logits in a step with token scores (their `Logits`
+  /// instantiations): q' . y in the segment's rotated space, which is q . k of the decoded key up
+  /// to fp32 rounding (B_k's columns are orthonormal) and the sm_90 kernel's hi + lo split of q'.
+  static constexpr bool writes_token_logits = true;
+  static constexpr bool writes_exact_logits = true;
   static constexpr std::int32_t split_page_multiple = 1;
   using params = kernel::packed_decode_params;
   using traits = format_traits<format::packed_bitmap>;
@@ -16612,7 +16741,9 @@ struct device_format<format::packed_bitmap> {
     if (s.stages == 0) e.bulk_copy = false;
   }
 
-  template <class Shapes, bool /*Logits: its kernels branch on the step at run time*/ = false, class F>
+  /// `Logits`: the instantiations that write their rows' logits (an engine whose selector reads
+  /// token scores takes them; every other engine runs kernels with no store in them).
+  template <class Shapes, bool Logits = false, class F>
   static void with_decode_kernel(const state& s, const format::packed_bitmap& f, const device_context& e, bool /*row_masks*/,
                                  F&& call) {
     const kvmosaic::detail::engine_shape& shape = *e.shape;
@@ -16623,12 +16754,12 @@ struct device_format<format::packed_bitmap> {
       constexpr int group_size = decltype(group)::value;
       if (s.stages > 0) {
         const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
-        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size>, 128,
+        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size, Logits>, 128,
              kernel::packed_mma_layout<head_dim, group_size>::bytes(pair, s.stages));
       } else {
         constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
         using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
-        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll>, t.threads,
+        call(kernel::decode_partial_packed_kernel<T, head_dim, group_size, t.threads, t.unroll, Logits>, t.threads,
              kernel::packed_decode_layout<head_dim, group_size, collective::rows>::bytes(g.words, g.retained));
       }
     });
@@ -16696,12 +16827,30 @@ struct device_format<format::packed_bitmap> {
     });
   }
 
-  /// Compaction of a format with segments is not on the CUDA backend yet (cache.hpp rejects the
-  /// combination at compile time); this is never reached.
+  /// Unpacks `c.n` pages (K and V of every KV head), each in its segment (`c.segment_entries`),
+  /// to dense rows for a compaction: one CTA per (page, head, K or V).
   template <class Shapes>
-  static void unpack_pages(const state&, const format::packed_bitmap&, const unpack_context&) {
-    kvmosaic::detail::require(false, "cuda::device_format<packed_bitmap>::unpack_pages", "compactor", "a compactor that moves rows",
-                              "compact::none (compaction of format::packed_bitmap runs on backend::host)");
+  static void unpack_pages(const state& s, const format::packed_bitmap& f, const unpack_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_unpack_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
+    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
+    p.pages = e.pages;
+    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
+    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
+    p.page_ids = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.num_kv_heads = shape.num_kv_heads;
+    p.page_size = shape.page_size;
+    p.format = params_for(s, f, e);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
   }
 };
 

@@ -6222,13 +6222,7 @@ class cache
   using Selector = std::conditional_t<is_selector_v<SelectorArg> && !detail::is_per_kv_head<SelectorArg>::value, SelectorArg,
                                       select::all>;
   using Compactor = std::conditional_t<is_compactor_v<CompactorArg>, CompactorArg, compact::none>;
-  static constexpr bool segments_on_device = has_segments_v<Format> && is_backend_v<BackendArg> &&
-                                             !std::is_same_v<BackendArg, backend::host>;
-  static_assert(!segments_on_device || !compactor_traits<Compactor>::frees_memory,
-                "kvmosaic::cache: a format with segments (format::packed_bitmap) on backend::cuda does not compact: "
-                "use compact::none there, or backend::host (docs/packed_bitmap.md)");
-  using Backend = std::conditional_t<is_backend_v<BackendArg> && (!segments_on_device || !compactor_traits<Compactor>::frees_memory),
-                                     BackendArg, backend::host>;
+  using Backend = std::conditional_t<is_backend_v<BackendArg>, BackendArg, backend::host>;
 
   static_assert(!(selector_traits<Selector>::evicts && !compactor_traits<Compactor>::frees_memory),
                 "kvmosaic::cache: a selector that evicts tokens needs a compactor that frees memory "
@@ -6246,7 +6240,7 @@ class cache
   static_assert(detail::token_scores_of<Selector>::value == score_use::none || engine_type::records_token_scores,
                 "kvmosaic::cache: this selector reads each step's token scores (select::tova, select::h2o), which "
                 "this backend's kernels do not write for this format: on backend::cuda use format::dense, "
-                "format::bitmap_tiles or format::quant (quant2, quant4), or use backend::host (every format)");
+                "format::bitmap_tiles, format::quant (quant2, quant4) or format::packed_bitmap, or use backend::host");
 
   explicit cache(const cache_config& config, const Format& format = {}, const Selector& selector = {},
                  const Compactor& compactor = {})
