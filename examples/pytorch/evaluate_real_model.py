@@ -113,6 +113,13 @@ def configurations(boundaries: str, per_head: bool = True) -> list[tuple[str, st
     configs.append(("packed_bitmap r=0.25 g=1 t=0.25", pb.format(r=0.25, m="fixed", x=exact()) + "/all"))
     configs.append(("packed_bitmap r<=0.25 search loss=0.05 t=0.25 sinks4",
                     pb.format(r=0.25, m="search", x=exact(4)) + "/all"))
+    # Both of MosaicKV's axes with eviction: packed_bitmap's channels and SnapKV's or TOVA's tokens
+    # (repack re-encodes the survivors in their new pages' segment: one segment here).
+    for b, ratio in (("1/8", 0.125), ("1/4", 0.25)):
+        for r in (0.25, 0.5):
+            configs.append((f"packed_bitmap r={r} sinks4 snapkv {b}",
+                            pb.format(r=r, m="fixed", x=exact(4)) + f"/snapkv:budget={ratio}/repack"))
+        configs.append((f"packed_bitmap r=0.5 sinks4 tova {b}", pb.format(r=0.5, m="fixed", x=exact(4)) + f"/tova:budget={ratio}/repack"))
     # Without truncation (at head_dim 64 and g = 1 the bitmap is two words either way: the same
     # bytes), and the search with a loss limit that the truncated energy alone does not exceed.
     pb0 = pb.replace("truncated=0.25", "truncated=0")

@@ -353,12 +353,43 @@ def test_packed_bitmap_on_cuda_matches_cpu(strategy):
         assert rel_l2(got[i].cpu(), want[i]) < 1e-2
 
 
-def test_packed_bitmap_with_a_compactor_is_refused():
-    # The extension compiles packed_bitmap with select::all and no compactor only: an evicting
-    # selector with its compactor is refused, naming what it takes.
-    with pytest.raises(ValueError, match="no compactor"):
-        ModelCache(1, 3, 3, 64, "packed_bitmap:retained=0.25,sinks=4/streaming:budget=0.5,sinks=4/repack",
-                   max_tokens=256, max_sequences=1, device=DEVICE)
+def test_packed_bitmap_evicts_by_scores_and_snapshots():
+    """packed_bitmap layers with tova, h2o (repack) and snapkv: the scores come from the packed
+    attend path (the host's, or on CUDA tensors the CUDA kernels' logits in each segment's rotated
+    space); the next write evicts down to the budget and compaction re-encodes the survivors; a
+    snapshot keeps the budget. The extension compiles no other selector over packed_bitmap, nor
+    another compactor, and says so."""
+    torch.manual_seed(8)
+    kvh, group, d, n, budget, page = 3, 3, 64, 300, 96, 16
+    packed = "packed_bitmap:retained=0.5,sinks=4"
+    k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    q0, q1 = torch.randn(1, kvh * group, d), torch.randn(1, kvh * group, d)
+    k1, v1 = torch.randn(1, kvh, d), torch.randn(1, kvh, d)
+    for selector in (f"tova:tokens={budget},compact_every=1", f"h2o:tokens={budget},compact_every=1"):
+        cache = ModelCache(1, kvh, group, d, f"{packed}/{selector}/repack", page_size=page, max_tokens=512,
+                           max_sequences=1, device=DEVICE)
+        seq = cache.add_sequence()
+        cache.prefill(0, seq, k.to(DEVICE), v.to(DEVICE))
+        pages = cache.memory(0)["pages_used"]
+        assert torch.isfinite(cache.attend(0, [seq], q0.to(DEVICE))).all()
+        cache.append(0, [seq], k1.to(DEVICE), v1.to(DEVICE))
+        assert budget <= cache.stored_tokens(0, seq) < budget + page, selector
+        assert cache.memory(0)["pages_used"] < pages, selector
+        assert torch.isfinite(cache.attend(0, [seq], q1.to(DEVICE))).all()
+    cache = ModelCache(1, kvh, group, d, f"{packed}/snapkv:tokens={budget},window=8/repack", page_size=page,
+                       max_tokens=512, max_sequences=1, device=DEVICE)
+    seq = cache.add_sequence()
+    cache.prefill(0, seq, k.to(DEVICE), v.to(DEVICE))
+    assert cache.snapshot(0, seq, torch.randn(8, kvh * group, d)) == n - budget
+    assert budget <= cache.stored_tokens(0, seq) < budget + page
+    with pytest.raises(ValueError, match="tova, h2o or snapkv"):
+        ModelCache(1, 3, 3, 64, f"{packed}/streaming:budget=0.5,sinks=4/repack", max_tokens=256, max_sequences=1,
+                   device=DEVICE)
+    with pytest.raises(ValueError, match="repack"):
+        ModelCache(1, 3, 3, 64, f"{packed}/tova:budget=0.5/hole_fill", max_tokens=256, max_sequences=1, device=DEVICE)
+    with pytest.raises(ValueError, match="per_head"):
+        ModelCache(1, 3, 3, 64, f"{packed}/tova:budget=0.5,per_head=1/repack", max_tokens=256, max_sequences=1,
+                   device=torch.device("cpu"))
 
 
 def test_ops_are_registered():

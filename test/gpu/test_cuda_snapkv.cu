@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../support/feed.hpp"
+#include "snapkv_reference.hpp"
 #include "twin.hpp"
 
 using namespace kvmosaic;
@@ -40,34 +41,6 @@ double vote_difference(const std::vector<double>& device, const std::vector<doub
     worst = std::max(worst, std::abs(device[i] - host[i]));
   }
   return largest > 0.0 ? worst / largest : worst;
-}
-
-/// The positions a snapshot of budget `keep` must evict, by brute force over `votes`: SnapKV's
-/// pooling written out again, then a full sort of the candidates by (score, position).
-std::vector<std::int64_t> brute_force_evictions(const std::vector<double>& votes, const std::vector<std::int64_t>& positions,
-                                                std::int64_t window_start, std::int64_t candidates_before, int sinks,
-                                                int heads, int pool, std::int64_t keep) {
-  std::vector<std::pair<double, std::int64_t>> ranked;
-  std::int64_t live = 0;
-  for (const std::int64_t t : positions) {
-    if (t < 0) continue;
-    ++live;
-    if (t < sinks || t >= candidates_before) continue;
-    double score = 0.0;
-    for (int h = 0; h < heads; ++h) {
-      double pooled = -std::numeric_limits<double>::infinity();
-      for (std::int64_t u = std::max<std::int64_t>(0, t - pool / 2); u <= std::min(window_start - 1, t + pool / 2); ++u)
-        pooled = std::max(pooled, votes[static_cast<std::size_t>(u) * heads + h]);
-      score += pooled;
-    }
-    ranked.emplace_back(score, t);
-  }
-  std::sort(ranked.begin(), ranked.end());
-  std::vector<std::int64_t> dead;
-  for (std::int64_t i = 0; i < std::min<std::int64_t>(live - keep, static_cast<std::int64_t>(ranked.size())); ++i)
-    dead.push_back(ranked[static_cast<std::size_t>(i)].second);
-  std::sort(dead.begin(), dead.end());
-  return dead;
 }
 
 std::vector<float> window_queries(int window, int q_heads, int dim, float phase) {
@@ -99,7 +72,7 @@ void snapshot_twins(HostCache& host, DeviceCache& device, sequence_id h, sequenc
   const std::int64_t stored = device.stored_tokens(d);
   const std::int64_t open_from = length - stored % c.page_size;
   const std::vector<std::int64_t> expected =
-      brute_force_evictions(device_votes, before, window_start, std::min(window_start, open_from),
+      test::brute_force_evictions(device_votes, before, window_start, std::min(window_start, open_from),
                             sink_rows(device.format()), c.num_kv_heads, s.pool_kernel, s.budget.resolve(length));
   const std::int64_t evicted = device.snapshot(d, queries);
   CHECK(evicted == static_cast<std::int64_t>(expected.size()));

@@ -157,7 +157,7 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 /// sentence_chunks (with compactor none), streaming (with hole_fill or repack), and over dense
 /// tova and h2o (with hole_fill or repack) and snapkv (with repack); quant4 and
 /// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
-/// select::all. Every combination is made for either backend (`make` is the host or the CUDA maker
+/// select::all, and tova, h2o and snapkv (with repack). Every combination is made for either backend (`make` is the host or the CUDA maker
 /// of layer_factory.hpp).
 /// The `per_head` key of a keep-less selector (0 or 1): one decision per KV head, each head in
 /// pages of its own (`select::per_kv_head`), where the maker compiles such layers (the host's).
@@ -173,6 +173,10 @@ template <class Make>
 auto with_layer_policies(const layer_spec& spec, Make&& make) {
   namespace kv = kvmosaic;
   auto with_selector = [&](const auto& format) {
+    using format_type = std::decay_t<decltype(format)>;
+    constexpr bool dense = std::is_same_v<format_type, kv::format::dense>;
+    // packed_bitmap: select::all and the score-based selectors only (each adds engines).
+    constexpr bool packed = std::is_same_v<format_type, kv::format::packed_bitmap>;
     policy_args args(spec.selector.name, spec.selector.values);
     const std::string& compactor = spec.compactor.name;
     require(spec.compactor.values.empty(), "compactor", compactor, "a compactor without keys");
@@ -183,6 +187,12 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
       args.finish();
       return make(format, kv::select::all{}, kv::compact::none{});
     }
+    if constexpr (packed) {
+      if (spec.selector.name != "tova" && spec.selector.name != "h2o" && spec.selector.name != "snapkv")
+        reject("selector", spec.selector.name, "all, tova, h2o or snapkv for packed_bitmap (this extension compiles no other)");
+      require(compactor == "repack" || compactor == "none", "compactor", compactor, "repack for packed_bitmap");
+    }
+    if constexpr (!packed) {
     if (spec.selector.name == "quest") {
       kv::select::quest s;
       s.budget = detail::read_budget(args, s.budget.ratio);
@@ -219,18 +229,22 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
                           "hole_fill or repack with selector streaming");
       return make(format, s, kv::compact::hole_fill{});
     }
+    }  // !packed
     if (spec.selector.name == "tova" || spec.selector.name == "h2o") {
-      // Their scores come from the attend path: every format's on the host, format::dense's on
-      // CUDA. Over dense pages only here (each adds engines to the extension's build).
-      if constexpr (std::decay_t<Make>::attend_writes_token_scores &&
-                    std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
+      // Their scores come from the attend path (every format's, on either backend). Over dense
+      // and packed_bitmap pages only here (each adds engines to the extension's build).
+      if constexpr (std::decay_t<Make>::attend_writes_token_scores && (dense || packed)) {
         const bool by_head = per_head(args, make);
+        require(dense || !by_head, "per_head", "1", "0 with packed_bitmap (per-KV-head layers: format dense)");
         auto with_compactor = [&](const auto& s) {
-          if (by_head) {
-            require(compactor == "repack", "compactor", compactor, "repack with per_head=1");
-            return make(format, kv::select::per_kv_head<std::decay_t<decltype(s)>>{s, {}}, kv::compact::repack{});
+          if constexpr (dense) {
+            if (by_head) {
+              require(compactor == "repack", "compactor", compactor, "repack with per_head=1");
+              return make(format, kv::select::per_kv_head<std::decay_t<decltype(s)>>{s, {}}, kv::compact::repack{});
+            }
           }
           if (compactor == "repack") return make(format, s, kv::compact::repack{});
+          require(!packed, "compactor", compactor, "repack with packed_bitmap");
           require(compactor == "hole_fill", "compactor", compactor, "hole_fill or repack with selector " + spec.selector.name);
           return make(format, s, kv::compact::hole_fill{});
         };
@@ -251,13 +265,13 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         return with_compactor(s);
       } else {
         reject("selector", spec.selector.name,
-               "all, quest, sentence_chunks or streaming here (tova and h2o: format dense)");
+               "all, quest, sentence_chunks or streaming here (tova and h2o: format dense or packed_bitmap)");
       }
     }
     if (spec.selector.name == "snapkv") {
       // The snapshot's votes come from the keys (on the host) or the decode kernels' logits
       // (CUDA over dense); over dense pages with repack only here (each adds an engine).
-      if constexpr (std::is_same_v<std::decay_t<decltype(format)>, kv::format::dense>) {
+      if constexpr (dense || packed) {
         kv::select::snapkv s;
         s.budget = detail::read_budget(args, s.budget.ratio);
         s.window = static_cast<int>(args.integer("window", s.window, "W, the observation window (>= 1)"));
@@ -270,10 +284,13 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         args.finish();
         require(compactor == "repack", "compactor", compactor, "repack with selector snapkv");
         require(by_head || !heads.adaptive, "adaptive", "1", "0 without per_head=1");
-        if (by_head) return make(format, heads, kv::compact::repack{});
+        require(dense || !by_head, "per_head", "1", "0 with packed_bitmap (per-KV-head layers: format dense)");
+        if constexpr (dense)
+          if (by_head) return make(format, heads, kv::compact::repack{});
         return make(format, s, kv::compact::repack{});
       } else {
-        reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense)");
+        reject("selector", spec.selector.name,
+               "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense or packed_bitmap)");
       }
     }
     reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova, h2o or snapkv");
@@ -332,12 +349,9 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     return make(fill(kv::format::quant<2, kv::format::value_axis::head_dim>{}), kv::select::all{}, kv::compact::none{});
   }
   if (spec.format.name == "packed_bitmap") {
-    // MosaicKV's stage 1, a format with segments, on either backend. The extension compiles it
-    // with select::all and no compactor only (each more combination is a configuration built for
-    // both backends); the library itself takes any selector and compactor over it.
-    require(spec.selector.name == "all" && spec.selector.values.empty() && spec.compactor.name == "none", "selector",
-            spec.selector.name,
-            "all (with no compactor) for packed_bitmap: this extension compiles it with select::all only");
+    // MosaicKV's stage 1, a format with segments, on either backend: with select::all, or with
+    // tova, h2o or snapkv and repack (with_selector; each more combination is an engine built for
+    // both backends).
     kv::format::packed_bitmap f;
     f.retained = static_cast<float>(
         args.number("retained", f.retained, "fraction of head_dim a vector keeps, in (0, 1 - truncated]"));
@@ -354,7 +368,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         args.number("block_variance", f.block_variance_threshold, "the largest relative intra-block key variance"));
     exact_tokens(f);
     args.finish();
-    return make(f, kv::select::all{}, kv::compact::none{});
+    return with_selector(f);
   }
   reject("format", spec.format.name, "dense, bitmap_tiles, quant2, quant4 or packed_bitmap");
 }
