@@ -30,7 +30,7 @@ struct host_layer_maker {
 /// Makes `kvmosaic::cache<F, S, C, cuda_backend>` layers (cuda_layer.cuh defines the operator and
 /// the kernel shapes).
 struct cuda_layer_maker {
-  static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o (dense pages)
+  static constexpr bool attend_writes_token_scores = true;  // select::tova, select::h2o (dense and packed_bitmap pages)
   static constexpr bool per_kv_head_layers = false;         // no configuration file compiles them
   const kvmosaic::cache_config& config;
   template <class F, class S, class C>
