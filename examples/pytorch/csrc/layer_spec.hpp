@@ -237,16 +237,19 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         const bool by_head = per_head(args, make);
         require(dense || !by_head, "per_head", "1", "0 with packed_bitmap (per-KV-head layers: format dense)");
         auto with_compactor = [&](const auto& s) {
-          if constexpr (dense) {
+          if constexpr (dense && std::decay_t<Make>::per_kv_head_layers) {  // else per_head refused by_head
             if (by_head) {
               require(compactor == "repack", "compactor", compactor, "repack with per_head=1");
               return make(format, kv::select::per_kv_head<std::decay_t<decltype(s)>>{s, {}}, kv::compact::repack{});
             }
           }
           if (compactor == "repack") return make(format, s, kv::compact::repack{});
-          require(!packed, "compactor", compactor, "repack with packed_bitmap");
-          require(compactor == "hole_fill", "compactor", compactor, "hole_fill or repack with selector " + spec.selector.name);
-          return make(format, s, kv::compact::hole_fill{});
+          if constexpr (packed) {
+            reject("compactor", compactor, "repack with packed_bitmap");
+          } else {
+            require(compactor == "hole_fill", "compactor", compactor, "hole_fill or repack with selector " + spec.selector.name);
+            return make(format, s, kv::compact::hole_fill{});
+          }
         };
         const auto fill = [&](auto s) {
           s.budget = detail::read_budget(args, s.budget.ratio);
@@ -285,7 +288,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
         require(compactor == "repack", "compactor", compactor, "repack with selector snapkv");
         require(by_head || !heads.adaptive, "adaptive", "1", "0 without per_head=1");
         require(dense || !by_head, "per_head", "1", "0 with packed_bitmap (per-KV-head layers: format dense)");
-        if constexpr (dense)
+        if constexpr (dense && std::decay_t<Make>::per_kv_head_layers)  // else per_head refused by_head
           if (by_head) return make(format, heads, kv::compact::repack{});
         return make(format, s, kv::compact::repack{});
       } else {
