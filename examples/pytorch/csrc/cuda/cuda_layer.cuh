@@ -8,8 +8,20 @@
 /// with the list of compiled shapes; add a `kernel_shape` here to serve it (each shape adds to
 /// every configuration file's compile time).
 
-#include "kvmosaic/kvmosaic.cuh"
 #include "../layer_factory.hpp"
+
+#ifdef KVMOSAIC_TORCH_CUDA_LAYER_PROBE
+// A host-only link check (examples/CMakeLists.txt, kvmosaic_torch_cuda_layer_probe): every
+// configuration file instantiates this stub, and a program that makes CUDA layers from any spec
+// links only if each configuration `with_layer_policies` can make has its file.
+namespace kvmosaic_torch {
+template <class F, class S, class C>
+std::unique_ptr<kvmosaic::layer_cache> cuda_layer_maker::operator()(const F&, const S&, const C&) const {
+  return nullptr;
+}
+}  // namespace kvmosaic_torch
+#else
+#include "kvmosaic/kvmosaic.cuh"
 
 namespace kvmosaic_torch {
 
@@ -24,6 +36,7 @@ std::unique_ptr<kvmosaic::layer_cache> cuda_layer_maker::operator()(const F& for
 }
 
 }  // namespace kvmosaic_torch
+#endif
 
 /// Instantiates the CUDA maker (and so the kernels) of one configuration.
 #define KVMOSAIC_TORCH_CUDA_LAYER(F, S, C)                                                         \
