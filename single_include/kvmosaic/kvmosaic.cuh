@@ -16496,22 +16496,26 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
-/// first page_size rows 16-bit), written packed to page `new_pages[i]` in the segment
-/// `segment_entries[i]` (an index of the engine's segment arena, per sequence slot and segment).
-struct packed_encode_params {
-  const std::byte* rows;
+/// A pass over `n` pages of format::packed_bitmap, each in its segment: the dense rows of the
+/// pass (slot i = [K: heads][V: heads] x rows_head_bytes, the first page_size rows 16-bit), the
+/// page arena, page i's id and its segment (`segment_entries[i]`, an index of the engine's segment
+/// arena: slot x segments_per_sequence + segment). The encoder reads the rows and writes the
+/// pages (`packed_encode_params`); a compaction's unpack the reverse (`packed_unpack_params`).
+template <class Rows, class Pages>
+struct packed_pass_params {
+  Rows* rows;
   std::int64_t rows_slot_bytes;
   std::int64_t rows_head_bytes;
-  std::byte* pages;
+  Pages* pages;
   std::int64_t page_slot_bytes;
   std::int64_t page_bytes;  ///< one K (= one V) page
-  const std::int32_t* new_pages;
+  const std::int32_t* page_ids;
   const std::int32_t* segment_entries;
   int num_kv_heads;
   int page_size;
   packed_decode_params format;
 };
+using packed_encode_params = packed_pass_params<const std::byte, std::byte>;
 
 constexpr int packed_encode_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
@@ -16533,7 +16537,7 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   const int kept = f.kept;
   const std::int64_t head_at = (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
   const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
-  std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
+  std::byte* page = e.pages + static_cast<std::int64_t>(e.page_ids[page_index]) * e.page_slot_bytes +
                     (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.page_bytes;
   const std::byte* entry = f.segments + (static_cast<std::int64_t>(e.segment_entries[page_index]) * e.num_kv_heads + head) * f.entry_bytes;
   const std::int64_t basis_floats = static_cast<std::int64_t>(HeadDim) * kept;
@@ -16541,7 +16545,7 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   const auto* v_basis_t = k_basis + basis_floats;
   const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * basis_floats * 4);
   const int retained = strategy[which * 2], group = strategy[which * 2 + 1];
-  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.new_pages[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
+  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.page_ids[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
   const int groups = kept / group, keep_groups = retained / group;
 
   // The page is zeroed first: a record shorter than the slot leaves the rest zero, as the host's.
@@ -16618,22 +16622,8 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages `page_ids[i]` unpacked, in the segment `segment_entries[i]` (an index of the engine's
-/// segment arena: slot x segments_per_sequence + segment), to dense rows in `rows` (slot i =
-/// [K: heads][V: heads] x rows_head_bytes, the first page_size rows 16-bit).
-struct packed_unpack_params {
-  std::byte* rows;
-  std::int64_t rows_slot_bytes;
-  std::int64_t rows_head_bytes;
-  const std::byte* pages;
-  std::int64_t page_slot_bytes;
-  std::int64_t page_bytes;  ///< one K (= one V) page
-  const std::int32_t* page_ids;
-  const std::int32_t* segment_entries;
-  int num_kv_heads;
-  int page_size;
-  packed_decode_params format;
-};
+/// Pages `page_ids[i]` unpacked, each in its segment, to the rows (`packed_pass_params`).
+using packed_unpack_params = packed_pass_params<std::byte, const std::byte>;
 
 constexpr int packed_unpack_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
@@ -16805,25 +16795,10 @@ struct device_format<format::packed_bitmap> {
   /// head, K or V).
   template <class Shapes>
   static void encode_pages(const state& s, const format::packed_bitmap& f, const encode_context& c) {
-    const device_context& e = *c.engine;
-    const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_encode_params p{};
     p.rows = c.rows;
-    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
-    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
-    p.pages = e.pages;
-    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
-    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.new_pages = c.page_ids;
-    p.segment_entries = c.segment_entries;
-    p.num_kv_heads = shape.num_kv_heads;
-    p.page_size = shape.page_size;
-    p.format = params_for(s, f, e);
-    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
-    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, e.stream>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    run_pass<Shapes>(s, f, *c.engine, p, c.page_ids, c.segment_entries, c.n, [&](auto element, auto dim, dim3 grid) {
+      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, c.engine->stream>>>(p);
     });
   }
 
@@ -16831,24 +16806,34 @@ struct device_format<format::packed_bitmap> {
   /// to dense rows for a compaction: one CTA per (page, head, K or V).
   template <class Shapes>
   static void unpack_pages(const state& s, const format::packed_bitmap& f, const unpack_context& c) {
-    const device_context& e = *c.engine;
-    const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_unpack_params p{};
     p.rows = c.rows;
+    run_pass<Shapes>(s, f, *c.engine, p, c.page_ids, c.segment_entries, c.n, [&](auto element, auto dim, dim3 grid) {
+      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, c.engine->stream>>>(p);
+    });
+  }
+
+ private:
+  /// Completes `p` (all but its rows) for a pass over `n` pages and calls `launch(element, dim,
+  /// grid)` for the engine's storage dtype and head_dim: grid (pages, num_kv_heads, 2: K then V).
+  template <class Shapes, class Params, class Launch>
+  static void run_pass(const state& s, const format::packed_bitmap& f, const device_context& e, Params& p, const std::int32_t* page_ids,
+                       const std::int32_t* segment_entries, std::int32_t n, Launch&& launch) {
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
     p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.page_ids = c.page_ids;
-    p.segment_entries = c.segment_entries;
+    p.page_ids = page_ids;
+    p.segment_entries = segment_entries;
     p.num_kv_heads = shape.num_kv_heads;
     p.page_size = shape.page_size;
     p.format = params_for(s, f, e);
-    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape.num_kv_heads), 2);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, e.stream>>>(p);
+      launch(element, dim, grid);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }

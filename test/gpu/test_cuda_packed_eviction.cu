@@ -198,7 +198,7 @@ expected_scores oracle_scores(const Cache& kv, sequence_id seq, const float* q, 
   const int heads = c.num_kv_heads, groups = c.group_size, d = c.head_dim;
   const decoded_keys keys = read_keys(kv, seq);
   const std::vector<std::int64_t>& slots = keys.slots;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), u32 = std::ldexp(1.0, -24);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   expected_scores e;
   e.score.assign(static_cast<std::size_t>(kv.length(seq)) * heads, 0.0);
   e.bound.assign(e.score.size(), 0.0);
@@ -214,34 +214,14 @@ expected_scores oracle_scores(const Cache& kv, sequence_id seq, const float* q, 
     for (int g = 0; g < groups; ++g) {
       const float* qj = q + static_cast<std::size_t>(h * groups + g) * d;
       std::vector<double> logit(slots.size(), 0.0);
-      double m = -INFINITY;
       for (std::size_t i = 0; i < slots.size(); ++i) {
         if (slots[i] < 0) continue;
         double dot = 0;
         for (int x = 0; x < d; ++x) dot += static_cast<double>(qj[x]) * keys.row(i, h)[x];
         logit[i] = scale * dot;
-        m = std::max(m, logit[i]);
       }
-      const double delta = logit_error(kv, seq, keys, qj, h, segment_pages);
-      double l = 0, range = 0;
-      for (std::size_t i = 0; i < slots.size(); ++i)
-        if (slots[i] >= 0) {
-          l += std::exp(logit[i] - m);
-          range = std::max(range, m - logit[i]);
-        }
-      const double relative = std::expm1(4 * delta + 2 * u32 * range) + test::gamma(static_cast<double>(live) + blocks + 8);
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        if (slots[i] < 0) continue;
-        const double p = std::exp(logit[i] - m) / l;
-        const std::size_t at = static_cast<std::size_t>(slots[i]) * heads + static_cast<std::size_t>(h);
-        if (combine == group_combine::sum) {
-          e.score[at] += p;
-          e.bound[at] += p * relative;
-        } else {
-          e.score[at] = std::max(e.score[at], p);
-          e.bound[at] = std::max(e.bound[at], p * relative);
-        }
-      }
+      test::add_probabilities(logit, slots, heads, h, logit_error(kv, seq, keys, qj, h, segment_pages),
+                              static_cast<double>(live) + blocks + 8, combine, e.score, e.bound);
     }
   return e;
 }

@@ -31,6 +31,39 @@ inline double gamma(double n) {
   return n * u32 / (1.0 - n * u32);
 }
 
+/// One query head's probabilities over a step's live slots, added into its expected token
+/// scores: p = exp(s - m) / l over the slots whose position is >= 0 (`logit`, scaled, by slot),
+/// into score[position x heads + h], summed over the group or its largest (`combine`). With each
+/// logit within `delta` of the kernel's, p moves by a factor within e^{4 delta + 2 u range}
+/// (1 + gamma_terms), u the fp32 unit roundoff and range the largest m - s: `bound` gets p times
+/// that, combined alike.
+inline void add_probabilities(const std::vector<double>& logit, const std::vector<std::int64_t>& slots, int heads, int h,
+                              double delta, double terms, group_combine combine, std::vector<double>& score,
+                              std::vector<double>& bound) {
+  double m = -INFINITY;
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i] >= 0) m = std::max(m, logit[i]);
+  double l = 0, range = 0;
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    if (slots[i] >= 0) {
+      l += std::exp(logit[i] - m);
+      range = std::max(range, m - logit[i]);
+    }
+  const double relative = std::expm1(4 * delta + 2 * std::ldexp(1.0, -24) * range) + gamma(terms);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] < 0) continue;
+    const double p = std::exp(logit[i] - m) / l;
+    const std::size_t at = static_cast<std::size_t>(slots[i]) * heads + static_cast<std::size_t>(h);
+    if (combine == group_combine::sum) {
+      score[at] += p;
+      bound[at] += p * relative;
+    } else {
+      score[at] = std::max(score[at], p);
+      bound[at] = std::max(bound[at], p * relative);
+    }
+  }
+}
+
 /// The bound for K, V rounded to `storage` (u, a of that dtype) and fp32 arithmetic.
 /// With `exact_storage` the data is taken as already stored (u = a = 0): only fp32 arithmetic counts.
 /// `q_rounding` is the relative error of q inside a kernel that multiplies a rounded q (the

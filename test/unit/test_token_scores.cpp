@@ -54,7 +54,7 @@ expected_scores oracle_scores(const Cache& kv, sequence_id seq, const std::vecto
   std::vector<float> k(static_cast<std::size_t>(stored) * heads * d), v(k.size());
   kv.read(seq, tensor_view<float, 3>(k.data(), stored, heads, d), tensor_view<float, 3>(v.data(), stored, heads, d));
   const std::vector<std::int64_t> slots = kv.positions(seq);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), u32 = 5.9604644775390625e-08;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   expected_scores e;
   e.score.assign(static_cast<std::size_t>(length) * heads, 0.0);
   e.bound.assign(e.score.size(), 0.0);
@@ -65,7 +65,7 @@ expected_scores oracle_scores(const Cache& kv, sequence_id seq, const std::vecto
     for (int g = 0; g < groups; ++g) {
       const float* qj = q.data() + static_cast<std::size_t>(h * groups + g) * d;
       std::vector<double> logit(slots.size(), 0.0);
-      double m = -INFINITY, delta = 0;
+      double delta = 0;
       for (std::size_t i = 0; i < slots.size(); ++i) {
         if (slots[i] < 0) continue;
         double dot = 0, magnitude = 0;
@@ -75,28 +75,9 @@ expected_scores oracle_scores(const Cache& kv, sequence_id seq, const std::vecto
           magnitude += std::abs(static_cast<double>(qj[c2]) * kc);
         }
         logit[i] = scale * dot;
-        m = std::max(m, logit[i]);
         delta = std::max(delta, test::gamma(d + 2) * scale * magnitude);
       }
-      double l = 0, range = 0;
-      for (std::size_t i = 0; i < slots.size(); ++i)
-        if (slots[i] >= 0) {
-          l += std::exp(logit[i] - m);
-          range = std::max(range, m - logit[i]);
-        }
-      const double relative = std::expm1(4 * delta + 2 * u32 * range) + test::gamma(static_cast<double>(live) + blocks + 8);
-      for (std::size_t i = 0; i < slots.size(); ++i) {
-        if (slots[i] < 0) continue;
-        const double p = std::exp(logit[i] - m) / l;
-        const std::size_t at = static_cast<std::size_t>(slots[i]) * heads + static_cast<std::size_t>(h);
-        if (combine == group_combine::sum) {
-          e.score[at] += p;
-          e.bound[at] += p * relative;
-        } else {
-          e.score[at] = std::max(e.score[at], p);
-          e.bound[at] = std::max(e.bound[at], p * relative);
-        }
-      }
+      test::add_probabilities(logit, slots, heads, h, delta, static_cast<double>(live) + blocks + 8, combine, e.score, e.bound);
     }
   return e;
 }

@@ -139,25 +139,10 @@ struct device_format<format::packed_bitmap> {
   /// head, K or V).
   template <class Shapes>
   static void encode_pages(const state& s, const format::packed_bitmap& f, const encode_context& c) {
-    const device_context& e = *c.engine;
-    const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_encode_params p{};
     p.rows = c.rows;
-    p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
-    p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
-    p.pages = e.pages;
-    p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
-    p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.new_pages = c.page_ids;
-    p.segment_entries = c.segment_entries;
-    p.num_kv_heads = shape.num_kv_heads;
-    p.page_size = shape.page_size;
-    p.format = params_for(s, f, e);
-    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
-    detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, e.stream>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    run_pass<Shapes>(s, f, *c.engine, p, c.page_ids, c.segment_entries, c.n, [&](auto element, auto dim, dim3 grid) {
+      kernel::encode_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_encode_threads, 0, c.engine->stream>>>(p);
     });
   }
 
@@ -165,24 +150,34 @@ struct device_format<format::packed_bitmap> {
   /// to dense rows for a compaction: one CTA per (page, head, K or V).
   template <class Shapes>
   static void unpack_pages(const state& s, const format::packed_bitmap& f, const unpack_context& c) {
-    const device_context& e = *c.engine;
-    const kvmosaic::detail::engine_shape& shape = *e.shape;
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_unpack_params p{};
     p.rows = c.rows;
+    run_pass<Shapes>(s, f, *c.engine, p, c.page_ids, c.segment_entries, c.n, [&](auto element, auto dim, dim3 grid) {
+      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, c.engine->stream>>>(p);
+    });
+  }
+
+ private:
+  /// Completes `p` (all but its rows) for a pass over `n` pages and calls `launch(element, dim,
+  /// grid)` for the engine's storage dtype and head_dim: grid (pages, num_kv_heads, 2: K then V).
+  template <class Shapes, class Params, class Launch>
+  static void run_pass(const state& s, const format::packed_bitmap& f, const device_context& e, Params& p, const std::int32_t* page_ids,
+                       const std::int32_t* segment_entries, std::int32_t n, Launch&& launch) {
+    const kvmosaic::detail::engine_shape& shape = *e.shape;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     p.rows_slot_bytes = static_cast<std::int64_t>(g.tail_slot_bytes());
     p.rows_head_bytes = static_cast<std::int64_t>(g.tail_head_bytes);
     p.pages = e.pages;
     p.page_slot_bytes = static_cast<std::int64_t>(g.page_slot_bytes());
     p.page_bytes = static_cast<std::int64_t>(g.k_page_bytes);
-    p.page_ids = c.page_ids;
-    p.segment_entries = c.segment_entries;
+    p.page_ids = page_ids;
+    p.segment_entries = segment_entries;
     p.num_kv_heads = shape.num_kv_heads;
     p.page_size = shape.page_size;
     p.format = params_for(s, f, e);
-    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(shape.num_kv_heads), 2);
+    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(shape.num_kv_heads), 2);
     detail::dispatch_shape(Shapes{}, shape.storage, shape.head_dim, 0, [&](auto element, auto dim, auto) {
-      kernel::unpack_packed_pages_kernel<decltype(element), decltype(dim)::value><<<grid, kernel::packed_unpack_threads, 0, e.stream>>>(p);
+      launch(element, dim, grid);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }

@@ -18,22 +18,26 @@
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages to encode: dense rows in `rows` (slot i = [K: heads][V: heads] x rows_head_bytes, the
-/// first page_size rows 16-bit), written packed to page `new_pages[i]` in the segment
-/// `segment_entries[i]` (an index of the engine's segment arena, per sequence slot and segment).
-struct packed_encode_params {
-  const std::byte* rows;
+/// A pass over `n` pages of format::packed_bitmap, each in its segment: the dense rows of the
+/// pass (slot i = [K: heads][V: heads] x rows_head_bytes, the first page_size rows 16-bit), the
+/// page arena, page i's id and its segment (`segment_entries[i]`, an index of the engine's segment
+/// arena: slot x segments_per_sequence + segment). The encoder reads the rows and writes the
+/// pages (`packed_encode_params`); a compaction's unpack the reverse (`packed_unpack_params`).
+template <class Rows, class Pages>
+struct packed_pass_params {
+  Rows* rows;
   std::int64_t rows_slot_bytes;
   std::int64_t rows_head_bytes;
-  std::byte* pages;
+  Pages* pages;
   std::int64_t page_slot_bytes;
   std::int64_t page_bytes;  ///< one K (= one V) page
-  const std::int32_t* new_pages;
+  const std::int32_t* page_ids;
   const std::int32_t* segment_entries;
   int num_kv_heads;
   int page_size;
   packed_decode_params format;
 };
+using packed_encode_params = packed_pass_params<const std::byte, std::byte>;
 
 constexpr int packed_encode_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
@@ -55,7 +59,7 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   const int kept = f.kept;
   const std::int64_t head_at = (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.rows_head_bytes;
   const auto* rows = reinterpret_cast<const T*>(e.rows + page_index * e.rows_slot_bytes + head_at);
-  std::byte* page = e.pages + static_cast<std::int64_t>(e.new_pages[page_index]) * e.page_slot_bytes +
+  std::byte* page = e.pages + static_cast<std::int64_t>(e.page_ids[page_index]) * e.page_slot_bytes +
                     (static_cast<std::int64_t>(which == 0 ? 0 : e.num_kv_heads) + head) * e.page_bytes;
   const std::byte* entry = f.segments + (static_cast<std::int64_t>(e.segment_entries[page_index]) * e.num_kv_heads + head) * f.entry_bytes;
   const std::int64_t basis_floats = static_cast<std::int64_t>(HeadDim) * kept;
@@ -63,7 +67,7 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   const auto* v_basis_t = k_basis + basis_floats;
   const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * basis_floats * 4);
   const int retained = strategy[which * 2], group = strategy[which * 2 + 1];
-  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.new_pages[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
+  if (head == 0 && which == 0 && tid == 0) f.page_segments[e.page_ids[page_index]] = e.segment_entries[page_index] % f.segments_per_sequence;
   const int groups = kept / group, keep_groups = retained / group;
 
   // The page is zeroed first: a record shorter than the slot leaves the rest zero, as the host's.

@@ -14,26 +14,12 @@
 #include <cstdint>
 
 #include "kvmosaic/core/dtype.hpp"
-#include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
 
 namespace kvmosaic::cuda::kernel {
 
-/// Pages `page_ids[i]` unpacked, in the segment `segment_entries[i]` (an index of the engine's
-/// segment arena: slot x segments_per_sequence + segment), to dense rows in `rows` (slot i =
-/// [K: heads][V: heads] x rows_head_bytes, the first page_size rows 16-bit).
-struct packed_unpack_params {
-  std::byte* rows;
-  std::int64_t rows_slot_bytes;
-  std::int64_t rows_head_bytes;
-  const std::byte* pages;
-  std::int64_t page_slot_bytes;
-  std::int64_t page_bytes;  ///< one K (= one V) page
-  const std::int32_t* page_ids;
-  const std::int32_t* segment_entries;
-  int num_kv_heads;
-  int page_size;
-  packed_decode_params format;
-};
+/// Pages `page_ids[i]` unpacked, each in its segment, to the rows (`packed_pass_params`).
+using packed_unpack_params = packed_pass_params<std::byte, const std::byte>;
 
 constexpr int packed_unpack_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
