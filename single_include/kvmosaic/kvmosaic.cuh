@@ -12318,6 +12318,13 @@ class engine {
     if constexpr (has_segments_v<Format>) return traits::segment_pages(format_, shape_.page());
     else return 0;
   }
+  /// Formats with segments: the segment arena's entry (slot x segments_per_sequence + segment) of
+  /// the segment that page `index` of the block table of the sequence in `slot` is stored in; -1
+  /// for formats without.
+  std::int32_t segment_entry(std::int32_t slot, std::int64_t index) const {
+    const std::int32_t per = plan_segment_pages();
+    return per > 0 ? slot * segments_per_sequence_ + static_cast<std::int32_t>(index / per) : -1;
+  }
 
   /// Formats with segments: before pages [sealed_pages, sealed_pages + pages) of the sequence in
   /// `slot` are sealed from its tail (`tail_rows` rows) and rows [first, ...) of the call's
@@ -12364,8 +12371,7 @@ class engine {
       const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
       std::vector<std::byte> entries(planned.size() * entry_bytes);
       for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
-      const std::size_t at = (static_cast<std::size_t>(slot) * segments_per_sequence_ + static_cast<std::size_t>(index / per)) *
-                             shape_.num_kv_heads * entry_bytes;
+      const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
       KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
       KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
       std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
@@ -12450,7 +12456,8 @@ class engine {
     saved_slot_ = slot;
   }
   /// One chunk of a staged compaction pass: byte offsets in its metadata of the written pages'
-  /// ids, their scratch ordinals and K weight rows, the pages to unpack, and the row map.
+  /// ids, their scratch ordinals and K weight rows, the pages to unpack, the row map, and for formats
+  /// with segments the segment entries of the pages unpacked and written.
   struct move_chunk {
     std::size_t written = 0, ordinals = 0, weight_rows = 0, unpacked = 0, sources_of = 0;
     std::size_t unpacked_segments = 0, written_segments = 0;  ///< formats with segments: each page's segment entry
@@ -12644,6 +12651,7 @@ template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const block_table& pages,
                                                    const kvmosaic::detail::compaction_plan& plan, bool first_page_sinks) {
   const int p = shape_.page_size;
+  const bool segmented = plan_segment_pages() > 0;  // formats with segments: each page's segment is staged too
   const std::vector<std::int32_t>& written = plan.pages_written;  // block-table indices, ascending
   const auto n = static_cast<std::int32_t>(written.size());
   const auto index_of = [&](std::int64_t page) {
@@ -12701,8 +12709,8 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
     c.unpacked = c.weight_rows + ids;
     c.sources_of = c.unpacked + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
     c.unpacked_segments = c.sources_of + align(static_cast<std::size_t>(c.pages_written) * p * sizeof(std::int32_t));
-    c.written_segments = c.unpacked_segments + align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t));
-    bytes = c.written_segments + ids;
+    c.written_segments = c.unpacked_segments + (segmented ? align(static_cast<std::size_t>(c.pages_unpacked) * sizeof(std::int32_t)) : 0);
+    bytes = c.written_segments + (segmented ? ids : 0);
     most_written = std::max(most_written, c.pages_written);
     most_read = std::max(most_read, c.pages_unpacked);
     move_chunks_.push_back(c);
@@ -12736,15 +12744,12 @@ void engine<Format, Selector, Shapes>::stage_moves(std::int32_t slot, const bloc
       weight_rows[i] = weighted ? slot : -1;
     }
     for (std::size_t i = 0; i < read.size(); ++i) unpacked[i] = pages[static_cast<std::size_t>(read[i])];
-    // A page's segment is its block-table index's (`plan_segment_pages`): the source pages' and
-    // the written pages' in this sequence's segments.
-    const auto segment_entry = [&](std::int32_t index) {
-      return plan_segment_pages() > 0 ? slot * segments_per_sequence_ + index / plan_segment_pages() : -1;
-    };
-    auto* unpacked_segments = reinterpret_cast<std::int32_t*>(host + c.unpacked_segments);
-    auto* written_segments = reinterpret_cast<std::int32_t*>(host + c.written_segments);
-    for (std::size_t i = 0; i < read.size(); ++i) unpacked_segments[i] = segment_entry(read[i]);
-    for (std::int32_t i = 0; i < c.pages_written; ++i) written_segments[i] = segment_entry(written[static_cast<std::size_t>(first + i)]);
+    if (segmented) {  // the segments of the pages read and of the pages written
+      auto* unpacked_segments = reinterpret_cast<std::int32_t*>(host + c.unpacked_segments);
+      auto* written_segments = reinterpret_cast<std::int32_t*>(host + c.written_segments);
+      for (std::size_t i = 0; i < read.size(); ++i) unpacked_segments[i] = segment_entry(slot, read[i]);
+      for (std::int32_t i = 0; i < c.pages_written; ++i) written_segments[i] = segment_entry(slot, written[static_cast<std::size_t>(first + i)]);
+    }
     for (std::size_t at = 0; at < static_cast<std::size_t>(c.pages_written) * p; ++at) {
       const std::int64_t from = source[static_cast<std::size_t>(first) * p + at];
       const auto page = static_cast<std::int32_t>(from / p);
@@ -12870,9 +12875,7 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
     auto* segment_entries = reinterpret_cast<std::int32_t*>(staging + items_bytes + 4 * pages_bytes);
     for (std::int32_t i = 0; i < num_new_pages; ++i) {
       const kernel::exact_item& page = sealed[static_cast<std::size_t>(i)];
-      segment_entries[i] = plan_segment_pages() > 0
-                               ? page.slot * segments_per_sequence_ + static_cast<std::int32_t>(page.first / shape_.page_size / plan_segment_pages())
-                               : -1;
+      segment_entries[i] = segment_entry(page.slot, page.first / shape_.page_size);
     }
     reserve_scratch(num_new_pages);
   }
