@@ -9,7 +9,6 @@
 // sinks, a fork. The kernels are compiled for four shapes.
 
 #include <algorithm>
-#include <set>
 
 #include "../support/packed_bound.hpp"
 #include "packed_records.hpp"
