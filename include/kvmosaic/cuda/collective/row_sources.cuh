@@ -11,12 +11,25 @@
 ///                                                           one value per register
 /// and reads rows past its data as zeros. A source whose `pairs` costs about one `values` (one
 /// locate for both chunks) says so with `static constexpr bool gathers_value_pairs = true`, and
-/// `fold_chunks` then reads its V rows by `pairs` too. A format adds its own sources next to its kernels
-/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
+/// `fold_chunks` then reads its V rows by `pairs` too.
+///
+/// A source may instead locate a row once for all the chunks a lane reads of it
+/// (`locates_rows`):
+///   Row  locate(int row)                                  the row, located for this lane
+///   uint4 chunk(const Row&, int pair)                     K: the lane's chunk of k-step pair
+///                                                         `pair` (fold chunk 8 (pair / 2) + 2 q
+///                                                         + pair mod 2), 16-bit pairs
+///   void values(const Row&, int part, std::uint32_t (&v)[8])  V: the lane group's chunk `part`
+///                                                         (fold chunk g head_dim / 64 + part)
+///   int  key_pairs()   (K)    k-step pairs [0, n) that may be nonzero: the others are skipped
+///   int  value_tiles() (V)    output tiles [0, n) that may be nonzero: the others are skipped
+/// A format adds its own sources next to its kernels (bitmap_tiles: `bitmap_page_rows`,
+/// cuda/format/bitmap_tiles/expand.cuh; packed_bitmap: cuda/format/packed_bitmap/rows.cuh).
 
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "kvmosaic/cuda/detail/tile_layout.cuh"
 
@@ -30,6 +43,12 @@ template <class Rows>
 struct gathers_value_pairs<Rows, std::void_t<decltype(Rows::gathers_value_pairs)>>
     : std::integral_constant<bool, Rows::gathers_value_pairs> {};
 
+/// Whether row source `Rows` locates a row once for its chunks (`locate`; the contract above).
+template <class Rows, class = void>
+struct locates_rows : std::false_type {};
+template <class Rows>
+struct locates_rows<Rows, std::void_t<decltype(std::declval<const Rows&>().locate(0))>> : std::true_type {};
+
 /// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
 __device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
   const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
@@ -40,13 +59,14 @@ __device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[
   }
 }
 
-/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
-/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
-/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
-template <class Cursor>
-__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
+/// The N dense values of a chunk (8) or run: v[j] = the next value at `cursor` where bit j of
+/// `mask` is set, else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and
+/// cursor step, whatever the sparsity: every lane runs the same instructions and the loads are
+/// independent.
+template <class Cursor, int N>
+__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[N]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
+  for (int j = 0; j < N; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
 }
 
 /// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.

@@ -76,6 +76,12 @@ struct warp_attend_mma {
   /// logits) and at the end of the split (o).
   static constexpr bool packed = Group <= 4;
 
+  /// P^T as the B fragments of p.v: packed, `hi` holds both halves (lanes q < 2 the hi columns,
+  /// q >= 2 the lo ones) and `lo` is unused; else each half has its own pair.
+  struct p_fragments {
+    std::uint32_t hi[2], lo[2];
+  };
+
   float o[channel_tiles][4];  ///< (channel 16 c + g, heads 2 q, 2 q + 1), (channel 16 c + g + 8, same)
   float m[2];                 ///< heads 2 q, 2 q + 1
   float l[2];                 ///< partial: this lane's tokens only (`total_l` sums the 8 lanes of a head)
@@ -159,31 +165,90 @@ struct warp_attend_mma {
   /// 16-bit pairs, and `v_rows.values(token, chunk, v)` channels 8 chunk .. 8 chunk + 7 of V as 8
   /// registers (one value each, zero-extended). Rows past the data must read as zeros. A V source
   /// that locates two chunks for the price of one (`gathers_value_pairs`) is read with `pairs`
-  /// instead, two chunks per call, where head_dim >= 128.
+  /// instead, two chunks per call, where head_dim >= 128; a source that locates a row once
+  /// (`locates_rows`) is read chunk by chunk from its located rows, and the k-step pairs and
+  /// output tiles it says are zero are skipped. `score_chunks` then `accumulate_chunks`.
   /// Per lane and 16 tokens: D / 8 K chunks (tokens g and g + 8) and D / 16 V chunks (tokens
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
   __device__ __forceinline__ void fold_chunks(const KRows& k_rows, const VRows& v_rows, const std::byte* query_tiles,
                                               int first, std::uint32_t rows, float* logits = nullptr,
                                               std::uint32_t covered = 0) {
+    const p_fragments p = score_chunks(k_rows, query_tiles, first, rows, logits, covered);
+    accumulate_chunks(v_rows, first, p);
+  }
+
+  /// The first half of `fold_chunks`: q.k over the K rows, the online-softmax step, and P^T for
+  /// `accumulate_chunks`. A kernel whose K and V sources are chosen at run time apart calls the
+  /// two halves itself (one dispatch each instead of one per pair of sources).
+  template <class KRows>
+  __device__ __forceinline__ p_fragments score_chunks(const KRows& k_rows, const std::byte* query_tiles, int first,
+                                                      std::uint32_t rows, float* logits = nullptr,
+                                                      std::uint32_t covered = 0) {
     static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
     const int i = lane(), g = i / 4, q = i % 4;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if constexpr (locates_rows<KRows>::value) {
+      const auto upper = k_rows.locate(first + g), lower = k_rows.locate(first + g + 8);
+      const int pairs = k_rows.key_pairs();
 #pragma unroll
-    for (int block = 0; block < HeadDim / 64; ++block) {  // k-steps 4 block .. 4 block + 3: two chunks per row
-      uint4 upper[2], lower[2];
-      k_rows.pairs(first + g, 8 * block + 2 * q, upper);
-      k_rows.pairs(first + g + 8, 8 * block + 2 * q, lower);
+      for (int pair = 0; pair < k_steps / 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: one chunk per row
+        if (pair >= pairs) break;
+        const uint4 up = k_rows.chunk(upper, pair), low = k_rows.chunk(lower, pair);
+        const std::uint32_t a0[4] = {up.x, low.x, up.y, low.y};
+        const std::uint32_t a1[4] = {up.z, low.z, up.w, low.w};
+        multiply_queries(s, a0, a1, query_tiles, pair);
+      }
+    } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::uint32_t a0[4] = {upper[half].x, lower[half].x, upper[half].y, lower[half].y};
-        const std::uint32_t a1[4] = {upper[half].z, lower[half].z, upper[half].w, lower[half].w};
-        multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
+      for (int block = 0; block < HeadDim / 64; ++block) {  // k-steps 4 block .. 4 block + 3: two chunks per row
+        uint4 upper[2], lower[2];
+        k_rows.pairs(first + g, 8 * block + 2 * q, upper);
+        k_rows.pairs(first + g + 8, 8 * block + 2 * q, lower);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const std::uint32_t a0[4] = {upper[half].x, lower[half].x, upper[half].y, lower[half].y};
+          const std::uint32_t a1[4] = {upper[half].z, lower[half].z, upper[half].w, lower[half].w};
+          multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
+        }
       }
     }
-    const p_fragments p = online_softmax(s, rows, logits, covered);
+    return online_softmax(s, rows, logits, covered);
+  }
+
+  /// The second half of `fold_chunks`: o += P^T-weighted V rows of the warp's 16 tokens from
+  /// `first` (P from `score_chunks` of the same tokens).
+  template <class VRows>
+  __device__ __forceinline__ void accumulate_chunks(const VRows& v_rows, int first, const p_fragments& p) {
+    static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
+    const int i = lane(), g = i / 4, q = i % 4;
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
-    if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
+    if constexpr (locates_rows<VRows>::value) {
+      // The lane's 4 rows located once; per chunk, the tiles past `value_tiles` are skipped.
+      const auto r0 = v_rows.locate(first + 2 * q), r1 = v_rows.locate(first + 2 * q + 1);
+      const auto r8 = v_rows.locate(first + 2 * q + 8), r9 = v_rows.locate(first + 2 * q + 9);
+      const int tiles = v_rows.value_tiles();
+#pragma unroll
+      for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
+        if (4 * part >= tiles) break;
+        std::uint32_t a[4][4];
+        const auto gather = [&](const auto& even_row, const auto& odd_row, int half) {
+          std::uint32_t even[8], odd[8];
+          v_rows.values(even_row, part, even);
+          v_rows.values(odd_row, part, odd);
+#pragma unroll
+          for (int tile = 0; tile < 4; ++tile) {
+            a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          }
+        };
+        gather(r0, r1, 0);  // tokens 2 q, 2 q + 1
+        gather(r8, r9, 1);  // tokens 2 q + 8, 2 q + 9
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile)
+          if (4 * part + tile < tiles) accumulate(o[4 * part + tile], a[tile], p);
+      }
+    } else if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
       // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
 #pragma unroll
       for (int part = 0; part < chunks_per_group; part += 2) {  // channel tiles 4 part .. 4 part + 7
@@ -286,12 +351,6 @@ struct warp_attend_mma {
     else
       return (row % 8) * (HeadDim / 8) + 2 * c + row / 8;
   }
-
-  /// P^T as the B fragments of p.v: packed, `hi` holds both halves (lanes q < 2 the hi columns,
-  /// q >= 2 the lo ones) and `lo` is unused; else each half has its own pair.
-  struct p_fragments {
-    std::uint32_t hi[2], lo[2];
-  };
 
   /// s += the k-steps 2 pair and 2 pair + 1 of K Q^T, given their A fragments: q's B fragments
   /// (hi, and lo unless packed) come from the query tiles with one ldmatrix.x4 each.

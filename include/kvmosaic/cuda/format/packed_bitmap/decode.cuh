@@ -186,6 +186,14 @@ __device__ __forceinline__ void accumulate_record(const std::uint32_t* bits, con
   }
 }
 
+/// f(std::integral_constant<int, shift>) for a group size of 2^shift channels (shift 0, 1, 2).
+template <class F>
+__device__ __forceinline__ decltype(auto) with_shift(int shift, F&& f) {
+  if (shift == 0) return f(std::integral_constant<int, 0>{});
+  if (shift == 1) return f(std::integral_constant<int, 1>{});
+  return f(std::integral_constant<int, 2>{});
+}
+
 /// Calls f(std::integral_constant<int, g>) for a group size g of 1, 2 or 4.
 template <class F>
 __device__ __forceinline__ void with_group(int group, F&& f) {
@@ -655,7 +663,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
         const merge_weights<float> mw = total.merge(softmax_state<float>{temp.m[r][g], temp.l[r][g]});
         o = o * mw.self + temp.o[r][g][c] * mw.other;
       }
-      rotated[index] = o;
+      // A packed segment's o' comes in the V slab order (rows.cuh); the tail's in head_dim order.
+      rotated[basis == nullptr ? index : g * HeadDim + packed_value_channel<HeadDim>(c)] = o;
       if (c == 0) {
         split.segment_m()[g] = total.m;
         split.segment_l()[g] = total.l;
@@ -689,7 +698,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
           }
         }
 #pragma unroll
-        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
+        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + packed_key_position(j)] = dot[g];  // the K slab order
       }
     }
     __syncthreads();  // rotated is whole, and q_t read, before the query tiles are written
@@ -701,7 +710,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   const int rows_first = warp * 16;  // the warp's rows of every 64
   int current = -1;
   packed_entry segment{};
-  packed_page_rows<HeadDim> k_rows{}, v_rows{};
+  int k_shift = 0, v_shift = 0;  // log2 of the segment's K and V groups
+  const int slabs = (kept + 31) / 32;
   for (int i = 0; i < num_pages; ++i) {
     const int slot = i % stages;
     detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
@@ -710,18 +720,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       if (current >= 0) close_segment(segment.v_basis_t);
       current = page_segment;
       segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
-      const int k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
-      const int v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
-      k_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[0] + 31) / 32, k_shift, 0};
-      v_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[1] + 31) / 32, v_shift, 0};
+      k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
+      v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
       open_segment(segment.k_basis);
     }
     const std::byte* k_page = slots + slot * pair_bytes;
     const std::byte* v_page = k_page + k_bytes;
-    k_rows.bits = reinterpret_cast<const std::uint32_t*>(k_page);
-    k_rows.page_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
-    v_rows.bits = reinterpret_cast<const std::uint32_t*>(v_page);
-    v_rows.page_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
+    const auto* k_bits = reinterpret_cast<const std::uint32_t*>(k_page);
+    const auto* k_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
+    const auto* v_bits = reinterpret_cast<const std::uint32_t*>(v_page);
+    const auto* v_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
       const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
@@ -729,9 +737,17 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       float* const warp_logits = Logits && split_logits != nullptr
                                      ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
                                      : nullptr;
-      if (rows != 0) {
-        k_rows.first = v_rows.first = first;
-        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows, warp_logits, covered);
+      if (rows != 0) {  // K and V sources by their group sizes: one dispatch each
+        const typename attend::p_fragments probabilities = detail_packed::with_shift(k_shift, [&](auto shift) {
+          const packed_key_rows<HeadDim, decltype(shift)::value> k_rows{
+              {k_bits, k_values, f.words, f.retained, slabs, first}};
+          return state.score_chunks(k_rows, query_tiles, rows_first, rows, warp_logits, covered);
+        });
+        detail_packed::with_shift(v_shift, [&](auto shift) {
+          const packed_value_rows<HeadDim, decltype(shift)::value> v_rows{
+              {v_bits, v_values, f.words, f.retained, slabs, first}};
+          state.accumulate_chunks(v_rows, rows_first, probabilities);
+        });
       } else if (warp_logits != nullptr) {
         attend::write_masked_logits(warp_logits, covered);
       }
