@@ -9409,8 +9409,20 @@ struct mma_scorer {
 ///                                                           one value per register
 /// and reads rows past its data as zeros. A source whose `pairs` costs about one `values` (one
 /// locate for both chunks) says so with `static constexpr bool gathers_value_pairs = true`, and
-/// `fold_chunks` then reads its V rows by `pairs` too. A format adds its own sources next to its kernels
-/// (bitmap_tiles: `bitmap_page_rows`, cuda/format/bitmap_tiles/expand.cuh).
+/// `fold_chunks` then reads its V rows by `pairs` too.
+///
+/// A source may instead locate a row once for all the chunks a lane reads of it
+/// (`locates_rows`):
+///   Row  locate(int row)                                  the row, located for this lane
+///   uint4 chunk(const Row&, int pair)                     K: the lane's chunk of k-step pair
+///                                                         `pair` (fold chunk 8 (pair / 2) + 2 q
+///                                                         + pair mod 2), 16-bit pairs
+///   void values(const Row&, int part, std::uint32_t (&v)[8])  V: the lane group's chunk `part`
+///                                                         (fold chunk g head_dim / 64 + part)
+///   int  key_pairs()   (K)    k-step pairs [0, n) that may be nonzero: the others are skipped
+///   int  value_tiles() (V)    output tiles [0, n) that may be nonzero: the others are skipped
+/// A format adds its own sources next to its kernels (bitmap_tiles: `bitmap_page_rows`,
+/// cuda/format/bitmap_tiles/expand.cuh; packed_bitmap: cuda/format/packed_bitmap/rows.cuh).
 
 
 // ---- begin <kvmosaic/cuda/detail/tile_layout.cuh> ----
@@ -9474,6 +9486,12 @@ template <class Rows>
 struct gathers_value_pairs<Rows, std::void_t<decltype(Rows::gathers_value_pairs)>>
     : std::integral_constant<bool, Rows::gathers_value_pairs> {};
 
+/// Whether row source `Rows` locates a row once for its chunks (`locate`; the contract above).
+template <class Rows, class = void>
+struct locates_rows : std::false_type {};
+template <class Rows>
+struct locates_rows<Rows, std::void_t<decltype(std::declval<const Rows&>().locate(0))>> : std::true_type {};
+
 /// Splits 4 registers of 16-bit pairs into 8 zero-extended values.
 __device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[8]) {
   const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
@@ -9484,13 +9502,14 @@ __device__ __forceinline__ void unpack_pairs(const uint4& x, std::uint32_t (&v)[
   }
 }
 
-/// The 8 dense values of a chunk: v[j] = the next value at `cursor` where bit j of `mask` is set,
-/// else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and cursor step,
-/// whatever the sparsity: every lane runs the same instructions and the 8 loads are independent.
-template <class Cursor>
-__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[8]) {
+/// The N dense values of a chunk (8) or run: v[j] = the next value at `cursor` where bit j of
+/// `mask` is set, else 0 (16-bit values, zero-extended). Per value a predicated 16-bit load and
+/// cursor step, whatever the sparsity: every lane runs the same instructions and the loads are
+/// independent.
+template <class Cursor, int N>
+__device__ __forceinline__ void load_chunk_values(std::uint32_t mask, Cursor cursor, std::uint32_t (&v)[N]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
+  for (int j = 0; j < N; ++j) v[j] = (mask >> j) & 1u ? cursor.next() : 0u;
 }
 
 /// 8 values (zero-extended 16-bit) as 4 registers of pairs, the lower channel in the low half.
@@ -9671,6 +9690,12 @@ struct warp_attend_mma {
   /// logits) and at the end of the split (o).
   static constexpr bool packed = Group <= 4;
 
+  /// P^T as the B fragments of p.v: packed, `hi` holds both halves (lanes q < 2 the hi columns,
+  /// q >= 2 the lo ones) and `lo` is unused; else each half has its own pair.
+  struct p_fragments {
+    std::uint32_t hi[2], lo[2];
+  };
+
   float o[channel_tiles][4];  ///< (channel 16 c + g, heads 2 q, 2 q + 1), (channel 16 c + g + 8, same)
   float m[2];                 ///< heads 2 q, 2 q + 1
   float l[2];                 ///< partial: this lane's tokens only (`total_l` sums the 8 lanes of a head)
@@ -9754,31 +9779,90 @@ struct warp_attend_mma {
   /// 16-bit pairs, and `v_rows.values(token, chunk, v)` channels 8 chunk .. 8 chunk + 7 of V as 8
   /// registers (one value each, zero-extended). Rows past the data must read as zeros. A V source
   /// that locates two chunks for the price of one (`gathers_value_pairs`) is read with `pairs`
-  /// instead, two chunks per call, where head_dim >= 128.
+  /// instead, two chunks per call, where head_dim >= 128; a source that locates a row once
+  /// (`locates_rows`) is read chunk by chunk from its located rows, and the k-step pairs and
+  /// output tiles it says are zero are skipped. `score_chunks` then `accumulate_chunks`.
   /// Per lane and 16 tokens: D / 8 K chunks (tokens g and g + 8) and D / 16 V chunks (tokens
   /// 2 q, 2 q + 1, 2 q + 8, 2 q + 9); no shared tile and no CTA barrier.
   template <class KRows, class VRows>
   __device__ __forceinline__ void fold_chunks(const KRows& k_rows, const VRows& v_rows, const std::byte* query_tiles,
                                               int first, std::uint32_t rows, float* logits = nullptr,
                                               std::uint32_t covered = 0) {
+    const p_fragments p = score_chunks(k_rows, query_tiles, first, rows, logits, covered);
+    accumulate_chunks(v_rows, first, p);
+  }
+
+  /// The first half of `fold_chunks`: q.k over the K rows, the online-softmax step, and P^T for
+  /// `accumulate_chunks`. A kernel whose K and V sources are chosen at run time apart calls the
+  /// two halves itself (one dispatch each instead of one per pair of sources).
+  template <class KRows>
+  __device__ __forceinline__ p_fragments score_chunks(const KRows& k_rows, const std::byte* query_tiles, int first,
+                                                      std::uint32_t rows, float* logits = nullptr,
+                                                      std::uint32_t covered = 0) {
     static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
     const int i = lane(), g = i / 4, q = i % 4;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if constexpr (locates_rows<KRows>::value) {
+      const auto upper = k_rows.locate(first + g), lower = k_rows.locate(first + g + 8);
+      const int pairs = k_rows.key_pairs();
 #pragma unroll
-    for (int block = 0; block < HeadDim / 64; ++block) {  // k-steps 4 block .. 4 block + 3: two chunks per row
-      uint4 upper[2], lower[2];
-      k_rows.pairs(first + g, 8 * block + 2 * q, upper);
-      k_rows.pairs(first + g + 8, 8 * block + 2 * q, lower);
+      for (int pair = 0; pair < k_steps / 2; ++pair) {  // k-steps 2 pair, 2 pair + 1: one chunk per row
+        if (pair >= pairs) break;
+        const uint4 up = k_rows.chunk(upper, pair), low = k_rows.chunk(lower, pair);
+        const std::uint32_t a0[4] = {up.x, low.x, up.y, low.y};
+        const std::uint32_t a1[4] = {up.z, low.z, up.w, low.w};
+        multiply_queries(s, a0, a1, query_tiles, pair);
+      }
+    } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const std::uint32_t a0[4] = {upper[half].x, lower[half].x, upper[half].y, lower[half].y};
-        const std::uint32_t a1[4] = {upper[half].z, lower[half].z, upper[half].w, lower[half].w};
-        multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
+      for (int block = 0; block < HeadDim / 64; ++block) {  // k-steps 4 block .. 4 block + 3: two chunks per row
+        uint4 upper[2], lower[2];
+        k_rows.pairs(first + g, 8 * block + 2 * q, upper);
+        k_rows.pairs(first + g + 8, 8 * block + 2 * q, lower);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const std::uint32_t a0[4] = {upper[half].x, lower[half].x, upper[half].y, lower[half].y};
+          const std::uint32_t a1[4] = {upper[half].z, lower[half].z, upper[half].w, lower[half].w};
+          multiply_queries(s, a0, a1, query_tiles, 2 * block + half);
+        }
       }
     }
-    const p_fragments p = online_softmax(s, rows, logits, covered);
+    return online_softmax(s, rows, logits, covered);
+  }
+
+  /// The second half of `fold_chunks`: o += P^T-weighted V rows of the warp's 16 tokens from
+  /// `first` (P from `score_chunks` of the same tokens).
+  template <class VRows>
+  __device__ __forceinline__ void accumulate_chunks(const VRows& v_rows, int first, const p_fragments& p) {
+    static_assert(Path == operand_path::row_chunks, "fold_chunks needs the row_chunks channel order");
+    const int i = lane(), g = i / 4, q = i % 4;
     constexpr int chunks_per_group = HeadDim / 64;  // output channels of a lane group, in chunks
-    if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
+    if constexpr (locates_rows<VRows>::value) {
+      // The lane's 4 rows located once; per chunk, the tiles past `value_tiles` are skipped.
+      const auto r0 = v_rows.locate(first + 2 * q), r1 = v_rows.locate(first + 2 * q + 1);
+      const auto r8 = v_rows.locate(first + 2 * q + 8), r9 = v_rows.locate(first + 2 * q + 9);
+      const int tiles = v_rows.value_tiles();
+#pragma unroll
+      for (int part = 0; part < chunks_per_group; ++part) {  // channel tiles 4 part .. 4 part + 3
+        if (4 * part >= tiles) break;
+        std::uint32_t a[4][4];
+        const auto gather = [&](const auto& even_row, const auto& odd_row, int half) {
+          std::uint32_t even[8], odd[8];
+          v_rows.values(even_row, part, even);
+          v_rows.values(odd_row, part, odd);
+#pragma unroll
+          for (int tile = 0; tile < 4; ++tile) {
+            a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          }
+        };
+        gather(r0, r1, 0);  // tokens 2 q, 2 q + 1
+        gather(r8, r9, 1);  // tokens 2 q + 8, 2 q + 9
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile)
+          if (4 * part + tile < tiles) accumulate(o[4 * part + tile], a[tile], p);
+      }
+    } else if constexpr (gathers_value_pairs<VRows>::value && chunks_per_group % 2 == 0) {
       // Two chunks per call (`pairs`): one locate for 16 channels of a row, 8 output tiles at once.
 #pragma unroll
       for (int part = 0; part < chunks_per_group; part += 2) {  // channel tiles 4 part .. 4 part + 7
@@ -9881,12 +9965,6 @@ struct warp_attend_mma {
     else
       return (row % 8) * (HeadDim / 8) + 2 * c + row / 8;
   }
-
-  /// P^T as the B fragments of p.v: packed, `hi` holds both halves (lanes q < 2 the hi columns,
-  /// q >= 2 the lo ones) and `lo` is unused; else each half has its own pair.
-  struct p_fragments {
-    std::uint32_t hi[2], lo[2];
-  };
 
   /// s += the k-steps 2 pair and 2 pair + 1 of K Q^T, given their A fragments: q's B fragments
   /// (hi, and lo unless packed) come from the query tiles with one ldmatrix.x4 each.
@@ -15645,90 +15723,192 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/rows.cuh> ----
 /// \file
-/// `format::packed_bitmap` records as a row source of `warp_attend_mma::fold_chunks`
-/// (collective/row_sources.cuh): a lane gathers the 8 or 16 rotated channels its MMA fragment
-/// holds straight from a token's record (its bitmap of one bit per group of g channels, then its
+/// `format::packed_bitmap` records as row sources of `warp_attend_mma::fold_chunks`
+/// (collective/row_sources.cuh): a lane gathers the rotated channels its MMA fragments hold
+/// straight from a token's record (its bitmap of one bit per group of g channels, then its
 /// retained 16-bit values, packed in channel order), zeros where no bit is set. No dense tile is
-/// written. Cost per chunk pair: the record's bitmap words before the chunk's (popcounts), the
-/// group bits spread to one bit per channel, and 16 predicated 16-bit loads.
+/// written.
+///
+/// The channel orders (the slab layout). The rotated channels are cut into slabs of 32 (slab k:
+/// channels 32 k .. 32 k + 31). The kept channels come first, so the truncated ones fill the last
+/// slabs (whole, where kept is a multiple of 32). The two sources order channels so that a slab
+/// is whole MMA steps for every lane alike, and a slab past the kept channels is skipped by the
+/// whole warp, gathers and MMAs:
+///   - K (`packed_key_rows`): slab k is k-step pair k of q.k. Rotated channel 32 k + 8 q + j
+///     (q < 4, j < 8) is the fold's reduction channel `packed_key_position` = 64 (k / 2) + 16 q +
+///     8 (k mod 2) + j, so lane 4 g + q reads 8 adjacent channels of slab k as one chunk.
+///   - V (`packed_value_rows`): slab k is output tiles 2 k and 2 k + 1 of p.v. Output position P
+///     (< head_dim / 8) of lane group g is rotated channel `packed_value_channel` = 32 (P / 4) +
+///     4 g + P mod 4, so lane group g reads 4 adjacent channels of each slab.
+/// The kernel stages q' in the K order and takes o' back from the V order.
+///
+/// Cost per 16 tokens and lane: per token read (2 for K, 4 for V) its bitmap words, one popcount
+/// each and one per live slab (`locate`); per live slab a chunk of 8 (K, 2 tokens) or a run of 4
+/// (V, 4 tokens) predicated 16-bit loads.
 
 
 
 namespace kvmosaic::cuda {
 
-namespace detail {
-
-/// The low 16 / 2^shift group bits of `groups` spread to one bit per channel: bit i becomes bits
-/// [i 2^shift, (i + 1) 2^shift) (shift 0, 1, 2: groups of 1, 2, 4 channels). Morton spreads.
-__device__ __forceinline__ std::uint32_t spread_groups(std::uint32_t groups, int shift) {
-  if (shift == 0) return groups & 0xffffu;
-  if (shift == 1) {
-    std::uint32_t x = groups & 0xffu;
-    x = (x | (x << 4)) & 0x0f0fu;
-    x = (x | (x << 2)) & 0x3333u;
-    x = (x | (x << 1)) & 0x5555u;
-    return x | (x << 1);
-  }
-  std::uint32_t x = groups & 0xfu;
-  x = (x | (x << 6)) & 0x0303u;
-  x = (x | (x << 3)) & 0x1111u;
-  return x * 0xfu;
+/// The reduction channel (`operand_path::row_chunks`) that rotated channel `channel` of a K
+/// record takes in `packed_key_rows`' order.
+__host__ __device__ constexpr int packed_key_position(int channel) {
+  const int slab = channel / 32, q = (channel % 32) / 8, j = channel % 8;
+  return 64 * (slab / 2) + 16 * q + 8 * (slab % 2) + j;
 }
 
-}  // namespace detail
-
-/// One head's K or V records of a packed_bitmap page (`kvmosaic::detail::packed_geometry`: the
-/// bitmaps [page_size][stride] words, then the values [page_size][retained]), from token `first`
-/// on, in the rotated space of the segment the page was sealed in: channel c is kept where bit
-/// c >> group_shift of the record is set, and its value is the record's value number
-/// (set bits before c's group) << group_shift + c mod g. Channels past the segment's `words`
-/// (its kept channels) read as zeros.
+/// The rotated channel of a V record that output channel `channel` of `warp_attend_mma`'s
+/// row-chunk order (lane group channel / (head_dim / 8), position channel mod (head_dim / 8))
+/// holds in `packed_value_rows`' order.
 template <int HeadDim>
-struct packed_page_rows {
-  const std::uint32_t* bits;    ///< the page's bitmaps
+__host__ __device__ constexpr int packed_value_channel(int channel) {
+  const int group = channel / (HeadDim / 8), position = channel % (HeadDim / 8);
+  return 32 * (position / 4) + 4 * group + position % 4;
+}
+
+namespace detail {
+
+/// Group bits to channel bits: bit i of `groups` becomes bits [i 2^Shift, (i + 1) 2^Shift), for
+/// up to 8 output bits (Shift 0, 1, 2: groups of 1, 2, 4 channels).
+template <int Shift>
+__device__ __forceinline__ std::uint32_t spread_group_bits(std::uint32_t groups) {
+  if constexpr (Shift == 0) {
+    return groups;
+  } else if constexpr (Shift == 1) {
+    std::uint32_t x = (groups | (groups << 2)) & 0x33u;
+    x = (x | (x << 1)) & 0x55u;
+    return x * 3u;
+  } else {
+    static_assert(Shift == 2, "groups of 1, 2 or 4 channels");
+    return ((groups & 1u) * 0xfu) | ((groups >> 1) * 0xf0u);
+  }
+}
+
+/// The part of a packed_bitmap row source that locates records: token t's bitmap words (`stride`
+/// a record) and values (`retained` a record) in the page's slot, from token `first` on, groups
+/// of 2^Shift channels. `Span` channels of each slab per lane (8 for K, 4 for V) from bit offset
+/// `lane_channel` of the slab.
+template <int HeadDim, int Shift, int Span>
+struct packed_records {
+  static_assert(Shift >= 0 && Shift <= 2, "groups of 1, 2 or 4 channels");
+  static constexpr int max_slabs = HeadDim / 32;
+  static constexpr int max_words = (max_slabs + (1 << Shift) - 1) >> Shift;
+
+  const std::uint32_t* bits;         ///< the page's bitmaps
   const std::uint16_t* page_values;  ///< the page's values
-  int stride;                   ///< bitmap words per record of the slot
-  int retained;                 ///< values per record of the slot
-  int words;                    ///< bitmap words the segment's groups fill (kept / g, rounded up)
-  int group_shift;              ///< log2 g
+  int stride;                        ///< bitmap words per record of the slot
+  int retained;                      ///< values per record of the slot
+  int slabs;                         ///< slabs that hold kept channels: ceil(kept / 32)
   int first;
-  /// `pairs` locates its 16 channels once: `fold_chunks` reads V by it too.
-  static constexpr bool gathers_value_pairs = true;
+
+  /// One record located for one lane: per slab a 16-bit entry, two a register: the lane's
+  /// channel mask (low byte) and the index of its first value (high byte; r <= 255 on this path).
+  struct row {
+    const std::uint16_t* values;
+    std::uint32_t slab[(max_slabs + 1) / 2];
+  };
+
+  /// Locates the lane's `Span` channels from `lane_channel` (a multiple of Span, below 32) in
+  /// every live slab of `token`'s record: its words, one popcount each, and a masked popcount per
+  /// slab. Slabs from `slabs` on read as empty.
+  __device__ __forceinline__ row locate(int token, int lane_channel) const {
+    const int at = first + token;
+    const std::uint32_t* record = bits + static_cast<std::size_t>(at) * stride;
+    std::uint32_t word[max_words];
+#pragma unroll
+    for (int w = 0; w < max_words; ++w) word[w] = (w << Shift) < slabs ? record[w] : 0u;
+    row r;
+    r.values = page_values + static_cast<std::size_t>(at) * retained;
+    const int lane_bit = lane_channel >> Shift;
+    int before = 0;
+#pragma unroll
+    for (int k = 0; k < (max_slabs + 1) / 2; ++k) r.slab[k] = 0u;
+#pragma unroll
+    for (int k = 0; k < max_slabs; ++k) {
+      const int w = k >> Shift;
+      if (k > 0 && (k & ((1 << Shift) - 1)) == 0) before += __popc(word[w - 1]);
+      const int shift = ((32 * k) >> Shift) % 32 + lane_bit;
+      const std::uint32_t x = word[w];
+      const std::uint32_t groups = (x >> shift) & ((1u << (Span >> Shift)) - 1u);
+      const int at_value = before + __popc(x & ((1u << shift) - 1u));
+      const std::uint32_t entry = static_cast<std::uint32_t>(at_value << Shift) << 8 | spread_group_bits<Shift>(groups);
+      r.slab[k / 2] |= entry << (16 * (k % 2));
+    }
+    return r;
+  }
 
   struct cursor {
     const std::uint16_t* value;
     __device__ __forceinline__ std::uint32_t next() { return *value++; }
   };
+  /// The lane's channel mask in slab k and a cursor at its first value.
+  __device__ __forceinline__ static std::uint32_t open(const row& r, int k, cursor& at) {
+    const std::uint32_t entry = r.slab[k / 2] >> (16 * (k % 2));
+    at.value = r.values + ((entry >> 8) & 0xffu);
+    return entry & 0xffu;
+  }
+};
 
-  /// Channels [8 chunk, 8 chunk + 16) of `token`'s record: the per-channel mask (16 bits) and
-  /// the cursor at the value of its first kept channel.
-  __device__ __forceinline__ std::uint32_t locate(int token, int chunk, cursor& at) const {
-    const int row = first + token;
-    const std::uint32_t* record = bits + static_cast<std::size_t>(row) * stride;
-    const int bit = (8 * chunk) >> group_shift, word = bit >> 5, shift = bit & 31;
-    int before = 0;
-#pragma unroll
-    for (int w = 0; w < HeadDim / 32; ++w)
-      if (w < word && w < words) before += __popc(record[w]);
-    const std::uint32_t x = word < words ? record[word] : 0u;
-    before += __popc(x & ((1u << shift) - 1u));
-    at.value = page_values + static_cast<std::size_t>(row) * retained + (before << group_shift);
-    return detail::spread_groups(x >> shift, group_shift);
+}  // namespace detail
+
+/// One head's K records of a packed_bitmap page as a row source of `fold_chunks`, in the K
+/// slab order (file comment): lane 4 g + q's chunk of k-step pair k (fold chunk 8 (k / 2) + 2 q
+/// + k mod 2) is channels 32 k + 8 q .. + 7. Groups of 2^Shift channels. Only k-step pairs below
+/// `slabs` are read.
+template <int HeadDim, int Shift>
+struct packed_key_rows : detail::packed_records<HeadDim, Shift, 8> {
+  using base = detail::packed_records<HeadDim, Shift, 8>;
+  using typename base::row;
+
+  /// Token `token`'s record, located for this lane's chunks (lane 4 g + q: channels 8 q .. 8 q
+  /// + 7 of each slab).
+  __device__ __forceinline__ row locate(int token) const {
+    return base::locate(token, 8 * (static_cast<int>(threadIdx.x) % 4));
   }
-  __device__ __forceinline__ void pairs(int token, int chunk, uint4 (&x)[2]) const {
-    cursor at;
-    const std::uint32_t mask = locate(token, chunk, at);
+  /// The k-step pairs that may hold kept channels.
+  __device__ __forceinline__ int key_pairs() const { return this->slabs; }
+  /// The lane's chunk of k-step pair `pair` (slab `pair`) of a located row: 8 channels as
+  /// 16-bit pairs.
+  __device__ __forceinline__ uint4 chunk(const row& r, int pair) const {
+    typename base::cursor at;
+    const std::uint32_t mask = base::open(r, pair, at);
     std::uint32_t v[8];
-    load_chunk_values(mask & 0xffu, at, v);
-    x[0] = pack_pairs(v);
-    at.value += __popc(mask & 0xffu);
-    load_chunk_values(mask >> 8, at, v);
-    x[1] = pack_pairs(v);
+    load_chunk_values(mask, at, v);
+    return pack_pairs(v);
   }
-  __device__ __forceinline__ void values(int token, int chunk, std::uint32_t (&v)[8]) const {
-    cursor at;
-    const std::uint32_t mask = locate(token, chunk, at);
-    load_chunk_values(mask & 0xffu, at, v);
+};
+
+/// One head's V records of a packed_bitmap page as a row source of `fold_chunks`, in the V slab
+/// order (file comment): lane group g's chunk `part` (fold chunk g head_dim / 64 + part) is
+/// channels 4 g .. 4 g + 3 of slabs 2 part and 2 part + 1. Groups of 2^Shift channels. Only
+/// output tiles below 2 `slabs` are read.
+template <int HeadDim, int Shift>
+struct packed_value_rows : detail::packed_records<HeadDim, Shift, 4> {
+  using base = detail::packed_records<HeadDim, Shift, 4>;
+  using typename base::row;
+
+  /// Token `token`'s record, located for this lane's runs (lane group g: channels 4 g .. 4 g + 3
+  /// of each slab).
+  __device__ __forceinline__ row locate(int token) const {
+    return base::locate(token, 4 * (static_cast<int>(threadIdx.x) % 32 / 4));
+  }
+  /// The output tiles that may hold kept channels.
+  __device__ __forceinline__ int value_tiles() const { return 2 * this->slabs; }
+  /// The lane's chunk `part` (< head_dim / 64; slabs 2 part, 2 part + 1) of a located row: one
+  /// value a register (zero-extended), 8 channels.
+  __device__ __forceinline__ void values(const row& r, int part, std::uint32_t (&v)[8]) const {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = 2 * part + half;
+      std::uint32_t run[4] = {0u, 0u, 0u, 0u};
+      if (k < this->slabs) {
+        typename base::cursor at;
+        const std::uint32_t mask = base::open(r, k, at);
+        load_chunk_values(mask, at, run);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[4 * half + j] = run[j];
+    }
   }
 };
 
@@ -15895,6 +16075,14 @@ __device__ __forceinline__ void accumulate_record(const std::uint32_t* bits, con
       for (int g = 0; g < Group; ++g) acc[k][g] = fmaf(p[g], value, acc[k][g]);
     }
   }
+}
+
+/// f(std::integral_constant<int, shift>) for a group size of 2^shift channels (shift 0, 1, 2).
+template <class F>
+__device__ __forceinline__ decltype(auto) with_shift(int shift, F&& f) {
+  if (shift == 0) return f(std::integral_constant<int, 0>{});
+  if (shift == 1) return f(std::integral_constant<int, 1>{});
+  return f(std::integral_constant<int, 2>{});
 }
 
 /// Calls f(std::integral_constant<int, g>) for a group size g of 1, 2 or 4.
@@ -16366,7 +16554,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
         const merge_weights<float> mw = total.merge(softmax_state<float>{temp.m[r][g], temp.l[r][g]});
         o = o * mw.self + temp.o[r][g][c] * mw.other;
       }
-      rotated[index] = o;
+      // A packed segment's o' comes in the V slab order (rows.cuh); the tail's in head_dim order.
+      rotated[basis == nullptr ? index : g * HeadDim + packed_value_channel<HeadDim>(c)] = o;
       if (c == 0) {
         split.segment_m()[g] = total.m;
         split.segment_l()[g] = total.l;
@@ -16400,7 +16589,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
           }
         }
 #pragma unroll
-        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + j] = dot[g];
+        for (int g = 0; g < Group; ++g) rotated[g * HeadDim + packed_key_position(j)] = dot[g];  // the K slab order
       }
     }
     __syncthreads();  // rotated is whole, and q_t read, before the query tiles are written
@@ -16412,7 +16601,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   const int rows_first = warp * 16;  // the warp's rows of every 64
   int current = -1;
   packed_entry segment{};
-  packed_page_rows<HeadDim> k_rows{}, v_rows{};
+  int k_shift = 0, v_shift = 0;  // log2 of the segment's K and V groups
+  const int slabs = (kept + 31) / 32;
   for (int i = 0; i < num_pages; ++i) {
     const int slot = i % stages;
     detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
@@ -16421,18 +16611,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       if (current >= 0) close_segment(segment.v_basis_t);
       current = page_segment;
       segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
-      const int k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
-      const int v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
-      k_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[0] + 31) / 32, k_shift, 0};
-      v_rows = packed_page_rows<HeadDim>{nullptr, nullptr, f.words, f.retained, (kept / segment.group[1] + 31) / 32, v_shift, 0};
+      k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
+      v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
       open_segment(segment.k_basis);
     }
     const std::byte* k_page = slots + slot * pair_bytes;
     const std::byte* v_page = k_page + k_bytes;
-    k_rows.bits = reinterpret_cast<const std::uint32_t*>(k_page);
-    k_rows.page_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
-    v_rows.bits = reinterpret_cast<const std::uint32_t*>(v_page);
-    v_rows.page_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
+    const auto* k_bits = reinterpret_cast<const std::uint32_t*>(k_page);
+    const auto* k_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
+    const auto* v_bits = reinterpret_cast<const std::uint32_t*>(v_page);
+    const auto* v_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
       const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
@@ -16440,9 +16628,17 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       float* const warp_logits = Logits && split_logits != nullptr
                                      ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
                                      : nullptr;
-      if (rows != 0) {
-        k_rows.first = v_rows.first = first;
-        state.fold_chunks(k_rows, v_rows, query_tiles, rows_first, rows, warp_logits, covered);
+      if (rows != 0) {  // K and V sources by their group sizes: one dispatch each
+        const typename attend::p_fragments probabilities = detail_packed::with_shift(k_shift, [&](auto shift) {
+          const packed_key_rows<HeadDim, decltype(shift)::value> k_rows{
+              {k_bits, k_values, f.words, f.retained, slabs, first}};
+          return state.score_chunks(k_rows, query_tiles, rows_first, rows, warp_logits, covered);
+        });
+        detail_packed::with_shift(v_shift, [&](auto shift) {
+          const packed_value_rows<HeadDim, decltype(shift)::value> v_rows{
+              {v_bits, v_values, f.words, f.retained, slabs, first}};
+          state.accumulate_chunks(v_rows, rows_first, probabilities);
+        });
       } else if (warp_logits != nullptr) {
         attend::write_masked_logits(warp_logits, covered);
       }
