@@ -15791,6 +15791,7 @@ __device__ __forceinline__ std::uint32_t spread_group_bits(std::uint32_t groups)
 template <int HeadDim, int Shift, int Span>
 struct packed_records {
   static_assert(Shift >= 0 && Shift <= 2, "groups of 1, 2 or 4 channels");
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head_dim 64, 128 or 256: a value index fits a byte");
   static constexpr int max_slabs = HeadDim / 32;
   static constexpr int max_words = (max_slabs + (1 << Shift) - 1) >> Shift;
 
@@ -15802,7 +15803,8 @@ struct packed_records {
   int first;
 
   /// One record located for one lane: per slab a 16-bit entry, two a register: the lane's
-  /// channel mask (low byte) and the index of its first value (high byte; r <= 255 on this path).
+  /// channel mask (low byte) and the index of its first value (high byte: an index below 256, as
+  /// head_dim <= 256).
   struct row {
     const std::uint16_t* values;
     std::uint32_t slab[(max_slabs + 1) / 2];
