@@ -50,6 +50,23 @@ __host__ __device__ constexpr int packed_value_channel(int channel) {
 
 namespace detail {
 
+/// Whether both slab orders are permutations of [0, HeadDim) (checked below at compile time).
+template <int HeadDim>
+constexpr bool slab_orders_are_permutations() {
+  bool key[HeadDim] = {}, value[HeadDim] = {};
+  for (int c = 0; c < HeadDim; ++c) {
+    const int k = packed_key_position(c), v = packed_value_channel<HeadDim>(c);
+    if (k < 0 || k >= HeadDim || key[k] || v < 0 || v >= HeadDim || value[v]) return false;
+    key[k] = value[v] = true;
+  }
+  return true;
+}
+static_assert(slab_orders_are_permutations<64>() && slab_orders_are_permutations<128>() &&
+                  slab_orders_are_permutations<256>(),
+              "the K and V slab orders are permutations of the channels");
+static_assert(packed_key_position(32 * 3 + 8 * 2 + 5) == 64 + 16 * 2 + 8 + 5, "slab 3, lane q = 2, channel 5");
+static_assert(packed_value_channel<128>(16 * 5 + 9) == 32 * 2 + 4 * 5 + 1, "lane group 5, position 9");
+
 /// Group bits to channel bits: bit i of `groups` becomes bits [i 2^Shift, (i + 1) 2^Shift), for
 /// up to 8 output bits (Shift 0, 1, 2: groups of 1, 2, 4 channels).
 template <int Shift>
