@@ -15715,7 +15715,8 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 /// the split's state in head_dim space. The engine's plan keeps a `select::all` split within one
 /// segment (one rotation each way per split); a selection's pages may span several. Two kernels:
 /// on sm_90, `decode_partial_packed_mma_kernel` streams the pages by bulk copies and each warp
-/// gathers its MMA fragments straight from the records (`packed_page_rows`); elsewhere (sm_75+),
+/// gathers its MMA fragments straight from the records (`packed_key_rows`, `packed_value_rows`);
+/// elsewhere (sm_75+),
 /// `decode_partial_packed_kernel` scores on CUDA cores from records staged by `cp.async`. The
 /// partials merge with `merge_splits_kernel`.
 
@@ -16479,13 +16480,16 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// Per segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
 /// halves in T as the dense path does) and each of the 4 warps folds its 16 tokens of every 64
 /// straight from the records in the slot: its lanes gather the rotated channels their MMA
-/// fragments hold (`packed_page_rows`, `warp_attend_mma::fold_chunks`), so q'.k and p.v' are
-/// MMAs over zero-filled fragments and no dense tile is written. At a segment's end the warps'
-/// states merge, o = o' B_v^T once, and the result merges into the split's state; then the dense
-/// tail, if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
-/// Cost per 16 tokens and warp: the MMAs of the dense kernel over head_dim channels plus, per
-/// lane, 2 x head_dim / 64 K and 2 x head_dim / 64 V gathers of 16 channels (4 of 8 for V at
-/// head_dim 64); per segment 2 x Group x head_dim x kept FMAs and five CTA barriers.
+/// fragments hold in the slab order (`packed_key_rows`, `packed_value_rows`: rows.cuh; q' is
+/// staged in the K order and o' taken back from the V order), through `score_chunks` and
+/// `accumulate_chunks` with the segment's K and V group sizes, so q'.k and p.v' are MMAs over
+/// zero-filled fragments and no dense tile is written. At a segment's end the warps' states
+/// merge, o = o' B_v^T once, and the result merges into the split's state; then the dense tail,
+/// if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
+/// Cost per 16 tokens and warp: the MMAs of the dense kernel over the live slabs
+/// (ceil(kept / 32) of head_dim / 32) plus, per lane, 2 K and 4 V rows located and, per live
+/// slab, 2 K chunks of 8 and 4 V runs of 4 predicated 16-bit loads; per segment 2 x Group x
+/// head_dim x kept FMAs and five CTA barriers.
 template <class T, int HeadDim, int Group, bool Logits = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
