@@ -122,8 +122,10 @@ enum class format_settings {
 /// (Hq=32; or range 2), bf16, pages of 64; bitmap_tiles at s_k = s_v = range 4 percent; quant2
 /// with partition Pi = range 4 (pages of max(64, Pi) tokens); the rest as `Settings` says.
 /// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
-/// first sequence: prefill_us_per_page is per page of all KV heads, K and V.
-template <class Format, class Selector = select::all, format_settings Settings = format_settings::paper>
+/// first sequence: prefill_us_per_page is per page of all KV heads, K and V. packed_bitmap keeps
+/// `ElementGroup` adjacent rotated channels a bit (its fixed strategy's g).
+template <class Format, class Selector = select::all, format_settings Settings = format_settings::paper,
+          int ElementGroup = 1>
 void decode(benchmark::State& state) {
   constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
   const int batch = static_cast<int>(state.range(0));
@@ -155,7 +157,11 @@ void decode(benchmark::State& state) {
   }
   if constexpr (is_quant2) format.partition = static_cast<int>(state.range(4));
   constexpr bool is_packed = std::is_same<Format, format::packed_bitmap>::value;
-  if constexpr (is_packed) format.retained = static_cast<float>(state.range(4)) / 100.0f;
+  if constexpr (is_packed) {
+    format.retained = static_cast<float>(state.range(4)) / 100.0f;
+    format.group = ElementGroup;
+    state.counters["element_group"] = ElementGroup;
+  }
   Selector selector{};
   constexpr bool evicts = selector_traits<Selector>::evicts;
   if constexpr (selects || evicts) selector.budget.ratio = 1.0 / static_cast<double>(state.range(5));
@@ -545,6 +551,31 @@ BENCHMARK(decode<format::packed_bitmap>)
 // at 25% retained, batch 1 and 8, 32K and 128K.
 BENCHMARK(decode<format::packed_bitmap, select::mean_keys>)
     ->Name("packed_bitmap_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {0}, {16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// The same two at groups of 2 and 4 rotated channels a bitmap bit (MosaicKV's variable-granularity
+// bitmap; the strategy search takes the largest g within its loss limit): a group's values are
+// read by one load.
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 2>)
+    ->Name("packed_bitmap_g2_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 4>)
+    ->Name("packed_bitmap_g4_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys, format_settings::paper, 4>)
+    ->Name("packed_bitmap_g4_mean_keys_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {0}, {16}})
     ->UseManualTime()

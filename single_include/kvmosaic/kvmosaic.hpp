@@ -2489,14 +2489,15 @@ inline double packed_loss(const std::vector<float>& y, std::int64_t n, int kept,
 
 /// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
 /// 62.5% compression: 1/8, 2/8, 3/8 of head_dim retained, none above the slot's r), then g = 4,
-/// 2, 1 (a g that does not divide kept and r is skipped).
+/// 2, 1 (a g that does not divide kept, r and the slot's r is skipped: a record then starts on a
+/// whole group, which the CUDA kernel loads at once).
 inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) {
   std::vector<packed_strategy> candidates;
   for (const int eighths : {1, 2, 3}) {
     const int r = g.head_dim * eighths / 8;
     if (r > g.retained) continue;
     for (const int group : {4, 2, 1})
-      if (g.kept % group == 0 && r % group == 0) candidates.push_back({r, group});
+      if (g.kept % group == 0 && r % group == 0 && g.retained % group == 0) candidates.push_back({r, group});
   }
   return candidates;
 }

@@ -183,6 +183,31 @@ TEST_CASE("GPU packed_bitmap: the host's segments, the host's records within rou
   WARN("records whose groups differ from the host's by an fp32 tie: " << differing << ", after appends " << differing_after);
 }
 
+TEST_CASE("GPU packed_bitmap: a searched slot whose r is not a whole number of groups of 4", "[gpu][packed_bitmap]") {
+  if (!gpu_available()) return;
+  // r_slot = 38 at head_dim 128: records start 76 bytes apart, so the search may pick g = 2 (one
+  // 32-bit load a group) but not g = 4 (64-bit loads would be misaligned).
+  format::packed_bitmap f = make(1, 4, format::strategy::search);
+  f.retained = 38.0f / 128.0f;
+  const bool portable = GENERATE(false, true);
+  CAPTURE(portable);
+  packed_twin t(config_of(128, 4, dtype::bf16), 29, f);
+  if (portable) t.device.engine().use_portable_kernel();
+  for (const int length : {65, 300, 700}) t.add(length, t.seqs.size());
+  check_segments(t);
+  int pairs = 0;
+  for (const sequence_id s : t.seqs)
+    for (int h = 0; h < t.config.num_kv_heads; ++h)
+      for (int which = 0; which < 2; ++which) {
+        const traits::segment& seg = t.device.engine().segment(t.device.slot(s), 0, h);
+        REQUIRE(seg.strategy[which].group != 4);
+        pairs += seg.strategy[which].group == 2;
+      }
+  CHECK(pairs > 0);  // the whole-group loads of g = 2 are exercised
+  check_records(t);
+  check_attention(t);
+}
+
 TEST_CASE("GPU packed_bitmap: a fork reads its shared pages in the same segments", "[gpu][packed_bitmap]") {
   if (!gpu_available()) return;
   packed_twin t(config_of(128, 4, dtype::bf16), 23, make(1, 4));

@@ -322,6 +322,25 @@ TEST_CASE("packed_bitmap: the strategy search picks what a brute-force evaluatio
   }
 }
 
+TEST_CASE("packed_bitmap: the search skips a group that does not divide the slot's r", "[packed_bitmap]") {
+  // r_slot = 38 at head_dim 128 (kept 96): r of 16 and 32 fit under it; g = 4 divides both and
+  // kept but not 38, so records of groups of 4 would not start on a whole group.
+  const page_shape shape{64, 128, dtype::bf16};
+  format::packed_bitmap f = make(38.0f / 128.0f, 1);
+  f.mode = format::strategy::search;
+  const auto g = kvmosaic::detail::packed_geometry::of(f, shape);
+  REQUIRE(g.retained == 38);
+  std::vector<std::pair<int, int>> got;
+  for (const auto& c : kvmosaic::detail::packed_candidates(g)) got.emplace_back(c.retained, c.group);
+  CHECK(got == std::vector<std::pair<int, int>>{{16, 2}, {16, 1}, {32, 2}, {32, 1}});
+  // r_slot = 48: g = 4 is tried first at each rate.
+  f.retained = 0.375f;
+  got.clear();
+  for (const auto& c : kvmosaic::detail::packed_candidates(kvmosaic::detail::packed_geometry::of(f, shape)))
+    got.emplace_back(c.retained, c.group);
+  CHECK(got == std::vector<std::pair<int, int>>{{16, 4}, {16, 2}, {16, 1}, {32, 4}, {32, 2}, {32, 1}, {48, 4}, {48, 2}, {48, 1}});
+}
+
 TEST_CASE("packed_bitmap: attention in the rotated spaces equals fp64 attention over the decoded vectors", "[packed_bitmap]") {
   for (const int d : {64, 128, 256})
     for (const int group : {1, 4, 8}) {

@@ -20,7 +20,9 @@
 ///                                                         `pair` (fold chunk 8 (pair / 2) + 2 q
 ///                                                         + pair mod 2), 16-bit pairs
 ///   void values(const Row&, int part, std::uint32_t (&v)[8])  V: the lane group's chunk `part`
-///                                                         (fold chunk g head_dim / 64 + part)
+///                                                         (fold chunk g head_dim / 64 + part),
+///                                                         a value in the low half of each
+///                                                         register (the high half is ignored)
 ///   int  key_pairs()   (K)    k-step pairs [0, n) that may be nonzero: the others are skipped
 ///   int  value_tiles() (V)    output tiles [0, n) that may be nonzero: the others are skipped
 /// A format adds its own sources next to its kernels (bitmap_tiles: `bitmap_page_rows`,

@@ -23,7 +23,8 @@
 ///
 /// Cost per 16 tokens and lane: per token read (2 for K, 4 for V) its bitmap words, one popcount
 /// each and one per live slab (`locate`); per live slab a chunk of 8 (K, 2 tokens) or a run of 4
-/// (V, 4 tokens) predicated 16-bit loads.
+/// (V, 4 tokens) channels: at g = 1 a predicated 16-bit load per channel, at g = 2 and 4 one
+/// predicated 32- or 64-bit load per group (each group's values are adjacent and aligned).
 
 #include <cstddef>
 #include <cstdint>
@@ -142,6 +143,37 @@ struct packed_records {
     const std::uint16_t* value;
     __device__ __forceinline__ std::uint32_t next() { return *value++; }
   };
+
+  /// Groups of 2 or 4 channels (Shift 1, 2) as whole loads: the `Words` 16-bit pairs of the
+  /// 2 Words channels under channel mask `mask` (`open`'s), a group's values from `first` on
+  /// where its bit is set (one 32-bit load for g = 2, one 64-bit load for g = 4), zeros where
+  /// not. Needs each record's values aligned to a group, so r_slot a multiple of g
+  /// (`packed_candidates` and `plan_segment` guarantee it). Per group a predicated load and step.
+  template <int Words>
+  __device__ __forceinline__ static void load_group_words(std::uint32_t mask, const std::uint16_t* first,
+                                                          std::uint32_t (&w)[Words]) {
+    static_assert(Shift == 1 || Shift == 2, "whole-group loads are for groups of 2 or 4 channels");
+    if constexpr (Shift == 1) {
+      const auto* at = reinterpret_cast<const std::uint32_t*>(first);
+#pragma unroll
+      for (int j = 0; j < Words; ++j) {
+        const bool set = (mask >> (2 * j)) & 1u;
+        w[j] = set ? *at : 0u;
+        at += set;
+      }
+    } else {
+      static_assert(Words % 2 == 0, "a group of 4 channels is 2 words");
+      const auto* at = reinterpret_cast<const uint2*>(first);
+#pragma unroll
+      for (int j = 0; j < Words / 2; ++j) {
+        const bool set = (mask >> (4 * j)) & 1u;
+        const uint2 x = set ? *at : make_uint2(0u, 0u);
+        at += set;
+        w[2 * j] = x.x;
+        w[2 * j + 1] = x.y;
+      }
+    }
+  }
   /// The lane's channel mask in slab k and a cursor at its first value.
   __device__ __forceinline__ static std::uint32_t open(const row& r, int k, cursor& at) {
     const std::uint32_t entry = r.slab[k / 2] >> (16 * (k % 2));
@@ -173,9 +205,15 @@ struct packed_key_rows : detail::packed_records<HeadDim, Shift, 8> {
   __device__ __forceinline__ uint4 chunk(const row& r, int pair) const {
     typename base::cursor at;
     const std::uint32_t mask = base::open(r, pair, at);
-    std::uint32_t v[8];
-    load_chunk_values(mask, at, v);
-    return pack_pairs(v);
+    if constexpr (Shift == 0) {
+      std::uint32_t v[8];
+      load_chunk_values(mask, at, v);
+      return pack_pairs(v);
+    } else {
+      std::uint32_t w[4];
+      base::load_group_words(mask, at.value, w);
+      return make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
 };
 
@@ -195,8 +233,9 @@ struct packed_value_rows : detail::packed_records<HeadDim, Shift, 4> {
   }
   /// The output tiles that may hold kept channels.
   __device__ __forceinline__ int value_tiles() const { return 2 * this->slabs; }
-  /// The lane's chunk `part` (< head_dim / 64; slabs 2 part, 2 part + 1) of a located row: one
-  /// value a register (zero-extended), 8 channels.
+  /// The lane's chunk `part` (< head_dim / 64; slabs 2 part, 2 part + 1) of a located row: 8
+  /// channels, one value in the low half of each register (the high half is zero at g = 1 and
+  /// may hold the next channel at g = 2, 4).
   __device__ __forceinline__ void values(const row& r, int part, std::uint32_t (&v)[8]) const {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -205,7 +244,16 @@ struct packed_value_rows : detail::packed_records<HeadDim, Shift, 4> {
       if (k < this->slabs) {
         typename base::cursor at;
         const std::uint32_t mask = base::open(r, k, at);
-        load_chunk_values(mask, at, run);
+        if constexpr (Shift == 0) {
+          load_chunk_values(mask, at, run);
+        } else {  // two 16-bit pairs; the high half of a low channel's register is the next value
+          std::uint32_t w[2];
+          base::load_group_words(mask, at.value, w);
+          run[0] = w[0];
+          run[1] = w[0] >> 16;
+          run[2] = w[1];
+          run[3] = w[1] >> 16;
+        }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[4 * half + j] = run[j];
