@@ -182,6 +182,11 @@ void decode(benchmark::State& state) {
     if (stages != nullptr && kv.engine().compressed_stages() > 0) kv.engine().set_compressed_stages(std::atoi(stages));
     state.counters["stages"] = kv.engine().compressed_stages();
   }
+  // Tuning experiments: KVMOSAIC_BENCH_SPLIT_COST overrides the split cost the plan weighs (the
+  // format's estimate otherwise).
+  if (const char* cost = std::getenv("KVMOSAIC_BENCH_SPLIT_COST"); cost != nullptr)
+    kv.engine().set_split_cost_pages(std::atoi(cost));
+  state.counters["split_cost_pages"] = kv.engine().split_cost_pages();
 
   // Prefill every sequence in chunks from one random source (the bytes differ per page slot).
   const int chunk = std::min(context, 16384);
@@ -334,6 +339,7 @@ void decode(benchmark::State& state) {
   else
     state.counters["sparsity"] = static_cast<double>(state.range(4)) / 100.0;
   state.counters["plan_us"] = median(plan_times) * 1e6;
+  state.counters["splits"] = kv.engine().last_step_splits();
   state.counters["batch"] = batch;
   state.counters["context"] = context;
   state.counters["group"] = c.group_size;

@@ -9056,11 +9056,15 @@ struct split_plan {
 /// multiples of it (but a sequence's last split): for kernels that deal a split's pages to that
 /// many workers, none of which should idle at the end (quant2's 4 warps). With `segment_pages`
 /// > 0 (formats with segments, whose kernels work in one segment's basis at a time), no split
-/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)). Cost:
-/// O(batch log pages) host work.
+/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)).
+/// `split_cost_pages` is the fixed work of one split in pages' worth (a format whose kernel sets
+/// up each split at a cost, as a segment's rotations): a wave then costs its longest split plus
+/// it, so that short splits in more waves are taken only when they win by more than the set-ups.
+/// Cost: O(batch log pages) host work.
 inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, const std::vector<std::int32_t>& tail_rows,
                                   std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30,
-                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0) {
+                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0,
+                                  std::int32_t split_cost_pages = 0) {
   detail::require(full_pages.size() == tail_rows.size(), "make_split_plan", "tail_rows.size()", tail_rows.size(),
                   "full_pages.size()");
   detail::require(target_splits >= 1, "make_split_plan", "target_splits", target_splits, ">= 1");
@@ -9078,6 +9082,7 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     return up <= max_pages_per_split ? up : max_pages_per_split / page_multiple * page_multiple;
   };
   detail::require(segment_pages >= 0, "make_split_plan", "segment_pages", segment_pages, ">= 0 (0: no segments)");
+  detail::require(split_cost_pages >= 0, "make_split_plan", "split_cost_pages", split_cost_pages, ">= 0");
   // The pieces a sequence's pages are split within: its segments, or all of them.
   const auto for_each_piece = [&](std::int32_t pages, auto&& f) {
     if (segment_pages == 0 || pages == 0) return f(0, pages);
@@ -9103,13 +9108,17 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     }
     return lo;
   };
-  // A step lasts about (waves) x (longest split): one wave of few long splits can lose to two
-  // waves of many short ones when the batch leaves SMs idle (32 sequences on 49 slots per head).
+  // A step lasts about (waves) x (longest split + a split's fixed work): one wave of few long
+  // splits can lose to two waves of many short ones when the batch leaves SMs idle (32 sequences
+  // on 49 slots per head).
+  const auto cost_of = [&](std::int32_t size) {
+    return ((splits_for(size) + target_splits - 1) / target_splits) * (static_cast<std::int64_t>(size) + split_cost_pages);
+  };
   std::int32_t lo = rounded(smallest_fitting(1));
-  std::int64_t best_cost = ((splits_for(lo) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(lo);
+  std::int64_t best_cost = cost_of(lo);
   for (std::int64_t waves = 2; waves <= 4; ++waves) {
     const std::int32_t size = rounded(smallest_fitting(waves));
-    const std::int64_t cost = ((splits_for(size) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(size);
+    const std::int64_t cost = cost_of(size);
     if (cost < best_cost) {
       best_cost = cost;
       lo = size;
@@ -10866,6 +10875,9 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///                                                 // sequence's first page itself (p.sink_rows), so
 ///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
+///   static std::int32_t split_cost_pages(const format::X&, const page_shape&);  // optional, default
+///                                                 // 0: a split's fixed work in pages' worth, which
+///                                                 // the split plan weighs (make_split_plan)
 ///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
 ///                                                 // write each row's logits when a step records
 ///                                                 // token scores (kernel::decode_params::token_logits)
@@ -11035,6 +11047,18 @@ struct writes_token_logits : std::false_type {};
 template <class Format>
 struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
     : std::bool_constant<device_format<Format>::writes_token_logits> {};
+
+/// A split's fixed work in pages' worth for the split plan (`device_format<Format>::
+/// split_cost_pages`; 0 where it does not say).
+template <class Format, class = void>
+struct split_cost {
+  static std::int32_t pages(const Format&, const page_shape&) { return 0; }
+};
+template <class Format>
+struct split_cost<Format, std::void_t<decltype(device_format<Format>::split_cost_pages(std::declval<const Format&>(),
+                                                                                       std::declval<const page_shape&>()))>> {
+  static std::int32_t pages(const Format& f, const page_shape& shape) { return device_format<Format>::split_cost_pages(f, shape); }
+};
 
 /// Whether `Format`'s logits (`writes_token_logits`) are q . k of its decoded keys up to fp32
 /// rounding (`device_format<Format>::writes_exact_logits`; false where it does not say): what
@@ -12178,7 +12202,7 @@ class engine {
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
         make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
-                        split_page_multiple, plan_segment_pages());
+                        split_page_multiple, plan_segment_pages(), split_cost_pages());
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
     batch_ = n;
@@ -12350,6 +12374,20 @@ class engine {
   }
   /// The stages of the format's kernel (0: none at run time).
   int compressed_stages() const noexcept { return format_state_.stages; }
+
+  /// A split's fixed work in pages' worth, as the split plan weighs it (`make_split_plan`): the
+  /// format's estimate for its kernel, unless set here. For tuning experiments.
+  std::int32_t split_cost_pages() const {
+    return split_cost_override_ >= 0 ? split_cost_override_ : split_cost<Format>::pages(format_, shape_.page());
+  }
+  /// Splits of the last planned step (per KV head).
+  std::int32_t last_step_splits() const noexcept { return step_splits_; }
+  /// Sets the split cost the plan uses from the next step (>= 0), or back to the format's (-1).
+  void set_split_cost_pages(std::int32_t pages) {
+    kvmosaic::detail::require(pages >= -1, "cuda::engine::set_split_cost_pages", "pages", pages,
+                              ">= 0, or -1 for the format's estimate");
+    split_cost_override_ = pages;
+  }
 
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
@@ -12565,6 +12603,7 @@ class engine {
   int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
+  std::int32_t split_cost_override_ = -1;  ///< `set_split_cost_pages`; -1: the format's
   bool use_bulk_copy_ = false;
   bool supports_dependent_launch_ = false;  ///< sm_90 and later
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end
@@ -16698,7 +16737,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
       const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
-      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered;
+      // No mask word past the page's rows (a warp past a short page's end reads none).
+      const std::uint32_t rows = covered != 0 ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered : 0u;
       float* const warp_logits = Logits && split_logits != nullptr
                                      ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
                                      : nullptr;
@@ -16969,6 +17009,16 @@ struct device_format<format::packed_bitmap> {
   static constexpr bool writes_token_logits = true;
   static constexpr bool writes_exact_logits = true;
   static constexpr std::int32_t split_page_multiple = 1;
+  /// A split's fixed work in pages' worth for the split plan (`make_split_plan`): the sm_90
+  /// kernel rotates the queries into a segment's K basis when a split enters it and its output
+  /// back through the V basis when it leaves, reading both bases (2 x head_dim x kept fp32), so a
+  /// split costs about the pages of as many bytes more.
+  static std::int32_t split_cost_pages(const format::packed_bitmap& f, const page_shape& shape) {
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape);
+    const std::size_t bases = 2 * static_cast<std::size_t>(g.head_dim) * g.kept * sizeof(float);
+    const std::size_t page_pair = 2 * g.page_bytes();
+    return static_cast<std::int32_t>((bases + page_pair - 1) / page_pair);
+  }
   using params = kernel::packed_decode_params;
   using traits = format_traits<format::packed_bitmap>;
 

@@ -69,7 +69,25 @@ TEST_CASE("max_pages_per_split caps the split size even beyond one wave", "[spli
   CHECK(plan.num_splits() == 10);
 }
 
+TEST_CASE("a split's fixed cost keeps one wave of long splits where short ones win only by less", "[split_plan]") {
+  // Batch 8 at 128K, 66 slots per KV head. Waves x (longest split + cost): without a cost, four
+  // waves of 63 pages (252) beat one of 256; at 2 pages a split, one wave (258) beats two (2 x
+  // 130 = 260), three (3 x 88 = 264) and four (4 x 65 = 260).
+  const std::vector<std::int32_t> pages(8, 2048), tails(8, 0);
+  CHECK(make_split_plan(pages, tails, 66, 1 << 30, 1, 0, 0).pages_per_split == 63);
+  const split_plan plan = make_split_plan(pages, tails, 66, 1 << 30, 1, 0, 2);
+  check_covers(plan, pages, tails);
+  CHECK(plan.pages_per_split == 256);
+  CHECK(plan.num_splits() == 64);
+  // A cost that is small against the splits changes nothing: 2 sequences of 2048 pages fill one
+  // wave of 66 with splits of 63 pages either way.
+  const std::vector<std::int32_t> two(2, 2048), two_tails(2, 0);
+  CHECK(make_split_plan(two, two_tails, 66, 1 << 30, 1, 0, 10).pages_per_split ==
+        make_split_plan(two, two_tails, 66).pages_per_split);
+}
+
 TEST_CASE("bad plan arguments are rejected", "[split_plan]") {
+  CHECK_THROWS_WITH(make_split_plan({1}, {0}, 4, 1 << 30, 1, 0, -1), Catch::Contains("split_cost_pages = -1"));
   CHECK_THROWS_WITH(make_split_plan({1}, {0, 1}, 4), Catch::Contains("tail_rows.size()"));
   CHECK_THROWS_WITH(make_split_plan({0}, {0}, 4), Catch::Contains("at least one token per sequence"));
   CHECK_THROWS_WITH(make_split_plan({1}, {0}, 0), Catch::Contains("target_splits = 0"));

@@ -46,11 +46,15 @@ struct split_plan {
 /// multiples of it (but a sequence's last split): for kernels that deal a split's pages to that
 /// many workers, none of which should idle at the end (quant2's 4 warps). With `segment_pages`
 /// > 0 (formats with segments, whose kernels work in one segment's basis at a time), no split
-/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)). Cost:
-/// O(batch log pages) host work.
+/// crosses a multiple of it and the dense tail is a split of its own (pages [n, n)).
+/// `split_cost_pages` is the fixed work of one split in pages' worth (a format whose kernel sets
+/// up each split at a cost, as a segment's rotations): a wave then costs its longest split plus
+/// it, so that short splits in more waves are taken only when they win by more than the set-ups.
+/// Cost: O(batch log pages) host work.
 inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, const std::vector<std::int32_t>& tail_rows,
                                   std::int32_t target_splits, std::int32_t max_pages_per_split = 1 << 30,
-                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0) {
+                                  std::int32_t page_multiple = 1, std::int32_t segment_pages = 0,
+                                  std::int32_t split_cost_pages = 0) {
   detail::require(full_pages.size() == tail_rows.size(), "make_split_plan", "tail_rows.size()", tail_rows.size(),
                   "full_pages.size()");
   detail::require(target_splits >= 1, "make_split_plan", "target_splits", target_splits, ">= 1");
@@ -68,6 +72,7 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     return up <= max_pages_per_split ? up : max_pages_per_split / page_multiple * page_multiple;
   };
   detail::require(segment_pages >= 0, "make_split_plan", "segment_pages", segment_pages, ">= 0 (0: no segments)");
+  detail::require(split_cost_pages >= 0, "make_split_plan", "split_cost_pages", split_cost_pages, ">= 0");
   // The pieces a sequence's pages are split within: its segments, or all of them.
   const auto for_each_piece = [&](std::int32_t pages, auto&& f) {
     if (segment_pages == 0 || pages == 0) return f(0, pages);
@@ -93,13 +98,17 @@ inline split_plan make_split_plan(const std::vector<std::int32_t>& full_pages, c
     }
     return lo;
   };
-  // A step lasts about (waves) x (longest split): one wave of few long splits can lose to two
-  // waves of many short ones when the batch leaves SMs idle (32 sequences on 49 slots per head).
+  // A step lasts about (waves) x (longest split + a split's fixed work): one wave of few long
+  // splits can lose to two waves of many short ones when the batch leaves SMs idle (32 sequences
+  // on 49 slots per head).
+  const auto cost_of = [&](std::int32_t size) {
+    return ((splits_for(size) + target_splits - 1) / target_splits) * (static_cast<std::int64_t>(size) + split_cost_pages);
+  };
   std::int32_t lo = rounded(smallest_fitting(1));
-  std::int64_t best_cost = ((splits_for(lo) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(lo);
+  std::int64_t best_cost = cost_of(lo);
   for (std::int64_t waves = 2; waves <= 4; ++waves) {
     const std::int32_t size = rounded(smallest_fitting(waves));
-    const std::int64_t cost = ((splits_for(size) + target_splits - 1) / target_splits) * static_cast<std::int64_t>(size);
+    const std::int64_t cost = cost_of(size);
     if (cost < best_cost) {
       best_cost = cost;
       lo = size;

@@ -500,7 +500,7 @@ class engine {
     const decode_tuning tuning = decode_tuning_for(shape_.head_dim, shape_.group_size);
     const split_plan plan =
         make_split_plan(read_pages, dense_rows, target_splits(), use_bulk_copy_ ? max_pages_per_split(tuning) : 1 << 30,
-                        split_page_multiple, plan_segment_pages());
+                        split_page_multiple, plan_segment_pages(), split_cost_pages());
     reserve_step(n, longest, plan.num_splits(), masked);
     step_masked_ = masked;
     batch_ = n;
@@ -672,6 +672,20 @@ class engine {
   }
   /// The stages of the format's kernel (0: none at run time).
   int compressed_stages() const noexcept { return format_state_.stages; }
+
+  /// A split's fixed work in pages' worth, as the split plan weighs it (`make_split_plan`): the
+  /// format's estimate for its kernel, unless set here. For tuning experiments.
+  std::int32_t split_cost_pages() const {
+    return split_cost_override_ >= 0 ? split_cost_override_ : split_cost<Format>::pages(format_, shape_.page());
+  }
+  /// Splits of the last planned step (per KV head).
+  std::int32_t last_step_splits() const noexcept { return step_splits_; }
+  /// Sets the split cost the plan uses from the next step (>= 0), or back to the format's (-1).
+  void set_split_cost_pages(std::int32_t pages) {
+    kvmosaic::detail::require(pages >= -1, "cuda::engine::set_split_cost_pages", "pages", pages,
+                              ">= 0, or -1 for the format's estimate");
+    split_cost_override_ = pages;
+  }
 
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once.
@@ -887,6 +901,7 @@ class engine {
   int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
+  std::int32_t split_cost_override_ = -1;  ///< `set_split_cost_pages`; -1: the format's
   bool use_bulk_copy_ = false;
   bool supports_dependent_launch_ = false;  ///< sm_90 and later
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end

@@ -14,6 +14,9 @@
 ///                                                 // sequence's first page itself (p.sink_rows), so
 ///                                                 // sinks alone need no per-page row masks
 ///   static constexpr std::int32_t split_page_multiple;  // split sizes are multiples of it
+///   static std::int32_t split_cost_pages(const format::X&, const page_shape&);  // optional, default
+///                                                 // 0: a split's fixed work in pages' worth, which
+///                                                 // the split plan weighs (make_split_plan)
 ///   static constexpr bool writes_token_logits;    // optional, default false: its split kernels
 ///                                                 // write each row's logits when a step records
 ///                                                 // token scores (kernel::decode_params::token_logits)
@@ -56,6 +59,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/cuda/error.cuh"
@@ -191,6 +195,18 @@ struct writes_token_logits : std::false_type {};
 template <class Format>
 struct writes_token_logits<Format, std::void_t<decltype(device_format<Format>::writes_token_logits)>>
     : std::bool_constant<device_format<Format>::writes_token_logits> {};
+
+/// A split's fixed work in pages' worth for the split plan (`device_format<Format>::
+/// split_cost_pages`; 0 where it does not say).
+template <class Format, class = void>
+struct split_cost {
+  static std::int32_t pages(const Format&, const page_shape&) { return 0; }
+};
+template <class Format>
+struct split_cost<Format, std::void_t<decltype(device_format<Format>::split_cost_pages(std::declval<const Format&>(),
+                                                                                       std::declval<const page_shape&>()))>> {
+  static std::int32_t pages(const Format& f, const page_shape& shape) { return device_format<Format>::split_cost_pages(f, shape); }
+};
 
 /// Whether `Format`'s logits (`writes_token_logits`) are q . k of its decoded keys up to fp32
 /// rounding (`device_format<Format>::writes_exact_logits`; false where it does not say): what

@@ -737,7 +737,8 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
     for (int first = 0; first < p.page_size; first += tokens) {
       const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
-      const std::uint32_t rows = detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered;
+      // No mask word past the page's rows (a warp past a short page's end reads none).
+      const std::uint32_t rows = covered != 0 ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered : 0u;
       float* const warp_logits = Logits && split_logits != nullptr
                                      ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
                                      : nullptr;

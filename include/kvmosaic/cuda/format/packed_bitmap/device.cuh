@@ -40,6 +40,16 @@ struct device_format<format::packed_bitmap> {
   static constexpr bool writes_token_logits = true;
   static constexpr bool writes_exact_logits = true;
   static constexpr std::int32_t split_page_multiple = 1;
+  /// A split's fixed work in pages' worth for the split plan (`make_split_plan`): the sm_90
+  /// kernel rotates the queries into a segment's K basis when a split enters it and its output
+  /// back through the V basis when it leaves, reading both bases (2 x head_dim x kept fp32), so a
+  /// split costs about the pages of as many bytes more.
+  static std::int32_t split_cost_pages(const format::packed_bitmap& f, const page_shape& shape) {
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, shape);
+    const std::size_t bases = 2 * static_cast<std::size_t>(g.head_dim) * g.kept * sizeof(float);
+    const std::size_t page_pair = 2 * g.page_bytes();
+    return static_cast<std::int32_t>((bases + page_pair - 1) / page_pair);
+  }
   using params = kernel::packed_decode_params;
   using traits = format_traits<format::packed_bitmap>;
 
