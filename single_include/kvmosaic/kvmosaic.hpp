@@ -5176,23 +5176,27 @@ class host_buffer {
 /// page's rows (the sinks left out of a first segment) and rows [next, next + segment_tokens -
 /// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
 /// append, its first page). One function for both backends, so both fit the same bases to the
-/// same rows. Cost: the format's plan_segment per KV head.
+/// same rows. Compiled with OpenMP (`_OPENMP`), the KV heads are planned on OpenMP's threads, each
+/// head as on one thread: the same segments, bit for bit, for any thread count. Cost: the
+/// format's plan_segment per KV head; per thread, two [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
                                                                const arena_geometry& geometry, const std::byte* tail,
                                                                std::int64_t index, const tensor_view<const T, 3>& k,
                                                                const tensor_view<const T, 3>& v, std::int64_t next) {
   using traits = format_traits<Format>;
+  using segment = typename segment_type<Format>::type;
   const page_shape shape = engine.page();
   const int per = traits::segment_pages(format, shape);
   const int p = engine.page_size, d = engine.head_dim, heads = engine.num_kv_heads;
   const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
   const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
   const std::int64_t n = p - skip + ahead;
-  std::vector<float> k_rows(static_cast<std::size_t>(n) * d), v_rows(k_rows.size()), page(static_cast<std::size_t>(p) * d);
-  std::vector<typename segment_type<Format>::type> planned;
-  planned.reserve(static_cast<std::size_t>(heads));
-  for (int h = 0; h < heads; ++h) {
+  // Head h's K and V rows into `k_rows`, `v_rows` ([n][d]; `page`: [p][d] scratch), then its plan.
+  const auto plan_head = [&](int h, std::vector<float>& k_rows, std::vector<float>& v_rows, std::vector<float>& page) {
+    k_rows.resize(static_cast<std::size_t>(n) * d);
+    v_rows.resize(k_rows.size());
+    page.resize(static_cast<std::size_t>(p) * d);
     for (const bool is_v : {false, true}) {
       std::vector<float>& rows = is_v ? v_rows : k_rows;
       load_dense_rows(shape.storage, tail + geometry.tail_offset(is_v, h) + geometry.tail_row_offset(),
@@ -5202,8 +5206,35 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
       for (std::int64_t t = 0; t < ahead; ++t)
         for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
     }
-    planned.push_back(traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n));
+    return traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n);
+  };
+  std::vector<segment> planned(static_cast<std::size_t>(heads));
+#if defined(_OPENMP)
+  if (heads > 1) {
+    std::exception_ptr error;  // the failure of the lowest head, as the serial loop would throw
+    int error_head = heads;
+#pragma omp parallel
+    {
+      std::vector<float> k_rows, v_rows, page;
+#pragma omp for schedule(dynamic, 1)
+      for (int h = 0; h < heads; ++h) {
+        try {
+          planned[static_cast<std::size_t>(h)] = plan_head(h, k_rows, v_rows, page);
+        } catch (...) {
+#pragma omp critical(kvmosaic_plan_segments_error)
+          if (h < error_head) {
+            error_head = h;
+            error = std::current_exception();
+          }
+        }
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return planned;
   }
+#endif
+  std::vector<float> k_rows, v_rows, page;
+  for (int h = 0; h < heads; ++h) planned[static_cast<std::size_t>(h)] = plan_head(h, k_rows, v_rows, page);
   return planned;
 }
 
