@@ -4949,6 +4949,7 @@ inline std::int32_t pack_block_tables(const std::vector<const block_table*>& tab
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 
 
 namespace kvmosaic {
@@ -5170,14 +5171,53 @@ class host_buffer {
   std::unique_ptr<std::byte[], free_aligned> data_;
 };
 
+/// Calls body(i, scratch) for every i in [0, n). Compiled with OpenMP (`_OPENMP`: the consumer
+/// builds with -fopenmp) and for n > 1, on OpenMP's threads (`OMP_NUM_THREADS`; dynamic schedule,
+/// one item at a time), each thread with its own scratch, made by make_scratch() when it takes
+/// its first item; otherwise in order on the calling thread, with one scratch. When items throw,
+/// the exception of the lowest one is rethrown, as the serial loop would throw it (on threads,
+/// after the others have run). The host backend's one way of spreading independent work.
+template <class MakeScratch, class Body>
+void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& body) {
+  using scratch_type = decltype(make_scratch());
+#if defined(_OPENMP)
+  if (n > 1) {
+    std::exception_ptr error;
+    std::int64_t error_item = n;
+#pragma omp parallel
+    {
+      std::optional<scratch_type> scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t i = 0; i < n; ++i) {
+        try {
+          if (!scratch) scratch.emplace(make_scratch());
+          body(i, *scratch);
+        } catch (...) {
+#pragma omp critical(kvmosaic_host_item_error)
+          if (i < error_item) {
+            error_item = i;
+            error = std::current_exception();
+          }
+        }
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+#endif
+  if (n <= 0) return;
+  scratch_type scratch = make_scratch();
+  for (std::int64_t i = 0; i < n; ++i) body(i, scratch);
+}
+
 /// The segments (one per KV head) of a sequence's segment whose first page is page `index` (a
 /// multiple of `segment_pages`), about to be sealed from the full tail slot `tail` (host bytes):
 /// each fitted (`format_traits::plan_segment`) to the rows an engine has of the segment, the
 /// page's rows (the sinks left out of a first segment) and rows [next, next + segment_tokens -
 /// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
 /// append, its first page). One function for both backends, so both fit the same bases to the
-/// same rows. Compiled with OpenMP (`_OPENMP`), the KV heads are planned on OpenMP's threads, each
-/// head as on one thread: the same segments, bit for bit, for any thread count. Cost: the
+/// same rows. The KV heads are planned by `for_each_item` (on OpenMP's threads where built with
+/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. Cost: the
 /// format's plan_segment per KV head; per thread, two [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
@@ -5208,33 +5248,14 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
     }
     return traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n);
   };
+  struct rows_scratch {
+    std::vector<float> k_rows, v_rows, page;
+  };
   std::vector<segment> planned(static_cast<std::size_t>(heads));
-#if defined(_OPENMP)
-  if (heads > 1) {
-    std::exception_ptr error;  // the failure of the lowest head, as the serial loop would throw
-    int error_head = heads;
-#pragma omp parallel
-    {
-      std::vector<float> k_rows, v_rows, page;
-#pragma omp for schedule(dynamic, 1)
-      for (int h = 0; h < heads; ++h) {
-        try {
-          planned[static_cast<std::size_t>(h)] = plan_head(h, k_rows, v_rows, page);
-        } catch (...) {
-#pragma omp critical(kvmosaic_plan_segments_error)
-          if (h < error_head) {
-            error_head = h;
-            error = std::current_exception();
-          }
-        }
-      }
-    }
-    if (error) std::rethrow_exception(error);
-    return planned;
-  }
-#endif
-  std::vector<float> k_rows, v_rows, page;
-  for (int h = 0; h < heads; ++h) planned[static_cast<std::size_t>(h)] = plan_head(h, k_rows, v_rows, page);
+  const auto make_scratch = [] { return rows_scratch(); };
+  for_each_item(heads, make_scratch, [&](std::int64_t h, rows_scratch& scratch) {
+    planned[static_cast<std::size_t>(h)] = plan_head(static_cast<int>(h), scratch.k_rows, scratch.v_rows, scratch.page);
+  });
   return planned;
 }
 
@@ -5508,47 +5529,25 @@ class engine {
   ///
   /// Each (sequence, KV head) is computed alone, from its own pages, into its own outputs, with
   /// the same operations in the same order whichever thread runs it: the outputs are the same
-  /// bits for any thread count. Compiled with OpenMP (`_OPENMP`: the consumer builds with
-  /// -fopenmp), the pairs are spread over OpenMP's threads (`OMP_NUM_THREADS`); otherwise, and
-  /// for a single pair, they run on the calling thread. Cost: per pair, one score and one
-  /// accumulate per page read plus the tail and sinks; working memory per thread, no allocation
-  /// per page or token.
+  /// bits for any thread count. The pairs are spread by `detail::for_each_item`: over OpenMP's
+  /// threads where the consumer builds with OpenMP, else on the calling thread. Cost: per pair,
+  /// one score and one accumulate per page read plus the tail and sinks; working memory per
+  /// thread, no allocation per page or token.
   template <class Q, class O>
   void run(tensor_view<const Q, 3> q, tensor_view<O, 3> out, tensor_view<float, 2> lse) {
     const std::int64_t heads = shape_.num_kv_heads;
     const std::int64_t items = static_cast<std::int64_t>(planned_batch_.size()) * heads;
     if (planned_selects_) last_selection_.assign(static_cast<std::size_t>(items), {});
     prepare_visible_rows();
-#if defined(_OPENMP)
-    if (items > 1) {
-      std::exception_ptr error;       // the failure of the lowest pair, as the serial loop would throw
-      std::int64_t error_item = items;
-#pragma omp parallel
-      {
-        std::unique_ptr<attend_scratch> s;
-        std::vector<std::uint64_t> keep;
-#pragma omp for schedule(dynamic, 1)
-        for (std::int64_t i = 0; i < items; ++i) {
-          try {
-            if (!s) s = std::make_unique<attend_scratch>(shape_.group_size, shape_.head_dim, scratch_rows());
-            attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), *s, keep);
-          } catch (...) {
-#pragma omp critical(kvmosaic_host_attend_error)
-            if (i < error_item) {
-              error_item = i;
-              error = std::current_exception();
-            }
-          }
-        }
-      }
-      if (error) std::rethrow_exception(error);
-      return;
-    }
-#endif
-    attend_scratch s(shape_.group_size, shape_.head_dim, scratch_rows());
-    std::vector<std::uint64_t> keep;
-    for (std::int64_t i = 0; i < items; ++i)
-      attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), s, keep);
+    struct worker {
+      attend_scratch s;
+      std::vector<std::uint64_t> keep;
+    };
+    kvmosaic::detail::for_each_item(
+        items, [&] { return worker{attend_scratch(shape_.group_size, shape_.head_dim, scratch_rows()), {}}; },
+        [&](std::int64_t i, worker& w) {
+          attend_head(q, out, lse, static_cast<std::size_t>(i / heads), static_cast<int>(i % heads), w.s, w.keep);
+        });
   }
 
   const std::byte* k_page(page_id page, int head) const {
