@@ -5232,30 +5232,28 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
   const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
   const std::int64_t n = p - skip + ahead;
-  // Head h's K and V rows into `k_rows`, `v_rows` ([n][d]; `page`: [p][d] scratch), then its plan.
-  const auto plan_head = [&](int h, std::vector<float>& k_rows, std::vector<float>& v_rows, std::vector<float>& page) {
-    k_rows.resize(static_cast<std::size_t>(n) * d);
-    v_rows.resize(k_rows.size());
-    page.resize(static_cast<std::size_t>(p) * d);
+  struct rows_scratch {
+    std::vector<float> k_rows, v_rows, page;  // [n][d], [n][d], [p][d]
+  };
+  // Head h's K and V rows into the scratch, then its plan.
+  const auto plan_head = [&](std::int64_t h, rows_scratch& s) {
+    s.k_rows.resize(static_cast<std::size_t>(n) * d);
+    s.v_rows.resize(s.k_rows.size());
+    s.page.resize(static_cast<std::size_t>(p) * d);
     for (const bool is_v : {false, true}) {
-      std::vector<float>& rows = is_v ? v_rows : k_rows;
-      load_dense_rows(shape.storage, tail + geometry.tail_offset(is_v, h) + geometry.tail_row_offset(),
-                      static_cast<std::size_t>(p) * d, page.data());
-      std::copy(page.begin() + static_cast<std::ptrdiff_t>(skip) * d, page.end(), rows.begin());
+      std::vector<float>& rows = is_v ? s.v_rows : s.k_rows;
+      load_dense_rows(shape.storage, tail + geometry.tail_offset(is_v, static_cast<int>(h)) + geometry.tail_row_offset(),
+                      static_cast<std::size_t>(p) * d, s.page.data());
+      std::copy(s.page.begin() + static_cast<std::ptrdiff_t>(skip) * d, s.page.end(), rows.begin());
       const tensor_view<const T, 3>& src = is_v ? v : k;
       for (std::int64_t t = 0; t < ahead; ++t)
         for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
     }
-    return traits::plan_segment(format, shape, k_rows.data(), v_rows.data(), n);
-  };
-  struct rows_scratch {
-    std::vector<float> k_rows, v_rows, page;
+    return traits::plan_segment(format, shape, s.k_rows.data(), s.v_rows.data(), n);
   };
   std::vector<segment> planned(static_cast<std::size_t>(heads));
   const auto make_scratch = [] { return rows_scratch(); };
-  for_each_item(heads, make_scratch, [&](std::int64_t h, rows_scratch& scratch) {
-    planned[static_cast<std::size_t>(h)] = plan_head(static_cast<int>(h), scratch.k_rows, scratch.v_rows, scratch.page);
-  });
+  for_each_item(heads, make_scratch, [&](std::int64_t h, rows_scratch& s) { planned[static_cast<std::size_t>(h)] = plan_head(h, s); });
   return planned;
 }
 
