@@ -19,10 +19,9 @@
 ///   uint4 chunk(const Row&, int pair)                     K: the lane's chunk of k-step pair
 ///                                                         `pair` (fold chunk 8 (pair / 2) + 2 q
 ///                                                         + pair mod 2), 16-bit pairs
-///   void values(const Row&, int part, std::uint32_t (&v)[8])  V: the lane group's chunk `part`
+///   uint4 value_chunk(const Row&, int part)               V: the lane group's chunk `part`
 ///                                                         (fold chunk g head_dim / 64 + part),
-///                                                         a value in the low half of each
-///                                                         register (the high half is ignored)
+///                                                         16-bit pairs
 ///   int  key_pairs()   (K)    k-step pairs [0, n) that may be nonzero: the others are skipped
 ///   int  value_tiles() (V)    output tiles [0, n) that may be nonzero: the others are skipped
 /// A format adds its own sources next to its kernels (bitmap_tiles: `bitmap_page_rows`,

@@ -233,13 +233,12 @@ struct warp_attend_mma {
         if (4 * part >= tiles) break;
         std::uint32_t a[4][4];
         const auto gather = [&](const auto& even_row, const auto& odd_row, int half) {
-          std::uint32_t even[8], odd[8];
-          v_rows.values(even_row, part, even);
-          v_rows.values(odd_row, part, odd);
+          const uint4 even = v_rows.value_chunk(even_row, part), odd = v_rows.value_chunk(odd_row, part);
+          const std::uint32_t ew[4] = {even.x, even.y, even.z, even.w}, ow[4] = {odd.x, odd.y, odd.z, odd.w};
 #pragma unroll
-          for (int tile = 0; tile < 4; ++tile) {
-            a[tile][2 * half] = __byte_perm(even[2 * tile], odd[2 * tile], 0x5410);
-            a[tile][2 * half + 1] = __byte_perm(even[2 * tile + 1], odd[2 * tile + 1], 0x5410);
+          for (int tile = 0; tile < 4; ++tile) {  // row g: channel 2 tile of the chunk; row g + 8: the next
+            a[tile][2 * half] = __byte_perm(ew[tile], ow[tile], 0x5410);
+            a[tile][2 * half + 1] = __byte_perm(ew[tile], ow[tile], 0x7632);
           }
         };
         gather(r0, r1, 0);  // tokens 2 q, 2 q + 1

@@ -21,10 +21,12 @@
 ///     4 g + P mod 4, so lane group g reads 4 adjacent channels of each slab.
 /// The kernel stages q' in the K order and takes o' back from the V order.
 ///
-/// Cost per 16 tokens and lane: per token read (2 for K, 4 for V) its bitmap words, one popcount
-/// each and one per live slab (`locate`); per live slab a chunk of 8 (K, 2 tokens) or a run of 4
-/// (V, 4 tokens) channels: at g = 1 a predicated 16-bit load per channel, at g = 2 and 4 one
-/// predicated 32- or 64-bit load per group (each group's values are adjacent and aligned).
+/// Cost per 16 tokens and lane: per token read (2 for K, 4 for V) its live bitmap words and a
+/// popcount per word but the last (`locate`); per live slab one masked popcount (the lane's
+/// groups are one bit field of one word, at a bit fixed by the lane) and a chunk of 8 (K, 2
+/// tokens) or a run of 4 (V, 4 tokens) channels: at g = 1 a predicated 16-bit load per channel,
+/// at g = 2 and 4 one predicated 32- or 64-bit load per group (each group's values are adjacent
+/// and aligned).
 
 #include <cstddef>
 #include <cstdint>
@@ -68,32 +70,19 @@ static_assert(slab_orders_are_permutations<64>() && slab_orders_are_permutations
 static_assert(packed_key_position(32 * 3 + 8 * 2 + 5) == 64 + 16 * 2 + 8 + 5, "slab 3, lane q = 2, channel 5");
 static_assert(packed_value_channel<128>(16 * 5 + 9) == 32 * 2 + 4 * 5 + 1, "lane group 5, position 9");
 
-/// Group bits to channel bits: bit i of `groups` becomes bits [i 2^Shift, (i + 1) 2^Shift), for
-/// up to 8 output bits (Shift 0, 1, 2: groups of 1, 2, 4 channels).
-template <int Shift>
-__device__ __forceinline__ std::uint32_t spread_group_bits(std::uint32_t groups) {
-  if constexpr (Shift == 0) {
-    return groups;
-  } else if constexpr (Shift == 1) {
-    std::uint32_t x = (groups | (groups << 2)) & 0x33u;
-    x = (x | (x << 1)) & 0x55u;
-    return x * 3u;
-  } else {
-    static_assert(Shift == 2, "groups of 1, 2 or 4 channels");
-    return ((groups & 1u) * 0xfu) | ((groups >> 1) * 0xf0u);
-  }
-}
-
 /// The part of a packed_bitmap row source that locates records: token t's bitmap words (`stride`
 /// a record) and values (`retained` a record) in the page's slot, from token `first` on, groups
-/// of 2^Shift channels. `Span` channels of each slab per lane (8 for K, 4 for V) from bit offset
-/// `lane_channel` of the slab.
+/// of 2^Shift channels. A lane reads `Span` channels of each slab (8 for K, 4 for V), its
+/// `lane_group`-th groups on: `Span >> Shift` groups a slab, so a slab's groups are one bit field
+/// of one bitmap word and the lane's own field sits at a fixed bit of it.
 template <int HeadDim, int Shift, int Span>
 struct packed_records {
   static_assert(Shift >= 0 && Shift <= 2, "groups of 1, 2 or 4 channels");
-  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head_dim 64, 128 or 256: a value index fits a byte");
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head_dim 64, 128 or 256: a group count fits a byte");
   static constexpr int max_slabs = HeadDim / 32;
   static constexpr int max_words = (max_slabs + (1 << Shift) - 1) >> Shift;
+  static constexpr int span_groups = Span >> Shift;  ///< groups a lane reads in a slab
+  static_assert(span_groups >= 1, "a lane reads whole groups");
 
   const std::uint32_t* bits;         ///< the page's bitmaps
   const std::uint16_t* page_values;  ///< the page's values
@@ -102,71 +91,71 @@ struct packed_records {
   int slabs;                         ///< slabs that hold kept channels: ceil(kept / 32)
   int first;
 
-  /// One record located for one lane: per slab a 16-bit entry, two a register: the lane's
-  /// channel mask (low byte) and the index of its first value (high byte: an index below 256, as
-  /// head_dim <= 256).
+  /// One record: its bitmap words (zero past the live slabs), the set groups before each word
+  /// (a byte each, word w at byte w mod 4 of before[w / 4]) and its values.
   struct row {
+    std::uint32_t word[max_words];
+    std::uint32_t before[(max_words + 3) / 4];
     const std::uint16_t* values;
-    std::uint32_t slab[(max_slabs + 1) / 2];
   };
 
-  /// Locates the lane's `Span` channels from `lane_channel` (a multiple of Span, below 32) in
-  /// every live slab of `token`'s record: its words, one popcount each, and a masked popcount per
-  /// slab. Slabs from `slabs` on read as empty.
-  __device__ __forceinline__ row locate(int token, int lane_channel) const {
+  /// Token `token`'s record: its live words and one popcount per word but the last.
+  __device__ __forceinline__ row locate(int token) const {
     const int at = first + token;
     const std::uint32_t* record = bits + static_cast<std::size_t>(at) * stride;
-    std::uint32_t word[max_words];
-#pragma unroll
-    for (int w = 0; w < max_words; ++w) word[w] = (w << Shift) < slabs ? record[w] : 0u;
     row r;
-    r.values = page_values + static_cast<std::size_t>(at) * retained;
-    const int lane_bit = lane_channel >> Shift;
-    int before = 0;
 #pragma unroll
-    for (int k = 0; k < (max_slabs + 1) / 2; ++k) r.slab[k] = 0u;
+    for (int w = 0; w < max_words; ++w) r.word[w] = (w << Shift) < slabs ? record[w] : 0u;
+    std::uint32_t count = 0;
 #pragma unroll
-    for (int k = 0; k < max_slabs; ++k) {
-      const int w = k >> Shift;
-      if (k > 0 && (k & ((1 << Shift) - 1)) == 0) before += __popc(word[w - 1]);
-      const int shift = ((32 * k) >> Shift) % 32 + lane_bit;
-      const std::uint32_t x = word[w];
-      const std::uint32_t groups = (x >> shift) & ((1u << (Span >> Shift)) - 1u);
-      const int at_value = before + __popc(x & ((1u << shift) - 1u));
-      const std::uint32_t entry = static_cast<std::uint32_t>(at_value << Shift) << 8 | spread_group_bits<Shift>(groups);
-      r.slab[k / 2] |= entry << (16 * (k % 2));
+    for (int w = 0; w < (max_words + 3) / 4; ++w) r.before[w] = 0u;
+#pragma unroll
+    for (int w = 1; w < max_words; ++w) {
+      count += __popc(r.word[w - 1]);
+      r.before[w / 4] |= count << (8 * (w % 4));
     }
+    r.values = page_values + static_cast<std::size_t>(at) * retained;
     return r;
   }
 
-  struct cursor {
-    const std::uint16_t* value;
-    __device__ __forceinline__ std::uint32_t next() { return *value++; }
-  };
+  /// The lane's groups of slab `k` of a located row (bit j: its group j; `lane_group` below
+  /// 32 >> Shift, a multiple of span_groups) and, in `first_value`, the first of their values:
+  /// one masked popcount.
+  __device__ __forceinline__ static std::uint32_t open(const row& r, int k, int lane_group, const std::uint16_t*& first_value) {
+    const int w = k >> Shift;
+    const int bit = ((32 * k) >> Shift) % 32 + lane_group;  // below 32
+    const std::uint32_t x = r.word[w];
+    int at = __popc(x & ((1u << bit) - 1u));
+    if (w > 0) at += static_cast<int>((r.before[w / 4] >> (8 * (w % 4))) & 0xffu);
+    first_value = r.values + (at << Shift);
+    return (x >> bit) & ((1u << span_groups) - 1u);
+  }
 
-  /// Groups of 2 or 4 channels (Shift 1, 2) as whole loads: the `Words` 16-bit pairs of the
-  /// 2 Words channels under channel mask `mask` (`open`'s), a group's values from `first` on
-  /// where its bit is set (one 32-bit load for g = 2, one 64-bit load for g = 4), zeros where
-  /// not. Needs each record's values aligned to a group, so r_slot a multiple of g
-  /// (`packed_candidates` and `plan_segment` guarantee it). Per group a predicated load and step.
-  template <int Words>
-  __device__ __forceinline__ static void load_group_words(std::uint32_t mask, const std::uint16_t* first,
-                                                          std::uint32_t (&w)[Words]) {
-    static_assert(Shift == 1 || Shift == 2, "whole-group loads are for groups of 2 or 4 channels");
-    if constexpr (Shift == 1) {
+  /// The lane's `Span` channels of a slab as `Span / 2` words of 16-bit pairs (the lower channel
+  /// in the low half): a set group's values from `first` on, zeros where its bit is clear. Per
+  /// group a predicated load and step: 16-bit per channel (g = 1), one 32-bit (g = 2) or 64-bit
+  /// (g = 4) load per group. Whole-group loads need each record's values aligned to a group, so
+  /// r_slot a multiple of g (`packed_candidates` and `plan_segment` guarantee it).
+  __device__ __forceinline__ static void load_span(std::uint32_t groups, const std::uint16_t* first,
+                                                   std::uint32_t (&w)[Span / 2]) {
+    if constexpr (Shift == 0) {
+      std::uint32_t v[Span];
+      load_chunk_values(groups, cursor{first}, v);
+#pragma unroll
+      for (int j = 0; j < Span / 2; ++j) w[j] = __byte_perm(v[2 * j], v[2 * j + 1], 0x5410);
+    } else if constexpr (Shift == 1) {
       const auto* at = reinterpret_cast<const std::uint32_t*>(first);
 #pragma unroll
-      for (int j = 0; j < Words; ++j) {
-        const bool set = (mask >> (2 * j)) & 1u;
+      for (int j = 0; j < span_groups; ++j) {
+        const bool set = (groups >> j) & 1u;
         w[j] = set ? *at : 0u;
         at += set;
       }
     } else {
-      static_assert(Words % 2 == 0, "a group of 4 channels is 2 words");
       const auto* at = reinterpret_cast<const uint2*>(first);
 #pragma unroll
-      for (int j = 0; j < Words / 2; ++j) {
-        const bool set = (mask >> (4 * j)) & 1u;
+      for (int j = 0; j < span_groups; ++j) {
+        const bool set = (groups >> j) & 1u;
         const uint2 x = set ? *at : make_uint2(0u, 0u);
         at += set;
         w[2 * j] = x.x;
@@ -174,12 +163,12 @@ struct packed_records {
       }
     }
   }
-  /// The lane's channel mask in slab k and a cursor at its first value.
-  __device__ __forceinline__ static std::uint32_t open(const row& r, int k, cursor& at) {
-    const std::uint32_t entry = r.slab[k / 2] >> (16 * (k % 2));
-    at.value = r.values + ((entry >> 8) & 0xffu);
-    return entry & 0xffu;
-  }
+
+ private:
+  struct cursor {
+    const std::uint16_t* value;
+    __device__ __forceinline__ std::uint32_t next() { return *value++; }
+  };
 };
 
 }  // namespace detail
@@ -193,27 +182,16 @@ struct packed_key_rows : detail::packed_records<HeadDim, Shift, 8> {
   using base = detail::packed_records<HeadDim, Shift, 8>;
   using typename base::row;
 
-  /// Token `token`'s record, located for this lane's chunks (lane 4 g + q: channels 8 q .. 8 q
-  /// + 7 of each slab).
-  __device__ __forceinline__ row locate(int token) const {
-    return base::locate(token, 8 * (static_cast<int>(threadIdx.x) % 4));
-  }
   /// The k-step pairs that may hold kept channels.
   __device__ __forceinline__ int key_pairs() const { return this->slabs; }
   /// The lane's chunk of k-step pair `pair` (slab `pair`) of a located row: 8 channels as
-  /// 16-bit pairs.
+  /// 16-bit pairs (lane 4 g + q: channels 8 q .. 8 q + 7 of the slab).
   __device__ __forceinline__ uint4 chunk(const row& r, int pair) const {
-    typename base::cursor at;
-    const std::uint32_t mask = base::open(r, pair, at);
-    if constexpr (Shift == 0) {
-      std::uint32_t v[8];
-      load_chunk_values(mask, at, v);
-      return pack_pairs(v);
-    } else {
-      std::uint32_t w[4];
-      base::load_group_words(mask, at.value, w);
-      return make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    const std::uint16_t* first;
+    const std::uint32_t groups = base::open(r, pair, (8 * (static_cast<int>(threadIdx.x) % 4)) >> Shift, first);
+    std::uint32_t w[4];
+    base::load_span(groups, first, w);
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 
@@ -226,38 +204,25 @@ struct packed_value_rows : detail::packed_records<HeadDim, Shift, 4> {
   using base = detail::packed_records<HeadDim, Shift, 4>;
   using typename base::row;
 
-  /// Token `token`'s record, located for this lane's runs (lane group g: channels 4 g .. 4 g + 3
-  /// of each slab).
-  __device__ __forceinline__ row locate(int token) const {
-    return base::locate(token, 4 * (static_cast<int>(threadIdx.x) % 32 / 4));
-  }
   /// The output tiles that may hold kept channels.
   __device__ __forceinline__ int value_tiles() const { return 2 * this->slabs; }
   /// The lane's chunk `part` (< head_dim / 64; slabs 2 part, 2 part + 1) of a located row: 8
-  /// channels, one value in the low half of each register (the high half is zero at g = 1 and
-  /// may hold the next channel at g = 2, 4).
-  __device__ __forceinline__ void values(const row& r, int part, std::uint32_t (&v)[8]) const {
+  /// channels as 16-bit pairs, zeros for a slab past `slabs`.
+  __device__ __forceinline__ uint4 value_chunk(const row& r, int part) const {
+    std::uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int k = 2 * part + half;
-      std::uint32_t run[4] = {0u, 0u, 0u, 0u};
       if (k < this->slabs) {
-        typename base::cursor at;
-        const std::uint32_t mask = base::open(r, k, at);
-        if constexpr (Shift == 0) {
-          load_chunk_values(mask, at, run);
-        } else {  // two 16-bit pairs; the high half of a low channel's register is the next value
-          std::uint32_t w[2];
-          base::load_group_words(mask, at.value, w);
-          run[0] = w[0];
-          run[1] = w[0] >> 16;
-          run[2] = w[1];
-          run[3] = w[1] >> 16;
-        }
+        const std::uint16_t* first;
+        const std::uint32_t groups = base::open(r, k, (4 * (static_cast<int>(threadIdx.x) % 32 / 4)) >> Shift, first);
+        std::uint32_t run[2];
+        base::load_span(groups, first, run);
+        w[2 * half] = run[0];
+        w[2 * half + 1] = run[1];
       }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[4 * half + j] = run[j];
     }
+    return make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
 
