@@ -16612,18 +16612,17 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       detail::barrier_init(&full[b], 1);
       detail::barrier_init(&empty[b], warps);
     }
-  // Thread 0: split page i's K and V records into slot i % stages, and its segment (visible to
-  // the warps once they have waited on the slot's barrier); pages are issued in order. The page
-  // ids and segments are loaded ahead (the next page's segment, the id of the one after), so a
-  // refill waits on neither of its two dependent global loads.
+  // Thread 0: split page i's K and V records into `slot` (i mod stages), and its segment
+  // (visible to the warps once they have waited on the slot's barrier); pages are issued in
+  // order. The page ids and segments are loaded ahead (the next page's segment, the id of the
+  // one after), so a refill waits on neither of its two dependent global loads.
   std::int32_t next_id = 0, next_segment = 0, later_id = 0;
   if (tid == 0 && num_pages > 0) {
     next_id = table[0];
     next_segment = f.page_segments[next_id];
     if (num_pages > 1) later_id = table[1];
   }
-  const auto issue = [&](int i) {
-    const int slot = i % stages;
+  const auto issue = [&](int i, int slot) {
     const std::int32_t page_id = next_id;
     slot_segment[slot] = next_segment;
     const std::byte* page = p.pages + static_cast<std::size_t>(page_id) * p.page_slot_bytes;
@@ -16641,7 +16640,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   split.start();
   __syncthreads();  // the barriers are initialized
   if (tid == 0)
-    for (int i = 0; i < min(stages, num_pages); ++i) issue(i);
+    for (int i = 0; i < min(stages, num_pages); ++i) issue(i, i);
 
   attend state;
   // Ends a segment (every thread): the warps' states merge (rotated V space, or head_dim space
@@ -16707,9 +16706,12 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   packed_entry segment{};
   int k_shift = 0, v_shift = 0;  // log2 of the segment's K and V groups
   const int slabs = (kept + 31) / 32;
+  // The split's row masks (null without them): page i's at split_rows_read + i x mask_words.
+  const std::uint32_t* const split_rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin);
+  int slot = 0;              // i mod stages
+  std::uint32_t phase = 0u;  // (i / stages) mod 2: the parity of the slot's barriers
   for (int i = 0; i < num_pages; ++i) {
-    const int slot = i % stages;
-    detail::barrier_wait(&full[slot], static_cast<std::uint32_t>((i / stages) & 1));
+    detail::barrier_wait(&full[slot], phase);
     const int page_segment = slot_segment[slot];
     if (page_segment != current) {  // every warp reaches this page before any leaves it
       if (current >= 0) close_segment(segment.v_basis_t);
@@ -16725,7 +16727,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     const auto* k_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
     const auto* v_bits = reinterpret_cast<const std::uint32_t*>(v_page);
     const auto* v_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
-    const std::uint32_t* rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin + i);
+    const std::uint32_t* rows_read = split_rows_read != nullptr ? split_rows_read + static_cast<std::size_t>(i) * p.mask_words : nullptr;
     for (int first = 0; first < p.page_size; first += tokens) {
       const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
       // No mask word past the page's rows (a warp past a short page's end reads none).
@@ -16752,8 +16754,12 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     __syncwarp();
     if (lane == 0) detail::barrier_arrive(&empty[slot]);
     if (tid == 0 && i + stages < num_pages) {
-      detail::barrier_wait(&empty[slot], static_cast<std::uint32_t>((i / stages) & 1));
-      issue(i + stages);
+      detail::barrier_wait(&empty[slot], phase);
+      issue(i + stages, slot);
+    }
+    if (++slot == stages) {
+      slot = 0;
+      phase ^= 1u;
     }
   }
   if (current >= 0) close_segment(segment.v_basis_t);
