@@ -577,9 +577,10 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// merge, o = o' B_v^T once, and the result merges into the split's state; then the dense tail,
 /// if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
 /// Cost per 16 tokens and warp: the MMAs of the dense kernel over the live slabs
-/// (ceil(kept / 32) of head_dim / 32) plus, per lane, 2 K and 4 V rows located and, per live
-/// slab, 2 K chunks of 8 and 4 V runs of 4 predicated 16-bit loads; per segment 2 x Group x
-/// head_dim x kept FMAs and five CTA barriers.
+/// (ceil(kept / 32) of head_dim / 32) plus, per lane, 2 K and 4 V rows located (their live
+/// bitmap words) and, per live slab and row, one masked popcount and the lane's 8 (K) or 4 (V)
+/// channels: a predicated load per channel at g = 1, per group at g = 2 and 4; per segment
+/// 2 x Group x head_dim x kept FMAs and five CTA barriers.
 template <class T, int HeadDim, int Group, bool Logits = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
