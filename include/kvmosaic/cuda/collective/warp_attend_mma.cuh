@@ -16,7 +16,8 @@
 ///
 /// Precision: q (scaled) and p are each split into hi + lo halves in the storage type and both
 /// halves are multiplied, so they keep about 16 (bf16) or 22 (f16) bits; K and V are exact in
-/// their storage type; accumulation is fp32. Each warp keeps its own online-softmax state for 16
+/// their storage type; accumulation is fp32; exp(s - m) is 2^(s log2 e - m log2 e), one FFMA and
+/// one SFU `ex2.approx.ftz` (about 2 ulp). Each warp keeps its own online-softmax state for 16
 /// tokens per stage; the CTA merges the warps' states at the end of a split.
 
 #include <cstddef>
@@ -382,6 +383,9 @@ struct warp_attend_mma {
     if (((rows >> g) & 1u) == 0) s[0] = s[1] = -HUGE_VALF;
     if (((rows >> (g + 8)) & 1u) == 0) s[2] = s[3] = -HUGE_VALF;
     if (logits != nullptr) write_logits(s, logits, covered);
+    // exp(x - m_new) as 2^(x log2 e - m_new log2 e): one FFMA and one ex2 per logit. A masked
+    // logit (-inf) gives 0; while no token was valid (m_new = -inf) the subtrahend is 0, not inf.
+    constexpr float log2e = 1.4426950408889634f;
     float rescale[2], p[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -391,9 +395,10 @@ struct warp_attend_mma {
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
       const float m_new = fmaxf(m[h], tile_max);
       const bool any = m_new != -HUGE_VALF;  // false only while no token was valid for this warp
-      rescale[h] = any ? __expf(m[h] - m_new) : 1.0f;
-      p[h] = s[h] == -HUGE_VALF ? 0.0f : __expf(s[h] - m_new);
-      p[2 + h] = s[2 + h] == -HUGE_VALF ? 0.0f : __expf(s[2 + h] - m_new);
+      const float m_log2 = any ? m_new * log2e : 0.0f;
+      rescale[h] = any ? exp2_approx(fmaf(m[h], log2e, -m_log2)) : 1.0f;
+      p[h] = exp2_approx(fmaf(s[h], log2e, -m_log2));
+      p[2 + h] = exp2_approx(fmaf(s[2 + h], log2e, -m_log2));
       l[h] = l[h] * rescale[h] + (p[h] + p[2 + h]);
       if (any) m[h] = m_new;
     }
@@ -428,6 +433,14 @@ struct warp_attend_mma {
       f.lo[1] = detail::transpose_8x8(detail::pack_pair<T>(p[2] - hi[2], p[3] - hi[3]));
     }
     return f;
+  }
+
+  /// 2^x by the SFU (`ex2.approx.ftz`: about 2 ulp; results below 2^-126 flush to 0, as
+  /// exp(x - m) below 1e-38 adds nothing to a sum of which exp(0) = 1 is a term). 2^-inf = 0.
+  __device__ __forceinline__ static float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
   }
 
   /// Stores the logits `s` of this lane (tokens g and g + 8, heads 2 q and 2 q + 1; packed, the
