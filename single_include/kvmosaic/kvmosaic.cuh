@@ -17279,6 +17279,19 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
 
+/// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
+/// Half of its lane is set) and adds the other's, sent by lane ^ Half, into v[0, Half).
+template <int Half>
+__device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
+  const bool upper = (lane & Half) != 0;
+#pragma unroll
+  for (int i = 0; i < Half; ++i) {
+    const float send = upper ? v[i] : v[i + Half];
+    const float keep = upper ? v[i + Half] : v[i];
+    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, Half));
+  }
+}
+
 /// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
 /// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
 /// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
@@ -17294,29 +17307,24 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
     const float low = value(i), high = value(i + 16);
     v[i] = __fadd_rn(upper16 ? high : low, __shfl_xor_sync(0xffffffffu, upper16 ? low : high, 16));
   }
-#pragma unroll
-  for (int half = 8; half >= 1; half /= 2) {  // `half` values stay with the lane; offset = half
-    const bool upper = (lane & half) != 0;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[i + half];
-      const float keep = upper ? v[i + half] : v[i];
-      v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, half));
-    }
-  }
+  reduce_half<8>(v, lane);
+  reduce_half<4>(v, lane);
+  reduce_half<2>(v, lane);
+  reduce_half<1>(v, lane);
   return v[0];
 }
 }  // namespace detail_select
 
 /// Quest bounds (`SummaryRows` 2: lo and hi rows) or mean-key scores (1: one row, scored as
 /// lo = hi) of every span, for groups of up to `Heads` query heads (4 or 8). Each warp scores
-/// 32 / Heads consecutive spans (the Heads heads of each: one reduction): their entry ids, then
-/// their summaries, are loaded before anything waits on them, and only then are the group's
-/// queries staged in shared memory (every warp of the CTA reads the same (sequence, KV head)), so
-/// a CTA waits on two loads. Lane l holds channels [l w, (l + 1) w), w = head_dim / 32, and sums
-/// them in order; the 32 lanes' partial sums of the warp's (span, head) pairs are then reduced at
-/// once (`reduce_scatter`): the canonical order of select/span_score.hpp, which the host backend
-/// follows to the bit. Grid: (num_kv_heads, ceil(spans / (score_warps x 32 / Heads)), batch): the
+/// 32 / Heads consecutive spans (the Heads heads of each: one reduction): lane k locates span k
+/// (its entry's id and the address of its summary rows), every lane takes each span's address
+/// from lane k by a shuffle, and the summaries are loaded before anything waits on them; only
+/// then are the group's queries staged in shared memory (every warp of the CTA reads the same
+/// (sequence, KV head)), so a CTA waits on two loads. Lane l holds channels [l w, (l + 1) w),
+/// w = head_dim / 32, and sums them in order; the 32 lanes' partial sums of the warp's (span,
+/// head) pairs are then reduced at once (`reduce_scatter`): the canonical order of
+/// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads, ceil(spans / (score_warps x 32 / Heads)), batch): the
 /// KV heads of the same entries side by side, so the CTAs in flight read each entry's summaries
 /// (every head's, contiguous) together.
 template <class T, int HeadDim, int SummaryRows, int Heads>
@@ -17333,22 +17341,25 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
   const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
   if (cta_first >= spans) return;  // the whole CTA: before the barrier below
   const int first = cta_first + warp * per_warp, last = spans - 1;
-  // Span first + k (the last span past the end) is block `slot` of entry `entry`: one division,
-  // then a step per span.
-  const int per_entry = p.spans_per_entry;
-  int entry = min(first, last) / per_entry, slot = min(first, last) % per_entry;
+  // Lane k locates span first + k (the last span past the end): block `slot` of entry `entry`,
+  // this head's summary rows; the warp's lanes then take each span's row from lane k, so the
+  // division, the entry's id and the 64-bit address are one per lane, not one per span and lane.
+  std::uintptr_t lane_summary;
+  {
+    const int per_entry = p.spans_per_entry, span = min(first + lane, last);
+    const int entry = span / per_entry, slot = span % per_entry;
+    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+    lane_summary = reinterpret_cast<std::uintptr_t>(
+        reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
+        (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim);
+  }
   raw low[per_warp], high[per_warp];
 #pragma unroll
   for (int k = 0; k < per_warp; ++k) {
-    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
-    const T* row = reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
-                   (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim + lane * width;
+    const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(lane_summary), k)) +
+                   lane * width;
     low[k] = detail_select::load_raw<T, width>(row);
     high[k] = SummaryRows == 2 ? detail_select::load_raw<T, width>(row + HeadDim) : low[k];
-    if (first + k < last && ++slot == per_entry) {
-      slot = 0;
-      ++entry;
-    }
   }
   const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
   const int group = p.group_size;
