@@ -17324,9 +17324,9 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
 /// (sequence, KV head)), so a CTA waits on two loads. Lane l holds channels [l w, (l + 1) w),
 /// w = head_dim / 32, and sums them in order; the 32 lanes' partial sums of the warp's (span,
 /// head) pairs are then reduced at once (`reduce_scatter`): the canonical order of
-/// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads, ceil(spans / (score_warps x 32 / Heads)), batch): the
-/// KV heads of the same entries side by side, so the CTAs in flight read each entry's summaries
-/// (every head's, contiguous) together.
+/// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads,
+/// ceil(spans / (score_warps x 32 / Heads)), batch): the KV heads of the same entries side by
+/// side, so the CTAs in flight read each entry's summaries (every head's, contiguous) together.
 template <class T, int HeadDim, int SummaryRows, int Heads>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
   static_assert(SummaryRows == 1 || SummaryRows == 2, "a span's summary: a mean row, or lo and hi rows");
