@@ -123,9 +123,10 @@ enum class format_settings {
 /// with partition Pi = range 4 (pages of max(64, Pi) tokens); the rest as `Settings` says.
 /// Also times the prefill (row kernels, and the device encoder for compressed formats) of the
 /// first sequence: prefill_us_per_page is per page of all KV heads, K and V. packed_bitmap keeps
-/// `ElementGroup` adjacent rotated channels a bit (its fixed strategy's g).
+/// `ElementGroup` adjacent rotated channels a bit (its fixed strategy's g). `PageSize` replaces
+/// the pages of 64 of every format but quant2 (a selector's `page` argument replaces both).
 template <class Format, class Selector = select::all, format_settings Settings = format_settings::paper,
-          int ElementGroup = 1>
+          int ElementGroup = 1, int PageSize = 64>
 void decode(benchmark::State& state) {
   constexpr bool selects = !selector_traits<Selector>::reads_all_pages;
   const int batch = static_cast<int>(state.range(0));
@@ -135,7 +136,7 @@ void decode(benchmark::State& state) {
   c.group_size = state.range(2) > 0 ? static_cast<int>(state.range(2)) : 4;
   c.head_dim = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 128;
   constexpr bool is_quant2 = format::is_quant_v<Format>;  // any width, either V axis
-  c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : 64;
+  c.page_size = is_quant2 ? std::max<int>(64, static_cast<int>(state.range(4))) : PageSize;
   if (selects && state.range(6) > 0) c.page_size = static_cast<int>(state.range(6));  // quest with smaller pages
   c.storage = dtype::bf16;
   c.max_sequences = batch;
@@ -584,6 +585,38 @@ BENCHMARK(decode<format::packed_bitmap, select::mean_keys, format_settings::pape
     ->Name("packed_bitmap_g4_mean_keys_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {0}, {16}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// Pages of 16 tokens, so that a mean_keys block of 16 is a whole page (the split kernel copies
+// only the chosen blocks, four pages a slot): the same selections as the rows above at
+// page 64, block 16, and select::all on the same pages.
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys>)
+    ->Name("packed_bitmap_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {16}, {0}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys, format_settings::paper, 4>)
+    ->Name("packed_bitmap_g4_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}, {16, 8}, {16}, {0}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 1, 16>)
+    ->Name("packed_bitmap_page16_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 4, 16>)
+    ->Name("packed_bitmap_g4_page16_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
     ->UseManualTime()
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);

@@ -270,3 +270,43 @@ TEST_CASE("GPU packed_bitmap with select::mean_keys: the host's choice, PackedAt
     for (int step_index = 0; step_index < 80; ++step_index) t.append_step();  // a segment boundary crossed
   }
 }
+
+TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of the sm_90 kernel",
+          "[gpu][packed_bitmap][select]") {
+  if (!gpu_available()) return;
+  const int page_size = GENERATE(16, 32);
+  const int g = GENERATE(1, 4);
+  CAPTURE(page_size, g);
+  cache_config c = config_of(128, 4, dtype::bf16);
+  c.page_size = page_size;
+  c.max_pages = 256 * 64 / page_size;
+  SECTION("select::all: every page, a slot within a split's segment") {
+    packed_twin t(c, 41, make(g, 4));
+    for (const int length : {1, 63, 64, 65, 256, 300, 700}) t.add(length, t.seqs.size());
+    check_records(t);
+    check_attention(t);
+    for (int step = 0; step < 70; ++step) t.append_step();
+    check_attention(t);
+  }
+  SECTION("select::mean_keys: chosen pages, a slot cut where the segment changes") {
+    // Whole pages of 16 (no row masks), or blocks of 16 in pages of 32 (row masks per page).
+    select::mean_keys selector;
+    selector.budget.ratio = 1.0 / 4;
+    selector.block_tokens = page_size == 16 ? 0 : 16;
+    selected_twin t(c, 43, make(g, 4), selector);
+    if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
+    for (const int length : {700, 1500}) t.add(length, t.seqs.size());
+    for (int round = 0; round < 2; ++round) {
+      const typename selected_twin::step_outputs step = t.attend_both();
+      const std::size_t per_seq = static_cast<std::size_t>(c.num_q_heads()) * c.head_dim;
+      for (std::size_t b = 0; b < t.seqs.size(); ++b) {
+        CAPTURE(round, b);
+        const std::vector<float> gpu(step.gpu.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.gpu.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
+        const std::vector<double> host(step.host.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.host.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
+        for (const float x : gpu) REQUIRE(std::isfinite(x));
+        CHECK(host::compare(gpu.data(), host.data(), gpu.size()).rel_l2_error < 1e-2);
+      }
+      for (int step_index = 0; step_index < 80; ++step_index) t.append_step();
+    }
+  }
+}

@@ -37,13 +37,13 @@ using traits = format_traits<format::packed_bitmap>;
 template <class Selector>
 using packed_cache = cache<format::packed_bitmap, Selector, compact::repack, shapes>;
 
-cache_config config_of(int group) {
+cache_config config_of(int group, int page_size = 64) {
   cache_config c;
   c.num_kv_heads = 2;
   c.group_size = group;
   c.head_dim = 64;
-  c.page_size = 64;
-  c.max_pages = 64;
+  c.page_size = page_size;
+  c.max_pages = 64 * 64 / page_size;
   c.max_sequences = 2;
   return c;
 }
@@ -517,34 +517,37 @@ void check_snapkv(bool portable, group_combine combine) {
 TEST_CASE("GPU packed_bitmap token scores: the fp64 softmax over the device's decoded keys, both kernels, groups 3 and 6",
           "[gpu][packed_bitmap][token_scores]") {
   if (!gpu_available()) return;
+  // Pages of 16 on the sm_90 kernel: four pages a slot, each warp's logits at its own page's rows.
   for (const int group : {3, 6})
-    for (const bool portable : {false, true}) {
-      INFO("group " << group << (portable ? ", portable kernel" : ", sm_90 kernel where there is one"));
-      const cache_config c = config_of(group);
-      const format::packed_bitmap f = make(4);  // sinks: exact rows, masked in page 0
-      const int per = traits::segment_pages(f, page_shape{c.page_size, c.head_dim, c.storage});
-      select::h2o s;  // H2O's accumulation, group max, over three steps
-      s.budget.tokens = 1 << 20;
-      s.combine = group_combine::max;
-      packed_cache<select::h2o> kv(c, f, s);
-      if (portable) kv.engine().use_portable_kernel();
-      const workload w = prefill(kv, 3);
-      std::vector<expected_scores> total(2);
-      for (int step = 0; step < 3; ++step) {
-        if (step > 0) append_next(kv, w, step);
-        std::vector<expected_scores> next;
-        for (std::size_t b = 0; b < 2; ++b) {
-          const std::vector<float> q = test::step_query(c, step + 100 * static_cast<int>(b));
-          next.push_back(oracle_scores(kv, w.seqs[b], q.data(), group_combine::max, per));
-        }
-        attend(kv, w, step);
-        for (std::size_t b = 0; b < 2; ++b) {
-          INFO("step " << step << ", sequence " << b);
-          accumulate(total[b], next[b]);
-          CHECK(check_scores(kv, w.seqs[b], total[b]) > 0);
+    for (const int page_size : {64, 16})
+      for (const bool portable : {false, true}) {
+        if (portable && page_size != 64) continue;
+        INFO("group " << group << ", pages of " << page_size << (portable ? ", portable kernel" : ", sm_90 kernel where there is one"));
+        const cache_config c = config_of(group, page_size);
+        const format::packed_bitmap f = make(4);  // sinks: exact rows, masked in page 0
+        const int per = traits::segment_pages(f, page_shape{c.page_size, c.head_dim, c.storage});
+        select::h2o s;  // H2O's accumulation, group max, over three steps
+        s.budget.tokens = 1 << 20;
+        s.combine = group_combine::max;
+        packed_cache<select::h2o> kv(c, f, s);
+        if (portable) kv.engine().use_portable_kernel();
+        const workload w = prefill(kv, 3);
+        std::vector<expected_scores> total(2);
+        for (int step = 0; step < 3; ++step) {
+          if (step > 0) append_next(kv, w, step);
+          std::vector<expected_scores> next;
+          for (std::size_t b = 0; b < 2; ++b) {
+            const std::vector<float> q = test::step_query(c, step + 100 * static_cast<int>(b));
+            next.push_back(oracle_scores(kv, w.seqs[b], q.data(), group_combine::max, per));
+          }
+          attend(kv, w, step);
+          for (std::size_t b = 0; b < 2; ++b) {
+            INFO("step " << step << ", sequence " << b);
+            accumulate(total[b], next[b]);
+            CHECK(check_scores(kv, w.seqs[b], total[b]) > 0);
+          }
         }
       }
-    }
 }
 
 TEST_CASE("GPU packed_bitmap eviction: TOVA evicts the lowest of the device's scores, compaction re-encodes in the new segments",

@@ -38,8 +38,14 @@ struct packed_decode_params {
   int words;                   ///< bitmap words per record of a page slot (its stride)
   int retained;                ///< 16-bit values per record of a page slot (its stride)
   std::int64_t bitmap_bytes;   ///< the bitmaps of a page (page_size x words x 4): values follow
-  int stages;                  ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
+  int stages;                  ///< sm_90 kernel: slots in flight per CTA (0: the portable kernel)
+  int slot_pages;              ///< sm_90 kernel: pages a slot holds (`packed_slot_pages`)
 };
+
+/// Pages one slot of the sm_90 packed kernel holds: 64 / page_size for pages of 16 and 32 tokens,
+/// so that each of its 4 warps folds 16 rows of a slot whatever the page size (a selection of
+/// whole small pages reads only the blocks it chose, every warp busy); else 1.
+constexpr int packed_slot_pages(int page_size) { return page_size == 16 || page_size == 32 ? 64 / page_size : 1; }
 
 /// One segment of one KV head on the device: B_k ([head_dim][kept] fp32, rotates a query in),
 /// B_v transposed ([kept][head_dim] fp32, rotates an output back), then r and g of K and of V.
@@ -541,15 +547,18 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
 /// rotated queries or merged rotated output ([Group][HeadDim] fp32), the split's state in
 /// head_dim space (o, then m, l and the segment's m, l), the warps' states at a segment's end
 /// (`decode_temp_storage`: not the slots, which hold the next segment's pages in flight), then
-/// `stages` page pairs (K and V records of one head, as stored). One formula for the kernel and
-/// for the host's choice of stages.
+/// `stages` slots of `slot_pages` page pairs each (K and V records of one head, as stored). One
+/// formula for the kernel and for the host's choice of stages.
 template <int HeadDim, int Group>
 struct packed_mma_layout {
   static constexpr int max_stages = 4;
   static constexpr int full_offset = 0;      ///< `max_stages` mbarriers: a slot's pages have landed
   static constexpr int empty_offset = 32;    ///< `max_stages` mbarriers: the 4 warps are done with a slot
-  static constexpr int segment_offset = 64;  ///< `max_stages` ints: the segment of a slot's page
-  static constexpr int query_offset = 128;
+  static constexpr int segment_offset = 64;  ///< `max_stages` ints: the segment of a slot's pages
+  static constexpr int count_offset = 96;    ///< `max_stages` ints: the pages a slot holds
+  static constexpr int max_slot_pages = 4;
+  static constexpr int window_offset = 128;  ///< warp 0's refill window: 4 + 3 x `max_slot_pages` ints
+  static constexpr int query_offset = 256;
   static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
   static constexpr int rotated_offset = query_offset + query_bytes;
   static constexpr int split_offset = rotated_offset + Group * HeadDim * 4;
@@ -557,19 +566,20 @@ struct packed_mma_layout {
   static constexpr int temp_bytes = 4 * Group * HeadDim * 4 + 2 * 4 * Group * 4;
   static constexpr int slots_offset = (temp_offset + temp_bytes + 127) / 128 * 128;
   static_assert(sizeof(decode_temp_storage<Group, HeadDim, 4>) == temp_bytes, "the warps' states: 4 rows");
-  __host__ __device__ static constexpr int bytes(int pair_bytes, int stages) { return slots_offset + stages * pair_bytes; }
+  __host__ __device__ static constexpr int bytes(int slot_bytes, int stages) { return slots_offset + stages * slot_bytes; }
 };
 
 /// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`): five at
 /// head_dim 128 with groups of 4 or fewer, as bitmap_tiles' row-chunk kernel.
 constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 128 && group <= 4 ? 5 : 0; }
 
-/// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
+/// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Warp 0
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
-/// copies (one per page and cache, completing on an mbarrier), recording each page's segment.
-/// Per segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
+/// copies (one per page and cache, completing on an mbarrier), a slot holding one page, or up to
+/// `slot_pages` pages of 16 or 32 tokens of one segment, and records the slot's segment. Per
+/// segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
 /// halves in T as the dense path does) and each of the 4 warps folds its 16 tokens of every 64
-/// straight from the records in the slot: its lanes gather the rotated channels their MMA
+/// of a slot straight from the records there: its lanes gather the rotated channels their MMA
 /// fragments hold in the slab order (`packed_key_rows`, `packed_value_rows`: rows.cuh; q' is
 /// staged in the K order and o' taken back from the V order), through `score_chunks` and
 /// `accumulate_chunks` with the segment's K and V group sizes, so q'.k and p.v' are MMAs over
@@ -581,7 +591,7 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// bitmap words) and, per live slab and row, one masked popcount and the lane's 8 (K) or 4 (V)
 /// channels: a predicated load per channel at g = 1, per group at g = 2 and 4; per segment
 /// 2 x Group x head_dim x kept FMAs and five CTA barriers.
-template <class T, int HeadDim, int Group, bool Logits = false>
+template <class T, int HeadDim, int Group, bool Logits = false, bool SmallPages = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
   using layout = packed_mma_layout<HeadDim, Group>;
@@ -622,35 +632,105 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       detail::barrier_init(&full[b], 1);
       detail::barrier_init(&empty[b], warps);
     }
-  // Thread 0: split page i's K and V records into `slot` (i mod stages), and its segment
-  // (visible to the warps once they have waited on the slot's barrier); pages are issued in
-  // order. The page ids and segments are loaded ahead (the next page's segment, the id of the
-  // one after), so a refill waits on neither of its two dependent global loads.
-  std::int32_t next_id = 0, next_segment = 0, later_id = 0;
-  if (tid == 0 && num_pages > 0) {
-    next_id = table[0];
-    next_segment = f.page_segments[next_id];
-    if (num_pages > 1) later_id = table[1];
-  }
-  const auto issue = [&](int i, int slot) {
-    const std::int32_t page_id = next_id;
-    slot_segment[slot] = next_segment;
-    const std::byte* page = p.pages + static_cast<std::size_t>(page_id) * p.page_slot_bytes;
-    detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(pair_bytes));
-    std::byte* destination = slots + slot * pair_bytes;
-    detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
-    detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                                static_cast<std::uint32_t>(v_bytes), &full[slot]);
-    if (i + 1 < num_pages) {
-      next_id = later_id;
-      next_segment = f.page_segments[next_id];
+  // `SmallPages` (pages of 16 or 32 tokens, `packed_slot_pages` > 1): warp 0 fills the slots.
+  // `refill` copies the split's next pages, up to `slot_pages` of one segment, into a slot (one
+  // lane a page: the K and V records by two bulk copies) and records their segment and count.
+  // Its window, in shared memory (no registers held across the folds), keeps for lane k <
+  // slot_pages the id and segment of the (k+1)-th page not yet issued and the id of the page
+  // slot_pages after it; the loads that move it are asynchronous copies a refill ahead.
+  // Otherwise thread 0 fills a slot with one page, its page ids and segments loaded ahead in
+  // registers (the next page's segment, the id of the one after). Either way a refill waits on
+  // no global load, and the slot's segment and count are visible to the warps once they have
+  // waited on its barrier.
+  const int slot_pages = SmallPages ? f.slot_pages : 1, slot_bytes = slot_pages * pair_bytes;
+  auto* slot_count = reinterpret_cast<std::int32_t*>(shared + layout::count_offset);
+  auto* window = reinterpret_cast<std::int32_t*>(shared + layout::window_offset);  // issued, ids, segments, further ids
+  std::int32_t* const window_id = window + 4;
+  std::int32_t* const window_segment = window + 4 + layout::max_slot_pages;
+  std::int32_t* const window_further = window + 4 + 2 * layout::max_slot_pages;
+  std::int32_t next_id = 0, next_segment = 0, later_id = 0;  // thread 0, pages of 64 or more
+  if constexpr (SmallPages) {
+    if (warp == 0) {
+      if (lane == 0) window[0] = 0;
+      if (lane < slot_pages && lane < num_pages) {
+        window_id[lane] = table[lane];
+        window_segment[lane] = f.page_segments[table[lane]];
+      }
+      if (lane < slot_pages && slot_pages + lane < num_pages) window_further[lane] = table[slot_pages + lane];
+      __syncwarp();
     }
-    if (i + 2 < num_pages) later_id = table[i + 2];
+  } else if (tid == 0) {
+    if (num_pages > 0) {
+      next_id = table[0];
+      next_segment = f.page_segments[next_id];
+      if (num_pages > 1) later_id = table[1];
+    }
+  }
+  // Fills `slot` from page `page` on of the split (a page to issue is left): warp 0 with
+  // SmallPages (`page` is its window's), else thread 0.
+  const auto refill = [&](int slot, int page) {
+    if constexpr (SmallPages) {
+      detail::async_copy_wait<0>();  // the previous refill's loads into the window
+      __syncwarp();
+      const int issued = window[0];
+      const std::int32_t segment = window_segment[0];
+      const bool live = lane < slot_pages && issued + lane < num_pages;
+      const std::int32_t id = live ? window_id[lane] : 0;
+      // The slot's pages: the run of lanes from lane 0 whose pages are in lane 0's segment.
+      const std::uint32_t same = __ballot_sync(0xffffffffu, live && window_segment[lane] == segment);
+      const int count = __ffs(static_cast<int>(~same)) - 1;
+      // The window moved on by `count` pages, read before any lane writes it.
+      const int from = count + lane, next = issued + count;
+      const bool near = from < slot_pages;
+      const std::int32_t moved_id = lane < slot_pages ? (near ? window_id[from] : window_further[from - slot_pages]) : 0;
+      const std::int32_t moved_segment = lane < slot_pages && near ? window_segment[from] : 0;
+      __syncwarp();
+      if (lane == 0) {
+        slot_segment[slot] = segment;
+        slot_count[slot] = count;
+        window[0] = next;
+        detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(count * pair_bytes));
+      }
+      __syncwarp();
+      if (lane < count) {
+        std::byte* destination = slots + slot * slot_bytes + lane * pair_bytes;
+        const std::byte* page = p.pages + static_cast<std::size_t>(id) * p.page_slot_bytes;
+        detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
+        detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                                    static_cast<std::uint32_t>(v_bytes), &full[slot]);
+      }
+      if (lane < slot_pages && next + lane < num_pages) {
+        window_id[lane] = moved_id;
+        if (near) window_segment[lane] = moved_segment;
+        else detail::async_copy<4>(window_segment + lane, f.page_segments + moved_id);
+      }
+      if (lane < slot_pages && next + slot_pages + lane < num_pages)
+        detail::async_copy<4>(window_further + lane, table + next + slot_pages + lane);
+      detail::async_copy_commit();
+    } else {
+      const int i = page;
+      slot_segment[slot] = next_segment;
+      const std::byte* page = p.pages + static_cast<std::size_t>(next_id) * p.page_slot_bytes;
+      detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(pair_bytes));
+      std::byte* destination = slots + slot * pair_bytes;
+      detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
+      detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                                  static_cast<std::uint32_t>(v_bytes), &full[slot]);
+      if (i + 1 < num_pages) {
+        next_id = later_id;
+        next_segment = f.page_segments[next_id];
+      }
+      if (i + 2 < num_pages) later_id = table[i + 2];
+    }
   };
   split.start();
   __syncthreads();  // the barriers are initialized
-  if (tid == 0)
-    for (int i = 0; i < min(stages, num_pages); ++i) issue(i, i);
+  if constexpr (SmallPages) {
+    if (warp == 0)
+      for (int slot = 0; slot < stages && window[0] < num_pages; ++slot) refill(slot, 0);
+  } else if (tid == 0) {
+    for (int i = 0; i < min(stages, num_pages); ++i) refill(i, i);
+  }
 
   attend state;
   // Ends a segment (every thread): the warps' states merge (rotated V space, or head_dim space
@@ -719,11 +799,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // The split's row masks (null without them): page i's at split_rows_read + i x mask_words.
   const std::uint32_t* const split_rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin);
   int slot = 0;              // i mod stages
-  std::uint32_t phase = 0u;  // (i / stages) mod 2: the parity of the slot's barriers
-  for (int i = 0; i < num_pages; ++i) {
+  std::uint32_t phase = 0u;  // (slots used / stages) mod 2: the parity of the slot's barriers
+  // The warp's page of a slot and its first row there: page rows_first / page_size of a slot of
+  // small pages, else page 0 and rows_first (+ 64 per tile of a larger page).
+  const int warp_page = SmallPages ? rows_first / p.page_size : 0;
+  const int warp_row = rows_first - warp_page * p.page_size;
+  const int slot_rows = SmallPages ? tokens : p.page_size;
+  for (int i = 0; i < num_pages;) {  // i: the slot's first page in the split
     detail::barrier_wait(&full[slot], phase);
-    const int page_segment = slot_segment[slot];
-    if (page_segment != current) {  // every warp reaches this page before any leaves it
+    const int page_segment = slot_segment[slot], count = SmallPages ? slot_count[slot] : 1;
+    if (page_segment != current) {  // every warp reaches this slot before any leaves it
       if (current >= 0) close_segment(segment.v_basis_t);
       current = page_segment;
       segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
@@ -731,42 +816,54 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
       open_segment(segment.k_basis);
     }
-    const std::byte* k_page = slots + slot * pair_bytes;
+    const int page_index = i + warp_page;  // the warp's page in the split
+    const std::byte* k_page = slots + slot * slot_bytes + warp_page * pair_bytes;
     const std::byte* v_page = k_page + k_bytes;
     const auto* k_bits = reinterpret_cast<const std::uint32_t*>(k_page);
     const auto* k_values = reinterpret_cast<const std::uint16_t*>(k_page + f.bitmap_bytes);
     const auto* v_bits = reinterpret_cast<const std::uint32_t*>(v_page);
     const auto* v_values = reinterpret_cast<const std::uint16_t*>(v_page + f.bitmap_bytes);
-    const std::uint32_t* rows_read = split_rows_read != nullptr ? split_rows_read + static_cast<std::size_t>(i) * p.mask_words : nullptr;
-    for (int first = 0; first < p.page_size; first += tokens) {
-      const std::uint32_t covered = attend::rows_before(first + rows_first, p.page_size);
-      // No mask word past the page's rows (a warp past a short page's end reads none).
-      const std::uint32_t rows = covered != 0 ? detail_decode::sixteen_rows_read(rows_read, first + rows_first) & covered : 0u;
+    const std::uint32_t* rows_read =
+        split_rows_read != nullptr && warp_page < count ? split_rows_read + static_cast<std::size_t>(page_index) * p.mask_words : nullptr;
+    for (int first = 0; first < slot_rows; first += tokens) {
+      const int row = first + warp_row;  // the warp's first row in its page
+      // No rows, and no mask word, past the page's end or past the slot's pages.
+      const std::uint32_t covered = warp_page < count ? attend::rows_before(row, p.page_size) : 0u;
+      const std::uint32_t rows = covered != 0 ? detail_decode::sixteen_rows_read(rows_read, row) & covered : 0u;
       float* const warp_logits = Logits && split_logits != nullptr
-                                     ? split_logits + (static_cast<std::size_t>(i) * p.page_size + first + rows_first) * Group
+                                     ? split_logits + (static_cast<std::size_t>(page_index) * p.page_size + row) * Group
                                      : nullptr;
+      // The row sources count the warp's tokens from rows_first on.
+      const int records_first = row - rows_first;
       if (rows != 0) {  // K and V sources by their group sizes: one dispatch each
         const typename attend::p_fragments probabilities = detail_packed::with_shift(k_shift, [&](auto shift) {
           const packed_key_rows<HeadDim, decltype(shift)::value> k_rows{
-              {k_bits, k_values, f.words, f.retained, slabs, first}};
+              {k_bits, k_values, f.words, f.retained, slabs, records_first}};
           return state.score_chunks(k_rows, query_tiles, rows_first, rows, warp_logits, covered);
         });
         detail_packed::with_shift(v_shift, [&](auto shift) {
           const packed_value_rows<HeadDim, decltype(shift)::value> v_rows{
-              {v_bits, v_values, f.words, f.retained, slabs, first}};
+              {v_bits, v_values, f.words, f.retained, slabs, records_first}};
           state.accumulate_chunks(v_rows, rows_first, probabilities);
         });
-      } else if (warp_logits != nullptr) {
+      } else if (warp_logits != nullptr && covered != 0) {
         attend::write_masked_logits(warp_logits, covered);
       }
     }
-    // Each warp releases the slot; thread 0 refills it once all four have, while warps 1-3 go on.
+    // Each warp releases the slot; warp or thread 0 refills it once all four have, while the
+    // other warps go on.
     __syncwarp();
     if (lane == 0) detail::barrier_arrive(&empty[slot]);
-    if (tid == 0 && i + stages < num_pages) {
+    if constexpr (SmallPages) {
+      if (warp == 0 && window[0] < num_pages) {
+        detail::barrier_wait(&empty[slot], phase);
+        refill(slot, 0);
+      }
+    } else if (tid == 0 && i + stages < num_pages) {
       detail::barrier_wait(&empty[slot], phase);
-      issue(i + stages, slot);
+      refill(slot, i + stages);
     }
+    i += count;
     if (++slot == stages) {
       slot = 0;
       phase ^= 1u;

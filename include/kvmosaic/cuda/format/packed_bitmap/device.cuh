@@ -60,26 +60,27 @@ struct device_format<format::packed_bitmap> {
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
 
-  /// The sm_90 kernel's stages. Under `select::all`, as bitmap_tiles chooses them: as many CTAs
-  /// per SM as its registers allow with at least one page pair each, then up to two pairs. Under
-  /// a selector, three pairs first, then as many CTAs as fit: a selection's splits hold few,
-  /// scattered pages whose copies the kernel waits for, which a third pair in flight hides, while
-  /// `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
-  /// "format::packed_bitmap's split kernel: per-page and per-segment latency"). Without bulk
-  /// copies, or where not one pair fits: the portable kernel (stages = 0).
+  /// The sm_90 kernel's stages (slots of `kernel::packed_slot_pages` page pairs). Under
+  /// `select::all`, as bitmap_tiles chooses them: as many CTAs per SM as its registers allow with
+  /// at least one slot each, then up to two slots. Under a selector, three slots first, then as
+  /// many CTAs as fit: a selection's splits hold few, scattered pages whose copies the kernel
+  /// waits for, which a third slot in flight hides, while `select::all` loses more to the fewer
+  /// CTAs per SM than it would gain (benchmark/README.md, "format::packed_bitmap's split kernel:
+  /// per-page and per-segment latency"). Without bulk copies, or where not one slot fits: the
+  /// portable kernel (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
     s.stages = 0;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
-    const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+    const int slot = slot_bytes(e);
     int registers = 0, slots_offset = 0;
     with_decode_kernel<Shapes>(s, f, e, false, [&](auto kernel, int, int shared_bytes) {
       registers = detail::registers_of(kernel);
-      slots_offset = shared_bytes - pair;  // one stage
+      slots_offset = shared_bytes - slot;  // one stage
     });
-    const auto shared_bytes = [&](int stages) { return slots_offset + stages * pair; };
+    const auto shared_bytes = [&](int stages) { return slots_offset + stages * slot; };
     s.stages = e.selects_pages ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
                                : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
@@ -97,9 +98,11 @@ struct device_format<format::packed_bitmap> {
       constexpr int head_dim = decltype(dim)::value;
       constexpr int group_size = decltype(group)::value;
       if (s.stages > 0) {
-        const int pair = static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
-        call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size, Logits>, 128,
-             kernel::packed_mma_layout<head_dim, group_size>::bytes(pair, s.stages));
+        const int bytes = kernel::packed_mma_layout<head_dim, group_size>::bytes(slot_bytes(e), s.stages);
+        if (kernel::packed_slot_pages(shape.page_size) > 1)
+          call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size, Logits, true>, 128, bytes);
+        else
+          call(kernel::decode_partial_packed_mma_kernel<T, head_dim, group_size, Logits, false>, 128, bytes);
       } else {
         constexpr decode_tuning t = decode_tuning_for(head_dim, group_size);
         using collective = page_attend<format::dense, T, head_dim, group_size, t.threads, t.unroll>;
@@ -121,7 +124,8 @@ struct device_format<format::packed_bitmap> {
                   g.words,
                   g.retained,
                   static_cast<std::int64_t>(g.bitmap_bytes()),
-                  s.stages};
+                  s.stages,
+                  kernel::packed_slot_pages(shape.page_size)};
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
@@ -168,6 +172,11 @@ struct device_format<format::packed_bitmap> {
   }
 
  private:
+  /// Bytes of one slot of the sm_90 kernel: `packed_slot_pages` page pairs (K and V of a head).
+  static int slot_bytes(const device_context& e) {
+    return kernel::packed_slot_pages(e.shape->page_size) * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
+  }
+
   /// Completes `p` (all but its rows) for a pass over `n` pages and calls `launch(element, dim,
   /// grid)` for the engine's storage dtype and head_dim: grid (pages, num_kv_heads, 2: K then V).
   template <class Shapes, class Params, class Launch>
