@@ -16577,10 +16577,11 @@ struct packed_mma_layout {
 /// head_dim 128 with groups of 4 or fewer, as bitmap_tiles' row-chunk kernel.
 constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 128 && group <= 4 ? 5 : 0; }
 
-/// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Warp 0
+/// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
-/// copies (one per page and cache, completing on an mbarrier), a slot holding one page, or up to
-/// `slot_pages` pages of 16 or 32 tokens of one segment, and records the slot's segment. Per
+/// copies (one per page and cache, completing on an mbarrier), a slot a page, and records each
+/// slot's segment; with `SmallPages` (pages of 16 or 32 tokens) warp 0 fills each slot with up
+/// to `slot_pages` pages of one segment, one a warp's 16 rows (`packed_slot_pages`). Per
 /// segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
 /// halves in T as the dense path does) and each of the 4 warps folds its 16 tokens of every 64
 /// of a slot straight from the records there: its lanes gather the rotated channels their MMA

@@ -143,6 +143,26 @@ void check_attention(packed_twin& t) {
   }
 }
 
+/// Two selected steps, 80 appends apart (a segment boundary crossed): the device's output equals
+/// the host engine's on the same rows, every element written. The same pages and rows as the
+/// host's: a different choice moves the output by far more than the roundings the first test case
+/// bounds, by which alone the records differ.
+void check_selected_steps(selected_twin& t) {
+  for (int round = 0; round < 2; ++round) {
+    const typename selected_twin::step_outputs step = t.attend_both();
+    const std::size_t per_seq = static_cast<std::size_t>(t.config.num_q_heads()) * t.config.head_dim;
+    for (std::size_t b = 0; b < t.seqs.size(); ++b) {
+      CAPTURE(round, b);
+      const auto from = static_cast<std::ptrdiff_t>(b * per_seq), to = static_cast<std::ptrdiff_t>((b + 1) * per_seq);
+      const std::vector<float> gpu(step.gpu.begin() + from, step.gpu.begin() + to);
+      const std::vector<double> host(step.host.begin() + from, step.host.begin() + to);
+      for (const float x : gpu) REQUIRE(std::isfinite(x));
+      CHECK(host::compare(gpu.data(), host.data(), gpu.size()).rel_l2_error < 1e-2);
+    }
+    for (int step_index = 0; step_index < 80; ++step_index) t.append_step();
+  }
+}
+
 format::packed_bitmap make(int group, int sinks, format::strategy mode = format::strategy::fixed) {
   format::packed_bitmap f;
   f.group = group;
@@ -255,20 +275,7 @@ TEST_CASE("GPU packed_bitmap with select::mean_keys: the host's choice, PackedAt
   // sm_90 part has the shared memory for at these shapes.
   if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
   for (const int length : {700, 1500, 3000}) t.add(length, t.seqs.size());
-  for (int round = 0; round < 2; ++round) {
-    const typename selected_twin::step_outputs step = t.attend_both();
-    const std::size_t per_seq = static_cast<std::size_t>(c.num_q_heads()) * c.head_dim;
-    for (std::size_t b = 0; b < t.seqs.size(); ++b) {
-      CAPTURE(round, b);
-      const std::vector<float> gpu(step.gpu.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.gpu.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
-      const std::vector<double> host(step.host.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.host.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
-      for (const float x : gpu) REQUIRE(std::isfinite(x));
-      // The same pages and rows as the host's (a different choice moves the output by far more):
-      // the records differ only by the roundings the first test case bounds.
-      CHECK(host::compare(gpu.data(), host.data(), gpu.size()).rel_l2_error < 1e-2);
-    }
-    for (int step_index = 0; step_index < 80; ++step_index) t.append_step();  // a segment boundary crossed
-  }
+  check_selected_steps(t);
 }
 
 TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of the sm_90 kernel",
@@ -296,17 +303,6 @@ TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of
     selected_twin t(c, 43, make(g, 4), selector);
     if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
     for (const int length : {700, 1500}) t.add(length, t.seqs.size());
-    for (int round = 0; round < 2; ++round) {
-      const typename selected_twin::step_outputs step = t.attend_both();
-      const std::size_t per_seq = static_cast<std::size_t>(c.num_q_heads()) * c.head_dim;
-      for (std::size_t b = 0; b < t.seqs.size(); ++b) {
-        CAPTURE(round, b);
-        const std::vector<float> gpu(step.gpu.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.gpu.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
-        const std::vector<double> host(step.host.begin() + static_cast<std::ptrdiff_t>(b * per_seq), step.host.begin() + static_cast<std::ptrdiff_t>((b + 1) * per_seq));
-        for (const float x : gpu) REQUIRE(std::isfinite(x));
-        CHECK(host::compare(gpu.data(), host.data(), gpu.size()).rel_l2_error < 1e-2);
-      }
-      for (int step_index = 0; step_index < 80; ++step_index) t.append_step();
-    }
+    check_selected_steps(t);
   }
 }
