@@ -133,6 +133,20 @@ def configurations(boundaries: str, per_head: bool = True) -> list[tuple[str, st
         configs.append((f"packed_bitmap r={r} g=1 t=0 sinks4", pb0.format(r=r, m="fixed", x=exact(4)) + "/all"))
     configs.append(("packed_bitmap r<=0.375 search loss=0.2 t=0 sinks4",
                     pb0.replace("loss=0.05", "loss=0.2").format(r=0.375, m="search", x=exact(4)) + "/all"))
+    # MosaicKV's stage 2: blocks of 16 tokens scored by their mean key (select::mean_keys), over
+    # dense pages (against Quest's bound on the same blocks, above) and over packed_bitmap (both
+    # of MosaicKV's axes: its pairing).
+    for b, ratio in (("1/16", 0.0625), ("1/8", 0.125), ("1/4", 0.25)):
+        configs.append((f"dense mean_keys {b} block16", f"{dense}/mean_keys:budget={ratio},block=16"))
+        configs.append((f"dense mean_keys {b} block16 sinks4", f"dense:{exact(4)}/mean_keys:budget={ratio},block=16"))
+        for r in (0.25, 0.375):
+            configs.append((f"packed_bitmap r={r} sinks4 mean_keys {b} block16",
+                            pb.format(r=r, m="fixed", x=exact(4)) + f"/mean_keys:budget={ratio},block=16"))
+    # The paper's own stage-2 setting: blocks of 8 (its default), about 10% of the tokens (1/8 here).
+    configs.append(("dense mean_keys 1/8 block8 sinks4", f"dense:{exact(4)}/mean_keys:budget=0.125,block=8"))
+    for r in (0.25, 0.375):
+        configs.append((f"packed_bitmap r={r} sinks4 mean_keys 1/8 block8",
+                        pb.format(r=r, m="fixed", x=exact(4)) + "/mean_keys:budget=0.125,block=8"))
     return configs
 
 

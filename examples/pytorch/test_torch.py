@@ -297,7 +297,7 @@ def test_packed_bitmap_on_cpu_attends_close_to_dense():
     assert rel_l2(rk, k) < 5e-2 and rel_l2(rv, v) < 5e-2
     assert rel_l2(out[0], exact_attention(q[0], k, v, group, d ** -0.5)) < 5e-2
     assert cache.compression() < 0.8  # 72 of 128 bytes a row, plus the bases (2 x 64 x 48 fp32 per KV head) and tail
-    with pytest.raises(ValueError, match="selector"):  # compiled with select::all only
+    with pytest.raises(ValueError, match="selector"):  # not compiled with quest
         ModelCache(1, kvh, group, d, "packed_bitmap/quest", device="cpu")
     with pytest.raises(ValueError, match="group"):
         ModelCache(1, kvh, group, d, "packed_bitmap:group=3/all", device="cpu")
@@ -457,3 +457,25 @@ def test_generate_with_compressed_layers_runs():
     assert out.shape == (2, 138)
     m = cache.kv.memory()
     assert m["stored_bytes"] < m["dense_bytes"]
+
+
+@pytest.mark.parametrize("fmt", ["dense", "packed_bitmap:sinks=4"])
+def test_mean_keys_reads_the_top_blocks(fmt):
+    """select::mean_keys (MosaicKV's stage 2) over dense and packed_bitmap pages: a whole-context
+    budget reads every token (the output of select::all on the same rows); a budget of 1/4 reads
+    less, and differs from it."""
+    torch.manual_seed(5)
+    kvh, group, d, n = 2, 3, 64, 700
+    k, v = torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    q = torch.randn(1, kvh * group, d)
+    outputs = {}
+    for selector in ("all", "mean_keys:budget=1,block=16", "mean_keys:budget=0.25,block=16"):
+        cache = ModelCache(1, kvh, group, d, f"{fmt}/{selector}", max_tokens=1024, max_sequences=1, device="cpu")
+        seq = cache.add_sequence()
+        cache.prefill(0, seq, k, v)
+        outputs[selector] = cache.attend(0, [seq], q)[0]
+        assert "mean_keys" in cache.describe(0) or selector == "all"
+    assert rel_l2(outputs["mean_keys:budget=1,block=16"], outputs["all"]) < 1e-5
+    assert rel_l2(outputs["mean_keys:budget=0.25,block=16"], outputs["all"]) > 1e-3
+    with pytest.raises(ValueError, match="mean_keys"):
+        ModelCache(1, kvh, group, d, "quant2/mean_keys", device="cpu")

@@ -155,9 +155,9 @@ inline layer_spec parse_layer_spec(const std::string& text) {
 /// Calls `make(format, selector, compactor)` with the policy objects `spec` names, for every
 /// combination the extension compiles: formats dense, bitmap_tiles, quant2; selectors all, quest,
 /// sentence_chunks (with compactor none), streaming (with hole_fill or repack), and over dense
-/// tova and h2o (with hole_fill or repack) and snapkv (with repack); quant4 and
-/// V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
-/// select::all, and tova, h2o and snapkv (with repack). Every combination is made for either backend (`make` is the host or the CUDA maker
+/// mean_keys (with none), tova and h2o (with hole_fill or repack) and snapkv (with repack); quant4
+/// and V per token (`v_axis=head_dim`, either width) with select::all; and packed_bitmap with
+/// select::all and mean_keys, and tova, h2o and snapkv (with repack). Every combination is made for either backend (`make` is the host or the CUDA maker
 /// of layer_factory.hpp).
 /// The `per_head` key of a keep-less selector (0 or 1): one decision per KV head, each head in
 /// pages of its own (`select::per_kv_head`), where the maker compiles such layers (the host's).
@@ -180,27 +180,39 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
     policy_args args(spec.selector.name, spec.selector.values);
     const std::string& compactor = spec.compactor.name;
     require(spec.compactor.values.empty(), "compactor", compactor, "a compactor without keys");
-    if (spec.selector.name == "all" || spec.selector.name == "quest" || spec.selector.name == "sentence_chunks")
+    if (spec.selector.name == "all" || spec.selector.name == "quest" || spec.selector.name == "sentence_chunks" ||
+        spec.selector.name == "mean_keys")
       require(compactor == "none", "compactor", compactor,
                           "none with selector " + spec.selector.name + " (this extension compiles no other)");
     if (spec.selector.name == "all") {
       args.finish();
       return make(format, kv::select::all{}, kv::compact::none{});
     }
-    if constexpr (packed) {
-      if (spec.selector.name != "tova" && spec.selector.name != "h2o" && spec.selector.name != "snapkv")
-        reject("selector", spec.selector.name, "all, tova, h2o or snapkv for packed_bitmap (this extension compiles no other)");
-      require(compactor == "repack" || compactor == "none", "compactor", compactor, "repack for packed_bitmap");
-    }
-    if constexpr (!packed) {
-    if (spec.selector.name == "quest") {
-      kv::select::quest s;
+    // Quest and mean_keys: a budget, blocks of a page, the group's combination.
+    const auto read_blocks = [&](auto s) {
       s.budget = detail::read_budget(args, s.budget.ratio);
       s.block_tokens = static_cast<int>(args.integer("block", s.block_tokens, "0 (the page) or a multiple of 8"));
       s.combine = detail::read_combine(args);
       args.finish();
-      return make(format, s, kv::compact::none{});
+      return s;
+    };
+    if (spec.selector.name == "mean_keys") {
+      // MosaicKV's stage 2; over dense and packed_bitmap pages only here (each adds an engine).
+      if constexpr (dense || packed) {
+        return make(format, read_blocks(kv::select::mean_keys{}), kv::compact::none{});
+      } else {
+        reject("selector", spec.selector.name,
+               "all, quest, sentence_chunks, streaming, tova, h2o or snapkv here (mean_keys: format dense or packed_bitmap)");
+      }
     }
+    if constexpr (packed) {
+      if (spec.selector.name != "tova" && spec.selector.name != "h2o" && spec.selector.name != "snapkv")
+        reject("selector", spec.selector.name,
+               "all, mean_keys, tova, h2o or snapkv for packed_bitmap (this extension compiles no other)");
+      require(compactor == "repack" || compactor == "none", "compactor", compactor, "repack for packed_bitmap");
+    }
+    if constexpr (!packed) {
+    if (spec.selector.name == "quest") return make(format, read_blocks(kv::select::quest{}), kv::compact::none{});
     if (spec.selector.name == "sentence_chunks") {
       kv::select::sentence_chunks s;
       s.budget = detail::read_budget(args, s.budget.ratio);
@@ -296,7 +308,7 @@ auto with_layer_policies(const layer_spec& spec, Make&& make) {
                "all, quest, sentence_chunks, streaming, tova or h2o here (snapkv: format dense or packed_bitmap)");
       }
     }
-    reject("selector", spec.selector.name, "all, quest, sentence_chunks, streaming, tova, h2o or snapkv");
+    reject("selector", spec.selector.name, "all, quest, mean_keys, sentence_chunks, streaming, tova, h2o or snapkv");
   };
 
   policy_args args(spec.format.name, spec.format.values);
