@@ -1,0 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
+// One configuration of the CUDA layers: packed_bitmap / mean_keys / none.
+#include "cuda_layer.cuh"
+KVMOSAIC_TORCH_CUDA_LAYER(packed_bitmap, mean_keys, none)
