@@ -2865,9 +2865,9 @@ struct reencodes_moved_rows<format::packed_bitmap> : std::true_type {};
 /// spans the same way and select them the same way; they differ in how spans are cut.
 ///
 /// The score's fp32 arithmetic has one fixed order (`span_score`), written so that the host and
-/// the CUDA scoring kernel (one warp per span: lane l sums its head_dim / 32 contiguous channels
-/// in turn, read with one vector load per bound row, then a butterfly over the 32 lanes) round
-/// identically: both backends select the same spans.
+/// the CUDA scoring kernel (lane l accumulates its head_dim / 32 contiguous channels in turn by
+/// fused multiply-adds, read with one vector load per bound row, then a butterfly over the 32
+/// lanes) round identically: both backends select the same spans.
 
 
 
@@ -2942,11 +2942,11 @@ inline constexpr int span_score_lanes = 32;
 
 /// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
 ///   sum_c max(q[c] * hi[c], q[c] * lo[c]) = sum_c q[c] * (q[c] >= 0 ? hi[c] : lo[c]),
-/// computed as the right-hand side (one product per channel: rounding is monotone, so for finite
-/// values the product of the bound chosen by q's sign is exactly the larger rounded product),
-/// in the canonical order: lane l sums its channels l * w .. (l + 1) * w - 1 in turn, w = head_dim
-/// / 32 (fp32, no fused multiply-add), then lanes combine by a butterfly (offsets 16, 8, 4, 2, 1).
-/// `load(c)` returns the pair (lo[c], hi[c]) as floats. Cost: head_dim multiplies and adds.
+/// computed as the right-hand side (one product per channel, the bound chosen by q's sign), in the
+/// canonical order: lane l accumulates its channels l * w .. (l + 1) * w - 1 in turn by fused
+/// multiply-adds (fp32, s = fma(q[c], bound, s) from s = 0), w = head_dim / 32, then lanes combine
+/// by a butterfly (offsets 16, 8, 4, 2, 1). `load(c)` returns the pair (lo[c], hi[c]) as floats.
+/// Cost: head_dim fused multiply-adds and 31 additions.
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
@@ -2955,10 +2955,7 @@ inline float span_score(const float* q, int head_dim, Load&& load) {
     float s = 0.0f;
     for (int c = l * width; c < (l + 1) * width; ++c) {
       const auto bounds = load(c);
-      // fl32(q x), exactly (the double product is exact), and out of reach of a contraction
-      // into a fused multiply-add, which would change the order the device follows.
-      const float product = static_cast<float>(static_cast<double>(q[c]) * (q[c] >= 0.0f ? bounds.second : bounds.first));
-      s = s + product;
+      s = std::fma(q[c], q[c] >= 0.0f ? bounds.second : bounds.first, s);  // rounded once, as the device's FFMA
     }
     lane[l] = s;
   }

@@ -11,8 +11,9 @@
 ///     bit).
 ///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
 ///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
-///     keys (4 passes of 8 bits, each a shared-memory histogram), then a block-scan compaction
-///     that writes the chosen page ids in sequence order: the split kernel's per-head page table.
+///     keys (4 passes of 8 bits, each a shared-memory histogram), then a compaction by warp
+///     ballots that writes the chosen page ids in sequence order: the split kernel's per-head page
+///     table.
 
 #include <cub/block/block_scan.cuh>
 
@@ -21,6 +22,7 @@
 #include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic::cuda::kernel {
 
@@ -123,24 +125,39 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
 }
 }  // namespace detail_select
 
+/// Spans each warp of `score_pages_kernel` scores, for groups of up to `heads` heads (4 or 8): as
+/// many as keep their raw summaries (head_dim / 32 channels of `summary_rows` 16-bit rows a span
+/// and lane) in the registers left of about 112 by the lane's queries, one reduction's floats
+/// and its 16 partial sums, so that a warp has them all in flight at once and two CTAs fit an SM;
+/// at most 32 (one per lane locates them), at least one reduction (32 / heads), whole reductions.
+__host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
+  const int width = head_dim / 32, per_reduction = 32 / heads;
+  const int free_registers = 112 - heads * width - per_reduction * summary_rows * width;
+  const int spans = free_registers / (summary_rows * width / 2);
+  return spans >= 32 ? 32 : (spans <= per_reduction ? per_reduction : spans / per_reduction * per_reduction);
+}
+
 /// Quest bounds (`SummaryRows` 2: lo and hi rows) or mean-key scores (1: one row, scored as
 /// lo = hi) of every span, for groups of up to `Heads` query heads (4 or 8). Each warp scores
-/// 32 / Heads consecutive spans (the Heads heads of each: one reduction): lane k locates span k
+/// S = score_spans_per_warp(HeadDim, SummaryRows, Heads) consecutive spans: lane k locates span k
 /// (its entry's id and the address of its summary rows), every lane takes each span's address
-/// from lane k by a shuffle, and the summaries are loaded before anything waits on them; only
-/// then are the group's queries staged in shared memory (every warp of the CTA reads the same
-/// (sequence, KV head)), so a CTA waits on two loads. Lane l holds channels [l w, (l + 1) w),
-/// w = head_dim / 32, and sums them in order; the 32 lanes' partial sums of the warp's (span,
-/// head) pairs are then reduced at once (`reduce_scatter`): the canonical order of
+/// from lane k by a shuffle, and all S spans' summaries are loaded before anything waits on them;
+/// only then are the group's queries staged in shared memory (every warp of the CTA reads the
+/// same (sequence, KV head)), so a CTA waits on two loads for S x score_warps spans. Lane l holds
+/// channels [l w, (l + 1) w), w = head_dim / 32, and accumulates them in order by fused
+/// multiply-adds; the 32 lanes' partial sums of 32 / Heads spans (the Heads heads of each) are
+/// then reduced at once (`reduce_scatter`), S Heads / 32 reductions a warp: the canonical order of
 /// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads,
-/// ceil(spans / (score_warps x 32 / Heads)), batch): the KV heads of the same entries side by
-/// side, so the CTAs in flight read each entry's summaries (every head's, contiguous) together.
+/// ceil(spans / (score_warps x S)), batch): the KV heads of the same entries side by side, so the
+/// CTAs in flight read each entry's summaries (every head's, contiguous) together.
 template <class T, int HeadDim, int SummaryRows, int Heads>
 __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
   static_assert(SummaryRows == 1 || SummaryRows == 2, "a span's summary: a mean row, or lo and hi rows");
   static_assert(Heads == 4 || Heads == 8, "heads per reduction: 4 (groups of up to 4) or 8");
-  constexpr int width = HeadDim / 32;  // contiguous channels per lane: the canonical order
-  constexpr int per_warp = 32 / Heads;
+  constexpr int width = HeadDim / kvmosaic::detail::span_score_lanes;  // contiguous channels per lane
+  constexpr int per_reduction = 32 / Heads;
+  constexpr int per_warp = score_spans_per_warp(HeadDim, SummaryRows, Heads);
+  static_assert(per_warp % per_reduction == 0, "whole reductions a warp");
   using raw = detail_select::raw_vector<width>;
   __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -161,13 +178,13 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
         reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
         (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim);
   }
-  raw low[per_warp], high[per_warp];
+  raw low[per_warp], high[SummaryRows == 2 ? per_warp : 1];
 #pragma unroll
   for (int k = 0; k < per_warp; ++k) {
     const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(lane_summary), k)) +
                    lane * width;
     low[k] = detail_select::load_raw<T, width>(row);
-    high[k] = SummaryRows == 2 ? detail_select::load_raw<T, width>(row + HeadDim) : low[k];
+    if constexpr (SummaryRows == 2) high[k] = detail_select::load_raw<T, width>(row + HeadDim);
   }
   const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
   const int group = p.group_size;
@@ -179,32 +196,40 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
   for (int g = 0; g < Heads; ++g)
 #pragma unroll
     for (int j = 0; j < width; ++j) qc[g][j] = g < group ? queries[g * HeadDim + lane * width + j] : 0.0f;
-  float lo[per_warp][width], hi[per_warp][width];
+  float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
 #pragma unroll
-  for (int k = 0; k < per_warp; ++k) {
-    detail_select::to_floats<T, width>(low[k], lo[k]);
-    detail_select::to_floats<T, width>(high[k], hi[k]);
-  }
-  // Value s x Heads + g: this lane's channels of span s of the warp, head g.
-  const auto partial = [&](int index) {
-    const int s = index / Heads, g = index % Heads;
-    float sum = 0.0f;
+  for (int r = 0; r < per_warp / per_reduction; ++r) {
+    const int reduction_first = first + r * per_reduction;
+    if (reduction_first >= spans) break;  // the same for the whole warp
+    float lo[per_reduction][width], hi[per_reduction][width];
 #pragma unroll
-    for (int j = 0; j < width; ++j)  // no fused multiply-add: the host's order, to the bit
-      sum = __fadd_rn(sum, __fmul_rn(qc[g][j], qc[g][j] >= 0.0f ? hi[s][j] : lo[s][j]));
-    return sum;
-  };
-  const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
-  // The group's heads combined in head order, from the span's first lane.
-  const int span_lane = lane / Heads * Heads;
-  float combined = __shfl_sync(0xffffffffu, total, span_lane);
-  for (int g = 1; g < group; ++g) {
-    const float s = __shfl_sync(0xffffffffu, total, span_lane + g);
-    combined = p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
+    for (int k = 0; k < per_reduction; ++k) {
+      detail_select::to_floats<T, width>(low[r * per_reduction + k], lo[k]);
+      if constexpr (SummaryRows == 2) detail_select::to_floats<T, width>(high[r * per_reduction + k], hi[k]);
+    }
+    // Value s x Heads + g: this lane's channels of span s of the reduction, head g.
+    const auto partial = [&](int index) {
+      const int s = index / Heads, g = index % Heads;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < width; ++j) {
+        const float bound = SummaryRows == 2 ? (qc[g][j] >= 0.0f ? hi[s][j] : lo[s][j]) : lo[s][j];
+        sum = __fmaf_rn(qc[g][j], bound, sum);  // the host's std::fma, in the same order
+      }
+      return sum;
+    };
+    const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
+    // The group's heads combined in head order, from the span's first lane.
+    const int span_lane = lane / Heads * Heads;
+    float combined = __shfl_sync(0xffffffffu, total, span_lane);
+#pragma unroll
+    for (int g = 1; g < Heads; ++g) {
+      const float s = __shfl_sync(0xffffffffu, total, span_lane + g);
+      if (g < group) combined = p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
+    }
+    const int span = reduction_first + lane / Heads;
+    if (lane % Heads == 0 && span < spans) scores[span] = combined;
   }
-  const int span = first + lane / Heads;
-  if (lane % Heads == 0 && span < spans)
-    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + span] = combined;
 }
 
 namespace detail_select {
@@ -221,6 +246,7 @@ template <int Threads>
 struct threshold_storage {
   typename cub::BlockScan<int, Threads>::TempStorage scan;
   int histogram[256];
+  int warp_totals[Threads / 32];
   std::uint32_t digit;
   int remaining;
 };
@@ -228,10 +254,10 @@ struct threshold_storage {
 /// Where a budget runs out along the order of n keys (higher first), each item weighing
 /// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
 /// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
-/// weights of the items matching the digits so far, then the digit by a block scan over the bins
-/// from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the budget left for
-/// the items at T. Needs a total weight above the budget. Whole CTA (256 threads or a multiple:
-/// the others scan zeros).
+/// weights of the items matching the digits so far, then the digit by a block scan
+/// over the bins from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the
+/// budget left for the items at T. Needs a total weight above the budget. Whole CTA (256 threads
+/// or a multiple: the others scan zeros).
 template <int Threads, class KeyAt, class WeightOf>
 __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
                                                           threshold_storage<Threads>& s, int& remaining) {
@@ -262,6 +288,25 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
   }
   return prefix;
 }
+
+/// Exclusive prefix over the warps of a CTA of one count per warp (the same value from every lane
+/// of a warp; `totals` holds Warps ints of shared memory): returns the counts of the warps before
+/// this one, and the CTA's total in `all`. Whole CTA; one barrier.
+template <int Warps>
+__device__ __forceinline__ int warps_before(int count, int* totals, int& all) {
+  static_assert(Warps <= 32, "a lane per warp");
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  if (threadIdx.x % 32 == 0) totals[warp] = count;
+  __syncthreads();
+  int before = 0;
+  all = 0;
+  for (int w = 0; w < Warps; ++w) {
+    const int c = totals[w];  // a broadcast read
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  return before;
+}
 }  // namespace detail_select
 
 /// Threads per CTA of the selection kernels: four per radix bin, one CTA per (sequence, KV
@@ -283,7 +328,6 @@ inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
   static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the pages");
-  using scan = cub::BlockScan<int, Threads>;
   __shared__ detail_select::threshold_storage<Threads> storage;
   extern __shared__ std::uint32_t shared_keys[];
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
@@ -299,7 +343,8 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
   if (keys_in_shared) {
-    for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);
+#pragma unroll 8
+    for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together
     __syncthreads();
   }
   const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
@@ -309,29 +354,50 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   std::uint32_t threshold = 0;
   int ties_to_take = 0;
   if (k < n) threshold = detail_select::budget_threshold(n, k, key_at, [](int) { return 1; }, storage, ties_to_take);
-  // Compaction in sequence order.
-  int ties_before = 0, written = 0;
-  for (int base = 0; base < n; base += Threads) {
-    const int i = base + tid;
-    const std::uint32_t key = i < n ? key_at(i) : 0u;
-    const int is_tie = i < n && k < n && key == threshold;
-    int tie_rank = 0, ties = 0;
-    scan(storage.scan).ExclusiveSum(is_tie, tie_rank, ties);
-    __syncthreads();
-    const int chosen = i < n && (k >= n || key > threshold || (is_tie && ties_before + tie_rank < ties_to_take));
-    int position = 0, count = 0;
-    scan(storage.scan).ExclusiveSum(chosen, position, count);
+  // Compaction in sequence order: warp w takes a run of consecutive pages, 32 at a time, and
+  // ranks them by ballots; three sweeps (ties, chosen, written) and two prefixes over the warps.
+  constexpr int warps = Threads / 32;
+  const int warp = tid / 32, lane = tid % 32;
+  const unsigned lanes_before = (1u << lane) - 1u;
+  const int run = (n + warps * 32 - 1) / (warps * 32) * 32;
+  const int begin = min(warp * run, n), end = min(begin + run, n);
+  const auto tie_at = [&](int i) { return i < end && k < n && key_at(i) == threshold; };
+  int ties_in_run = 0;
+  for (int base = begin; base < end; base += 32) ties_in_run += __popc(__ballot_sync(0xffffffffu, tie_at(base + lane)));
+  int unused = 0;
+  const int ties_before_run = detail_select::warps_before<warps>(ties_in_run, storage.warp_totals, unused);
+  // Whether page i (< end) is chosen, given the ties before it.
+  const auto chosen_at = [&](int i, int ties_before) {
+    if (i >= end) return false;
+    if (k >= n) return true;
+    const std::uint32_t key = key_at(i);
+    return key > threshold || (key == threshold && ties_before < ties_to_take);
+  };
+  int chosen_in_run = 0;
+  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
+    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(base + lane));
+    chosen_in_run += __popc(__ballot_sync(0xffffffffu, chosen_at(base + lane, ties + __popc(tie_bits & lanes_before))));
+    ties += __popc(tie_bits);
+  }
+  __syncthreads();  // the warp totals are rewritten
+  int written = 0;
+  int position = detail_select::warps_before<warps>(chosen_in_run, storage.warp_totals, written);
+  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
+    const int i = base + lane;
+    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(i));
+    const bool chosen = chosen_at(i, ties + __popc(tie_bits & lanes_before));
+    const unsigned chosen_bits = __ballot_sync(0xffffffffu, chosen);
     if (chosen) {
-      out[written + position] = table[i];
+      const int at = position + __popc(chosen_bits & lanes_before);
+      out[at] = table[i];
       if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
-        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + written + position;
+        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + at;
         const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
         for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
       }
     }
-    ties_before += ties;
-    written += count;
-    __syncthreads();
+    ties += __popc(tie_bits);
+    position += __popc(chosen_bits);
   }
   if (length != nullptr && tid == 0) *length = written;
 }

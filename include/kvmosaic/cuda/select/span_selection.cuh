@@ -159,10 +159,6 @@ class span_selection {
     s.selected = selected_.as<std::int32_t>();
     // Instances by summary rows and heads per reduction (groups of up to 4, or of 5 to 8).
     const int heads = shape_.group_size <= 4 ? 4 : 8;
-    const int spans_per_cta = kernel::score_warps * 32 / heads;  // a reduction of 32 (span, head) sums per warp
-    const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
-                          static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
-                          static_cast<unsigned>(planned_batch_));
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
@@ -170,6 +166,10 @@ class span_selection {
       const auto score = s.summary_rows == 1
                              ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
                              : (heads == 4 ? score_pages_kernel<T, head_dim, 2, 4> : score_pages_kernel<T, head_dim, 2, 8>);
+      const int spans_per_cta = kernel::score_warps * kernel::score_spans_per_warp(head_dim, s.summary_rows, heads);
+      const dim3 score_grid(static_cast<unsigned>(shape_.num_kv_heads),
+                            static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                            static_cast<unsigned>(planned_batch_));
       score<<<score_grid, kernel::score_warps * 32, 0, stream>>>(s);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
