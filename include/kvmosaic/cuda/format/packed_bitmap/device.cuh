@@ -62,12 +62,14 @@ struct device_format<format::packed_bitmap> {
 
   /// The sm_90 kernel's stages (slots of `kernel::packed_slot_pages` page pairs). Under
   /// `select::all`, as bitmap_tiles chooses them: as many CTAs per SM as its registers allow with
-  /// at least one slot each, then up to two slots. Under a selector, three slots first, then as
-  /// many CTAs as fit: a selection's splits hold few, scattered pages whose copies the kernel
-  /// waits for, which a third slot in flight hides, while `select::all` loses more to the fewer
-  /// CTAs per SM than it would gain (benchmark/README.md, "format::packed_bitmap's split kernel:
-  /// per-page and per-segment latency"). Without bulk copies, or where not one slot fits: the
-  /// portable kernel (stages = 0).
+  /// at least one slot each, then up to two slots. Under a selector with slots of one page (pages
+  /// of 64 tokens or more), three slots first, then as many CTAs as fit: a selection's splits hold
+  /// few, scattered pages whose copies the kernel waits for, which a third slot in flight hides,
+  /// while `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
+  /// "format::packed_bitmap's split kernel: per-page and per-segment latency"). Slots of several
+  /// smaller pages (pages of 16 or 32 tokens) take two under a selector too: there the third slot
+  /// was slower in every selected step measured (benchmark/README.md, 2026-11-29e). Without bulk
+  /// copies, or where not one slot fits: the portable kernel (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
@@ -81,8 +83,9 @@ struct device_format<format::packed_bitmap> {
       slots_offset = shared_bytes - slot;  // one stage
     });
     const auto shared_bytes = [&](int stages) { return slots_offset + stages * slot; };
-    s.stages = e.selects_pages ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
-                               : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
+    const bool one_page_slots = kernel::packed_slot_pages(e.shape->page_size) == 1;
+    s.stages = e.selects_pages && one_page_slots ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
+                                                 : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
   }
 
