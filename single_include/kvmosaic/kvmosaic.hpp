@@ -2940,16 +2940,10 @@ namespace detail {
 /// Lanes of the canonical score order (a warp).
 inline constexpr int span_score_lanes = 32;
 
-/// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
-///   sum_c max(q[c] * hi[c], q[c] * lo[c]) = sum_c q[c] * (q[c] >= 0 ? hi[c] : lo[c]),
-/// computed as the right-hand side (one product per channel, the bound chosen by q's sign), in the
-/// canonical order: lane l accumulates its channels l * w .. (l + 1) * w - 1 in turn by fused
-/// multiply-adds (fp32, s = fma(q[c], bound, s) from s = 0), w = head_dim / 32, then lanes combine
-/// by a butterfly (offsets 16, 8, 4, 2, 1). `load(c)` returns the pair (lo[c], hi[c]) as floats.
-/// Cost: head_dim fused multiply-adds and 31 additions.
+namespace span_score_detail {
+/// The canonical order's lane sums (`span_score`): lane[l] for l < 32.
 template <class Load>
-inline float span_score(const float* q, int head_dim, Load&& load) {
-  float lane[span_score_lanes];
+inline void lane_sums(const float* q, int head_dim, Load& load, float* lane) {
   const int width = head_dim / span_score_lanes;
   for (int l = 0; l < span_score_lanes; ++l) {
     float s = 0.0f;
@@ -2959,6 +2953,42 @@ inline float span_score(const float* q, int head_dim, Load&& load) {
     }
     lane[l] = s;
   }
+}
+
+// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` per
+// channel; there `lane_sums` is also compiled for FMA hardware and chosen at run time. Both are
+// exact: the same bits.
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
+    !defined(__CUDACC__)
+#define KVMOSAIC_SPAN_SCORE_FMA_DISPATCH 1
+template <class Load>
+__attribute__((target("fma"))) inline void lane_sums_fma(const float* q, int head_dim, Load& load, float* lane) {
+  lane_sums(q, head_dim, load, lane);  // inlined: std::fma is one instruction under this target
+}
+inline bool has_fma() noexcept {
+  static const bool fma = __builtin_cpu_supports("fma") != 0;
+  return fma;
+}
+#endif
+}  // namespace span_score_detail
+
+/// Quest's upper bound of q . k over keys k with lo[c] <= k[c] <= hi[c]:
+///   sum_c max(q[c] * hi[c], q[c] * lo[c]) = sum_c q[c] * (q[c] >= 0 ? hi[c] : lo[c]),
+/// computed as the right-hand side (one product per channel, the bound chosen by q's sign), in the
+/// canonical order: lane l accumulates its channels l * w .. (l + 1) * w - 1 in turn by fused
+/// multiply-adds (fp32, s = fma(q[c], bound, s) from s = 0), w = head_dim / 32, then lanes combine
+/// by a butterfly (offsets 16, 8, 4, 2, 1). `load(c)` returns the pair (lo[c], hi[c]) as floats.
+/// Cost: head_dim fused multiply-adds (one instruction each on FMA hardware, a C library call
+/// elsewhere) and 31 additions.
+template <class Load>
+inline float span_score(const float* q, int head_dim, Load&& load) {
+  float lane[span_score_lanes];
+#ifdef KVMOSAIC_SPAN_SCORE_FMA_DISPATCH
+  if (span_score_detail::has_fma())
+    span_score_detail::lane_sums_fma(q, head_dim, load, lane);
+  else
+#endif
+    span_score_detail::lane_sums(q, head_dim, load, lane);
   for (int offset = span_score_lanes / 2; offset >= 1; offset /= 2) {
     float next[span_score_lanes];
     for (int l = 0; l < span_score_lanes; ++l) next[l] = lane[l] + lane[l ^ offset];
