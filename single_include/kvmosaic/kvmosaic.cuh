@@ -17173,8 +17173,9 @@ struct device_format<format::packed_bitmap> {
   /// while `select::all` loses more to the fewer CTAs per SM than it would gain (benchmark/README.md,
   /// "format::packed_bitmap's split kernel: per-page and per-segment latency"). Slots of several
   /// smaller pages (pages of 16 or 32 tokens) take two under a selector too: there the third slot
-  /// was slower in every selected step measured (benchmark/README.md, 2026-11-29e). Without bulk
-  /// copies, or where not one slot fits: the portable kernel (stages = 0).
+  /// was slower in every selected step measured (benchmark/README.md, "Span scoring by fused
+  /// multiply-adds, page top-k by ballots"). Without bulk copies, or where not one slot fits:
+  /// the portable kernel (stages = 0).
   template <class Shapes>
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
