@@ -301,7 +301,8 @@ TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of
     selector.budget.ratio = 1.0 / 4;
     selector.block_tokens = page_size == 16 ? 0 : 16;
     selected_twin t(c, 43, make(g, 4), selector);
-    if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
+    // Slots of several small pages take two stages under a selector (device.cuh, `configure`).
+    if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 2);
     for (const int length : {700, 1500}) t.add(length, t.seqs.size());
     check_selected_steps(t);
   }

@@ -569,9 +569,16 @@ struct packed_mma_layout {
   __host__ __device__ static constexpr int bytes(int slot_bytes, int stages) { return slots_offset + stages * slot_bytes; }
 };
 
-/// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`): five at
-/// head_dim 128 with groups of 4 or fewer, as bitmap_tiles' row-chunk kernel.
-constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 128 && group <= 4 ? 5 : 0; }
+/// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`), at
+/// head_dim 128 with groups of 4 or fewer: five for slots of one page (as bitmap_tiles' row-chunk
+/// kernel; 96 registers, with spills), four for slots of several small pages (128 registers, no
+/// spills). Pages of 16 and 32 are the configuration for selected steps, whose splits hold few,
+/// scattered pages and gain more from a page loop without spills than from a fifth CTA;
+/// `select::all` there is slightly slower (benchmark/README.md, "The small-page split kernel
+/// bounded for four CTAs an SM").
+constexpr int packed_mma_min_ctas(int head_dim, int group, bool small_pages) {
+  return head_dim == 128 && group <= 4 ? (small_pages ? 4 : 5) : 0;
+}
 
 /// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
@@ -593,7 +600,7 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// channels: a predicated load per channel at g = 1, per group at g = 2 and 4; per segment
 /// 2 x Group x head_dim x kept FMAs and five CTA barriers.
 template <class T, int HeadDim, int Group, bool Logits = false, bool SmallPages = false>
-__global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
+__global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, SmallPages)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
   using layout = packed_mma_layout<HeadDim, Group>;
   using attend = warp_attend_mma<T, HeadDim, Group, tokens, operand_path::row_chunks>;
