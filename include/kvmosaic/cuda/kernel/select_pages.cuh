@@ -127,12 +127,16 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
 
 /// Spans each warp of `score_pages_kernel` scores, for groups of up to `heads` heads (4 or 8): as
 /// many as keep their raw summaries (head_dim / 32 channels of `summary_rows` 16-bit rows a span
-/// and lane) in the registers left of about 112 by the lane's queries, one reduction's floats
-/// and its 16 partial sums, so that a warp has them all in flight at once and two CTAs fit an SM;
-/// at most 32 (one per lane locates them), at least one reduction (32 / heads), whole reductions.
+/// and lane) in the registers left of a budget by the lane's queries, one reduction's floats and
+/// its 16 partial sums, so that a warp has them all in flight at once; at most 32 (one per lane
+/// locates them), at least one reduction (32 / heads), whole reductions. The budget: 96 for groups
+/// of up to 4 (three CTAs an SM: at head_dim 128, 24 mean-key spans a warp in 80 registers, where
+/// 32 spans in 106 allowed two CTAs and scored 7% slower; benchmark/README.md, "Span scoring at
+/// three CTAs an SM"), 112 for groups of 5 to 8.
 __host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
   const int width = head_dim / 32, per_reduction = 32 / heads;
-  const int free_registers = 112 - heads * width - per_reduction * summary_rows * width;
+  const int budget = heads == 4 ? 96 : 112;
+  const int free_registers = budget - heads * width - per_reduction * summary_rows * width;
   const int spans = free_registers / (summary_rows * width / 2);
   return spans >= 32 ? 32 : (spans <= per_reduction ? per_reduction : spans / per_reduction * per_reduction);
 }
