@@ -16602,11 +16602,10 @@ struct packed_mma_layout {
 
 /// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`), at
 /// head_dim 128 with groups of 4 or fewer: five for slots of one page (as bitmap_tiles' row-chunk
-/// kernel; 96 registers, with spills), four for slots of several small pages (128 registers, no
-/// spills). Pages of 16 and 32 are the configuration for selected steps, whose splits hold few,
-/// scattered pages and gain more from a page loop without spills than from a fifth CTA;
-/// `select::all` there is slightly slower (benchmark/README.md, "The small-page split kernel
-/// bounded for four CTAs an SM").
+/// kernel), four for slots of several small pages, whose page loop then needs no spills. Pages of
+/// 16 and 32 are the configuration for selected steps, whose splits hold few, scattered pages and
+/// gain more from that than from a fifth CTA; `select::all` there loses a little
+/// (benchmark/README.md, "The small-page split kernel bounded for four CTAs an SM").
 constexpr int packed_mma_min_ctas(int head_dim, int group, bool small_pages) {
   return head_dim == 128 && group <= 4 ? (small_pages ? 4 : 5) : 0;
 }
@@ -17466,9 +17465,9 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
 /// and lane) in the registers left of a budget by the lane's queries, one reduction's floats and
 /// its 16 partial sums, so that a warp has them all in flight at once; at most 32 (one per lane
 /// locates them), at least one reduction (32 / heads), whole reductions. The budget: 96 for groups
-/// of up to 4 (three CTAs an SM: at head_dim 128, 24 mean-key spans a warp in 80 registers, where
-/// 32 spans in 106 allowed two CTAs and scored 7% slower; benchmark/README.md, "Span scoring at
-/// three CTAs an SM"), 112 for groups of 5 to 8.
+/// of up to 4, which fits three CTAs an SM (at head_dim 128, 24 mean-key spans a warp rather than
+/// 32 at two CTAs: the faster by measurement, benchmark/README.md, "Span scoring at three CTAs an
+/// SM"), 112 for groups of 5 to 8.
 __host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
   const int width = head_dim / 32, per_reduction = 32 / heads;
   const int budget = heads == 4 ? 96 : 112;

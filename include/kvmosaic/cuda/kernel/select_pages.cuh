@@ -130,9 +130,9 @@ __device__ __forceinline__ float reduce_scatter(const Value& value) {
 /// and lane) in the registers left of a budget by the lane's queries, one reduction's floats and
 /// its 16 partial sums, so that a warp has them all in flight at once; at most 32 (one per lane
 /// locates them), at least one reduction (32 / heads), whole reductions. The budget: 96 for groups
-/// of up to 4 (three CTAs an SM: at head_dim 128, 24 mean-key spans a warp in 80 registers, where
-/// 32 spans in 106 allowed two CTAs and scored 7% slower; benchmark/README.md, "Span scoring at
-/// three CTAs an SM"), 112 for groups of 5 to 8.
+/// of up to 4, which fits three CTAs an SM (at head_dim 128, 24 mean-key spans a warp rather than
+/// 32 at two CTAs: the faster by measurement, benchmark/README.md, "Span scoring at three CTAs an
+/// SM"), 112 for groups of 5 to 8.
 __host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
   const int width = head_dim / 32, per_reduction = 32 / heads;
   const int budget = heads == 4 ? 96 : 112;

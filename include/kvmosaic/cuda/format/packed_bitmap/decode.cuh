@@ -571,11 +571,10 @@ struct packed_mma_layout {
 
 /// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`), at
 /// head_dim 128 with groups of 4 or fewer: five for slots of one page (as bitmap_tiles' row-chunk
-/// kernel; 96 registers, with spills), four for slots of several small pages (128 registers, no
-/// spills). Pages of 16 and 32 are the configuration for selected steps, whose splits hold few,
-/// scattered pages and gain more from a page loop without spills than from a fifth CTA;
-/// `select::all` there is slightly slower (benchmark/README.md, "The small-page split kernel
-/// bounded for four CTAs an SM").
+/// kernel), four for slots of several small pages, whose page loop then needs no spills. Pages of
+/// 16 and 32 are the configuration for selected steps, whose splits hold few, scattered pages and
+/// gain more from that than from a fifth CTA; `select::all` there loses a little
+/// (benchmark/README.md, "The small-page split kernel bounded for four CTAs an SM").
 constexpr int packed_mma_min_ctas(int head_dim, int group, bool small_pages) {
   return head_dim == 128 && group <= 4 ? (small_pages ? 4 : 5) : 0;
 }
