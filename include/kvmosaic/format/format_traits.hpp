@@ -59,6 +59,7 @@
 /// channel-compressed with the keys) declares
 ///   static constexpr bool has_block_keys = true;
 ///   static std::size_t block_key_bytes(const Format&, const page_shape&);   // one block, KV head
+///   static int block_key_values(const Format&, const page_shape&);          // N, the pairs it holds
 ///   static void encode_block_key(const Format&, const page_shape&, const segment&,
 ///                                const float* mean /*[D], fp32*/, std::byte* key);
 ///   static void block_key_query(const Format&, const page_shape&, const segment&, const float* q,
@@ -66,7 +67,11 @@
 ///   static float score_block_key(const Format&, const page_shape&, const float* q_key /*[basis_dim]*/,
 ///                                const std::byte* key);
 /// in one fp32 order that every backend follows; the engines then keep those instead of 16-bit
-/// dense mean rows.
+/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space, laid
+/// out as N 8-bit channel indices (padded to an even count) then N values in the storage dtype,
+/// scored as q'[channel] x value with lane l of 32 taking pairs l, l + 32, ... in turn by fused
+/// multiply-adds, then a butterfly: the layout and order the CUDA engine's generic scoring kernel
+/// reads (`score_block_keys_kernel`).
 ///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in

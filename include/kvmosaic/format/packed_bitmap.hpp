@@ -421,6 +421,9 @@ struct format_traits<format::packed_bitmap> {
     return (block_key_values_offset(g.retained) + static_cast<std::size_t>(g.retained) * 2 + 15) / 16 * 16;
   }
 
+  /// The (channel, value) pairs a block key holds: the slot's r.
+  static int block_key_values(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).retained; }
+
   /// The block key of a block's fp32 mean key ([head_dim]) in segment `s`: y = mean B_k (each
   /// rotated channel summed over the head_dim channels in order by fused multiply-adds:
   /// `detail::fused_rotate`, the device's order), the r / g groups of largest energy under the

@@ -69,6 +69,16 @@ struct select_params {
   /// with its live rows to `token_masks` (page-granular steps too) and the entries to
   /// `table_lengths`, and drop a page left with no row.
   const std::uint32_t* live_masks;
+
+  // Block keys (`score_block_keys_kernel`): each span's summary is a format's block key, r 8-bit
+  // channel indices then r 16-bit values (`bounds_entry_bytes` per entry as above, `key_bytes`
+  // per span), scored against the step's queries in the span's segment.
+  int key_bytes;                      ///< one span's block key
+  int key_retained;                   ///< r: values a block key holds
+  int key_kept;                       ///< channels of the segments' rotated space
+  int segment_pages;                  ///< pages a segment holds: entry e is in segment e / segment_pages
+  int segments_per_sequence;
+  const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][group][kept]
 };
 
 /// Warps per CTA of the scoring kernel.
@@ -234,6 +244,73 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
     const int span = reduction_first + lane / Heads;
     if (lane % Heads == 0 && span < spans) scores[span] = combined;
   }
+}
+
+/// Block-key scores (`select::mean_keys` over a format with block keys, e.g. packed_bitmap) of
+/// every span, for groups of up to `Heads` query heads (4 or 8): each warp scores 32 / Heads
+/// consecutive spans at once. Lane k locates span k (its key's address and its segment: entry /
+/// segment_pages); lane l then takes value v = l, l + 32, ... of each span's key (its channel and
+/// value, coalesced loads) and accumulates q'[segment][g][channel] x value in that order by fused
+/// multiply-adds, for every head g of the group, the host's `format_traits::score_block_key`;
+/// the (span, head) sums go through `reduce_scatter` (the butterfly order) and the group's heads
+/// combine in head order. Grid: (num_kv_heads, ceil(spans / (score_warps x 32 / Heads)), batch).
+template <class T, int HeadDim, int Heads>
+__global__ void __launch_bounds__(score_warps * 32) score_block_keys_kernel(const select_params p) {
+  static_assert(Heads == 4 || Heads == 8, "heads per reduction: 4 (groups of up to 4) or 8");
+  constexpr int per_warp = 32 / Heads;           // spans: one reduction
+  constexpr int values = HeadDim / 32;           // at most r = head_dim values a key: per lane
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
+  const int spans = p.span_counts[b];
+  const int first = (static_cast<int>(blockIdx.y) * score_warps + warp) * per_warp;
+  if (first >= spans) return;
+  const int group = p.group_size, kept = p.key_kept, r = p.key_retained;
+  // Lane k < per_warp locates span first + k (the last span past the end): its key and the
+  // offset of its segment's queries.
+  std::uintptr_t lane_key = 0;
+  int lane_queries = 0;
+  if (lane < per_warp) {
+    const int span = min(first + lane, spans - 1);
+    const int entry = span / p.spans_per_entry, slot = span % p.spans_per_entry;
+    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+    lane_key = reinterpret_cast<std::uintptr_t>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
+                                                (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes);
+    lane_queries = ((b * p.num_kv_heads + head) * p.segments_per_sequence + entry / p.segment_pages) * group * kept;
+  }
+  std::uint32_t channel[per_warp][values];
+  float value[per_warp][values];
+  const int values_offset = (r + 1) / 2 * 2;
+#pragma unroll
+  for (int s = 0; s < per_warp; ++s) {
+    const auto* key = reinterpret_cast<const std::byte*>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(lane_key), s));
+#pragma unroll
+    for (int w = 0; w < values; ++w) {
+      const int v = lane + 32 * w;
+      channel[s][w] = v < r ? static_cast<std::uint32_t>(reinterpret_cast<const std::uint8_t*>(key)[v]) : 0u;
+      value[s][w] = v < r ? to_float(reinterpret_cast<const T*>(key + values_offset)[v]) : 0.0f;
+    }
+  }
+  // Position s x Heads + g: span s, head g (zero past the group: never combined).
+  const auto partial = [&](int index) {
+    const int s = index / Heads, g = index % Heads;
+    const float* q = p.q_key + __shfl_sync(0xffffffffu, lane_queries, s) + g * kept;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < values; ++w)
+      if (g < group && lane + 32 * w < r) sum = __fmaf_rn(__ldg(q + channel[s][w]), value[s][w], sum);  // the host's std::fma
+    return sum;
+  };
+  const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
+  const int span_lane = lane / Heads * Heads;
+  float combined = __shfl_sync(0xffffffffu, total, span_lane);
+#pragma unroll
+  for (int g = 1; g < Heads; ++g) {
+    const float other = __shfl_sync(0xffffffffu, total, span_lane + g);
+    if (g < group) combined = p.combine_sum ? __fadd_rn(combined, other) : (other > combined ? other : combined);
+  }
+  const int span = first + lane / Heads;
+  if (lane % Heads == 0 && span < spans)
+    p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + span] = combined;
 }
 
 namespace detail_select {

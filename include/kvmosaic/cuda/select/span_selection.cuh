@@ -49,6 +49,7 @@ struct span_source {
   int longest_span;                 ///< tokens of the longest span
   bool own_tables;                  ///< entries from the stage's span tables (else the sequences' block tables)
   int summary_rows = 2;             ///< rows per span: 2 (lo, hi: key bounds) or 1 (a mean key, scored as lo = hi)
+  int key_bytes = 0;                ///< > 0: each span keeps a format's block key of this many bytes instead of rows
 };
 
 template <class Shapes>
@@ -130,6 +131,10 @@ class span_selection {
     }
   }
 
+  /// Where the step's block keys are scored from (stages whose spans keep them; set before each
+  /// launch).
+  void use_block_keys(const block_key_source& source) noexcept { key_queries_ = source; }
+
   /// Scores every span, then chooses each KV head's pages (and, with row masks, their rows).
   /// `p`: the step's parameters (its metadata on the device), `staged`: this step's staged inputs
   /// on the device.
@@ -162,6 +167,22 @@ class span_selection {
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
+      if (source_.key_bytes > 0) {  // block keys: one reduction of 32 / heads spans a warp
+        s.key_bytes = source_.key_bytes;
+        s.key_retained = key_queries_.retained;
+        s.key_kept = key_queries_.kept;
+        s.segment_pages = key_queries_.segment_pages;
+        s.segments_per_sequence = key_queries_.segments_per_sequence;
+        s.q_key = key_queries_.q_key;
+        const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
+        const int spans_per_cta = kernel::score_warps * (32 / heads);
+        const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
+                        static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                        static_cast<unsigned>(planned_batch_));
+        score<<<grid, kernel::score_warps * 32, 0, stream>>>(s);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
       using kernel::score_pages_kernel;
       const auto score = s.summary_rows == 1
                              ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
@@ -298,6 +319,7 @@ class span_selection {
 
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
+  block_key_source key_queries_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   bool row_masks_possible_ = false;

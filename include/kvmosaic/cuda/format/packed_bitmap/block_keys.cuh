@@ -8,8 +8,8 @@
 /// Each follows the host's order (`format_traits<packed_bitmap>::encode_block_key`,
 /// `block_key_query`, `score_block_key`) to the bit.
 ///
-/// Not yet wired into the CUDA engine: the selection stage of `select::mean_keys` still keeps
-/// dense mean rows there (docs/packed_bitmap.md, "What is not built yet").
+/// The engine runs them through `device_format<packed_bitmap>`'s block-key hooks; the scoring
+/// kernel is the generic `score_block_keys_kernel` (kernel/select_pages.cuh).
 
 #include <cstddef>
 #include <cstdint>
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 struct packed_block_query_params {
   const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
   const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
-  const std::int32_t* segments;           ///< [batch] segments each sequence has
+  const std::int32_t* sealed_pages;       ///< [batch] pages each sequence has: ceil(/ segment_pages) segments
   float* q_key;                           ///< [batch][num_kv_heads][segments_per_sequence][group][kept]
   int num_kv_heads;
   int group_size;
@@ -127,8 +127,8 @@ template <int HeadDim>
 __global__ void __launch_bounds__(packed_block_key_threads) packed_block_queries_kernel(const packed_block_query_params p) {
   __shared__ float q[8 * HeadDim];
   const int segment = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  if (segment >= p.segments[b]) return;
   const packed_decode_params& f = p.format;
+  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
   const int kept = f.kept, group = p.group_size, tid = static_cast<int>(threadIdx.x);
   const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
   for (int x = tid; x < group * HeadDim; x += packed_block_key_threads) q[x] = source[x];
