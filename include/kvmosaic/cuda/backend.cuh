@@ -40,6 +40,7 @@
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
+#include "kvmosaic/cuda/kernel/select_pages.cuh"
 #include "kvmosaic/cuda/kernel/token_scores.cuh"
 #include "kvmosaic/cuda/kernel/window_votes.cuh"
 #include "kvmosaic/cuda/select/all.cuh"
@@ -478,7 +479,8 @@ class engine {
                              shape_.head_dim * sizeof(float));
     if constexpr (block_keys)
       block_key_queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * segments_per_sequence_ *
-                                         shape_.group_size * traits::basis_dim(format_, shape_.page()) * sizeof(float));
+                                         kernel::score_heads(shape_.group_size) * traits::basis_dim(format_, shape_.page()) *
+                                         sizeof(float));
   }
 
   /// Block keys: the step's queries in each (sequence, KV head, segment)'s rotated space, by the
@@ -486,7 +488,8 @@ class engine {
   void prepare_block_keys(const kernel::decode_params& p) {
     const device_context c = context();
     device::template block_key_queries<Shapes>(
-        format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>()});
+        format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                                              kernel::score_heads(shape_.group_size)});
     block_key_source source;
     source.q_key = block_key_queries_.as<const float>();
     source.kept = traits::basis_dim(format_, shape_.page());

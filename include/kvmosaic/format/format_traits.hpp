@@ -67,11 +67,10 @@
 ///   static float score_block_key(const Format&, const page_shape&, const float* q_key /*[basis_dim]*/,
 ///                                const std::byte* key);
 /// in one fp32 order that every backend follows; the engines then keep those instead of 16-bit
-/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space, laid
-/// out as N 8-bit channel indices (padded to an even count) then N values in the storage dtype,
-/// scored as q'[channel] x value with lane l of 32 taking pairs l, l + 32, ... in turn by fused
-/// multiply-adds, then a butterfly: the layout and order the CUDA engine's generic scoring kernel
-/// reads (`score_block_keys_kernel`).
+/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space laid
+/// out as `block_key_layout` says, and scored as q'[channel] x value summed over the pairs in
+/// their stored order by fused multiply-adds from 0: one thread's chain, the order the CUDA
+/// engine's generic scoring kernel follows (`score_block_keys_kernel`, a thread per key).
 ///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
@@ -152,6 +151,15 @@ struct block_keys_of<Traits, std::void_t<decltype(Traits::has_block_keys)>> {
   static constexpr bool value = Traits::has_block_keys;
 };
 }  // namespace detail
+
+/// Where a block key's parts lie (formats with `has_block_keys`): its N 8-bit channel indices
+/// from byte 0, padded to 16 bytes, then its N values in the storage dtype, padded to 16 bytes,
+/// so that both parts are 16-byte aligned and a reader loads 8 pairs by two vector loads.
+struct block_key_layout {
+  int values;  ///< N, the (channel, value) pairs
+  KVMOSAIC_HOST_DEVICE constexpr int values_offset() const noexcept { return (values + 15) / 16 * 16; }
+  KVMOSAIC_HOST_DEVICE constexpr int bytes() const noexcept { return values_offset() + (2 * values + 15) / 16 * 16; }
+};
 
 /// True when a format keeps the mean key of a block in its own compressed space
 /// (`format_traits::has_block_keys`).

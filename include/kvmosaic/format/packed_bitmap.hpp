@@ -413,12 +413,10 @@ struct format_traits<format::packed_bitmap> {
   // vectors" (section 5.2), which `select::mean_keys` keeps and scores in place of dense rows.
   static constexpr bool has_block_keys = true;
 
-  /// Bytes of one block key of one KV head: the slot's r 8-bit channel indices (an even count),
-  /// then its r 16-bit values, padded to 16 bytes: 96 at head_dim 128 and 25% retained, against
-  /// 256 for a dense mean row.
+  /// Bytes of one block key of one KV head (`block_key_layout` of the slot's r pairs): 96 at
+  /// head_dim 128 and 25% retained, against 256 for a dense mean row.
   static std::size_t block_key_bytes(const format_type& f, const page_shape& shape) {
-    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
-    return (block_key_values_offset(g.retained) + static_cast<std::size_t>(g.retained) * 2 + 15) / 16 * 16;
+    return static_cast<std::size_t>(block_key_layout{detail::packed_geometry::of(f, shape).retained}.bytes());
   }
 
   /// The (channel, value) pairs a block key holds: the slot's r.
@@ -447,7 +445,7 @@ struct format_traits<format::packed_bitmap> {
         channels[at] = static_cast<std::uint8_t>(j * st.group + i);
         values[at] = y[static_cast<std::size_t>(j * st.group + i)];
       }
-    detail::store_dense_rows(shape.storage, values.data(), values.size(), key + block_key_values_offset(g.retained));
+    detail::store_dense_rows(shape.storage, values.data(), values.size(), key + block_key_layout{g.retained}.values_offset());
   }
 
   /// The G queries ([G][head_dim]) in segment `s`'s K basis for scoring its block keys
@@ -460,28 +458,21 @@ struct format_traits<format::packed_bitmap> {
                            q_key + static_cast<std::size_t>(g) * s.kept);
   }
 
-  /// q' . y^ of one query (`block_key_query`'s, [kept]) and a block key, in the order of the
-  /// device's scoring warp: lane l (of 32) accumulates the key's values l, l + 32, ... (all r of
-  /// the slot, zeros included) by fused multiply-adds from 0, then the lanes combine by a
-  /// butterfly (offsets 16, 8, 4, 2, 1). Cost: r fused multiply-adds and 31 additions.
+  /// q' . y^ of one query (`block_key_query`'s, [kept]) and a block key: q'[channel] x value
+  /// over the slot's r pairs (zeros included) in stored order by fused multiply-adds from 0.
+  /// Cost: r fused multiply-adds.
   static float score_block_key(const format_type& f, const page_shape& shape, const float* q_key, const std::byte* key) {
     const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
     float values[256];  // r <= head_dim <= 256 (validate)
-    detail::load_dense_rows(shape.storage, key + block_key_values_offset(g.retained), static_cast<std::size_t>(g.retained), values);
+    detail::load_dense_rows(shape.storage, key + block_key_layout{g.retained}.values_offset(), static_cast<std::size_t>(g.retained),
+                            values);
     const auto* channels = reinterpret_cast<const std::uint8_t*>(key);
-    float lane[32] = {};
-    for (int v = 0; v < g.retained; ++v) lane[v % 32] = std::fma(q_key[channels[v]], values[v], lane[v % 32]);
-    for (int offset = 16; offset >= 1; offset /= 2) {
-      float next[32];
-      for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ offset];
-      std::copy(next, next + 32, lane);
-    }
-    return lane[0];
+    float sum = 0.0f;
+    for (int v = 0; v < g.retained; ++v) sum = std::fma(q_key[channels[v]], values[v], sum);
+    return sum;
   }
 
  private:
-  static std::size_t block_key_values_offset(int retained) { return (static_cast<std::size_t>(retained) + 1) / 2 * 2; }
-
   static void encode(const format_type& f, const page_shape& shape, const segment& s, int which, const float* rows, std::byte* page) {
     const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
     const detail::packed_strategy& st = s.strategy[which];

@@ -143,7 +143,7 @@ struct block_key_seal_context {
 /// What a format's block-key query pass is given: the step's queries ([batch][num_q_heads]
 /// [head_dim], unscaled), each sequence's slot and sealed pages, and where the queries in each
 /// (sequence, KV head, segment)'s rotated space go ([batch][num_kv_heads][segments_per_sequence]
-/// [group][basis_dim]).
+/// [basis_dim][query_heads]: a channel's heads side by side, zeros past the group).
 struct block_key_query_context {
   const device_context* engine;
   const float* q;
@@ -151,6 +151,7 @@ struct block_key_query_context {
   const std::int32_t* sealed_pages;
   std::int32_t batch;
   float* q_key;
+  int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
 };
 
 namespace detail {

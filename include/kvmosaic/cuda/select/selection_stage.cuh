@@ -74,7 +74,7 @@ struct sealed_pages {
 /// (`format_traits::has_block_keys`, under a selector that keeps mean keys): the step's queries in
 /// each segment's rotated space, which the engine has the format compute before the launch.
 struct block_key_source {
-  const float* q_key = nullptr;     ///< [batch][num_kv_heads][segments_per_sequence][group][kept] (device)
+  const float* q_key = nullptr;     ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)] (device)
   int kept = 0;                     ///< channels of the rotated space
   int retained = 0;                 ///< (channel, value) pairs a block key holds
   int segment_pages = 1;

@@ -4,9 +4,8 @@
 /// \file
 /// `format::packed_bitmap`'s block keys on the device (MosaicKV's per-block keys, "channel-
 /// compressed together with the original K vectors", section 5.2): the kernels that write them
-/// when pages are sealed, rotate a step's queries into each segment's K basis, and score them.
-/// Each follows the host's order (`format_traits<packed_bitmap>::encode_block_key`,
-/// `block_key_query`, `score_block_key`) to the bit.
+/// when pages are sealed and rotate a step's queries into each segment's K basis, each in the
+/// host's order (`format_traits<packed_bitmap>::encode_block_key`, `block_key_query`) to the bit.
 ///
 /// The engine runs them through `device_format<packed_bitmap>`'s block-key hooks; the scoring
 /// kernel is the generic `score_block_keys_kernel` (kernel/select_pages.cuh).
@@ -95,9 +94,8 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
     keep[j] = before < keep_groups ? 1 : 0;
   }
   __syncthreads();
-  const int values_offset = (f.retained + 1) / 2 * 2;  // the slot's r channel bytes, an even count
   auto* channels = reinterpret_cast<std::uint8_t*>(key);
-  auto* values = reinterpret_cast<std::uint16_t*>(key + values_offset);
+  auto* values = reinterpret_cast<std::uint16_t*>(key + block_key_layout{f.retained}.values_offset());
   for (int j = tid; j < groups; j += packed_block_key_threads) {
     if (keep[j] == 0) continue;
     int at = 0;
@@ -109,57 +107,60 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
   }
 }
 
-/// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment][g]
-/// [kept] = q B_k, thread j summing channel j over head_dim in order by fused multiply-adds (the
-/// host's `block_key_query`). Grid: (segments_per_sequence, num_kv_heads, batch); sequences with
-/// fewer segments leave the rest unwritten.
+/// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment]
+/// [channel][g] = (q_g B_k)[channel], each summed over head_dim in order by fused multiply-adds
+/// (the host's `block_key_query`), with the heads of a channel side by side and padded to
+/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
+/// thread per channel computes the group's heads together (one read of its basis column, one
+/// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
+/// Grid: (segments_per_sequence x ceil(kept / packed_block_query_threads), num_kv_heads, batch);
+/// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
+/// multiply-adds and one read of B_k per (sequence, KV head, segment).
 struct packed_block_query_params {
   const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
   const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
   const std::int32_t* sealed_pages;       ///< [batch] pages each sequence has: ceil(/ segment_pages) segments
-  float* q_key;                           ///< [batch][num_kv_heads][segments_per_sequence][group][kept]
+  float* q_key;                           ///< [batch][num_kv_heads][segments_per_sequence][kept][query_heads]
   int num_kv_heads;
   int group_size;
+  int query_heads;                        ///< the group padded to the scoring kernel's heads (4 or 8)
   packed_decode_params format;
 };
 
-template <int HeadDim>
-__global__ void __launch_bounds__(packed_block_key_threads) packed_block_queries_kernel(const packed_block_query_params p) {
-  __shared__ float q[8 * HeadDim];
-  const int segment = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const packed_decode_params& f = p.format;
-  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
-  const int kept = f.kept, group = p.group_size, tid = static_cast<int>(threadIdx.x);
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += packed_block_key_threads) q[x] = source[x];
-  __syncthreads();
-  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, p.slots[b], segment, head);
-  float* out = p.q_key + ((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * group * kept;
-  for (int j = tid; j < kept; j += packed_block_key_threads)
-    for (int g = 0; g < group; ++g) {
-      float acc = 0.0f;
-      for (int c = 0; c < HeadDim; ++c) acc = __fmaf_rn(q[g * HeadDim + c], e.k_basis[c * kept + j], acc);
-      out[g * kept + j] = acc;
-    }
-}
+inline constexpr int packed_block_query_threads = 64;
 
-/// One block key's score for query head g, by a warp: lane l accumulates the key's values l,
-/// l + 32, ... (the slot's r, zeros included) times q'[g][channel] by fused multiply-adds from 0;
-/// the lanes then combine by a butterfly (offsets 16, 8, 4, 2, 1), the host's
-/// `score_block_key`. Every lane returns the score. The scoring kernel that calls it per span
-/// (with `reduce_scatter` across spans and heads, as `score_pages_kernel`) is the engine's part
-/// still to write.
-template <class T>
-__device__ __forceinline__ float score_packed_block_key(const std::byte* key, int retained, const float* q_key_g) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int values_offset = (retained + 1) / 2 * 2;
-  const auto* channels = reinterpret_cast<const std::uint8_t*>(key);
-  const auto* values = reinterpret_cast<const T*>(key + values_offset);
-  float sum = 0.0f;
-  for (int v = lane; v < retained; v += 32) sum = __fmaf_rn(q_key_g[channels[v]], to_float(values[v]), sum);
+template <int HeadDim>
+__global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+  __shared__ float q[8 * HeadDim];
+  const packed_decode_params& f = p.format;
+  const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
+  const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
+  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
+  const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = source[x];
+  __syncthreads();
+  const int j = part * packed_block_query_threads + tid;
+  if (j >= kept) return;
+  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, p.slots[b], segment, head);
+  float acc[8] = {};
+  // 32 rows of the basis column in flight at a time, then their products in channel order.
+  static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
+  for (int c0 = 0; c0 < HeadDim; c0 += 32) {
+    float basis[32];
 #pragma unroll
-  for (int offset = 16; offset >= 1; offset /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, offset));
-  return sum;
+    for (int i = 0; i < 32; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+        if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
+  }
+  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept + j) * heads;
+#pragma unroll
+  for (int g = 0; g < 8; ++g)
+    if (g < heads) out[g] = g < group ? acc[g] : 0.0f;
 }
 
 }  // namespace kvmosaic::cuda::kernel

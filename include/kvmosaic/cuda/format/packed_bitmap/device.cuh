@@ -181,7 +181,7 @@ struct device_format<format::packed_bitmap> {
   }
 
   /// The step's queries in every (sequence, KV head, segment)'s K basis
-  /// (`format_traits::block_key_query` to the bit): one CTA per (segment, KV head, sequence).
+  /// (`format_traits::block_key_query` to the bit): a thread per channel, all heads of the group.
   template <class Shapes>
   static void block_key_queries(const state& s, const format::packed_bitmap& f, const block_key_query_context& c) {
     if (c.batch == 0) return;
@@ -192,11 +192,13 @@ struct device_format<format::packed_bitmap> {
     p.q_key = c.q_key;
     p.num_kv_heads = c.engine->shape->num_kv_heads;
     p.group_size = c.engine->shape->group_size;
+    p.query_heads = c.query_heads;
     p.format = params_for(s, f, *c.engine);
-    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence), static_cast<unsigned>(p.num_kv_heads),
+    const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
+    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
-      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_key_threads, 0, c.engine->stream>>>(p);
+      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
       KVMOSAIC_CUDA_CHECK(cudaGetLastError());
     });
   }
