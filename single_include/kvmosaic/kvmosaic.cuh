@@ -788,6 +788,24 @@ bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& 
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// Optional, for a format with segments: block keys in the format's own compressed space (the
+/// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
+/// channel-compressed with the keys) declares
+///   static constexpr bool has_block_keys = true;
+///   static std::size_t block_key_bytes(const Format&, const page_shape&);   // one block, KV head
+///   static int block_key_values(const Format&, const page_shape&);          // N, the pairs it holds
+///   static void encode_block_key(const Format&, const page_shape&, const segment&,
+///                                const float* mean /*[D], fp32*/, std::byte* key);
+///   static void block_key_query(const Format&, const page_shape&, const segment&, const float* q,
+///                               int G, float* q_key /*[G][basis_dim]*/);
+///   static float score_block_key(const Format&, const page_shape&, const float* q_key /*[basis_dim]*/,
+///                                const std::byte* key);
+/// in one fp32 order that every backend follows; the engines then keep those instead of 16-bit
+/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space laid
+/// out as `block_key_layout` says, and scored as q'[channel] x value summed over the pairs in
+/// their stored order by fused multiply-adds from 0: one thread's chain, the order the CUDA
+/// engine's generic scoring kernel follows (`score_block_keys_kernel`, a thread per key).
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
@@ -848,6 +866,32 @@ struct segment_type<Format, true> {
   using type = typename format_traits<Format>::segment;
 };
 }  // namespace detail
+
+namespace detail {
+/// format_traits<Format>::has_block_keys, false when a format does not declare it.
+template <class Traits, class = void>
+struct block_keys_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct block_keys_of<Traits, std::void_t<decltype(Traits::has_block_keys)>> {
+  static constexpr bool value = Traits::has_block_keys;
+};
+}  // namespace detail
+
+/// Where a block key's parts lie (formats with `has_block_keys`): its N 8-bit channel indices
+/// from byte 0, padded to 16 bytes, then its N values in the storage dtype, padded to 16 bytes,
+/// so that both parts are 16-byte aligned and a reader loads 8 pairs by two vector loads.
+struct block_key_layout {
+  int values;  ///< N, the (channel, value) pairs
+  KVMOSAIC_HOST_DEVICE constexpr int values_offset() const noexcept { return (values + 15) / 16 * 16; }
+  KVMOSAIC_HOST_DEVICE constexpr int bytes() const noexcept { return values_offset() + (2 * values + 15) / 16 * 16; }
+};
+
+/// True when a format keeps the mean key of a block in its own compressed space
+/// (`format_traits::has_block_keys`).
+template <class Format>
+inline constexpr bool has_block_keys_v = detail::block_keys_of<format_traits<Format>>::value;
 
 /// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
 template <class Format>
@@ -2342,6 +2386,66 @@ struct hides_sink_rows<format::quant<Bits, V>> : std::true_type {};
 /// records that select them, so only the outputs that read them are affected.
 
 
+// ---- begin <kvmosaic/core/fused.hpp> ----
+/// \file
+/// Host fp32 loops in a fixed order of fused multiply-adds (`std::fma`: one rounding a step), the
+/// order the CUDA kernels' FFMA chains follow, so that both backends compute the same bits.
+///
+/// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` at
+/// each step, several times slower; there a loop is also compiled for FMA hardware
+/// (`__attribute__((target("fma")))`) and chosen at run time (`fma_hardware`). Both are exact:
+/// the same bits.
+
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
+    !defined(__CUDACC__)
+#define KVMOSAIC_FMA_DISPATCH 1
+#endif
+
+namespace kvmosaic {
+namespace detail {
+
+#ifdef KVMOSAIC_FMA_DISPATCH
+/// Whether this CPU has FMA instructions (checked once).
+inline bool fma_hardware() noexcept {
+  static const bool fma = __builtin_cpu_supports("fma") != 0;
+  return fma;
+}
+#endif
+
+namespace fused_detail {
+template <int = 0>
+inline void rotate(const float* x, int rows, const float* matrix, int cols, float* y) {
+  std::fill(y, y + cols, 0.0f);
+  for (int c = 0; c < rows; ++c) {
+    const float xc = x[c];
+    const float* row = matrix + static_cast<std::size_t>(c) * cols;
+    for (int j = 0; j < cols; ++j) y[j] = std::fma(xc, row[j], y[j]);
+  }
+}
+#ifdef KVMOSAIC_FMA_DISPATCH
+__attribute__((target("fma"))) inline void rotate_fma(const float* x, int rows, const float* matrix, int cols, float* y) {
+  rotate(x, rows, matrix, cols, y);  // inlined: std::fma is one instruction under this target
+}
+#endif
+}  // namespace fused_detail
+
+/// y = x M for x [rows] and M [rows][cols] (row-major, fp32): y_j accumulates x_c M_cj over
+/// c = 0, 1, ... by fused multiply-adds from 0, the order of a device thread that owns y_j.
+/// Cost: rows x cols fused multiply-adds.
+inline void fused_rotate(const float* x, int rows, const float* matrix, int cols, float* y) {
+#ifdef KVMOSAIC_FMA_DISPATCH
+  if (fma_hardware()) {
+    fused_detail::rotate_fma(x, rows, matrix, cols, y);
+    return;
+  }
+#endif
+  fused_detail::rotate(x, rows, matrix, cols, y);
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/fused.hpp> ----
 
 #include <Eigen/Eigenvalues>
 
@@ -2598,6 +2702,7 @@ struct format_traits<format::packed_bitmap> {
                     static_cast<int>(f.mode), "strategy::fixed or strategy::search");
     detail::require(f.loss_threshold >= 0.0f && f.loss_threshold <= 1.0f, where, "loss_threshold", f.loss_threshold, "0 to 1");
     detail::require(f.block_variance_threshold >= 0.0f, where, "block_variance_threshold", f.block_variance_threshold, ">= 0");
+    detail::require(shape.head_dim <= 256, where, "head_dim", shape.head_dim, "at most 256 (block keys index channels in 8 bits)");
     detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
   }
   static int sink_rows(const format_type& f) { return f.sink_tokens; }
@@ -2679,6 +2784,69 @@ struct format_traits<format::packed_bitmap> {
       for (int g = 0; g < groups; ++g)
         o_basis[static_cast<std::size_t>(g) * s.kept + channel] += p[static_cast<std::size_t>(g) * n + t] * value;
     }, [](int) {});
+  }
+
+  // Block keys: MosaicKV's per-block keys, "channel-compressed together with the original K
+  // vectors" (section 5.2), which `select::mean_keys` keeps and scores in place of dense rows.
+  static constexpr bool has_block_keys = true;
+
+  /// Bytes of one block key of one KV head (`block_key_layout` of the slot's r pairs): 96 at
+  /// head_dim 128 and 25% retained, against 256 for a dense mean row.
+  static std::size_t block_key_bytes(const format_type& f, const page_shape& shape) {
+    return static_cast<std::size_t>(block_key_layout{detail::packed_geometry::of(f, shape).retained}.bytes());
+  }
+
+  /// The (channel, value) pairs a block key holds: the slot's r.
+  static int block_key_values(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).retained; }
+
+  /// The block key of a block's fp32 mean key ([head_dim]) in segment `s`: y = mean B_k (each
+  /// rotated channel summed over the head_dim channels in order by fused multiply-adds:
+  /// `detail::fused_rotate`, the device's order), the r / g groups of largest energy under the
+  /// segment's K strategy (`packed_choose_groups`, as a key's record), stored as each kept
+  /// channel's index and value in channel order, the values rounded to the storage dtype; a
+  /// strategy with fewer than the slot's r leaves the rest zero (index 0, value 0). Cost: head_dim
+  /// x kept fused multiply-adds and a partial sort of kept / g groups.
+  static void encode_block_key(const format_type& f, const page_shape& shape, const segment& s, const float* mean, std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const detail::packed_strategy& st = s.strategy[0];
+    std::vector<float> y(static_cast<std::size_t>(s.kept)), values(static_cast<std::size_t>(g.retained), 0.0f);
+    detail::fused_rotate(mean, shape.head_dim, s.basis[0].data(), s.kept, y.data());
+    std::vector<int> order, chosen;
+    std::vector<float> energy;
+    detail::packed_choose_groups(y.data(), s.kept, st, order, energy, chosen);
+    std::memset(key, 0, block_key_bytes(f, shape));
+    auto* channels = reinterpret_cast<std::uint8_t*>(key);
+    std::size_t at = 0;
+    for (const int j : chosen)
+      for (int i = 0; i < st.group; ++i, ++at) {
+        channels[at] = static_cast<std::uint8_t>(j * st.group + i);
+        values[at] = y[static_cast<std::size_t>(j * st.group + i)];
+      }
+    detail::store_dense_rows(shape.storage, values.data(), values.size(), key + block_key_layout{g.retained}.values_offset());
+  }
+
+  /// The G queries ([G][head_dim]) in segment `s`'s K basis for scoring its block keys
+  /// ([G][kept]): q' = q B_k in `encode_block_key`'s order. Cost: G x head_dim x kept fused
+  /// multiply-adds.
+  static void block_key_query(const format_type&, const page_shape& shape, const segment& s, const float* q, int groups,
+                              float* q_key) {
+    for (int g = 0; g < groups; ++g)
+      detail::fused_rotate(q + static_cast<std::size_t>(g) * shape.head_dim, shape.head_dim, s.basis[0].data(), s.kept,
+                           q_key + static_cast<std::size_t>(g) * s.kept);
+  }
+
+  /// q' . y^ of one query (`block_key_query`'s, [kept]) and a block key: q'[channel] x value
+  /// over the slot's r pairs (zeros included) in stored order by fused multiply-adds from 0.
+  /// Cost: r fused multiply-adds.
+  static float score_block_key(const format_type& f, const page_shape& shape, const float* q_key, const std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    float values[256];  // r <= head_dim <= 256 (validate)
+    detail::load_dense_rows(shape.storage, key + block_key_layout{g.retained}.values_offset(), static_cast<std::size_t>(g.retained),
+                            values);
+    const auto* channels = reinterpret_cast<const std::uint8_t*>(key);
+    float sum = 0.0f;
+    for (int v = 0; v < g.retained; ++v) sum = std::fma(q_key[channels[v]], values[v], sum);
+    return sum;
   }
 
  private:
@@ -2965,19 +3133,12 @@ inline void lane_sums(const float* q, int head_dim, Load& load, float* lane) {
   }
 }
 
-// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` per
-// channel; there `lane_sums` is also compiled for FMA hardware and chosen at run time. Both are
-// exact: the same bits.
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
-    !defined(__CUDACC__)
-#define KVMOSAIC_SPAN_SCORE_FMA_DISPATCH 1
+// Where `std::fma` would be a C library call (core/fused.hpp), `lane_sums` is also compiled for FMA
+// hardware and chosen at run time: the same bits.
+#ifdef KVMOSAIC_FMA_DISPATCH
 template <class Load>
 __attribute__((target("fma"))) inline void lane_sums_fma(const float* q, int head_dim, Load& load, float* lane) {
   lane_sums(q, head_dim, load, lane);  // inlined: std::fma is one instruction under this target
-}
-inline bool has_fma() noexcept {
-  static const bool fma = __builtin_cpu_supports("fma") != 0;
-  return fma;
 }
 #endif
 }  // namespace span_score_detail
@@ -2993,8 +3154,8 @@ inline bool has_fma() noexcept {
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
-#ifdef KVMOSAIC_SPAN_SCORE_FMA_DISPATCH
-  if (span_score_detail::has_fma())
+#ifdef KVMOSAIC_FMA_DISPATCH
+  if (fma_hardware())
     span_score_detail::lane_sums_fma(q, head_dim, load, lane);
   else
 #endif
@@ -5109,28 +5270,44 @@ struct append_item {
 
 /// Block summaries kept per block of every page for a read-less selector (`block_summary`):
 /// `select::quest`'s key bounds (the channel-wise min row then max row of each block's keys) or
-/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype.
+/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype; or, for a mean key
+/// over a format with block keys (`has_block_keys_v`), the format's block key of
+/// `block_key_bytes` bytes.
 struct bounds_geometry {
-  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds)
+  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds,
+                  std::size_t block_key_bytes = 0)
       : block_tokens(block),
         blocks_per_page(block > 0 ? shape.page_size / block : 0),
         summary(kind),
         rows_per_block(summary_rows(kind)),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        head_bytes(static_cast<std::size_t>(blocks_per_page) * rows_per_block * row_bytes),
+        block_bytes(block_key_bytes > 0 ? block_key_bytes : rows_per_block * row_bytes),
+        format_keys(block_key_bytes > 0),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * block_bytes),
         page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
   int block_tokens;        ///< 0: no summaries kept
   int blocks_per_page;
   block_summary summary;
   int rows_per_block;      ///< 2 (lo row, hi row) or 1 (mean row)
   std::size_t row_bytes;   ///< one row of head_dim values
-  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][rows_per_block rows]
+  std::size_t block_bytes; ///< one block's summary of one KV head
+  bool format_keys;        ///< the blocks keep the format's block keys, not dense rows
+  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][block_bytes]
   std::size_t page_bytes;  ///< the summaries of one page (every KV head): what a page costs on top
   std::size_t offset(page_id page, int head, int block) const noexcept {
-    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes +
-           static_cast<std::size_t>(block) * rows_per_block * row_bytes;
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * block_bytes;
   }
 };
+
+/// The fp32 mean of `n` rows (head_dim floats each): per channel a sum in token order divided by
+/// n, the order of the CUDA summary kernels.
+inline void mean_key(const float* rows, int n, int head_dim, float* mean) {
+  for (int c = 0; c < head_dim; ++c) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
+    mean[c] = sum / static_cast<float>(n);
+  }
+}
 
 /// Writes the channel-wise min and max of `n` rows (head_dim floats each, already exact in the
 /// storage dtype) as two stored rows at `out`.
@@ -5154,11 +5331,7 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
 /// dtype (the CUDA summary kernel computes it in the same order: the same bits).
 inline void store_mean_key(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
   std::vector<float> mean(static_cast<std::size_t>(head_dim));
-  for (int c = 0; c < head_dim; ++c) {
-    float sum = 0.0f;
-    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
-    mean[static_cast<std::size_t>(c)] = sum / static_cast<float>(n);
-  }
+  mean_key(rows, n, head_dim, mean.data());
   store_dense_rows(storage, mean.data(), mean.size(), out);
 }
 
@@ -5322,13 +5495,16 @@ class engine {
         format_(format),
         geometry_(shape, format),
         bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size),
-                         detail::block_summary_of<Selector>::value),
+                         detail::block_summary_of<Selector>::value, block_key_bytes_for<Selector>(format, shape)),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
 
   const detail::arena_geometry& geometry() const noexcept { return geometry_; }
   const detail::bounds_geometry& bounds_geometry() const noexcept { return bounds_geometry_; }
+  /// Whether the page blocks keep the format's block keys (`has_block_keys_v`: a mean key over
+  /// such a format) rather than dense summary rows.
+  bool format_block_keys() const noexcept { return bounds_geometry_.format_keys; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
   /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
@@ -5523,9 +5699,7 @@ class engine {
             std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-              detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                          rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
-                                          bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+              store_block(slot, index, page, h, block, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d);
           if constexpr (has_segments_v<Format>) {
             const segment_t& seg = segment(slot, index, h);
             if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
@@ -5882,10 +6056,30 @@ class engine {
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
-    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean); chunks
-    // keep bounds.
+    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean), or the
+    // format's block keys, scored with the queries in each page's segment; chunks keep bounds.
+    if constexpr (has_block_keys_v<Format>) {
+      if (r.block_tokens > 0 && bounds_geometry_.format_keys) {
+        std::vector<float> q_key;
+        std::int64_t key_segment = -1;
+        const int per = traits::segment_pages(format_, shape_.page());
+        for (std::size_t i = 0; i < begin.size(); ++i) {
+          const std::int64_t index = begin[i] / p;
+          if (index / per != key_segment) {  // spans come in token order: one query per segment
+            const segment_t& seg = segment(seq.slot, index, h);
+            key_segment = index / per;
+            q_key.resize(static_cast<std::size_t>(groups) * seg.kept);
+            traits::block_key_query(format_, shape_.page(), seg, queries.data(), groups, q_key.data());
+          }
+          const std::size_t kept = q_key.size() / static_cast<std::size_t>(groups);
+          for (int g = 0; g < groups; ++g)
+            head_scores[static_cast<std::size_t>(g)] = traits::score_block_key(format_, shape_.page(), q_key.data() + g * kept, bounds[i]);
+          scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
+        }
+      }
+    }
     const int rows = r.block_tokens > 0 ? bounds_geometry_.rows_per_block : 2;
-    for (std::size_t i = 0; i < begin.size(); ++i) {
+    for (std::size_t i = 0; i < begin.size() && !(r.block_tokens > 0 && bounds_geometry_.format_keys); ++i) {
       dense_traits::decode_k(format::dense{}, page_shape{rows, d, shape_.storage}, bounds[i], rows, lo_hi.data());
       for (int g = 0; g < groups; ++g)
         head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
@@ -5980,10 +6174,8 @@ class engine {
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
       for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-        detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
-                                    bounds_geometry_.block_tokens, shape_.head_dim,
-                                 bounds_.data() + bounds_geometry_.offset(page, h, block));
+        store_block(slot, index, page, h, block,
+                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim);
       hide_sinks();
       if constexpr (has_segments_v<Format>) {
         traits::encode_k(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.k_page_offset(h));
@@ -5999,6 +6191,30 @@ class engine {
       if constexpr (has_segments_v<Format>) traits::encode_v(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.v_page_offset(h));
       else traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
+  }
+
+  /// Bytes of the format's block key when `Selector` keeps mean keys and the format has block
+  /// keys; 0 (dense summary rows) otherwise.
+  template <class Selector>
+  static std::size_t block_key_bytes_for(const Format& format, const detail::engine_shape& shape) {
+    if constexpr (has_block_keys_v<Format>)
+      if (detail::block_summary_of<Selector>::value == block_summary::mean) return traits::block_key_bytes(format, shape.page());
+    return 0;
+  }
+  /// The summary of one block of `n` exact rows of head `h` of page `index` of the sequence in
+  /// `slot` (page `page` of the pool): the selector's dense rows, or the format's block key of the
+  /// rows' fp32 mean in the page's segment.
+  void store_block(std::int32_t slot, std::int64_t index, page_id page, int h, int block, const float* rows) {
+    std::byte* out = bounds_.data() + bounds_geometry_.offset(page, h, block);
+    if constexpr (has_block_keys_v<Format>) {
+      if (bounds_geometry_.format_keys) {
+        std::vector<float> mean(static_cast<std::size_t>(shape_.head_dim));
+        detail::mean_key(rows, bounds_geometry_.block_tokens, shape_.head_dim, mean.data());
+        traits::encode_block_key(format_, shape_.page(), segment(slot, index, h), mean.data(), out);
+        return;
+      }
+    }
+    detail::store_block_summary(bounds_geometry_.summary, shape_.storage, rows, bounds_geometry_.block_tokens, shape_.head_dim, out);
   }
 
   detail::engine_shape shape_;
@@ -10973,6 +11189,12 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   // engine's segment arena (device_context::segments), as the kernels read it
 ///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
 ///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
+///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
+///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
+///   template <class Shapes>
+///   static void encode_block_keys(const state&, const format::X&, const block_key_seal_context&);
+///   template <class Shapes>
+///   static void block_key_queries(const state&, const format::X&, const block_key_query_context&);
 /// };
 /// ```
 ///
@@ -11029,6 +11251,41 @@ struct unpack_context {
   std::int32_t n;
   const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
                                         ///< arena (slot x segments_per_sequence + segment); else null
+};
+
+/// What a format's block-key seal is given (formats with `format_traits::has_block_keys`, when
+/// the selector keeps mean keys): `n` sealed pages whose dense rows are in slots `row_slots[i]`
+/// of `rows` (tail-slot layout), written to `page_ids` in segment `segment_entries[i]` (slot x
+/// segments_per_sequence + segment); their block keys go to `keys` ([max_pages][num_kv_heads]
+/// [blocks_per_page][key_bytes], the selection stage's arena).
+struct block_key_seal_context {
+  const device_context* engine;
+  const std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::int32_t* row_slots;
+  const std::int32_t* page_ids;
+  const std::int32_t* segment_entries;
+  std::int32_t n;
+  std::byte* keys;
+  std::int64_t keys_page_bytes;
+  int key_bytes;
+  int block_tokens;
+  int blocks_per_page;
+};
+
+/// What a format's block-key query pass is given: the step's queries ([batch][num_q_heads]
+/// [head_dim], unscaled), each sequence's slot and sealed pages, and where the queries in each
+/// (sequence, KV head, segment)'s rotated space go ([batch][num_kv_heads][segments_per_sequence]
+/// [basis_dim][query_heads]: a channel's heads side by side, zeros past the group).
+struct block_key_query_context {
+  const device_context* engine;
+  const float* q;
+  const std::int32_t* tail_slots;
+  const std::int32_t* sealed_pages;
+  std::int32_t batch;
+  float* q_key;
+  int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
 };
 
 namespace detail {
@@ -11238,6 +11495,746 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/kernel/queries.cuh> ----
 
+// ---- begin <kvmosaic/cuda/kernel/select_pages.cuh> ----
+/// \file
+/// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
+/// run on the device between the step's metadata copy and the split kernel, with no host round
+/// trip, so a selected step is captured in a CUDA graph like a dense one.
+///   - `score_pages_kernel`: one warp per 4 or 8 spans of a (sequence, KV head): Quest's bound of
+///     q . k from each span's key bounds, or q . mean key, for each query head of the group,
+///     combined (select/span_score.hpp gives the fp32 order, which the host backend follows to the
+///     bit).
+///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
+///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
+///     keys (4 passes of 8 bits, each a shared-memory histogram), then a compaction by warp
+///     ballots that writes the chosen page ids in sequence order: the split kernel's per-head page
+///     table.
+
+#include <cub/block/block_scan.cuh>
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// What the selection kernels read and write. Tables and scores are rows of the step metadata.
+///
+/// The scoring kernel sees a sequence as `span_counts[b]` spans with key bounds: span i lies in
+/// entry i / spans_per_entry of its span table, whose bounds are a block of `bounds_entry_bytes`:
+/// [num_kv_heads][spans_per_entry][lo row, hi row] (or one mean row, `summary_rows` = 1, scored as
+/// lo = hi). For `select::quest` and `select::mean_keys` the entries are the pages (spans_per_entry
+/// = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
+struct select_params {
+  const std::byte* bounds;            ///< bounds arena, in the storage dtype
+  std::int64_t bounds_entry_bytes;    ///< one entry's bounds, every KV head
+  int spans_per_entry;
+  int summary_rows;                   ///< rows per span: 2 (lo, hi) or 1 (mean)
+  const std::int32_t* span_tables;    ///< [batch][span_table_stride] entry ids
+  int span_table_stride;
+  const std::int32_t* span_counts;    ///< [batch] spans of each sequence
+  int score_stride;                   ///< scores of (b, head) at (b * num_kv_heads + head) * score_stride
+  const std::int32_t* step_header;    ///< [1] selected-table row stride, [2] its head stride, [3] block-table stride
+  const std::int32_t* block_tables;   ///< [batch][header[3]] each sequence's page ids
+  const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has
+  const std::int32_t* budget_pages;   ///< [batch] pages each KV head reads (at most sealed_pages; whole pages)
+  const float* q;                     ///< [batch][num_kv_heads * group_size][head_dim], unscaled
+  int num_kv_heads;
+  int group_size;
+  int combine_sum;                    ///< 1: group_combine::sum, 0: group_combine::max
+  float* scores;                      ///< [batch][num_kv_heads][score_stride]
+  std::int32_t* selected;             ///< [batch][header[1]]: per KV head, header[2] apart, the chosen page ids
+
+  // Token-granular selection (`select_spans_kernel`) only.
+  int span_tokens;                    ///< > 0: span i is tokens [i * span_tokens, (i + 1) * span_tokens)
+  const int2* span_ranges;            ///< span_tokens == 0: {begin, end} per span slot (entry * spans_per_entry + k)
+  const std::int32_t* budget_tokens;  ///< [batch] tokens each KV head's chosen spans may hold
+  const std::int32_t* always_from;    ///< [batch] sealed tokens from here on are read whatever the selection
+  int page_size;
+  int mask_words;                     ///< 32-bit row-mask words per page
+  std::uint32_t* marks;               ///< scratch: [batch][num_kv_heads][header[3]][mask_words]
+  std::uint32_t* token_masks;         ///< [batch][header[1]] entries of `selected` (head h at h * header[2]) x mask_words
+  std::int32_t* table_lengths;        ///< [batch][num_kv_heads] entries written to `selected`
+
+  /// Evicted tokens (null: none): per (sequence, block-table entry), its live rows
+  /// ([batch][header[3]][mask_words]). Both kernels then write each chosen page's row mask ANDed
+  /// with its live rows to `token_masks` (page-granular steps too) and the entries to
+  /// `table_lengths`, and drop a page left with no row.
+  const std::uint32_t* live_masks;
+
+  // Block keys (`score_block_keys_kernel`): each span's summary is a format's block key
+  // (`block_key_layout` of r pairs; `bounds_entry_bytes` per entry as above, `key_bytes` per
+  // span), scored against the step's queries in the span's segment.
+  int key_bytes;                      ///< one span's block key
+  int key_retained;                   ///< r: values a block key holds
+  int key_kept;                       ///< channels of the segments' rotated space
+  int key_query_copies;               ///< `block_key_launch::copies`
+  int key_stride;                     ///< `block_key_launch::key_stride`
+  int segment_pages;                  ///< pages a segment holds: entry e is in segment e / segment_pages
+  int segments_per_sequence;
+  const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)]
+};
+
+/// Query heads the scoring kernels take at a time for a group of `group` heads: 4 for groups of
+/// up to 4, else 8; also the width of a block-key query row (`block_key_source`).
+__host__ __device__ constexpr int score_heads(int group) noexcept { return group <= 4 ? 4 : 8; }
+
+/// Warps per CTA of the scoring kernel.
+inline constexpr int score_warps = 8;
+namespace detail_select {
+/// `Count` consecutive 16-bit values as they are stored, with one vector load (Count = 2, 4 or 8).
+template <int Count>
+using raw_vector = std::conditional_t<Count == 8, uint4, std::conditional_t<Count == 4, uint2, unsigned>>;
+template <class T, int Count>
+__device__ __forceinline__ raw_vector<Count> load_raw(const T* source) {
+  return *reinterpret_cast<const raw_vector<Count>*>(source);
+}
+/// The values of a `load_raw` as floats.
+template <class T, int Count>
+__device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* out) {
+  const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
+}
+
+/// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
+/// Half of its lane is set) and adds the other's, sent by lane ^ Half, into v[0, Half).
+template <int Half>
+__device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
+  const bool upper = (lane & Half) != 0;
+#pragma unroll
+  for (int i = 0; i < Half; ++i) {
+    const float send = upper ? v[i] : v[i + Half];
+    const float keep = upper ? v[i + Half] : v[i];
+    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, Half));
+  }
+}
+
+/// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
+/// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
+/// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
+/// per-value butterfly would give (addition commutes), for 31 shuffles instead of 160. Values i
+/// and i + 16 are asked for together and exchanged at once, so 16 are live at a time.
+template <class Value>
+__device__ __forceinline__ float reduce_scatter(const Value& value) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  float v[16];
+  const bool upper16 = (lane & 16) != 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float low = value(i), high = value(i + 16);
+    v[i] = __fadd_rn(upper16 ? high : low, __shfl_xor_sync(0xffffffffu, upper16 ? low : high, 16));
+  }
+  reduce_half<8>(v, lane);
+  reduce_half<4>(v, lane);
+  reduce_half<2>(v, lane);
+  reduce_half<1>(v, lane);
+  return v[0];
+}
+}  // namespace detail_select
+
+/// Spans each warp of `score_pages_kernel` scores, for groups of up to `heads` heads (4 or 8): as
+/// many as keep their raw summaries (head_dim / 32 channels of `summary_rows` 16-bit rows a span
+/// and lane) in the registers left of a budget by the lane's queries, one reduction's floats and
+/// its 16 partial sums, so that a warp has them all in flight at once; at most 32 (one per lane
+/// locates them), at least one reduction (32 / heads), whole reductions. The budget: 96 for groups
+/// of up to 4, which fits three CTAs an SM (at head_dim 128, 24 mean-key spans a warp rather than
+/// 32 at two CTAs: the faster by measurement, benchmark/README.md, "Span scoring at three CTAs an
+/// SM"), 112 for groups of 5 to 8.
+__host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
+  const int width = head_dim / 32, per_reduction = 32 / heads;
+  const int budget = heads == 4 ? 96 : 112;
+  const int free_registers = budget - heads * width - per_reduction * summary_rows * width;
+  const int spans = free_registers / (summary_rows * width / 2);
+  return spans >= 32 ? 32 : (spans <= per_reduction ? per_reduction : spans / per_reduction * per_reduction);
+}
+
+/// Quest bounds (`SummaryRows` 2: lo and hi rows) or mean-key scores (1: one row, scored as
+/// lo = hi) of every span, for groups of up to `Heads` query heads (4 or 8). Each warp scores
+/// S = score_spans_per_warp(HeadDim, SummaryRows, Heads) consecutive spans: lane k locates span k
+/// (its entry's id and the address of its summary rows), every lane takes each span's address
+/// from lane k by a shuffle, and all S spans' summaries are loaded before anything waits on them;
+/// only then are the group's queries staged in shared memory (every warp of the CTA reads the
+/// same (sequence, KV head)), so a CTA waits on two loads for S x score_warps spans. Lane l holds
+/// channels [l w, (l + 1) w), w = head_dim / 32, and accumulates them in order by fused
+/// multiply-adds; the 32 lanes' partial sums of 32 / Heads spans (the Heads heads of each) are
+/// then reduced at once (`reduce_scatter`), S Heads / 32 reductions a warp: the canonical order of
+/// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads,
+/// ceil(spans / (score_warps x S)), batch): the KV heads of the same entries side by side, so the
+/// CTAs in flight read each entry's summaries (every head's, contiguous) together.
+template <class T, int HeadDim, int SummaryRows, int Heads>
+__global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
+  static_assert(SummaryRows == 1 || SummaryRows == 2, "a span's summary: a mean row, or lo and hi rows");
+  static_assert(Heads == 4 || Heads == 8, "heads per reduction: 4 (groups of up to 4) or 8");
+  constexpr int width = HeadDim / kvmosaic::detail::span_score_lanes;  // contiguous channels per lane
+  constexpr int per_reduction = 32 / Heads;
+  constexpr int per_warp = score_spans_per_warp(HeadDim, SummaryRows, Heads);
+  static_assert(per_warp % per_reduction == 0, "whole reductions a warp");
+  using raw = detail_select::raw_vector<width>;
+  __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
+  const int spans = p.span_counts[b];  // pages, page blocks or chunks
+  const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
+  if (cta_first >= spans) return;  // the whole CTA: before the barrier below
+  const int first = cta_first + warp * per_warp, last = spans - 1;
+  // Lane k locates span first + k (the last span past the end): block `slot` of entry `entry`,
+  // this head's summary rows; the warp's lanes then take each span's row from lane k, so the
+  // division, the entry's id and the 64-bit address are one per lane, not one per span and lane.
+  std::uintptr_t lane_summary;
+  {
+    const int per_entry = p.spans_per_entry, span = min(first + lane, last);
+    const int entry = span / per_entry, slot = span % per_entry;
+    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+    lane_summary = reinterpret_cast<std::uintptr_t>(
+        reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
+        (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim);
+  }
+  raw low[per_warp], high[SummaryRows == 2 ? per_warp : 1];
+#pragma unroll
+  for (int k = 0; k < per_warp; ++k) {
+    const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(lane_summary), k)) +
+                   lane * width;
+    low[k] = detail_select::load_raw<T, width>(row);
+    if constexpr (SummaryRows == 2) high[k] = detail_select::load_raw<T, width>(row + HeadDim);
+  }
+  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
+  const int group = p.group_size;
+  for (int i = static_cast<int>(threadIdx.x); i < group * HeadDim; i += score_warps * 32) queries[i] = q[i];
+  __syncthreads();  // the queries are staged
+  if (first >= spans) return;
+  float qc[Heads][width];  // this lane's channels of each head (zero past the group: never combined)
+#pragma unroll
+  for (int g = 0; g < Heads; ++g)
+#pragma unroll
+    for (int j = 0; j < width; ++j) qc[g][j] = g < group ? queries[g * HeadDim + lane * width + j] : 0.0f;
+  float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
+#pragma unroll
+  for (int r = 0; r < per_warp / per_reduction; ++r) {
+    const int reduction_first = first + r * per_reduction;
+    if (reduction_first >= spans) break;  // the same for the whole warp
+    float lo[per_reduction][width], hi[per_reduction][width];
+#pragma unroll
+    for (int k = 0; k < per_reduction; ++k) {
+      detail_select::to_floats<T, width>(low[r * per_reduction + k], lo[k]);
+      if constexpr (SummaryRows == 2) detail_select::to_floats<T, width>(high[r * per_reduction + k], hi[k]);
+    }
+    // Value s x Heads + g: this lane's channels of span s of the reduction, head g.
+    const auto partial = [&](int index) {
+      const int s = index / Heads, g = index % Heads;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < width; ++j) {
+        const float bound = SummaryRows == 2 ? (qc[g][j] >= 0.0f ? hi[s][j] : lo[s][j]) : lo[s][j];
+        sum = __fmaf_rn(qc[g][j], bound, sum);  // the host's std::fma, in the same order
+      }
+      return sum;
+    };
+    const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
+    // The group's heads combined in head order, from the span's first lane.
+    const int span_lane = lane / Heads * Heads;
+    float combined = __shfl_sync(0xffffffffu, total, span_lane);
+#pragma unroll
+    for (int g = 1; g < Heads; ++g) {
+      const float s = __shfl_sync(0xffffffffu, total, span_lane + g);
+      if (g < group) combined = p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
+    }
+    const int span = reduction_first + lane / Heads;
+    if (lane % Heads == 0 && span < spans) scores[span] = combined;
+  }
+}
+
+/// How `score_block_keys_kernel` is launched: spans (threads) per CTA, the copies of the staged
+/// queries, each key's stride in shared memory (16-byte chunks, odd) and the dynamic shared
+/// memory: kept x copies x heads floats of queries, then a key per thread.
+struct block_key_launch {
+  int threads;
+  int copies;
+  int key_stride;
+  int shared_bytes;
+};
+
+/// The launch of `score_block_keys_kernel` for keys of `key_bytes` (a multiple of 16) in a space
+/// of `kept` channels, `heads` (4 or 8) query heads a thread: 128 spans a CTA with 8 copies of
+/// the queries (one per lane of a quarter warp, so that a warp's 16-byte loads of random
+/// channels fall in distinct banks), halving the copies, then the spans, until it fits
+/// `max_shared` bytes. The last, 32 spans and one copy, takes at most 33 KB (kept <= 256, keys
+/// of at most 3 x 256 bytes: formats with block keys validate head_dim <= 256), which every
+/// device has.
+inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_bytes, int max_shared) {
+  const int key_stride = (key_bytes / 16) | 1;  // odd: a quarter warp's keys in distinct banks
+  const auto bytes = [&](int threads, int copies) { return kept * copies * heads * 4 + threads * key_stride * 16; };
+  for (int threads = 128; threads > 32; threads /= 2)
+    for (int copies = 8; copies >= 1; copies /= 2)
+      if (bytes(threads, copies) <= max_shared) return block_key_launch{threads, copies, key_stride, bytes(threads, copies)};
+  return block_key_launch{32, 1, key_stride, bytes(32, 1)};
+}
+
+/// Block-key scores (`select::mean_keys` over a format with block keys, e.g. packed_bitmap) of
+/// every span, for groups of up to `Heads` query heads (4 or 8), a thread per span. The CTA
+/// stages the queries of its first span's segment (q' [kept][Heads], `key_query_copies` copies
+/// side by side) and each warp its 32 spans' keys, loaded coalesced, in shared memory; then each
+/// thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
+/// multiply-adds from 0 for each head g of the group (the host's
+/// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, and the heads
+/// combine in head order. A span in a later segment than the CTA's first reads its queries from
+/// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
+/// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
+/// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
+/// Grid: (num_kv_heads, ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
+template <class T, int HeadDim, int Heads>
+__global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {
+  static_assert(Heads == 4 || Heads == 8, "heads a thread scores: 4 (groups of up to 4) or 8");
+  constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
+  extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
+  const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
+  const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
+  if (first >= spans) return;
+  const int kept = p.key_kept, copies = p.key_query_copies, r = p.key_retained;
+  const auto* head_queries = reinterpret_cast<const float4*>(p.q_key) +
+                             (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.segments_per_sequence * kept * quads;
+  const int staged_segment = first / p.spans_per_entry / p.segment_pages;
+  const float4* staged_from = head_queries + static_cast<std::size_t>(staged_segment) * kept * quads;
+  // This thread's span (past the end: the last, loaded but not scored) and its key.
+  const int span = first + tid, mine = min(span, spans - 1);
+  const int entry = mine / p.spans_per_entry, slot = mine % p.spans_per_entry;
+  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
+                         (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
+  // The segment's queries are loaded first (a channel's heads, stored `copies` times side by side
+  // below), then the warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes,
+  // consecutive chunks), eight loads in flight before their stores.
+  const int staged_items = kept * quads;
+  const float4 first_queries = tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  const int chunks = p.key_bytes / 16, stride = p.key_stride;
+  uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
+  const int keys_per_round = 32 / chunks, chunks_past = 32 % chunks;  // item += 32 in (key, chunk)
+  int s = lane / chunks, c = lane % chunks;
+  for (int round = 0; round < chunks; round += 8) {
+    uint4 loaded[8];
+    int at[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (round + u < chunks) {  // uniform across the warp
+        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), s));
+        loaded[u] = __ldg(from + c);
+        at[u] = s * stride + c;
+        s += keys_per_round;
+        c += chunks_past;
+        if (c >= chunks) c -= chunks, ++s;
+      }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (round + u < chunks) keys[at[u]] = loaded[u];
+  }
+  for (int x = tid; x < staged_items; x += threads) {
+    const float4 q = x == tid ? first_queries : __ldg(staged_from + x);
+    float4* to = staged_queries + x / quads * copies * quads + x % quads;
+    // Copy (k + x) mod copies at step k: a quarter warp's stores in distinct banks.
+    for (int k = 0; k < copies; ++k) to[(k + x) % copies * quads] = q;
+  }
+  __syncthreads();
+  if (span >= spans) return;
+  const uint4* own = keys + lane * stride;
+  const int values_chunk = block_key_layout{r}.values_offset() / 16;
+  float sum[Heads] = {};
+  const auto score = [&](const auto& queries_of) {
+    for (int v = 0; v < r; v += 16) {
+      const uint4 channel_bytes = own[v / 16];
+      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (v + 8 * half >= r) break;
+        const uint4 value_bits = own[values_chunk + v / 8 + half];
+        const auto* value = reinterpret_cast<const T*>(&value_bits);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (v + 8 * half + i >= r) break;
+          const float x = to_float(value[i]);
+          const int c = channel[8 * half + i];
+#pragma unroll
+          for (int h = 0; h < quads; ++h) {
+            const float4 q = queries_of(c, h);
+            sum[4 * h + 0] = __fmaf_rn(q.x, x, sum[4 * h + 0]);  // the host's std::fma
+            sum[4 * h + 1] = __fmaf_rn(q.y, x, sum[4 * h + 1]);
+            sum[4 * h + 2] = __fmaf_rn(q.z, x, sum[4 * h + 2]);
+            sum[4 * h + 3] = __fmaf_rn(q.w, x, sum[4 * h + 3]);
+          }
+        }
+      }
+    }
+  };
+  const int segment = entry / p.segment_pages;
+  if (segment == staged_segment) {
+    const float4* queries = staged_queries + (lane % copies) * quads;
+    const int channel_stride = copies * quads;
+    score([&](int c, int h) { return queries[c * channel_stride + h]; });
+  } else {
+    const float4* queries = head_queries + static_cast<std::size_t>(segment) * kept * quads;
+    score([&](int c, int h) { return __ldg(queries + c * quads + h); });
+  }
+  float combined = sum[0];
+#pragma unroll
+  for (int g = 1; g < Heads; ++g)
+    if (g < p.group_size) combined = p.combine_sum ? __fadd_rn(combined, sum[g]) : (sum[g] > combined ? sum[g] : combined);
+  p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + span] = combined;
+}
+
+namespace detail_select {
+/// An unsigned key with the order of the scores: NaN as -infinity, -0 as +0 (equal scores tie).
+__device__ __forceinline__ std::uint32_t order_key(float score) {
+  std::uint32_t u = __float_as_uint(score);
+  if (score != score) u = 0xff800000u;
+  if (score == 0.0f) u = 0u;
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+/// Shared memory of `budget_threshold` (its block scan is free for the caller afterwards).
+template <int Threads>
+struct threshold_storage {
+  typename cub::BlockScan<int, Threads>::TempStorage scan;
+  int histogram[256];
+  int warp_totals[Threads / 32];
+  std::uint32_t digit;
+  int remaining;
+};
+
+/// Where a budget runs out along the order of n keys (higher first), each item weighing
+/// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
+/// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
+/// weights of the items matching the digits so far, then the digit by a block scan
+/// over the bins from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the
+/// budget left for the items at T. Needs a total weight above the budget. Whole CTA (256 threads
+/// or a multiple: the others scan zeros).
+template <int Threads, class KeyAt, class WeightOf>
+__device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
+                                                          threshold_storage<Threads>& s, int& remaining) {
+  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the items");
+  const int tid = static_cast<int>(threadIdx.x);
+  std::uint32_t prefix = 0, mask = 0;
+  remaining = budget;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) s.histogram[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += Threads) {
+      const std::uint32_t key = key_at(i);
+      if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 255u], weight_of(i));
+    }
+    __syncthreads();
+    const int weight = tid < 256 ? s.histogram[255 - tid] : 0;
+    int at_or_above = 0;
+    cub::BlockScan<int, Threads>(s.scan).InclusiveSum(weight, at_or_above);
+    if (tid < 256 && at_or_above > remaining && at_or_above - weight <= remaining) {
+      s.digit = static_cast<std::uint32_t>(255 - tid);
+      s.remaining = remaining - (at_or_above - weight);
+    }
+    __syncthreads();
+    prefix |= s.digit << shift;
+    remaining = s.remaining;
+    mask |= 255u << shift;
+    __syncthreads();  // the histogram and digit are rewritten by the next pass
+  }
+  return prefix;
+}
+
+/// Exclusive prefix over the warps of a CTA of one count per warp (the same value from every lane
+/// of a warp; `totals` holds Warps ints of shared memory): returns the counts of the warps before
+/// this one, and the CTA's total in `all`. Whole CTA; one barrier.
+template <int Warps>
+__device__ __forceinline__ int warps_before(int count, int* totals, int& all) {
+  static_assert(Warps <= 32, "a lane per warp");
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  if (threadIdx.x % 32 == 0) totals[warp] = count;
+  __syncthreads();
+  int before = 0;
+  all = 0;
+  for (int w = 0; w < Warps; ++w) {
+    const int c = totals[w];  // a broadcast read
+    before += w < warp ? c : 0;
+    all += c;
+  }
+  return before;
+}
+}  // namespace detail_select
+
+/// Threads per CTA of the selection kernels: four per radix bin, one CTA per (sequence, KV
+/// head) walking its spans 1024 at a time.
+inline constexpr int select_threads = 1024;
+
+/// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
+/// keys, while they and the kernel's `static_bytes` of static shared memory fit the 48 KB every
+/// architecture allows without opting in (about 10,800 pages: 690K tokens at pages of 64). Longer
+/// sequences re-read their scores from L2 at each pass.
+inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
+  return max_pages * 4 + static_bytes <= 48 * 1024 ? max_pages * 4 : 0;
+}
+
+/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
+/// each with its live rows as its row mask).
+/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3], ...) (0: keys
+/// recomputed from the scores in global memory at each pass).
+template <int Threads>
+__global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
+  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the pages");
+  __shared__ detail_select::threshold_storage<Threads> storage;
+  extern __shared__ std::uint32_t shared_keys[];
+  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int n = p.sealed_pages[b];
+  const int k = min(p.budget_pages[b], n);
+  std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
+  if (k <= 0) {
+    if (length != nullptr && tid == 0) *length = 0;
+    return;
+  }
+  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
+  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
+  std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+  if (keys_in_shared) {
+#pragma unroll 8
+    for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together
+    __syncthreads();
+  }
+  const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
+
+  // The key where a budget of k pages runs out; then how many keys equal to it the selection
+  // takes (the first ones in sequence order).
+  std::uint32_t threshold = 0;
+  int ties_to_take = 0;
+  if (k < n) threshold = detail_select::budget_threshold(n, k, key_at, [](int) { return 1; }, storage, ties_to_take);
+  // Compaction in sequence order: warp w takes a run of consecutive pages, 32 at a time, and
+  // ranks them by ballots; three sweeps (ties, chosen, written) and two prefixes over the warps.
+  constexpr int warps = Threads / 32;
+  const int warp = tid / 32, lane = tid % 32;
+  const unsigned lanes_before = (1u << lane) - 1u;
+  const int run = (n + warps * 32 - 1) / (warps * 32) * 32;
+  const int begin = min(warp * run, n), end = min(begin + run, n);
+  const auto tie_at = [&](int i) { return i < end && k < n && key_at(i) == threshold; };
+  int ties_in_run = 0;
+  for (int base = begin; base < end; base += 32) ties_in_run += __popc(__ballot_sync(0xffffffffu, tie_at(base + lane)));
+  int unused = 0;
+  const int ties_before_run = detail_select::warps_before<warps>(ties_in_run, storage.warp_totals, unused);
+  // Whether page i (< end) is chosen, given the ties before it.
+  const auto chosen_at = [&](int i, int ties_before) {
+    if (i >= end) return false;
+    if (k >= n) return true;
+    const std::uint32_t key = key_at(i);
+    return key > threshold || (key == threshold && ties_before < ties_to_take);
+  };
+  int chosen_in_run = 0;
+  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
+    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(base + lane));
+    chosen_in_run += __popc(__ballot_sync(0xffffffffu, chosen_at(base + lane, ties + __popc(tie_bits & lanes_before))));
+    ties += __popc(tie_bits);
+  }
+  __syncthreads();  // the warp totals are rewritten
+  int written = 0;
+  int position = detail_select::warps_before<warps>(chosen_in_run, storage.warp_totals, written);
+  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
+    const int i = base + lane;
+    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(i));
+    const bool chosen = chosen_at(i, ties + __popc(tie_bits & lanes_before));
+    const unsigned chosen_bits = __ballot_sync(0xffffffffu, chosen);
+    if (chosen) {
+      const int at = position + __popc(chosen_bits & lanes_before);
+      out[at] = table[i];
+      if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
+        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + at;
+        const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
+        for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
+      }
+    }
+    ties += __popc(tie_bits);
+    position += __popc(chosen_bits);
+  }
+  if (length != nullptr && tid == 0) *length = written;
+}
+
+namespace detail_select {
+/// Sets the row-mask bits of tokens [from, to) of a sequence whose page p's mask is
+/// marks[p * words .. (p + 1) * words): one atomicOr per word touched.
+__device__ __forceinline__ void mark_rows(std::uint32_t* marks, int words, int page_size, int from, int to) {
+  for (int t = from; t < to;) {
+    const int page = t / page_size, row = t % page_size;
+    const int word_end = min((row / 32 + 1) * 32, page_size);
+    const int n = min(to - t, word_end - row);
+    const std::uint32_t bits = (n == 32 ? ~0u : ((1u << n) - 1u)) << (row % 32);
+    atomicOr(&marks[page * words + row / 32], bits);
+    t += n;
+  }
+}
+}  // namespace detail_select
+
+/// Dynamic shared memory of `select_spans_kernel` to cache the keys and token counts of `spans`
+/// spans (6 bytes each), and to hold the row marks of `pages` pages of `mask_words` words.
+__host__ __device__ inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15) / 16 * 16; }
+__host__ __device__ inline int span_marks_shared_bytes(int pages, int mask_words) noexcept { return pages * mask_words * 4; }
+
+/// The token-granular selection of each (sequence b, KV head): sub-page `select::quest` blocks or
+/// `select::sentence_chunks` chunks. It takes the longest prefix of the spans' score order (higher
+/// first, ties to the lower index) whose token counts fit budget_tokens[b] (the host's
+/// `detail::budget_prefix`), by a radix select whose histograms count tokens rather than spans
+/// (4 passes of 8 bits; the spans at the threshold key then go in index order by a block scan).
+/// It marks the rows of the chosen spans and every sealed row from always_from[b] on, per page,
+/// then writes the pages with a marked row, in sequence order, with their row masks: the split
+/// kernels' table (`table_lengths` entries). Each span's key and token count are read from
+/// global memory once, into shared memory, when `cached` (dynamic shared memory:
+/// span_select_shared_bytes(spans)); else re-read at each pass. The marks are shared memory
+/// after those when `shared_marks` (span_marks_shared_bytes(pages, mask_words) more), else
+/// `p.marks`.
+/// Grid: (batch, num_kv_heads).
+template <int Threads>
+__global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached, int shared_marks) {
+  using scan = cub::BlockScan<int, Threads>;
+  __shared__ detail_select::threshold_storage<Threads> storage;
+  __shared__ int shared_total;
+  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int n = p.span_counts[b], sealed = p.sealed_pages[b], words = p.mask_words;
+  const int sealed_tokens = sealed * p.page_size;
+  const int budget = max(p.budget_tokens[b], 0);
+  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
+  const auto range = [&](int i) {
+    if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
+    const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];
+    return p.span_ranges[static_cast<std::size_t>(entry) * p.spans_per_entry + i % p.spans_per_entry];
+  };
+  // [n] keys, then [n] 16-bit token counts when cached; then the marks when shared.
+  extern __shared__ __align__(16) std::uint32_t span_keys[];
+  auto* span_tokens = reinterpret_cast<std::uint16_t*>(span_keys + (cached ? n : 0));
+  std::uint32_t* marks = shared_marks ? span_keys + (cached ? span_select_shared_bytes(n) / 4 : 0)
+                                      : p.marks + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.step_header[3] * words;
+  for (int i = tid; i < sealed * words; i += Threads) marks[i] = 0u;
+  if (tid == 0) shared_total = 0;
+  int mine = 0;
+  if (cached) {
+#pragma unroll 16
+    for (int i = tid; i < n; i += Threads) {  // independent loads: many in flight per thread
+      const int2 r = range(i);
+      span_keys[i] = detail_select::order_key(scores[i]);
+      span_tokens[i] = static_cast<std::uint16_t>(r.y - r.x);
+      mine += r.y - r.x;
+    }
+  } else {
+    for (int i = tid; i < n; i += Threads) {
+      const int2 r = range(i);
+      mine += r.y - r.x;
+    }
+  }
+  __syncthreads();  // marks are zero before anything is marked; the total starts at 0; keys cached
+  atomicAdd(&shared_total, mine);
+  __syncthreads();
+  const bool take_all = shared_total <= budget;
+  const auto key_at = [&](int i) { return cached ? span_keys[i] : detail_select::order_key(scores[i]); };
+  const auto tokens_of = [&](int i) {
+    if (cached) return static_cast<int>(span_tokens[i]);
+    const int2 r = range(i);
+    return r.y - r.x;
+  };
+
+  // The threshold key: the spans above it fit the budget, and adding all those at it would not.
+  std::uint32_t threshold = 0;
+  int remaining = budget;
+  if (!take_all) threshold = detail_select::budget_threshold(n, budget, key_at, tokens_of, storage, remaining);
+  // Mark the chosen spans: those above the threshold, and the longest run of those at it (in
+  // index order) that fits what is left of the budget.
+  int ties_before = 0;
+  for (int base = 0; base < n; base += Threads) {
+    const int i = base + tid;
+    const std::uint32_t key = i < n ? key_at(i) : 0u;
+    const int tokens = i < n ? tokens_of(i) : 0;
+    const bool is_tie = !take_all && i < n && key == threshold;
+    int tie_tokens_before = 0, tie_tokens = 0;
+    scan(storage.scan).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
+    const bool chosen = i < n && (take_all || key > threshold ||
+                                  (is_tie && ties_before + tie_tokens_before + tokens <= remaining));
+    if (chosen) {
+      const int2 r = range(i);
+      detail_select::mark_rows(marks, words, p.page_size, r.x, min(r.y, sealed_tokens));
+    }
+    ties_before += tie_tokens;
+    __syncthreads();  // the scan storage is reused
+  }
+  // The always-read rows, 32 tokens per thread and turn.
+  const int always_from = max(p.always_from[b], 0);
+  for (int t = always_from / 32 * 32 + tid * 32; t < sealed_tokens; t += Threads * 32)
+    detail_select::mark_rows(marks, words, p.page_size, max(t, always_from), min(t + 32, sealed_tokens));
+  __syncthreads();  // every mark is in
+
+  // The pages with a marked row, in sequence order, with their masks.
+  const std::size_t out_row = static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+  int written = 0;
+  for (int base = 0; base < sealed; base += Threads) {
+    const int i = base + tid;
+    std::uint32_t any = 0;
+    if (i < sealed)
+      for (int w = 0; w < words; ++w) {
+        if (p.live_masks != nullptr)  // evicted rows are never read
+          marks[i * words + w] &= p.live_masks[(static_cast<std::size_t>(b) * p.step_header[3] + i) * words + w];
+        any |= marks[i * words + w];
+      }
+    int position = 0, count = 0;
+    scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
+    if (any != 0) {
+      const std::size_t entry = out_row + written + position;
+      p.selected[entry] = p.block_tables[static_cast<std::size_t>(b) * p.step_header[3] + i];
+      for (int w = 0; w < words; ++w) p.token_masks[entry * words + w] = marks[i * words + w];
+    }
+    written += count;
+    __syncthreads();
+  }
+  if (tid == 0) p.table_lengths[static_cast<std::size_t>(b) * p.num_kv_heads + head] = written;
+}
+
+}  // namespace kvmosaic::cuda::kernel
+
+namespace kvmosaic::cuda::kernel {
+
+/// Where the key bounds of newly sealed pages come from and go.
+struct bounds_params {
+  const std::byte* rows;              ///< dense rows of the new pages: their page slots, or scratch slots
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
+  const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
+  const std::int32_t* new_pages;      ///< [n] page ids
+  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][summary rows]
+  std::int64_t bounds_page_bytes;
+  int block_tokens;                   ///< tokens per block: the page size, or a multiple of 8 dividing it
+};
+
+/// The summary of the keys of each block of each new page, per KV head: with `Mean` the mean row
+/// (`select::mean_keys`: an fp32 sum in token order divided by the count, the host's
+/// `store_mean_key` to the bit), else the channel-wise min and max rows (`select::quest`, the
+/// host's `store_key_bounds`). Grid: (n, num_kv_heads, blocks per page), one thread per channel.
+template <class T, int HeadDim, bool Mean = false>
+__global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
+  const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
+  const int block = static_cast<int>(blockIdx.z), blocks = static_cast<int>(gridDim.z);
+  const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
+                                             static_cast<std::size_t>(head) * p.rows_head_bytes) +
+                  static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
+  if constexpr (Mean) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
+    T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
+             (static_cast<std::size_t>(head) * blocks + block) * HeadDim;
+    out[c] = T(__fdiv_rn(sum, static_cast<float>(p.block_tokens)));
+    return;
+  }
+  float lo = to_float(rows[c]), hi = lo;
+  for (int t = 1; t < p.block_tokens; ++t) {
+    const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);
+    lo = x < lo ? x : lo;
+    hi = x > hi ? x : hi;
+  }
+  T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
+           (static_cast<std::size_t>(head) * blocks + block) * 2 * HeadDim;
+  out[c] = T(lo);  // exact: lo and hi are stored values
+  out[HeadDim + c] = T(hi);
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/kernel/select_pages.cuh> ----
+
 // ---- begin <kvmosaic/cuda/kernel/token_scores.cuh> ----
 /// \file
 /// The device half of the score-based selectors (`select::tova`, `select::h2o`):
@@ -11253,7 +12250,6 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 ///     the device.
 
 
-#include <cub/block/block_scan.cuh>
 
 
 
@@ -11771,6 +12767,17 @@ struct sealed_pages {
   std::int32_t n;
 };
 
+/// Where a step's block keys are scored from, for a stage whose spans keep a format's block keys
+/// (`format_traits::has_block_keys`, under a selector that keeps mean keys): the step's queries in
+/// each segment's rotated space, which the engine has the format compute before the launch.
+struct block_key_source {
+  const float* q_key = nullptr;     ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)] (device)
+  int kept = 0;                     ///< channels of the rotated space
+  int retained = 0;                 ///< (channel, value) pairs a block key holds
+  int segment_pages = 1;
+  int segments_per_sequence = 1;
+};
+
 /// One sequence of a step as a stage sees it.
 struct step_sequence {
   std::int32_t slot;          ///< tail slot
@@ -11869,6 +12876,15 @@ class engine {
 
  private:
   static constexpr bool selects = selection_type::selects;
+  /// The selector keeps mean keys and the format has block keys (`has_block_keys_v`): the stage
+  /// keeps the format's block keys, which the format writes at each seal and scores from the
+  /// step's queries in each segment (`encode_block_keys`, `block_key_queries`).
+  static constexpr bool block_keys =
+      has_block_keys_v<Format> && kvmosaic::detail::block_summary_of<Selector>::value == block_summary::mean;
+  static selection_type make_selection(const kvmosaic::detail::engine_shape& shape, const Format& format, const Selector& selector) {
+    if constexpr (block_keys) return selection_type(shape, selector, traits::block_key_bytes(format, shape.page()));
+    else return selection_type(shape, selector);
+  }
 
   /// Where a step's outputs go: `data` in the merge kernel's output type at `strides`, and the
   /// optional log-sum-exps.
@@ -11898,7 +12914,7 @@ class engine {
         geometry_(shape, format),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
-        selection_(shape, selector) {
+        selection_(make_selection(shape, format, selector)) {
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device_));
     const int device = device_;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
@@ -12235,6 +13251,38 @@ class engine {
     partials_ = device_buffer(partial_floats * sizeof(float));
     queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * shape_.group_size *
                              shape_.head_dim * sizeof(float));
+    if constexpr (block_keys)
+      block_key_queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * segments_per_sequence_ *
+                                         kernel::score_heads(shape_.group_size) * traits::basis_dim(format_, shape_.page()) *
+                                         sizeof(float));
+  }
+
+  /// Block keys: the step's queries in each (sequence, KV head, segment)'s rotated space, by the
+  /// format, and where the stage scores its keys from.
+  void prepare_block_keys(const kernel::decode_params& p) {
+    const device_context c = context();
+    device::template block_key_queries<Shapes>(
+        format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                                              kernel::score_heads(shape_.group_size)});
+    block_key_source source;
+    source.q_key = block_key_queries_.as<const float>();
+    source.kept = traits::basis_dim(format_, shape_.page());
+    source.retained = traits::block_key_values(format_, shape_.page());
+    source.segment_pages = traits::segment_pages(format_, shape_.page());
+    source.segments_per_sequence = segments_per_sequence_;
+    selection_.use_block_keys(source);
+  }
+  /// Block keys: the format writes those of `n` sealed pages (dense rows in slots `row_slots` of
+  /// `rows`, pages `page_ids` in segments `segment_entries`) into the stage's arena.
+  void seal_block_keys(const std::byte* rows, std::int64_t rows_slot_bytes, std::int64_t rows_head_bytes, const std::int32_t* row_slots,
+                       const std::int32_t* page_ids, const std::int32_t* segment_entries, std::int32_t n) {
+    const device_context c = context();
+    const kvmosaic::detail::bounds_geometry& g = selection_.geometry();
+    device::template encode_block_keys<Shapes>(
+        format_state_, format_,
+        block_key_seal_context{&c, rows, rows_slot_bytes, rows_head_bytes, row_slots, page_ids, segment_entries, n,
+                               selection_.block_key_arena(), static_cast<std::int64_t>(g.page_bytes), static_cast<int>(g.block_bytes),
+                               g.block_tokens, g.blocks_per_page});
   }
 
   /// Host part of a step: the split plan from the lengths and the block tables, written to
@@ -12666,6 +13714,7 @@ class engine {
   device_buffer pages_;
   device_buffer tails_;
   selection_type selection_;     ///< the selector's device part
+  device_buffer block_key_queries_;  ///< block keys: the step's queries per (sequence, KV head, segment)
   int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
@@ -12720,7 +13769,9 @@ template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::launch_selection_only(const float* q) {
   kvmosaic::detail::require(selects && selection_.planned(), "cuda::engine::launch_selection_only", "the planned step",
                             "not selected", "a step planned with a selection request (a read-less selector)");
-  selection_.launch(stage_step(q, output_view{}, 1.0f), step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+  const kernel::decode_params p = stage_step(q, output_view{}, 1.0f);
+  if constexpr (block_keys) prepare_block_keys(p);
+  selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
 }
 
 template <class Format, class Selector, class Shapes>
@@ -12729,7 +13780,10 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
   static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
   p.format = device::params_for(format_state_, format_, context());
   if constexpr (selects)
-    if (selection_.planned()) selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+    if (selection_.planned()) {
+      if constexpr (block_keys) prepare_block_keys(p);
+      selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+    }
   const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
   const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
   with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -12993,6 +14047,9 @@ void engine<Format, Selector, Shapes>::launch_moves() {
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written,
                              segmented ? i32(chunk.written_segments) : nullptr};
       device::template encode_pages<Shapes>(format_state_, reencoding_, e);
+      if constexpr (block_keys)
+        seal_block_keys(scratch_.as<const std::byte>(), tail_slot, tail_head, i32(chunk.ordinals), i32(chunk.written),
+                        i32(chunk.written_segments), chunk.pages_written);
     } else {
       kernel::copy_rows_params back = gather;
       back.sources = scratch_.as<const std::byte>();
@@ -13124,6 +14181,10 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
                              num_new_pages,
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 4 * pages_bytes)};
       device::template encode_pages<Shapes>(format_state_, format_, e);
+      if constexpr (block_keys)
+        seal_block_keys(scratch_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.tail_slot_bytes()),
+                        static_cast<std::int64_t>(geometry_.tail_head_bytes), page_ids + pages_bytes / sizeof(std::int32_t), page_ids,
+                        e.segment_entries, num_new_pages);
     }
   }
 }
@@ -15814,6 +16875,17 @@ struct device_format<format::quant<Bits, ValueAxis>> {
 
 
 
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/block_keys.cuh> ----
+/// \file
+/// `format::packed_bitmap`'s block keys on the device (MosaicKV's per-block keys, "channel-
+/// compressed together with the original K vectors", section 5.2): the kernels that write them
+/// when pages are sealed and rotate a step's queries into each segment's K basis, each in the
+/// host's order (`format_traits<packed_bitmap>::encode_block_key`, `block_key_query`) to the bit.
+///
+/// The engine runs them through `device_format<packed_bitmap>`'s block-key hooks; the scoring
+/// kernel is the generic `score_block_keys_kernel` (kernel/select_pages.cuh).
+
+
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
 /// \file
 /// The split kernels of `format::packed_bitmap` (MosaicKV's PackedAttention, section 5.3). Per
@@ -16937,6 +18009,156 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, Small
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/decode.cuh> ----
 
+namespace kvmosaic::cuda::kernel {
+
+/// Where the block keys of newly sealed pages come from and go.
+struct packed_block_key_params {
+  const std::byte* rows;                 ///< dense rows of the new pages (storage dtype)
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;          ///< K rows of KV head h start h * rows_head_bytes into a slot
+  const std::int32_t* row_slots;         ///< [n] the slot of `rows` holding new page i
+  const std::int32_t* new_pages;         ///< [n] page ids
+  const std::int32_t* segment_entries;   ///< [n] the segment arena entry of page i (slot x segments_per_sequence + segment)
+  std::byte* keys;                       ///< [max_pages][num_kv_heads][blocks per page][key_bytes]
+  std::int64_t keys_page_bytes;
+  int key_bytes;                         ///< one block key (`block_key_bytes`)
+  int block_tokens;
+  int num_kv_heads;
+  packed_decode_params format;
+};
+
+inline constexpr int packed_block_key_threads = 128;
+
+/// The block key of each block of each new page, per KV head: the fp32 mean of the block's rows
+/// (a sum in token order divided by the count), y = mean B_k (thread j sums channel j over the
+/// head_dim channels in order by fused multiply-adds), the r / g groups of largest energy (an
+/// fp32 sum of squares in group order; NaN first, then energy, then the lower group), then each
+/// kept channel's 8-bit index and 16-bit value in channel order, zeros past the strategy's r.
+/// Grid: (n, num_kv_heads, blocks per page).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_keys_kernel(const packed_block_key_params p) {
+  static_assert(HeadDim <= 256, "8-bit channel indices");
+  __shared__ float mean[HeadDim];
+  __shared__ float y[HeadDim];
+  __shared__ float energy[HeadDim];
+  __shared__ std::uint8_t keep[HeadDim];
+  const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), block = static_cast<int>(blockIdx.z);
+  const int blocks = static_cast<int>(gridDim.z), tid = static_cast<int>(threadIdx.x);
+  const packed_decode_params& f = p.format;
+  const int kept = f.kept;
+  const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
+                                             static_cast<std::size_t>(head) * p.rows_head_bytes) +
+                  static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
+  const std::byte* entry = f.segments + (static_cast<std::int64_t>(p.segment_entries[i]) * p.num_kv_heads + head) * f.entry_bytes;
+  const auto* k_basis = reinterpret_cast<const float*>(entry);
+  const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * static_cast<std::int64_t>(HeadDim) * kept * 4);
+  const int retained = strategy[0], group = strategy[1];
+  const int groups = kept / group, keep_groups = retained / group;
+  std::byte* key = p.keys + static_cast<std::size_t>(p.new_pages[i]) * p.keys_page_bytes +
+                   (static_cast<std::size_t>(head) * blocks + block) * p.key_bytes;
+
+  for (int c = tid; c < HeadDim; c += packed_block_key_threads) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
+    mean[c] = __fdiv_rn(sum, static_cast<float>(p.block_tokens));
+  }
+  for (int b = tid; b < p.key_bytes / 4; b += packed_block_key_threads) reinterpret_cast<std::uint32_t*>(key)[b] = 0u;
+  __syncthreads();
+  for (int j = tid; j < kept; j += packed_block_key_threads) {
+    float acc = 0.0f;
+    for (int c = 0; c < HeadDim; ++c) acc = __fmaf_rn(mean[c], k_basis[c * kept + j], acc);  // the host's fused_rotate
+    y[j] = acc;
+  }
+  __syncthreads();
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    float sum = 0.0f;
+    for (int g = 0; g < group; ++g) sum = __fadd_rn(sum, __fmul_rn(y[j * group + g], y[j * group + g]));
+    energy[j] = sum;
+  }
+  __syncthreads();
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    const float mine = energy[j];
+    int before = 0;
+    for (int o = 0; o < groups; ++o) {
+      const float other = energy[o];
+      const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+      before += o != j && ranks_before ? 1 : 0;
+    }
+    keep[j] = before < keep_groups ? 1 : 0;
+  }
+  __syncthreads();
+  auto* channels = reinterpret_cast<std::uint8_t*>(key);
+  auto* values = reinterpret_cast<std::uint16_t*>(key + block_key_layout{f.retained}.values_offset());
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    if (keep[j] == 0) continue;
+    int at = 0;
+    for (int o = 0; o < j; ++o) at += keep[o];
+    for (int g = 0; g < group; ++g) {
+      channels[at * group + g] = static_cast<std::uint8_t>(j * group + g);
+      values[at * group + g] = T(y[j * group + g]).bits;
+    }
+  }
+}
+
+/// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment]
+/// [channel][g] = (q_g B_k)[channel], each summed over head_dim in order by fused multiply-adds
+/// (the host's `block_key_query`), with the heads of a channel side by side and padded to
+/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
+/// thread per channel computes the group's heads together (one read of its basis column, one
+/// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
+/// Grid: (segments_per_sequence x ceil(kept / packed_block_query_threads), num_kv_heads, batch);
+/// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
+/// multiply-adds and one read of B_k per (sequence, KV head, segment).
+struct packed_block_query_params {
+  const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
+  const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
+  const std::int32_t* sealed_pages;       ///< [batch] pages each sequence has: ceil(/ segment_pages) segments
+  float* q_key;                           ///< [batch][num_kv_heads][segments_per_sequence][kept][query_heads]
+  int num_kv_heads;
+  int group_size;
+  int query_heads;                        ///< the group padded to the scoring kernel's heads (4 or 8)
+  packed_decode_params format;
+};
+
+inline constexpr int packed_block_query_threads = 64;
+
+template <int HeadDim>
+__global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+  __shared__ float q[8 * HeadDim];
+  const packed_decode_params& f = p.format;
+  const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
+  const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
+  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
+  const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = source[x];
+  __syncthreads();
+  const int j = part * packed_block_query_threads + tid;
+  if (j >= kept) return;
+  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, p.slots[b], segment, head);
+  float acc[8] = {};
+  // 32 rows of the basis column in flight at a time, then their products in channel order.
+  static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
+  for (int c0 = 0; c0 < HeadDim; c0 += 32) {
+    float basis[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+        if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
+  }
+  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept + j) * heads;
+#pragma unroll
+  for (int g = 0; g < 8; ++g)
+    if (g < heads) out[g] = g < group ? acc[g] : 0.0f;
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/block_keys.cuh> ----
+
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
 /// \file
 /// Device encode of `format::packed_bitmap` pages (MosaicKV section 5.1) in their segment's
@@ -17264,6 +18486,55 @@ struct device_format<format::packed_bitmap> {
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
   }
 
+  /// The block keys of `c.n` sealed pages (`format_traits::encode_block_key` to the bit): one CTA
+  /// per (page, KV head, block).
+  template <class Shapes>
+  static void encode_block_keys(const state& s, const format::packed_bitmap& f, const block_key_seal_context& c) {
+    if (c.n == 0) return;
+    kernel::packed_block_key_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = c.rows_slot_bytes;
+    p.rows_head_bytes = c.rows_head_bytes;
+    p.row_slots = c.row_slots;
+    p.new_pages = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.keys = c.keys;
+    p.keys_page_bytes = c.keys_page_bytes;
+    p.key_bytes = c.key_bytes;
+    p.block_tokens = c.block_tokens;
+    p.num_kv_heads = c.engine->shape->num_kv_heads;
+    p.format = params_for(s, f, *c.engine);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(c.blocks_per_page));
+    detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::encode_packed_block_keys_kernel<decltype(element), decltype(dim)::value>
+          <<<grid, kernel::packed_block_key_threads, 0, c.engine->stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// The step's queries in every (sequence, KV head, segment)'s K basis
+  /// (`format_traits::block_key_query` to the bit): a thread per channel, all heads of the group.
+  template <class Shapes>
+  static void block_key_queries(const state& s, const format::packed_bitmap& f, const block_key_query_context& c) {
+    if (c.batch == 0) return;
+    kernel::packed_block_query_params p{};
+    p.q = c.q;
+    p.slots = c.tail_slots;
+    p.sealed_pages = c.sealed_pages;
+    p.q_key = c.q_key;
+    p.num_kv_heads = c.engine->shape->num_kv_heads;
+    p.group_size = c.engine->shape->group_size;
+    p.query_heads = c.query_heads;
+    p.format = params_for(s, f, *c.engine);
+    const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
+    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence * parts), static_cast<unsigned>(p.num_kv_heads),
+                    static_cast<unsigned>(c.batch));
+    detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
   /// Packs `n` completed pages (K and V of every KV head) in their segments: one CTA per (page,
   /// head, K or V).
   template <class Shapes>
@@ -17341,592 +18612,6 @@ struct device_format<format::packed_bitmap> {
 
 
 
-// ---- begin <kvmosaic/cuda/kernel/select_pages.cuh> ----
-/// \file
-/// The page-selection kernels of a read-less step (`select::quest` with one block per page): they
-/// run on the device between the step's metadata copy and the split kernel, with no host round
-/// trip, so a selected step is captured in a CUDA graph like a dense one.
-///   - `score_pages_kernel`: one warp per 4 or 8 spans of a (sequence, KV head): Quest's bound of
-///     q . k from each span's key bounds, or q . mean key, for each query head of the group,
-///     combined (select/span_score.hpp gives the fp32 order, which the host backend follows to the
-///     bit).
-///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
-///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
-///     keys (4 passes of 8 bits, each a shared-memory histogram), then a compaction by warp
-///     ballots that writes the chosen page ids in sequence order: the split kernel's per-head page
-///     table.
-
-
-
-
-namespace kvmosaic::cuda::kernel {
-
-/// What the selection kernels read and write. Tables and scores are rows of the step metadata.
-///
-/// The scoring kernel sees a sequence as `span_counts[b]` spans with key bounds: span i lies in
-/// entry i / spans_per_entry of its span table, whose bounds are a block of `bounds_entry_bytes`:
-/// [num_kv_heads][spans_per_entry][lo row, hi row] (or one mean row, `summary_rows` = 1, scored as
-/// lo = hi). For `select::quest` and `select::mean_keys` the entries are the pages (spans_per_entry
-/// = blocks per page); for `select::sentence_chunks`, blocks of chunk bounds.
-struct select_params {
-  const std::byte* bounds;            ///< bounds arena, in the storage dtype
-  std::int64_t bounds_entry_bytes;    ///< one entry's bounds, every KV head
-  int spans_per_entry;
-  int summary_rows;                   ///< rows per span: 2 (lo, hi) or 1 (mean)
-  const std::int32_t* span_tables;    ///< [batch][span_table_stride] entry ids
-  int span_table_stride;
-  const std::int32_t* span_counts;    ///< [batch] spans of each sequence
-  int score_stride;                   ///< scores of (b, head) at (b * num_kv_heads + head) * score_stride
-  const std::int32_t* step_header;    ///< [1] selected-table row stride, [2] its head stride, [3] block-table stride
-  const std::int32_t* block_tables;   ///< [batch][header[3]] each sequence's page ids
-  const std::int32_t* sealed_pages;   ///< [batch] pages each sequence has
-  const std::int32_t* budget_pages;   ///< [batch] pages each KV head reads (at most sealed_pages; whole pages)
-  const float* q;                     ///< [batch][num_kv_heads * group_size][head_dim], unscaled
-  int num_kv_heads;
-  int group_size;
-  int combine_sum;                    ///< 1: group_combine::sum, 0: group_combine::max
-  float* scores;                      ///< [batch][num_kv_heads][score_stride]
-  std::int32_t* selected;             ///< [batch][header[1]]: per KV head, header[2] apart, the chosen page ids
-
-  // Token-granular selection (`select_spans_kernel`) only.
-  int span_tokens;                    ///< > 0: span i is tokens [i * span_tokens, (i + 1) * span_tokens)
-  const int2* span_ranges;            ///< span_tokens == 0: {begin, end} per span slot (entry * spans_per_entry + k)
-  const std::int32_t* budget_tokens;  ///< [batch] tokens each KV head's chosen spans may hold
-  const std::int32_t* always_from;    ///< [batch] sealed tokens from here on are read whatever the selection
-  int page_size;
-  int mask_words;                     ///< 32-bit row-mask words per page
-  std::uint32_t* marks;               ///< scratch: [batch][num_kv_heads][header[3]][mask_words]
-  std::uint32_t* token_masks;         ///< [batch][header[1]] entries of `selected` (head h at h * header[2]) x mask_words
-  std::int32_t* table_lengths;        ///< [batch][num_kv_heads] entries written to `selected`
-
-  /// Evicted tokens (null: none): per (sequence, block-table entry), its live rows
-  /// ([batch][header[3]][mask_words]). Both kernels then write each chosen page's row mask ANDed
-  /// with its live rows to `token_masks` (page-granular steps too) and the entries to
-  /// `table_lengths`, and drop a page left with no row.
-  const std::uint32_t* live_masks;
-};
-
-/// Warps per CTA of the scoring kernel.
-inline constexpr int score_warps = 8;
-namespace detail_select {
-/// `Count` consecutive 16-bit values as they are stored, with one vector load (Count = 2, 4 or 8).
-template <int Count>
-using raw_vector = std::conditional_t<Count == 8, uint4, std::conditional_t<Count == 4, uint2, unsigned>>;
-template <class T, int Count>
-__device__ __forceinline__ raw_vector<Count> load_raw(const T* source) {
-  return *reinterpret_cast<const raw_vector<Count>*>(source);
-}
-/// The values of a `load_raw` as floats.
-template <class T, int Count>
-__device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* out) {
-  const T* values = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
-}
-
-/// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
-/// Half of its lane is set) and adds the other's, sent by lane ^ Half, into v[0, Half).
-template <int Half>
-__device__ __forceinline__ void reduce_half(float (&v)[16], int lane) {
-  const bool upper = (lane & Half) != 0;
-#pragma unroll
-  for (int i = 0; i < Half; ++i) {
-    const float send = upper ? v[i] : v[i + Half];
-    const float keep = upper ? v[i + Half] : v[i];
-    v[i] = __fadd_rn(keep, __shfl_xor_sync(0xffffffffu, send, Half));
-  }
-}
-
-/// A warp's reduce-scatter of 32 values per lane, `value(i)` giving value i: afterwards lane l
-/// holds the sum over the 32 lanes of value l, added in the butterfly order of the canonical
-/// reduction (offsets 16, 8, 4, 2, 1: select/span_score.hpp), so each sum has the bits a
-/// per-value butterfly would give (addition commutes), for 31 shuffles instead of 160. Values i
-/// and i + 16 are asked for together and exchanged at once, so 16 are live at a time.
-template <class Value>
-__device__ __forceinline__ float reduce_scatter(const Value& value) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  float v[16];
-  const bool upper16 = (lane & 16) != 0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const float low = value(i), high = value(i + 16);
-    v[i] = __fadd_rn(upper16 ? high : low, __shfl_xor_sync(0xffffffffu, upper16 ? low : high, 16));
-  }
-  reduce_half<8>(v, lane);
-  reduce_half<4>(v, lane);
-  reduce_half<2>(v, lane);
-  reduce_half<1>(v, lane);
-  return v[0];
-}
-}  // namespace detail_select
-
-/// Spans each warp of `score_pages_kernel` scores, for groups of up to `heads` heads (4 or 8): as
-/// many as keep their raw summaries (head_dim / 32 channels of `summary_rows` 16-bit rows a span
-/// and lane) in the registers left of a budget by the lane's queries, one reduction's floats and
-/// its 16 partial sums, so that a warp has them all in flight at once; at most 32 (one per lane
-/// locates them), at least one reduction (32 / heads), whole reductions. The budget: 96 for groups
-/// of up to 4, which fits three CTAs an SM (at head_dim 128, 24 mean-key spans a warp rather than
-/// 32 at two CTAs: the faster by measurement, benchmark/README.md, "Span scoring at three CTAs an
-/// SM"), 112 for groups of 5 to 8.
-__host__ __device__ constexpr int score_spans_per_warp(int head_dim, int summary_rows, int heads) noexcept {
-  const int width = head_dim / 32, per_reduction = 32 / heads;
-  const int budget = heads == 4 ? 96 : 112;
-  const int free_registers = budget - heads * width - per_reduction * summary_rows * width;
-  const int spans = free_registers / (summary_rows * width / 2);
-  return spans >= 32 ? 32 : (spans <= per_reduction ? per_reduction : spans / per_reduction * per_reduction);
-}
-
-/// Quest bounds (`SummaryRows` 2: lo and hi rows) or mean-key scores (1: one row, scored as
-/// lo = hi) of every span, for groups of up to `Heads` query heads (4 or 8). Each warp scores
-/// S = score_spans_per_warp(HeadDim, SummaryRows, Heads) consecutive spans: lane k locates span k
-/// (its entry's id and the address of its summary rows), every lane takes each span's address
-/// from lane k by a shuffle, and all S spans' summaries are loaded before anything waits on them;
-/// only then are the group's queries staged in shared memory (every warp of the CTA reads the
-/// same (sequence, KV head)), so a CTA waits on two loads for S x score_warps spans. Lane l holds
-/// channels [l w, (l + 1) w), w = head_dim / 32, and accumulates them in order by fused
-/// multiply-adds; the 32 lanes' partial sums of 32 / Heads spans (the Heads heads of each) are
-/// then reduced at once (`reduce_scatter`), S Heads / 32 reductions a warp: the canonical order of
-/// select/span_score.hpp, which the host backend follows to the bit. Grid: (num_kv_heads,
-/// ceil(spans / (score_warps x S)), batch): the KV heads of the same entries side by side, so the
-/// CTAs in flight read each entry's summaries (every head's, contiguous) together.
-template <class T, int HeadDim, int SummaryRows, int Heads>
-__global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const select_params p) {
-  static_assert(SummaryRows == 1 || SummaryRows == 2, "a span's summary: a mean row, or lo and hi rows");
-  static_assert(Heads == 4 || Heads == 8, "heads per reduction: 4 (groups of up to 4) or 8");
-  constexpr int width = HeadDim / kvmosaic::detail::span_score_lanes;  // contiguous channels per lane
-  constexpr int per_reduction = 32 / Heads;
-  constexpr int per_warp = score_spans_per_warp(HeadDim, SummaryRows, Heads);
-  static_assert(per_warp % per_reduction == 0, "whole reductions a warp");
-  using raw = detail_select::raw_vector<width>;
-  __shared__ float queries[8 * HeadDim];  // the group's queries (at most 8 heads)
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
-  const int spans = p.span_counts[b];  // pages, page blocks or chunks
-  const int cta_first = static_cast<int>(blockIdx.y) * score_warps * per_warp;
-  if (cta_first >= spans) return;  // the whole CTA: before the barrier below
-  const int first = cta_first + warp * per_warp, last = spans - 1;
-  // Lane k locates span first + k (the last span past the end): block `slot` of entry `entry`,
-  // this head's summary rows; the warp's lanes then take each span's row from lane k, so the
-  // division, the entry's id and the 64-bit address are one per lane, not one per span and lane.
-  std::uintptr_t lane_summary;
-  {
-    const int per_entry = p.spans_per_entry, span = min(first + lane, last);
-    const int entry = span / per_entry, slot = span % per_entry;
-    const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
-    lane_summary = reinterpret_cast<std::uintptr_t>(
-        reinterpret_cast<const T*>(p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes) +
-        (static_cast<std::size_t>(head) * per_entry + slot) * SummaryRows * HeadDim);
-  }
-  raw low[per_warp], high[SummaryRows == 2 ? per_warp : 1];
-#pragma unroll
-  for (int k = 0; k < per_warp; ++k) {
-    const T* row = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, static_cast<unsigned long long>(lane_summary), k)) +
-                   lane * width;
-    low[k] = detail_select::load_raw<T, width>(row);
-    if constexpr (SummaryRows == 2) high[k] = detail_select::load_raw<T, width>(row + HeadDim);
-  }
-  const float* q = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.group_size * HeadDim;
-  const int group = p.group_size;
-  for (int i = static_cast<int>(threadIdx.x); i < group * HeadDim; i += score_warps * 32) queries[i] = q[i];
-  __syncthreads();  // the queries are staged
-  if (first >= spans) return;
-  float qc[Heads][width];  // this lane's channels of each head (zero past the group: never combined)
-#pragma unroll
-  for (int g = 0; g < Heads; ++g)
-#pragma unroll
-    for (int j = 0; j < width; ++j) qc[g][j] = g < group ? queries[g * HeadDim + lane * width + j] : 0.0f;
-  float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-#pragma unroll
-  for (int r = 0; r < per_warp / per_reduction; ++r) {
-    const int reduction_first = first + r * per_reduction;
-    if (reduction_first >= spans) break;  // the same for the whole warp
-    float lo[per_reduction][width], hi[per_reduction][width];
-#pragma unroll
-    for (int k = 0; k < per_reduction; ++k) {
-      detail_select::to_floats<T, width>(low[r * per_reduction + k], lo[k]);
-      if constexpr (SummaryRows == 2) detail_select::to_floats<T, width>(high[r * per_reduction + k], hi[k]);
-    }
-    // Value s x Heads + g: this lane's channels of span s of the reduction, head g.
-    const auto partial = [&](int index) {
-      const int s = index / Heads, g = index % Heads;
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < width; ++j) {
-        const float bound = SummaryRows == 2 ? (qc[g][j] >= 0.0f ? hi[s][j] : lo[s][j]) : lo[s][j];
-        sum = __fmaf_rn(qc[g][j], bound, sum);  // the host's std::fma, in the same order
-      }
-      return sum;
-    };
-    const float total = detail_select::reduce_scatter(partial);  // span lane / Heads, head lane % Heads
-    // The group's heads combined in head order, from the span's first lane.
-    const int span_lane = lane / Heads * Heads;
-    float combined = __shfl_sync(0xffffffffu, total, span_lane);
-#pragma unroll
-    for (int g = 1; g < Heads; ++g) {
-      const float s = __shfl_sync(0xffffffffu, total, span_lane + g);
-      if (g < group) combined = p.combine_sum ? __fadd_rn(combined, s) : (s > combined ? s : combined);
-    }
-    const int span = reduction_first + lane / Heads;
-    if (lane % Heads == 0 && span < spans) scores[span] = combined;
-  }
-}
-
-namespace detail_select {
-/// An unsigned key with the order of the scores: NaN as -infinity, -0 as +0 (equal scores tie).
-__device__ __forceinline__ std::uint32_t order_key(float score) {
-  std::uint32_t u = __float_as_uint(score);
-  if (score != score) u = 0xff800000u;
-  if (score == 0.0f) u = 0u;
-  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
-}
-
-/// Shared memory of `budget_threshold` (its block scan is free for the caller afterwards).
-template <int Threads>
-struct threshold_storage {
-  typename cub::BlockScan<int, Threads>::TempStorage scan;
-  int histogram[256];
-  int warp_totals[Threads / 32];
-  std::uint32_t digit;
-  int remaining;
-};
-
-/// Where a budget runs out along the order of n keys (higher first), each item weighing
-/// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
-/// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
-/// weights of the items matching the digits so far, then the digit by a block scan
-/// over the bins from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the
-/// budget left for the items at T. Needs a total weight above the budget. Whole CTA (256 threads
-/// or a multiple: the others scan zeros).
-template <int Threads, class KeyAt, class WeightOf>
-__device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
-                                                          threshold_storage<Threads>& s, int& remaining) {
-  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the items");
-  const int tid = static_cast<int>(threadIdx.x);
-  std::uint32_t prefix = 0, mask = 0;
-  remaining = budget;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) s.histogram[tid] = 0;
-    __syncthreads();
-    for (int i = tid; i < n; i += Threads) {
-      const std::uint32_t key = key_at(i);
-      if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 255u], weight_of(i));
-    }
-    __syncthreads();
-    const int weight = tid < 256 ? s.histogram[255 - tid] : 0;
-    int at_or_above = 0;
-    cub::BlockScan<int, Threads>(s.scan).InclusiveSum(weight, at_or_above);
-    if (tid < 256 && at_or_above > remaining && at_or_above - weight <= remaining) {
-      s.digit = static_cast<std::uint32_t>(255 - tid);
-      s.remaining = remaining - (at_or_above - weight);
-    }
-    __syncthreads();
-    prefix |= s.digit << shift;
-    remaining = s.remaining;
-    mask |= 255u << shift;
-    __syncthreads();  // the histogram and digit are rewritten by the next pass
-  }
-  return prefix;
-}
-
-/// Exclusive prefix over the warps of a CTA of one count per warp (the same value from every lane
-/// of a warp; `totals` holds Warps ints of shared memory): returns the counts of the warps before
-/// this one, and the CTA's total in `all`. Whole CTA; one barrier.
-template <int Warps>
-__device__ __forceinline__ int warps_before(int count, int* totals, int& all) {
-  static_assert(Warps <= 32, "a lane per warp");
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  if (threadIdx.x % 32 == 0) totals[warp] = count;
-  __syncthreads();
-  int before = 0;
-  all = 0;
-  for (int w = 0; w < Warps; ++w) {
-    const int c = totals[w];  // a broadcast read
-    before += w < warp ? c : 0;
-    all += c;
-  }
-  return before;
-}
-}  // namespace detail_select
-
-/// Threads per CTA of the selection kernels: four per radix bin, one CTA per (sequence, KV
-/// head) walking its spans 1024 at a time.
-inline constexpr int select_threads = 1024;
-
-/// Dynamic shared memory of the selection kernel for sequences of up to `max_pages` pages: their
-/// keys, while they and the kernel's `static_bytes` of static shared memory fit the 48 KB every
-/// architecture allows without opting in (about 10,800 pages: 690K tokens at pages of 64). Longer
-/// sequences re-read their scores from L2 at each pass.
-inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
-  return max_pages * 4 + static_bytes <= 48 * 1024 ? max_pages * 4 : 0;
-}
-
-/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
-/// each with its live rows as its row mask).
-/// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3], ...) (0: keys
-/// recomputed from the scores in global memory at each pass).
-template <int Threads>
-__global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
-  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the pages");
-  __shared__ detail_select::threshold_storage<Threads> storage;
-  extern __shared__ std::uint32_t shared_keys[];
-  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int n = p.sealed_pages[b];
-  const int k = min(p.budget_pages[b], n);
-  std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
-  if (k <= 0) {
-    if (length != nullptr && tid == 0) *length = 0;
-    return;
-  }
-  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-  const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
-  std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
-  if (keys_in_shared) {
-#pragma unroll 8
-    for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together
-    __syncthreads();
-  }
-  const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
-
-  // The key where a budget of k pages runs out; then how many keys equal to it the selection
-  // takes (the first ones in sequence order).
-  std::uint32_t threshold = 0;
-  int ties_to_take = 0;
-  if (k < n) threshold = detail_select::budget_threshold(n, k, key_at, [](int) { return 1; }, storage, ties_to_take);
-  // Compaction in sequence order: warp w takes a run of consecutive pages, 32 at a time, and
-  // ranks them by ballots; three sweeps (ties, chosen, written) and two prefixes over the warps.
-  constexpr int warps = Threads / 32;
-  const int warp = tid / 32, lane = tid % 32;
-  const unsigned lanes_before = (1u << lane) - 1u;
-  const int run = (n + warps * 32 - 1) / (warps * 32) * 32;
-  const int begin = min(warp * run, n), end = min(begin + run, n);
-  const auto tie_at = [&](int i) { return i < end && k < n && key_at(i) == threshold; };
-  int ties_in_run = 0;
-  for (int base = begin; base < end; base += 32) ties_in_run += __popc(__ballot_sync(0xffffffffu, tie_at(base + lane)));
-  int unused = 0;
-  const int ties_before_run = detail_select::warps_before<warps>(ties_in_run, storage.warp_totals, unused);
-  // Whether page i (< end) is chosen, given the ties before it.
-  const auto chosen_at = [&](int i, int ties_before) {
-    if (i >= end) return false;
-    if (k >= n) return true;
-    const std::uint32_t key = key_at(i);
-    return key > threshold || (key == threshold && ties_before < ties_to_take);
-  };
-  int chosen_in_run = 0;
-  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
-    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(base + lane));
-    chosen_in_run += __popc(__ballot_sync(0xffffffffu, chosen_at(base + lane, ties + __popc(tie_bits & lanes_before))));
-    ties += __popc(tie_bits);
-  }
-  __syncthreads();  // the warp totals are rewritten
-  int written = 0;
-  int position = detail_select::warps_before<warps>(chosen_in_run, storage.warp_totals, written);
-  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
-    const int i = base + lane;
-    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(i));
-    const bool chosen = chosen_at(i, ties + __popc(tie_bits & lanes_before));
-    const unsigned chosen_bits = __ballot_sync(0xffffffffu, chosen);
-    if (chosen) {
-      const int at = position + __popc(chosen_bits & lanes_before);
-      out[at] = table[i];
-      if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
-        const std::size_t entry = static_cast<std::size_t>(out - p.selected) + at;
-        const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
-        for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
-      }
-    }
-    ties += __popc(tie_bits);
-    position += __popc(chosen_bits);
-  }
-  if (length != nullptr && tid == 0) *length = written;
-}
-
-namespace detail_select {
-/// Sets the row-mask bits of tokens [from, to) of a sequence whose page p's mask is
-/// marks[p * words .. (p + 1) * words): one atomicOr per word touched.
-__device__ __forceinline__ void mark_rows(std::uint32_t* marks, int words, int page_size, int from, int to) {
-  for (int t = from; t < to;) {
-    const int page = t / page_size, row = t % page_size;
-    const int word_end = min((row / 32 + 1) * 32, page_size);
-    const int n = min(to - t, word_end - row);
-    const std::uint32_t bits = (n == 32 ? ~0u : ((1u << n) - 1u)) << (row % 32);
-    atomicOr(&marks[page * words + row / 32], bits);
-    t += n;
-  }
-}
-}  // namespace detail_select
-
-/// Dynamic shared memory of `select_spans_kernel` to cache the keys and token counts of `spans`
-/// spans (6 bytes each), and to hold the row marks of `pages` pages of `mask_words` words.
-__host__ __device__ inline int span_select_shared_bytes(int spans) noexcept { return (spans * 6 + 15) / 16 * 16; }
-__host__ __device__ inline int span_marks_shared_bytes(int pages, int mask_words) noexcept { return pages * mask_words * 4; }
-
-/// The token-granular selection of each (sequence b, KV head): sub-page `select::quest` blocks or
-/// `select::sentence_chunks` chunks. It takes the longest prefix of the spans' score order (higher
-/// first, ties to the lower index) whose token counts fit budget_tokens[b] (the host's
-/// `detail::budget_prefix`), by a radix select whose histograms count tokens rather than spans
-/// (4 passes of 8 bits; the spans at the threshold key then go in index order by a block scan).
-/// It marks the rows of the chosen spans and every sealed row from always_from[b] on, per page,
-/// then writes the pages with a marked row, in sequence order, with their row masks: the split
-/// kernels' table (`table_lengths` entries). Each span's key and token count are read from
-/// global memory once, into shared memory, when `cached` (dynamic shared memory:
-/// span_select_shared_bytes(spans)); else re-read at each pass. The marks are shared memory
-/// after those when `shared_marks` (span_marks_shared_bytes(pages, mask_words) more), else
-/// `p.marks`.
-/// Grid: (batch, num_kv_heads).
-template <int Threads>
-__global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached, int shared_marks) {
-  using scan = cub::BlockScan<int, Threads>;
-  __shared__ detail_select::threshold_storage<Threads> storage;
-  __shared__ int shared_total;
-  const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int n = p.span_counts[b], sealed = p.sealed_pages[b], words = p.mask_words;
-  const int sealed_tokens = sealed * p.page_size;
-  const int budget = max(p.budget_tokens[b], 0);
-  const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
-  const auto range = [&](int i) {
-    if (p.span_tokens > 0) return make_int2(i * p.span_tokens, (i + 1) * p.span_tokens);
-    const int entry = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + i / p.spans_per_entry];
-    return p.span_ranges[static_cast<std::size_t>(entry) * p.spans_per_entry + i % p.spans_per_entry];
-  };
-  // [n] keys, then [n] 16-bit token counts when cached; then the marks when shared.
-  extern __shared__ __align__(16) std::uint32_t span_keys[];
-  auto* span_tokens = reinterpret_cast<std::uint16_t*>(span_keys + (cached ? n : 0));
-  std::uint32_t* marks = shared_marks ? span_keys + (cached ? span_select_shared_bytes(n) / 4 : 0)
-                                      : p.marks + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.step_header[3] * words;
-  for (int i = tid; i < sealed * words; i += Threads) marks[i] = 0u;
-  if (tid == 0) shared_total = 0;
-  int mine = 0;
-  if (cached) {
-#pragma unroll 16
-    for (int i = tid; i < n; i += Threads) {  // independent loads: many in flight per thread
-      const int2 r = range(i);
-      span_keys[i] = detail_select::order_key(scores[i]);
-      span_tokens[i] = static_cast<std::uint16_t>(r.y - r.x);
-      mine += r.y - r.x;
-    }
-  } else {
-    for (int i = tid; i < n; i += Threads) {
-      const int2 r = range(i);
-      mine += r.y - r.x;
-    }
-  }
-  __syncthreads();  // marks are zero before anything is marked; the total starts at 0; keys cached
-  atomicAdd(&shared_total, mine);
-  __syncthreads();
-  const bool take_all = shared_total <= budget;
-  const auto key_at = [&](int i) { return cached ? span_keys[i] : detail_select::order_key(scores[i]); };
-  const auto tokens_of = [&](int i) {
-    if (cached) return static_cast<int>(span_tokens[i]);
-    const int2 r = range(i);
-    return r.y - r.x;
-  };
-
-  // The threshold key: the spans above it fit the budget, and adding all those at it would not.
-  std::uint32_t threshold = 0;
-  int remaining = budget;
-  if (!take_all) threshold = detail_select::budget_threshold(n, budget, key_at, tokens_of, storage, remaining);
-  // Mark the chosen spans: those above the threshold, and the longest run of those at it (in
-  // index order) that fits what is left of the budget.
-  int ties_before = 0;
-  for (int base = 0; base < n; base += Threads) {
-    const int i = base + tid;
-    const std::uint32_t key = i < n ? key_at(i) : 0u;
-    const int tokens = i < n ? tokens_of(i) : 0;
-    const bool is_tie = !take_all && i < n && key == threshold;
-    int tie_tokens_before = 0, tie_tokens = 0;
-    scan(storage.scan).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
-    const bool chosen = i < n && (take_all || key > threshold ||
-                                  (is_tie && ties_before + tie_tokens_before + tokens <= remaining));
-    if (chosen) {
-      const int2 r = range(i);
-      detail_select::mark_rows(marks, words, p.page_size, r.x, min(r.y, sealed_tokens));
-    }
-    ties_before += tie_tokens;
-    __syncthreads();  // the scan storage is reused
-  }
-  // The always-read rows, 32 tokens per thread and turn.
-  const int always_from = max(p.always_from[b], 0);
-  for (int t = always_from / 32 * 32 + tid * 32; t < sealed_tokens; t += Threads * 32)
-    detail_select::mark_rows(marks, words, p.page_size, max(t, always_from), min(t + 32, sealed_tokens));
-  __syncthreads();  // every mark is in
-
-  // The pages with a marked row, in sequence order, with their masks.
-  const std::size_t out_row = static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
-  int written = 0;
-  for (int base = 0; base < sealed; base += Threads) {
-    const int i = base + tid;
-    std::uint32_t any = 0;
-    if (i < sealed)
-      for (int w = 0; w < words; ++w) {
-        if (p.live_masks != nullptr)  // evicted rows are never read
-          marks[i * words + w] &= p.live_masks[(static_cast<std::size_t>(b) * p.step_header[3] + i) * words + w];
-        any |= marks[i * words + w];
-      }
-    int position = 0, count = 0;
-    scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
-    if (any != 0) {
-      const std::size_t entry = out_row + written + position;
-      p.selected[entry] = p.block_tables[static_cast<std::size_t>(b) * p.step_header[3] + i];
-      for (int w = 0; w < words; ++w) p.token_masks[entry * words + w] = marks[i * words + w];
-    }
-    written += count;
-    __syncthreads();
-  }
-  if (tid == 0) p.table_lengths[static_cast<std::size_t>(b) * p.num_kv_heads + head] = written;
-}
-
-}  // namespace kvmosaic::cuda::kernel
-
-namespace kvmosaic::cuda::kernel {
-
-/// Where the key bounds of newly sealed pages come from and go.
-struct bounds_params {
-  const std::byte* rows;              ///< dense rows of the new pages: their page slots, or scratch slots
-  std::int64_t rows_slot_bytes;
-  std::int64_t rows_head_bytes;       ///< K rows of KV head h start h * rows_head_bytes into a slot
-  const std::int32_t* row_slots;      ///< [n] the slot of `rows` holding new page i
-  const std::int32_t* new_pages;      ///< [n] page ids
-  std::byte* bounds;                  ///< [max_pages][num_kv_heads][blocks per page][summary rows]
-  std::int64_t bounds_page_bytes;
-  int block_tokens;                   ///< tokens per block: the page size, or a multiple of 8 dividing it
-};
-
-/// The summary of the keys of each block of each new page, per KV head: with `Mean` the mean row
-/// (`select::mean_keys`: an fp32 sum in token order divided by the count, the host's
-/// `store_mean_key` to the bit), else the channel-wise min and max rows (`select::quest`, the
-/// host's `store_key_bounds`). Grid: (n, num_kv_heads, blocks per page), one thread per channel.
-template <class T, int HeadDim, bool Mean = false>
-__global__ void __launch_bounds__(HeadDim) page_bounds_kernel(const bounds_params p) {
-  const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
-  const int block = static_cast<int>(blockIdx.z), blocks = static_cast<int>(gridDim.z);
-  const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
-                                             static_cast<std::size_t>(head) * p.rows_head_bytes) +
-                  static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
-  if constexpr (Mean) {
-    float sum = 0.0f;
-    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
-    T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
-             (static_cast<std::size_t>(head) * blocks + block) * HeadDim;
-    out[c] = T(__fdiv_rn(sum, static_cast<float>(p.block_tokens)));
-    return;
-  }
-  float lo = to_float(rows[c]), hi = lo;
-  for (int t = 1; t < p.block_tokens; ++t) {
-    const float x = to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]);
-    lo = x < lo ? x : lo;
-    hi = x > hi ? x : hi;
-  }
-  T* out = reinterpret_cast<T*>(p.bounds + static_cast<std::size_t>(p.new_pages[i]) * p.bounds_page_bytes) +
-           (static_cast<std::size_t>(head) * blocks + block) * 2 * HeadDim;
-  out[c] = T(lo);  // exact: lo and hi are stored values
-  out[HeadDim + c] = T(hi);
-}
-
-}  // namespace kvmosaic::cuda::kernel
-// ---- end <kvmosaic/cuda/kernel/select_pages.cuh> ----
-
 // ---- begin <kvmosaic/cuda/select/span_selection.cuh> ----
 /// \file
 /// The collective of every read-less selection stage that scores *spans* (runs of tokens with the
@@ -17958,6 +18643,7 @@ struct span_source {
   int longest_span;                 ///< tokens of the longest span
   bool own_tables;                  ///< entries from the stage's span tables (else the sequences' block tables)
   int summary_rows = 2;             ///< rows per span: 2 (lo, hi: key bounds) or 1 (a mean key, scored as lo = hi)
+  int key_bytes = 0;                ///< > 0: each span keeps a format's block key of this many bytes instead of rows
 };
 
 template <class Shapes>
@@ -17975,6 +18661,7 @@ class span_selection {
     spans_static_shared_ = detail::static_shared_of(kernel::select_spans_kernel<kernel::select_threads>);
     pages_static_shared_ = detail::static_shared_of(kernel::select_pages_kernel<kernel::select_threads>);
     max_dynamic_shared_ = opt_in - spans_static_shared_;
+    max_shared_ = opt_in;
   }
 
   /// Row-mask words per page: ceil(page_size / 32).
@@ -18039,6 +18726,10 @@ class span_selection {
     }
   }
 
+  /// Where the step's block keys are scored from (stages whose spans keep them; set before each
+  /// launch).
+  void use_block_keys(const block_key_source& source) noexcept { key_queries_ = source; }
+
   /// Scores every span, then chooses each KV head's pages (and, with row masks, their rows).
   /// `p`: the step's parameters (its metadata on the device), `staged`: this step's staged inputs
   /// on the device.
@@ -18067,10 +18758,29 @@ class span_selection {
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
     // Instances by summary rows and heads per reduction (groups of up to 4, or of 5 to 8).
-    const int heads = shape_.group_size <= 4 ? 4 : 8;
+    const int heads = kernel::score_heads(shape_.group_size);
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
+      if (source_.key_bytes > 0) {  // block keys: a thread per span
+        s.key_bytes = source_.key_bytes;
+        s.key_retained = key_queries_.retained;
+        s.key_kept = key_queries_.kept;
+        s.segment_pages = key_queries_.segment_pages;
+        s.segments_per_sequence = key_queries_.segments_per_sequence;
+        s.q_key = key_queries_.q_key;
+        const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
+        const kernel::block_key_launch launch = kernel::plan_block_key_scoring(s.key_kept, heads, s.key_bytes, max_shared_);
+        s.key_query_copies = launch.copies;
+        s.key_stride = launch.key_stride;
+        const int spans_per_cta = launch.threads;
+        const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
+                        static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                        static_cast<unsigned>(planned_batch_));
+        score<<<grid, spans_per_cta, detail::opted_in_shared(score, launch.shared_bytes), stream>>>(s);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
       using kernel::score_pages_kernel;
       const auto score = s.summary_rows == 1
                              ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
@@ -18207,7 +18917,9 @@ class span_selection {
 
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
+  block_key_source key_queries_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
+  int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
@@ -18239,11 +18951,14 @@ class page_block_selection : public span_selection<Shapes> {
   static constexpr block_summary summary = kvmosaic::detail::block_summary_of<Selector>::value;
 
  public:
-  /// Summaries for every page of the pool, `selector.block_for(page_size)` tokens per block.
-  page_block_selection(const kvmosaic::detail::engine_shape& shape, const Selector& selector)
+  /// Summaries for every page of the pool, `selector.block_for(page_size)` tokens per block:
+  /// dense rows, or (mean keys, `block_key_bytes` > 0) a format's block keys, which the engine has
+  /// its format write at each seal (`block_key_arena`) and score from its queries
+  /// (`use_block_keys`).
+  page_block_selection(const kvmosaic::detail::engine_shape& shape, const Selector& selector, std::size_t block_key_bytes = 0)
       : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
         shape_(shape),
-        geometry_(shape, selector.block_for(shape.page_size), summary),
+        geometry_(shape, selector.block_for(shape.page_size), summary, summary == block_summary::mean ? block_key_bytes : 0),
         bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
     kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
                               "cuda::engine", "block_tokens", geometry_.block_tokens,
@@ -18251,8 +18966,15 @@ class page_block_selection : public span_selection<Shapes> {
     span_source source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
                        geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false};
     source.summary_rows = geometry_.rows_per_block;
+    source.key_bytes = geometry_.format_keys ? static_cast<int>(geometry_.block_bytes) : 0;
     spans::use_source(source);
   }
+
+  /// Whether the blocks keep a format's block keys (which the engine writes) rather than rows.
+  bool format_block_keys() const noexcept { return geometry_.format_keys; }
+  /// The block keys' arena, [max_pages][num_kv_heads][blocks][block_key_bytes], and its geometry.
+  std::byte* block_key_arena() noexcept { return bounds_.as<std::byte>(); }
+  const kvmosaic::detail::bounds_geometry& geometry() const noexcept { return geometry_; }
 
   /// Device summaries of each page: [max_pages][num_kv_heads][blocks][summary rows], storage dtype.
   std::size_t page_bytes() const noexcept { return geometry_.page_bytes; }
@@ -18261,7 +18983,7 @@ class page_block_selection : public span_selection<Shapes> {
   /// The summary of every block of the sealed pages, from their dense rows. One CTA per page, KV
   /// head and block; one thread per channel.
   void seal(const sealed_pages& sealed, cudaStream_t stream) {
-    if (sealed.n == 0) return;
+    if (sealed.n == 0 || geometry_.format_keys) return;  // block keys: the engine's format writes them
     kernel::bounds_params b{};
     b.rows = sealed.rows;
     b.rows_slot_bytes = sealed.rows_slot_bytes;

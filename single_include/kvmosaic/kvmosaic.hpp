@@ -778,6 +778,24 @@ bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& 
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// Optional, for a format with segments: block keys in the format's own compressed space (the
+/// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
+/// channel-compressed with the keys) declares
+///   static constexpr bool has_block_keys = true;
+///   static std::size_t block_key_bytes(const Format&, const page_shape&);   // one block, KV head
+///   static int block_key_values(const Format&, const page_shape&);          // N, the pairs it holds
+///   static void encode_block_key(const Format&, const page_shape&, const segment&,
+///                                const float* mean /*[D], fp32*/, std::byte* key);
+///   static void block_key_query(const Format&, const page_shape&, const segment&, const float* q,
+///                               int G, float* q_key /*[G][basis_dim]*/);
+///   static float score_block_key(const Format&, const page_shape&, const float* q_key /*[basis_dim]*/,
+///                                const std::byte* key);
+/// in one fp32 order that every backend follows; the engines then keep those instead of 16-bit
+/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space laid
+/// out as `block_key_layout` says, and scored as q'[channel] x value summed over the pairs in
+/// their stored order by fused multiply-adds from 0: one thread's chain, the order the CUDA
+/// engine's generic scoring kernel follows (`score_block_keys_kernel`, a thread per key).
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
@@ -838,6 +856,32 @@ struct segment_type<Format, true> {
   using type = typename format_traits<Format>::segment;
 };
 }  // namespace detail
+
+namespace detail {
+/// format_traits<Format>::has_block_keys, false when a format does not declare it.
+template <class Traits, class = void>
+struct block_keys_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct block_keys_of<Traits, std::void_t<decltype(Traits::has_block_keys)>> {
+  static constexpr bool value = Traits::has_block_keys;
+};
+}  // namespace detail
+
+/// Where a block key's parts lie (formats with `has_block_keys`): its N 8-bit channel indices
+/// from byte 0, padded to 16 bytes, then its N values in the storage dtype, padded to 16 bytes,
+/// so that both parts are 16-byte aligned and a reader loads 8 pairs by two vector loads.
+struct block_key_layout {
+  int values;  ///< N, the (channel, value) pairs
+  KVMOSAIC_HOST_DEVICE constexpr int values_offset() const noexcept { return (values + 15) / 16 * 16; }
+  KVMOSAIC_HOST_DEVICE constexpr int bytes() const noexcept { return values_offset() + (2 * values + 15) / 16 * 16; }
+};
+
+/// True when a format keeps the mean key of a block in its own compressed space
+/// (`format_traits::has_block_keys`).
+template <class Format>
+inline constexpr bool has_block_keys_v = detail::block_keys_of<format_traits<Format>>::value;
 
 /// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
 template <class Format>
@@ -2332,6 +2376,66 @@ struct hides_sink_rows<format::quant<Bits, V>> : std::true_type {};
 /// records that select them, so only the outputs that read them are affected.
 
 
+// ---- begin <kvmosaic/core/fused.hpp> ----
+/// \file
+/// Host fp32 loops in a fixed order of fused multiply-adds (`std::fma`: one rounding a step), the
+/// order the CUDA kernels' FFMA chains follow, so that both backends compute the same bits.
+///
+/// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` at
+/// each step, several times slower; there a loop is also compiled for FMA hardware
+/// (`__attribute__((target("fma")))`) and chosen at run time (`fma_hardware`). Both are exact:
+/// the same bits.
+
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
+    !defined(__CUDACC__)
+#define KVMOSAIC_FMA_DISPATCH 1
+#endif
+
+namespace kvmosaic {
+namespace detail {
+
+#ifdef KVMOSAIC_FMA_DISPATCH
+/// Whether this CPU has FMA instructions (checked once).
+inline bool fma_hardware() noexcept {
+  static const bool fma = __builtin_cpu_supports("fma") != 0;
+  return fma;
+}
+#endif
+
+namespace fused_detail {
+template <int = 0>
+inline void rotate(const float* x, int rows, const float* matrix, int cols, float* y) {
+  std::fill(y, y + cols, 0.0f);
+  for (int c = 0; c < rows; ++c) {
+    const float xc = x[c];
+    const float* row = matrix + static_cast<std::size_t>(c) * cols;
+    for (int j = 0; j < cols; ++j) y[j] = std::fma(xc, row[j], y[j]);
+  }
+}
+#ifdef KVMOSAIC_FMA_DISPATCH
+__attribute__((target("fma"))) inline void rotate_fma(const float* x, int rows, const float* matrix, int cols, float* y) {
+  rotate(x, rows, matrix, cols, y);  // inlined: std::fma is one instruction under this target
+}
+#endif
+}  // namespace fused_detail
+
+/// y = x M for x [rows] and M [rows][cols] (row-major, fp32): y_j accumulates x_c M_cj over
+/// c = 0, 1, ... by fused multiply-adds from 0, the order of a device thread that owns y_j.
+/// Cost: rows x cols fused multiply-adds.
+inline void fused_rotate(const float* x, int rows, const float* matrix, int cols, float* y) {
+#ifdef KVMOSAIC_FMA_DISPATCH
+  if (fma_hardware()) {
+    fused_detail::rotate_fma(x, rows, matrix, cols, y);
+    return;
+  }
+#endif
+  fused_detail::rotate(x, rows, matrix, cols, y);
+}
+
+}  // namespace detail
+}  // namespace kvmosaic
+// ---- end <kvmosaic/core/fused.hpp> ----
 
 #include <Eigen/Eigenvalues>
 
@@ -2588,6 +2692,7 @@ struct format_traits<format::packed_bitmap> {
                     static_cast<int>(f.mode), "strategy::fixed or strategy::search");
     detail::require(f.loss_threshold >= 0.0f && f.loss_threshold <= 1.0f, where, "loss_threshold", f.loss_threshold, "0 to 1");
     detail::require(f.block_variance_threshold >= 0.0f, where, "block_variance_threshold", f.block_variance_threshold, ">= 0");
+    detail::require(shape.head_dim <= 256, where, "head_dim", shape.head_dim, "at most 256 (block keys index channels in 8 bits)");
     detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
   }
   static int sink_rows(const format_type& f) { return f.sink_tokens; }
@@ -2669,6 +2774,69 @@ struct format_traits<format::packed_bitmap> {
       for (int g = 0; g < groups; ++g)
         o_basis[static_cast<std::size_t>(g) * s.kept + channel] += p[static_cast<std::size_t>(g) * n + t] * value;
     }, [](int) {});
+  }
+
+  // Block keys: MosaicKV's per-block keys, "channel-compressed together with the original K
+  // vectors" (section 5.2), which `select::mean_keys` keeps and scores in place of dense rows.
+  static constexpr bool has_block_keys = true;
+
+  /// Bytes of one block key of one KV head (`block_key_layout` of the slot's r pairs): 96 at
+  /// head_dim 128 and 25% retained, against 256 for a dense mean row.
+  static std::size_t block_key_bytes(const format_type& f, const page_shape& shape) {
+    return static_cast<std::size_t>(block_key_layout{detail::packed_geometry::of(f, shape).retained}.bytes());
+  }
+
+  /// The (channel, value) pairs a block key holds: the slot's r.
+  static int block_key_values(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).retained; }
+
+  /// The block key of a block's fp32 mean key ([head_dim]) in segment `s`: y = mean B_k (each
+  /// rotated channel summed over the head_dim channels in order by fused multiply-adds:
+  /// `detail::fused_rotate`, the device's order), the r / g groups of largest energy under the
+  /// segment's K strategy (`packed_choose_groups`, as a key's record), stored as each kept
+  /// channel's index and value in channel order, the values rounded to the storage dtype; a
+  /// strategy with fewer than the slot's r leaves the rest zero (index 0, value 0). Cost: head_dim
+  /// x kept fused multiply-adds and a partial sort of kept / g groups.
+  static void encode_block_key(const format_type& f, const page_shape& shape, const segment& s, const float* mean, std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const detail::packed_strategy& st = s.strategy[0];
+    std::vector<float> y(static_cast<std::size_t>(s.kept)), values(static_cast<std::size_t>(g.retained), 0.0f);
+    detail::fused_rotate(mean, shape.head_dim, s.basis[0].data(), s.kept, y.data());
+    std::vector<int> order, chosen;
+    std::vector<float> energy;
+    detail::packed_choose_groups(y.data(), s.kept, st, order, energy, chosen);
+    std::memset(key, 0, block_key_bytes(f, shape));
+    auto* channels = reinterpret_cast<std::uint8_t*>(key);
+    std::size_t at = 0;
+    for (const int j : chosen)
+      for (int i = 0; i < st.group; ++i, ++at) {
+        channels[at] = static_cast<std::uint8_t>(j * st.group + i);
+        values[at] = y[static_cast<std::size_t>(j * st.group + i)];
+      }
+    detail::store_dense_rows(shape.storage, values.data(), values.size(), key + block_key_layout{g.retained}.values_offset());
+  }
+
+  /// The G queries ([G][head_dim]) in segment `s`'s K basis for scoring its block keys
+  /// ([G][kept]): q' = q B_k in `encode_block_key`'s order. Cost: G x head_dim x kept fused
+  /// multiply-adds.
+  static void block_key_query(const format_type&, const page_shape& shape, const segment& s, const float* q, int groups,
+                              float* q_key) {
+    for (int g = 0; g < groups; ++g)
+      detail::fused_rotate(q + static_cast<std::size_t>(g) * shape.head_dim, shape.head_dim, s.basis[0].data(), s.kept,
+                           q_key + static_cast<std::size_t>(g) * s.kept);
+  }
+
+  /// q' . y^ of one query (`block_key_query`'s, [kept]) and a block key: q'[channel] x value
+  /// over the slot's r pairs (zeros included) in stored order by fused multiply-adds from 0.
+  /// Cost: r fused multiply-adds.
+  static float score_block_key(const format_type& f, const page_shape& shape, const float* q_key, const std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    float values[256];  // r <= head_dim <= 256 (validate)
+    detail::load_dense_rows(shape.storage, key + block_key_layout{g.retained}.values_offset(), static_cast<std::size_t>(g.retained),
+                            values);
+    const auto* channels = reinterpret_cast<const std::uint8_t*>(key);
+    float sum = 0.0f;
+    for (int v = 0; v < g.retained; ++v) sum = std::fma(q_key[channels[v]], values[v], sum);
+    return sum;
   }
 
  private:
@@ -2955,19 +3123,12 @@ inline void lane_sums(const float* q, int head_dim, Load& load, float* lane) {
   }
 }
 
-// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` per
-// channel; there `lane_sums` is also compiled for FMA hardware and chosen at run time. Both are
-// exact: the same bits.
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
-    !defined(__CUDACC__)
-#define KVMOSAIC_SPAN_SCORE_FMA_DISPATCH 1
+// Where `std::fma` would be a C library call (core/fused.hpp), `lane_sums` is also compiled for FMA
+// hardware and chosen at run time: the same bits.
+#ifdef KVMOSAIC_FMA_DISPATCH
 template <class Load>
 __attribute__((target("fma"))) inline void lane_sums_fma(const float* q, int head_dim, Load& load, float* lane) {
   lane_sums(q, head_dim, load, lane);  // inlined: std::fma is one instruction under this target
-}
-inline bool has_fma() noexcept {
-  static const bool fma = __builtin_cpu_supports("fma") != 0;
-  return fma;
 }
 #endif
 }  // namespace span_score_detail
@@ -2983,8 +3144,8 @@ inline bool has_fma() noexcept {
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
-#ifdef KVMOSAIC_SPAN_SCORE_FMA_DISPATCH
-  if (span_score_detail::has_fma())
+#ifdef KVMOSAIC_FMA_DISPATCH
+  if (fma_hardware())
     span_score_detail::lane_sums_fma(q, head_dim, load, lane);
   else
 #endif
@@ -5099,28 +5260,44 @@ struct append_item {
 
 /// Block summaries kept per block of every page for a read-less selector (`block_summary`):
 /// `select::quest`'s key bounds (the channel-wise min row then max row of each block's keys) or
-/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype.
+/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype; or, for a mean key
+/// over a format with block keys (`has_block_keys_v`), the format's block key of
+/// `block_key_bytes` bytes.
 struct bounds_geometry {
-  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds)
+  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds,
+                  std::size_t block_key_bytes = 0)
       : block_tokens(block),
         blocks_per_page(block > 0 ? shape.page_size / block : 0),
         summary(kind),
         rows_per_block(summary_rows(kind)),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        head_bytes(static_cast<std::size_t>(blocks_per_page) * rows_per_block * row_bytes),
+        block_bytes(block_key_bytes > 0 ? block_key_bytes : rows_per_block * row_bytes),
+        format_keys(block_key_bytes > 0),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * block_bytes),
         page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
   int block_tokens;        ///< 0: no summaries kept
   int blocks_per_page;
   block_summary summary;
   int rows_per_block;      ///< 2 (lo row, hi row) or 1 (mean row)
   std::size_t row_bytes;   ///< one row of head_dim values
-  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][rows_per_block rows]
+  std::size_t block_bytes; ///< one block's summary of one KV head
+  bool format_keys;        ///< the blocks keep the format's block keys, not dense rows
+  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][block_bytes]
   std::size_t page_bytes;  ///< the summaries of one page (every KV head): what a page costs on top
   std::size_t offset(page_id page, int head, int block) const noexcept {
-    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes +
-           static_cast<std::size_t>(block) * rows_per_block * row_bytes;
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * block_bytes;
   }
 };
+
+/// The fp32 mean of `n` rows (head_dim floats each): per channel a sum in token order divided by
+/// n, the order of the CUDA summary kernels.
+inline void mean_key(const float* rows, int n, int head_dim, float* mean) {
+  for (int c = 0; c < head_dim; ++c) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
+    mean[c] = sum / static_cast<float>(n);
+  }
+}
 
 /// Writes the channel-wise min and max of `n` rows (head_dim floats each, already exact in the
 /// storage dtype) as two stored rows at `out`.
@@ -5144,11 +5321,7 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
 /// dtype (the CUDA summary kernel computes it in the same order: the same bits).
 inline void store_mean_key(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
   std::vector<float> mean(static_cast<std::size_t>(head_dim));
-  for (int c = 0; c < head_dim; ++c) {
-    float sum = 0.0f;
-    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
-    mean[static_cast<std::size_t>(c)] = sum / static_cast<float>(n);
-  }
+  mean_key(rows, n, head_dim, mean.data());
   store_dense_rows(storage, mean.data(), mean.size(), out);
 }
 
@@ -5312,13 +5485,16 @@ class engine {
         format_(format),
         geometry_(shape, format),
         bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size),
-                         detail::block_summary_of<Selector>::value),
+                         detail::block_summary_of<Selector>::value, block_key_bytes_for<Selector>(format, shape)),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
 
   const detail::arena_geometry& geometry() const noexcept { return geometry_; }
   const detail::bounds_geometry& bounds_geometry() const noexcept { return bounds_geometry_; }
+  /// Whether the page blocks keep the format's block keys (`has_block_keys_v`: a mean key over
+  /// such a format) rather than dense summary rows.
+  bool format_block_keys() const noexcept { return bounds_geometry_.format_keys; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
   /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
@@ -5513,9 +5689,7 @@ class engine {
             std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-              detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                          rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
-                                          bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+              store_block(slot, index, page, h, block, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d);
           if constexpr (has_segments_v<Format>) {
             const segment_t& seg = segment(slot, index, h);
             if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
@@ -5872,10 +6046,30 @@ class engine {
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
-    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean); chunks
-    // keep bounds.
+    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean), or the
+    // format's block keys, scored with the queries in each page's segment; chunks keep bounds.
+    if constexpr (has_block_keys_v<Format>) {
+      if (r.block_tokens > 0 && bounds_geometry_.format_keys) {
+        std::vector<float> q_key;
+        std::int64_t key_segment = -1;
+        const int per = traits::segment_pages(format_, shape_.page());
+        for (std::size_t i = 0; i < begin.size(); ++i) {
+          const std::int64_t index = begin[i] / p;
+          if (index / per != key_segment) {  // spans come in token order: one query per segment
+            const segment_t& seg = segment(seq.slot, index, h);
+            key_segment = index / per;
+            q_key.resize(static_cast<std::size_t>(groups) * seg.kept);
+            traits::block_key_query(format_, shape_.page(), seg, queries.data(), groups, q_key.data());
+          }
+          const std::size_t kept = q_key.size() / static_cast<std::size_t>(groups);
+          for (int g = 0; g < groups; ++g)
+            head_scores[static_cast<std::size_t>(g)] = traits::score_block_key(format_, shape_.page(), q_key.data() + g * kept, bounds[i]);
+          scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
+        }
+      }
+    }
     const int rows = r.block_tokens > 0 ? bounds_geometry_.rows_per_block : 2;
-    for (std::size_t i = 0; i < begin.size(); ++i) {
+    for (std::size_t i = 0; i < begin.size() && !(r.block_tokens > 0 && bounds_geometry_.format_keys); ++i) {
       dense_traits::decode_k(format::dense{}, page_shape{rows, d, shape_.storage}, bounds[i], rows, lo_hi.data());
       for (int g = 0; g < groups; ++g)
         head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
@@ -5970,10 +6164,8 @@ class engine {
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
       for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-        detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
-                                    bounds_geometry_.block_tokens, shape_.head_dim,
-                                 bounds_.data() + bounds_geometry_.offset(page, h, block));
+        store_block(slot, index, page, h, block,
+                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim);
       hide_sinks();
       if constexpr (has_segments_v<Format>) {
         traits::encode_k(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.k_page_offset(h));
@@ -5989,6 +6181,30 @@ class engine {
       if constexpr (has_segments_v<Format>) traits::encode_v(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.v_page_offset(h));
       else traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
+  }
+
+  /// Bytes of the format's block key when `Selector` keeps mean keys and the format has block
+  /// keys; 0 (dense summary rows) otherwise.
+  template <class Selector>
+  static std::size_t block_key_bytes_for(const Format& format, const detail::engine_shape& shape) {
+    if constexpr (has_block_keys_v<Format>)
+      if (detail::block_summary_of<Selector>::value == block_summary::mean) return traits::block_key_bytes(format, shape.page());
+    return 0;
+  }
+  /// The summary of one block of `n` exact rows of head `h` of page `index` of the sequence in
+  /// `slot` (page `page` of the pool): the selector's dense rows, or the format's block key of the
+  /// rows' fp32 mean in the page's segment.
+  void store_block(std::int32_t slot, std::int64_t index, page_id page, int h, int block, const float* rows) {
+    std::byte* out = bounds_.data() + bounds_geometry_.offset(page, h, block);
+    if constexpr (has_block_keys_v<Format>) {
+      if (bounds_geometry_.format_keys) {
+        std::vector<float> mean(static_cast<std::size_t>(shape_.head_dim));
+        detail::mean_key(rows, bounds_geometry_.block_tokens, shape_.head_dim, mean.data());
+        traits::encode_block_key(format_, shape_.page(), segment(slot, index, h), mean.data(), out);
+        return;
+      }
+    }
+    detail::store_block_summary(bounds_geometry_.summary, shape_.storage, rows, bounds_geometry_.block_tokens, shape_.head_dim, out);
   }
 
   detail::engine_shape shape_;

@@ -147,6 +147,30 @@ void check_attention(packed_twin& t) {
 /// the host engine's on the same rows, every element written. The same pages and rows as the
 /// host's: a different choice moves the output by far more than the roundings the first test case
 /// bounds, by which alone the records differ.
+/// Both engines keep packed_bitmap's block keys (the mean key channel-compressed in its
+/// segment's basis) for mean_keys, and the device's equal the host's byte for byte: the same
+/// orders (the mean's token-order sum, the rotation's channel-order FMAs, the energies' sum).
+void check_block_keys(const selected_twin& t) {
+  REQUIRE(t.host.engine().format_block_keys());
+  REQUIRE(t.device.engine().selection().format_block_keys());
+  const std::size_t bytes = t.host.engine().page_bounds_bytes();
+  std::vector<std::byte> device_keys(bytes);
+  std::size_t compared = 0;
+  for (const sequence_id s : t.seqs) {
+    const std::int64_t sealed = t.host.length(s) / t.config.page_size;
+    const auto& pages = t.host.pages(s);
+    for (std::int64_t i = 0; i < sealed; ++i) {
+      const page_id page = pages[static_cast<std::size_t>(i)];
+      KVMOSAIC_CUDA_CHECK(cudaMemcpy(device_keys.data(), t.device.engine().selection().bounds_data() + page * bytes, bytes,
+                                     cudaMemcpyDeviceToHost));
+      CAPTURE(s, i);
+      REQUIRE(std::memcmp(device_keys.data(), t.host.engine().page_bounds(page, 0, 0), bytes) == 0);
+      ++compared;
+    }
+  }
+  REQUIRE(compared > 0);
+}
+
 void check_selected_steps(selected_twin& t) {
   for (int round = 0; round < 2; ++round) {
     const typename selected_twin::step_outputs step = t.attend_both();
@@ -275,7 +299,9 @@ TEST_CASE("GPU packed_bitmap with select::mean_keys: the host's choice, PackedAt
   // sm_90 part has the shared memory for at these shapes.
   if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 3);
   for (const int length : {700, 1500, 3000}) t.add(length, t.seqs.size());
+  check_block_keys(t);
   check_selected_steps(t);
+  check_block_keys(t);  // and after appends sealed pages
 }
 
 TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of the sm_90 kernel",
@@ -304,6 +330,8 @@ TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of
     // Slots of several small pages take two stages under a selector (device.cuh, `configure`).
     if (t.device.engine().uses_bulk_copy()) CHECK(t.device.engine().compressed_stages() == 2);
     for (const int length : {700, 1500}) t.add(length, t.seqs.size());
+    check_block_keys(t);
     check_selected_steps(t);
+    check_block_keys(t);
   }
 }

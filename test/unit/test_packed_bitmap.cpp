@@ -220,6 +220,137 @@ TEST_CASE("packed_bitmap: every record keeps exactly the top-r groups of its rot
     }
 }
 
+TEST_CASE("packed_bitmap: a block key is the block's mean key channel-compressed as a key is, and scores in fp32 within "
+          "a derived bound of fp64",
+          "[packed_bitmap][mean_keys]") {
+  const cache_config c = small_config();
+  const synthetic::kv_data kv = synthetic::generate_kv(synthetic_config(c), 5, 64);
+  const page_shape shape{64, 128, dtype::bf16};
+  const std::vector<float> q = synthetic::generate_query(synthetic_config(c), 5, 64);  // [8][128]
+  for (const int group : {1, 2, 4})
+    for (const float retained : {0.125f, 0.25f, 0.5f}) {
+      const format::packed_bitmap f = make(retained, group);
+      const std::vector<float> k = head_rows(kv, 0, false), v = head_rows(kv, 0, true);
+      const traits::segment seg = traits::plan_segment(f, shape, k.data(), v.data(), 64);
+      const int r = static_cast<int>(retained * 128);
+      // r 8-bit channels padded to 16 bytes, then r 16-bit values padded to 16 bytes.
+      const int values_offset = (r + 15) / 16 * 16;
+      CHECK(traits::block_key_bytes(f, shape) == static_cast<std::size_t>(values_offset + (2 * r + 15) / 16 * 16));
+      std::vector<std::byte> key(traits::block_key_bytes(f, shape));
+      std::vector<float> q_key(4 * 96);
+      traits::block_key_query(f, shape, seg, q.data(), 4, q_key.data());
+      for (int block = 0; block < 4; ++block) {
+        float mean[128];
+        detail::mean_key(k.data() + static_cast<std::size_t>(block) * 16 * 128, 16, 128, mean);
+        traits::encode_block_key(f, shape, seg, mean, key.data());
+        const std::vector<double> y = rotate(mean, seg.basis[0], 128, 96);
+        const std::vector<int> expect = top_groups(y, group, r / group);
+        INFO("g " << group << " retained " << retained << " block " << block);
+        const auto* channels = reinterpret_cast<const std::uint8_t*>(key.data());
+        const auto* values = reinterpret_cast<const std::uint16_t*>(key.data() + values_offset);
+        std::vector<double> stored(96, 0.0);  // y^: the kept channels' values as stored
+        std::size_t at = 0;
+        for (const int j : expect)
+          for (int i = 0; i < group; ++i, ++at) {
+            CHECK(channels[at] == j * group + i);
+            const double exact = y[static_cast<std::size_t>(j * group + i)];
+            stored[static_cast<std::size_t>(j * group + i)] = detail::bfloat16_bits_to_float(values[at]);
+            CHECK(std::abs(stored[static_cast<std::size_t>(j * group + i)] - exact) <= std::abs(exact) * (1.0 / 256) + 1e-6);
+          }
+        // The score: q' (fp32 chains of 128 fused multiply-adds) . y^ (one chain of r fused
+        // multiply-adds), against fp64 q' . y^: at most r u sum |q'_c y^_c| from the dot product
+        // and sum_c |y^_c| 128 u sum_c' |q_c' B_c'c| from q', u = 2^-24.
+        const double u = std::ldexp(1.0, -24);
+        for (int g = 0; g < 4; ++g) {
+          const std::vector<double> q_exact = rotate(q.data() + static_cast<std::size_t>(g) * 128, seg.basis[0], 128, 96);
+          double exact = 0, magnitude = 0, rotation = 0;
+          for (int ch = 0; ch < 96; ++ch) {
+            exact += q_exact[static_cast<std::size_t>(ch)] * stored[static_cast<std::size_t>(ch)];
+            magnitude += std::abs(q_exact[static_cast<std::size_t>(ch)] * stored[static_cast<std::size_t>(ch)]);
+            double q_abs = 0;
+            for (int c0 = 0; c0 < 128; ++c0)
+              q_abs += std::abs(static_cast<double>(q[static_cast<std::size_t>(g) * 128 + c0]) * seg.basis[0][static_cast<std::size_t>(c0) * 96 + ch]);
+            rotation += std::abs(stored[static_cast<std::size_t>(ch)]) * 128 * u * q_abs;
+          }
+          const double got = traits::score_block_key(f, shape, q_key.data() + static_cast<std::size_t>(g) * 96, key.data());
+          CHECK(std::abs(got - exact) <= r * u * magnitude + rotation + 1e-30);
+        }
+      }
+    }
+}
+
+TEST_CASE("packed_bitmap with select::mean_keys keeps block keys, selects by them and attends what it selects",
+          "[packed_bitmap][mean_keys]") {
+  cache_config c = small_config();
+  const synthetic::kv_config syn = synthetic_config(c);
+  const int n = 1100;  // segments of 512 tokens: pages 0-7, 8-15, 16 (a third, of one page)
+  const synthetic::kv_data kv = synthetic::generate_kv(syn, 7, n);
+  const std::vector<float> q = synthetic::generate_query(syn, 7, n);
+  format::packed_bitmap f = make(0.25f, 2, 0.25f, 512);
+  select::mean_keys s;
+  s.budget.ratio = 1.0 / 8;
+  cache<format::packed_bitmap, select::mean_keys> kv_cache(c, f, s);
+  cache<format::packed_bitmap> plain(c, f);
+  const sequence_id seq = kv_cache.add_sequence(), other = plain.add_sequence();
+  kv_cache.prefill(seq, test::k_view(kv), test::v_view(kv));
+  plain.prefill(other, test::k_view(kv), test::v_view(kv));
+  REQUIRE(kv_cache.engine().format_block_keys());
+  // Memory: one block key per block of 16 and KV head on top of each page, not a dense row.
+  const page_shape shape = page_shape{c.page_size, c.head_dim, c.storage};
+  CHECK(kv_cache.memory().stored_bytes - plain.memory().stored_bytes ==
+        static_cast<std::int64_t>(kv_cache.memory().pages_used) * (c.page_size / 16) * c.num_kv_heads *
+            static_cast<std::int64_t>(traits::block_key_bytes(f, shape)));
+  std::vector<float> out(q.size());
+  kv_cache.attend(span<const sequence_id>(&seq, 1), tensor_view<const float, 3>(q.data(), 1, c.num_q_heads(), c.head_dim),
+                  tensor_view<float, 3>(out.data(), 1, c.num_q_heads(), c.head_dim));
+  // Brute force in fp64 from the stored keys and the engine's segments: per block the fp32 mean
+  // (the engine's), rotated, its top groups by energy, the values rounded to bf16, scored by the
+  // rotated query, the group combined by max; the budget's best blocks.
+  const synthetic::kv_data stored = test::rounded(kv, c.storage);
+  const std::int64_t sealed = n / c.page_size * c.page_size, budget = n / 8;
+  int compared = 0;
+  for (int h = 0; h < c.num_kv_heads; ++h) {
+    std::vector<std::pair<double, std::int64_t>> scored;
+    for (std::int64_t first = 0; first < sealed; first += 16) {
+      const traits::segment& seg = kv_cache.engine().segment(kv_cache.slot(seq), first / c.page_size, h);
+      std::vector<float> rows(16 * 128);
+      for (int t = 0; t < 16; ++t)
+        for (int ch = 0; ch < 128; ++ch) rows[static_cast<std::size_t>(t) * 128 + ch] = stored.k_at(static_cast<int>(first + t), h, ch);
+      float mean[128];
+      detail::mean_key(rows.data(), 16, 128, mean);
+      const std::vector<double> y = rotate(mean, seg.basis[0], 128, 96);
+      std::vector<double> kept(96, 0.0);
+      for (const int j : top_groups(y, 2, 16))
+        for (int i = 0; i < 2; ++i) kept[static_cast<std::size_t>(j * 2 + i)] = to_float(bfloat16(static_cast<float>(y[static_cast<std::size_t>(j * 2 + i)])));
+      double best = -INFINITY;
+      for (int g = 0; g < c.group_size; ++g) {
+        const std::vector<double> qr = rotate(q.data() + static_cast<std::size_t>(h * c.group_size + g) * 128, seg.basis[0], 128, 96);
+        double score = 0;
+        for (int ch = 0; ch < 96; ++ch) score += qr[static_cast<std::size_t>(ch)] * kept[static_cast<std::size_t>(ch)];
+        best = std::max(best, score);
+      }
+      scored.emplace_back(-best, first);
+    }
+    std::sort(scored.begin(), scored.end());
+    const std::size_t k = static_cast<std::size_t>(budget / 16);
+    const double gap = (scored[k].first - scored[k - 1].first) / std::max(1.0, std::abs(scored[k - 1].first));
+    if (gap < 1e-3) continue;  // a cut that close may fall either way in fp32
+    ++compared;
+    std::vector<std::int64_t> firsts;
+    for (std::size_t i = 0; i < k; ++i) firsts.push_back(scored[i].second);
+    std::sort(firsts.begin(), firsts.end());
+    std::vector<std::pair<std::int64_t, std::int64_t>> expected;
+    for (const std::int64_t first : firsts) {
+      if (!expected.empty() && expected.back().second == first) expected.back().second = first + 16;
+      else expected.emplace_back(first, first + 16);
+    }
+    INFO("KV head " << h);
+    CHECK(kv_cache.selected_ranges(seq, h) == expected);
+  }
+  CHECK(compared >= 1);
+  for (const float x : out) CHECK(std::isfinite(x));
+}
+
 TEST_CASE("packed_bitmap: exact byte accounting", "[packed_bitmap]") {
   const page_shape shape{64, 128, dtype::bf16};
   // kept 96: g = 1 3 words (12 bytes), g = 2 48 bits in 2 words, g = 4 24 bits in 1 word.

@@ -40,6 +40,7 @@
 #include "kvmosaic/cuda/kernel/decode.cuh"
 #include "kvmosaic/cuda/kernel/extend.cuh"
 #include "kvmosaic/cuda/kernel/queries.cuh"
+#include "kvmosaic/cuda/kernel/select_pages.cuh"
 #include "kvmosaic/cuda/kernel/token_scores.cuh"
 #include "kvmosaic/cuda/kernel/window_votes.cuh"
 #include "kvmosaic/cuda/select/all.cuh"
@@ -101,6 +102,15 @@ class engine {
 
  private:
   static constexpr bool selects = selection_type::selects;
+  /// The selector keeps mean keys and the format has block keys (`has_block_keys_v`): the stage
+  /// keeps the format's block keys, which the format writes at each seal and scores from the
+  /// step's queries in each segment (`encode_block_keys`, `block_key_queries`).
+  static constexpr bool block_keys =
+      has_block_keys_v<Format> && kvmosaic::detail::block_summary_of<Selector>::value == block_summary::mean;
+  static selection_type make_selection(const kvmosaic::detail::engine_shape& shape, const Format& format, const Selector& selector) {
+    if constexpr (block_keys) return selection_type(shape, selector, traits::block_key_bytes(format, shape.page()));
+    else return selection_type(shape, selector);
+  }
 
   /// Where a step's outputs go: `data` in the merge kernel's output type at `strides`, and the
   /// optional log-sum-exps.
@@ -130,7 +140,7 @@ class engine {
         geometry_(shape, format),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
-        selection_(shape, selector) {
+        selection_(make_selection(shape, format, selector)) {
     KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device_));
     const int device = device_;
     KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
@@ -467,6 +477,38 @@ class engine {
     partials_ = device_buffer(partial_floats * sizeof(float));
     queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * shape_.group_size *
                              shape_.head_dim * sizeof(float));
+    if constexpr (block_keys)
+      block_key_queries_ = device_buffer(static_cast<std::size_t>(capacity_.batch) * shape_.num_kv_heads * segments_per_sequence_ *
+                                         kernel::score_heads(shape_.group_size) * traits::basis_dim(format_, shape_.page()) *
+                                         sizeof(float));
+  }
+
+  /// Block keys: the step's queries in each (sequence, KV head, segment)'s rotated space, by the
+  /// format, and where the stage scores its keys from.
+  void prepare_block_keys(const kernel::decode_params& p) {
+    const device_context c = context();
+    device::template block_key_queries<Shapes>(
+        format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                                              kernel::score_heads(shape_.group_size)});
+    block_key_source source;
+    source.q_key = block_key_queries_.as<const float>();
+    source.kept = traits::basis_dim(format_, shape_.page());
+    source.retained = traits::block_key_values(format_, shape_.page());
+    source.segment_pages = traits::segment_pages(format_, shape_.page());
+    source.segments_per_sequence = segments_per_sequence_;
+    selection_.use_block_keys(source);
+  }
+  /// Block keys: the format writes those of `n` sealed pages (dense rows in slots `row_slots` of
+  /// `rows`, pages `page_ids` in segments `segment_entries`) into the stage's arena.
+  void seal_block_keys(const std::byte* rows, std::int64_t rows_slot_bytes, std::int64_t rows_head_bytes, const std::int32_t* row_slots,
+                       const std::int32_t* page_ids, const std::int32_t* segment_entries, std::int32_t n) {
+    const device_context c = context();
+    const kvmosaic::detail::bounds_geometry& g = selection_.geometry();
+    device::template encode_block_keys<Shapes>(
+        format_state_, format_,
+        block_key_seal_context{&c, rows, rows_slot_bytes, rows_head_bytes, row_slots, page_ids, segment_entries, n,
+                               selection_.block_key_arena(), static_cast<std::int64_t>(g.page_bytes), static_cast<int>(g.block_bytes),
+                               g.block_tokens, g.blocks_per_page});
   }
 
   /// Host part of a step: the split plan from the lengths and the block tables, written to
@@ -898,6 +940,7 @@ class engine {
   device_buffer pages_;
   device_buffer tails_;
   selection_type selection_;     ///< the selector's device part
+  device_buffer block_key_queries_;  ///< block keys: the step's queries per (sequence, KV head, segment)
   int device_ = 0;
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
@@ -952,7 +995,9 @@ template <class Format, class Selector, class Shapes>
 void engine<Format, Selector, Shapes>::launch_selection_only(const float* q) {
   kvmosaic::detail::require(selects && selection_.planned(), "cuda::engine::launch_selection_only", "the planned step",
                             "not selected", "a step planned with a selection request (a read-less selector)");
-  selection_.launch(stage_step(q, output_view{}, 1.0f), step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+  const kernel::decode_params p = stage_step(q, output_view{}, 1.0f);
+  if constexpr (block_keys) prepare_block_keys(p);
+  selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
 }
 
 template <class Format, class Selector, class Shapes>
@@ -961,7 +1006,10 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
   static_cast<kernel::decode_params&>(p) = stage_step(q, out, softmax_scale);
   p.format = device::params_for(format_state_, format_, context());
   if constexpr (selects)
-    if (selection_.planned()) selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+    if (selection_.planned()) {
+      if constexpr (block_keys) prepare_block_keys(p);
+      selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
+    }
   const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
   const dim3 grid(static_cast<unsigned>(std::max(work_capacity(batch_), step_splits_)), static_cast<unsigned>(shape_.num_kv_heads));
   with_decode_kernel([&](auto kernel, int threads, int shared_bytes) {
@@ -1225,6 +1273,9 @@ void engine<Format, Selector, Shapes>::launch_moves() {
                              key_weights_.size() > 0 ? key_weights_.as<const float>() : nullptr, nullptr, chunk.pages_written,
                              segmented ? i32(chunk.written_segments) : nullptr};
       device::template encode_pages<Shapes>(format_state_, reencoding_, e);
+      if constexpr (block_keys)
+        seal_block_keys(scratch_.as<const std::byte>(), tail_slot, tail_head, i32(chunk.ordinals), i32(chunk.written),
+                        i32(chunk.written_segments), chunk.pages_written);
     } else {
       kernel::copy_rows_params back = gather;
       back.sources = scratch_.as<const std::byte>();
@@ -1356,6 +1407,10 @@ void engine<Format, Selector, Shapes>::run_extend(const std::vector<kernel::exte
                              num_new_pages,
                              reinterpret_cast<const std::int32_t*>(metadata + items_bytes + 4 * pages_bytes)};
       device::template encode_pages<Shapes>(format_state_, format_, e);
+      if constexpr (block_keys)
+        seal_block_keys(scratch_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.tail_slot_bytes()),
+                        static_cast<std::int64_t>(geometry_.tail_head_bytes), page_ids + pages_bytes / sizeof(std::int32_t), page_ids,
+                        e.segment_entries, num_new_pages);
     }
   }
 }

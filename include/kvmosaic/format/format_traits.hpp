@@ -54,6 +54,24 @@
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// Optional, for a format with segments: block keys in the format's own compressed space (the
+/// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
+/// channel-compressed with the keys) declares
+///   static constexpr bool has_block_keys = true;
+///   static std::size_t block_key_bytes(const Format&, const page_shape&);   // one block, KV head
+///   static int block_key_values(const Format&, const page_shape&);          // N, the pairs it holds
+///   static void encode_block_key(const Format&, const page_shape&, const segment&,
+///                                const float* mean /*[D], fp32*/, std::byte* key);
+///   static void block_key_query(const Format&, const page_shape&, const segment&, const float* q,
+///                               int G, float* q_key /*[G][basis_dim]*/);
+///   static float score_block_key(const Format&, const page_shape&, const float* q_key /*[basis_dim]*/,
+///                                const std::byte* key);
+/// in one fp32 order that every backend follows; the engines then keep those instead of 16-bit
+/// dense mean rows. A block key is N (channel, value) pairs of the segment's rotated space laid
+/// out as `block_key_layout` says, and scored as q'[channel] x value summed over the pairs in
+/// their stored order by fused multiply-adds from 0: one thread's chain, the order the CUDA
+/// engine's generic scoring kernel follows (`score_block_keys_kernel`, a thread per key).
+///
 /// Encoding always sees complete pages (page_size tokens): partial pages stay in the dense tail.
 /// The CUDA parts (device encode, block-level attend collectives) are specialized in
 /// `kvmosaic/cuda/` on the same tag.
@@ -121,6 +139,32 @@ struct segment_type<Format, true> {
   using type = typename format_traits<Format>::segment;
 };
 }  // namespace detail
+
+namespace detail {
+/// format_traits<Format>::has_block_keys, false when a format does not declare it.
+template <class Traits, class = void>
+struct block_keys_of {
+  static constexpr bool value = false;
+};
+template <class Traits>
+struct block_keys_of<Traits, std::void_t<decltype(Traits::has_block_keys)>> {
+  static constexpr bool value = Traits::has_block_keys;
+};
+}  // namespace detail
+
+/// Where a block key's parts lie (formats with `has_block_keys`): its N 8-bit channel indices
+/// from byte 0, padded to 16 bytes, then its N values in the storage dtype, padded to 16 bytes,
+/// so that both parts are 16-byte aligned and a reader loads 8 pairs by two vector loads.
+struct block_key_layout {
+  int values;  ///< N, the (channel, value) pairs
+  KVMOSAIC_HOST_DEVICE constexpr int values_offset() const noexcept { return (values + 15) / 16 * 16; }
+  KVMOSAIC_HOST_DEVICE constexpr int bytes() const noexcept { return values_offset() + (2 * values + 15) / 16 * 16; }
+};
+
+/// True when a format keeps the mean key of a block in its own compressed space
+/// (`format_traits::has_block_keys`).
+template <class Format>
+inline constexpr bool has_block_keys_v = detail::block_keys_of<format_traits<Format>>::value;
 
 /// True when a format prunes K with per-channel weights (`cache::set_key_weights`).
 template <class Format>

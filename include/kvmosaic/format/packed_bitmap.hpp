@@ -65,6 +65,7 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/fused.hpp"
 #include "kvmosaic/format/dense.hpp"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/host/eigen.hpp"  // first: it configures Eigen for nvcc
@@ -324,6 +325,7 @@ struct format_traits<format::packed_bitmap> {
                     static_cast<int>(f.mode), "strategy::fixed or strategy::search");
     detail::require(f.loss_threshold >= 0.0f && f.loss_threshold <= 1.0f, where, "loss_threshold", f.loss_threshold, "0 to 1");
     detail::require(f.block_variance_threshold >= 0.0f, where, "block_variance_threshold", f.block_variance_threshold, ">= 0");
+    detail::require(shape.head_dim <= 256, where, "head_dim", shape.head_dim, "at most 256 (block keys index channels in 8 bits)");
     detail::validate_exact_tokens(where, f.sink_tokens, f.recent_tokens);
   }
   static int sink_rows(const format_type& f) { return f.sink_tokens; }
@@ -405,6 +407,69 @@ struct format_traits<format::packed_bitmap> {
       for (int g = 0; g < groups; ++g)
         o_basis[static_cast<std::size_t>(g) * s.kept + channel] += p[static_cast<std::size_t>(g) * n + t] * value;
     }, [](int) {});
+  }
+
+  // Block keys: MosaicKV's per-block keys, "channel-compressed together with the original K
+  // vectors" (section 5.2), which `select::mean_keys` keeps and scores in place of dense rows.
+  static constexpr bool has_block_keys = true;
+
+  /// Bytes of one block key of one KV head (`block_key_layout` of the slot's r pairs): 96 at
+  /// head_dim 128 and 25% retained, against 256 for a dense mean row.
+  static std::size_t block_key_bytes(const format_type& f, const page_shape& shape) {
+    return static_cast<std::size_t>(block_key_layout{detail::packed_geometry::of(f, shape).retained}.bytes());
+  }
+
+  /// The (channel, value) pairs a block key holds: the slot's r.
+  static int block_key_values(const format_type& f, const page_shape& shape) { return detail::packed_geometry::of(f, shape).retained; }
+
+  /// The block key of a block's fp32 mean key ([head_dim]) in segment `s`: y = mean B_k (each
+  /// rotated channel summed over the head_dim channels in order by fused multiply-adds:
+  /// `detail::fused_rotate`, the device's order), the r / g groups of largest energy under the
+  /// segment's K strategy (`packed_choose_groups`, as a key's record), stored as each kept
+  /// channel's index and value in channel order, the values rounded to the storage dtype; a
+  /// strategy with fewer than the slot's r leaves the rest zero (index 0, value 0). Cost: head_dim
+  /// x kept fused multiply-adds and a partial sort of kept / g groups.
+  static void encode_block_key(const format_type& f, const page_shape& shape, const segment& s, const float* mean, std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const detail::packed_strategy& st = s.strategy[0];
+    std::vector<float> y(static_cast<std::size_t>(s.kept)), values(static_cast<std::size_t>(g.retained), 0.0f);
+    detail::fused_rotate(mean, shape.head_dim, s.basis[0].data(), s.kept, y.data());
+    std::vector<int> order, chosen;
+    std::vector<float> energy;
+    detail::packed_choose_groups(y.data(), s.kept, st, order, energy, chosen);
+    std::memset(key, 0, block_key_bytes(f, shape));
+    auto* channels = reinterpret_cast<std::uint8_t*>(key);
+    std::size_t at = 0;
+    for (const int j : chosen)
+      for (int i = 0; i < st.group; ++i, ++at) {
+        channels[at] = static_cast<std::uint8_t>(j * st.group + i);
+        values[at] = y[static_cast<std::size_t>(j * st.group + i)];
+      }
+    detail::store_dense_rows(shape.storage, values.data(), values.size(), key + block_key_layout{g.retained}.values_offset());
+  }
+
+  /// The G queries ([G][head_dim]) in segment `s`'s K basis for scoring its block keys
+  /// ([G][kept]): q' = q B_k in `encode_block_key`'s order. Cost: G x head_dim x kept fused
+  /// multiply-adds.
+  static void block_key_query(const format_type&, const page_shape& shape, const segment& s, const float* q, int groups,
+                              float* q_key) {
+    for (int g = 0; g < groups; ++g)
+      detail::fused_rotate(q + static_cast<std::size_t>(g) * shape.head_dim, shape.head_dim, s.basis[0].data(), s.kept,
+                           q_key + static_cast<std::size_t>(g) * s.kept);
+  }
+
+  /// q' . y^ of one query (`block_key_query`'s, [kept]) and a block key: q'[channel] x value
+  /// over the slot's r pairs (zeros included) in stored order by fused multiply-adds from 0.
+  /// Cost: r fused multiply-adds.
+  static float score_block_key(const format_type& f, const page_shape& shape, const float* q_key, const std::byte* key) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    float values[256];  // r <= head_dim <= 256 (validate)
+    detail::load_dense_rows(shape.storage, key + block_key_layout{g.retained}.values_offset(), static_cast<std::size_t>(g.retained),
+                            values);
+    const auto* channels = reinterpret_cast<const std::uint8_t*>(key);
+    float sum = 0.0f;
+    for (int v = 0; v < g.retained; ++v) sum = std::fma(q_key[channels[v]], values[v], sum);
+    return sum;
   }
 
  private:

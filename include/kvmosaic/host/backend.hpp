@@ -163,28 +163,44 @@ struct append_item {
 
 /// Block summaries kept per block of every page for a read-less selector (`block_summary`):
 /// `select::quest`'s key bounds (the channel-wise min row then max row of each block's keys) or
-/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype.
+/// `select::mean_keys`'s mean key row, per KV head, in the storage dtype; or, for a mean key
+/// over a format with block keys (`has_block_keys_v`), the format's block key of
+/// `block_key_bytes` bytes.
 struct bounds_geometry {
-  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds)
+  bounds_geometry(const engine_shape& shape, int block, block_summary kind = block_summary::bounds,
+                  std::size_t block_key_bytes = 0)
       : block_tokens(block),
         blocks_per_page(block > 0 ? shape.page_size / block : 0),
         summary(kind),
         rows_per_block(summary_rows(kind)),
         row_bytes(static_cast<std::size_t>(shape.head_dim) * size_of(shape.storage)),
-        head_bytes(static_cast<std::size_t>(blocks_per_page) * rows_per_block * row_bytes),
+        block_bytes(block_key_bytes > 0 ? block_key_bytes : rows_per_block * row_bytes),
+        format_keys(block_key_bytes > 0),
+        head_bytes(static_cast<std::size_t>(blocks_per_page) * block_bytes),
         page_bytes(static_cast<std::size_t>(shape.num_kv_heads) * head_bytes) {}
   int block_tokens;        ///< 0: no summaries kept
   int blocks_per_page;
   block_summary summary;
   int rows_per_block;      ///< 2 (lo row, hi row) or 1 (mean row)
   std::size_t row_bytes;   ///< one row of head_dim values
-  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][rows_per_block rows]
+  std::size_t block_bytes; ///< one block's summary of one KV head
+  bool format_keys;        ///< the blocks keep the format's block keys, not dense rows
+  std::size_t head_bytes;  ///< the summaries of one page of one KV head: [blocks][block_bytes]
   std::size_t page_bytes;  ///< the summaries of one page (every KV head): what a page costs on top
   std::size_t offset(page_id page, int head, int block) const noexcept {
-    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes +
-           static_cast<std::size_t>(block) * rows_per_block * row_bytes;
+    return static_cast<std::size_t>(page) * page_bytes + head * head_bytes + static_cast<std::size_t>(block) * block_bytes;
   }
 };
+
+/// The fp32 mean of `n` rows (head_dim floats each): per channel a sum in token order divided by
+/// n, the order of the CUDA summary kernels.
+inline void mean_key(const float* rows, int n, int head_dim, float* mean) {
+  for (int c = 0; c < head_dim; ++c) {
+    float sum = 0.0f;
+    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
+    mean[c] = sum / static_cast<float>(n);
+  }
+}
 
 /// Writes the channel-wise min and max of `n` rows (head_dim floats each, already exact in the
 /// storage dtype) as two stored rows at `out`.
@@ -208,11 +224,7 @@ inline void store_key_bounds(dtype storage, const float* rows, int n, int head_d
 /// dtype (the CUDA summary kernel computes it in the same order: the same bits).
 inline void store_mean_key(dtype storage, const float* rows, int n, int head_dim, std::byte* out) {
   std::vector<float> mean(static_cast<std::size_t>(head_dim));
-  for (int c = 0; c < head_dim; ++c) {
-    float sum = 0.0f;
-    for (int t = 0; t < n; ++t) sum = sum + rows[static_cast<std::size_t>(t) * head_dim + c];
-    mean[static_cast<std::size_t>(c)] = sum / static_cast<float>(n);
-  }
+  mean_key(rows, n, head_dim, mean.data());
   store_dense_rows(storage, mean.data(), mean.size(), out);
 }
 
@@ -376,13 +388,16 @@ class engine {
         format_(format),
         geometry_(shape, format),
         bounds_geometry_(shape, selector_traits<Selector>::bounds_block_tokens(selector, shape.page_size),
-                         detail::block_summary_of<Selector>::value),
+                         detail::block_summary_of<Selector>::value, block_key_bytes_for<Selector>(format, shape)),
         pages_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_slot_bytes()),
         tails_(static_cast<std::size_t>(shape.max_sequences) * geometry_.tail_slot_bytes()),
         bounds_(static_cast<std::size_t>(shape.max_pages) * bounds_geometry_.page_bytes) {}
 
   const detail::arena_geometry& geometry() const noexcept { return geometry_; }
   const detail::bounds_geometry& bounds_geometry() const noexcept { return bounds_geometry_; }
+  /// Whether the page blocks keep the format's block keys (`has_block_keys_v`: a mean key over
+  /// such a format) rather than dense summary rows.
+  bool format_block_keys() const noexcept { return bounds_geometry_.format_keys; }
   /// Bytes of one pool slot: one page of K and of V for every KV head.
   std::size_t page_slot_bytes() const noexcept { return geometry_.page_slot_bytes(); }
   /// Bytes a page costs besides its slot: the key bounds a selector keeps (0 for none).
@@ -577,9 +592,7 @@ class engine {
             std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(sinks) * d, d, rows.begin() + static_cast<std::ptrdiff_t>(t) * d);
           if (is_v == 0)
             for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-              detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                          rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d,
-                                          bounds_geometry_.block_tokens, d, bounds_.data() + bounds_geometry_.offset(page, h, block));
+              store_block(slot, index, page, h, block, rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * d);
           if constexpr (has_segments_v<Format>) {
             const segment_t& seg = segment(slot, index, h);
             if (is_v == 1) traits::encode_v(reencoding, shape, seg, rows.data(), base + geometry_.v_page_offset(h));
@@ -936,10 +949,30 @@ class engine {
     std::vector<float> queries(static_cast<std::size_t>(groups) * d);  // unscaled: the order is what counts
     for (int g = 0; g < groups; ++g)
       for (int c = 0; c < d; ++c) queries[static_cast<std::size_t>(g) * d + c] = to_float(q(static_cast<std::int64_t>(b), h * groups + g, c));
-    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean); chunks
-    // keep bounds.
+    // Page blocks keep the selector's summary (a mean row is scored as lo = hi = mean), or the
+    // format's block keys, scored with the queries in each page's segment; chunks keep bounds.
+    if constexpr (has_block_keys_v<Format>) {
+      if (r.block_tokens > 0 && bounds_geometry_.format_keys) {
+        std::vector<float> q_key;
+        std::int64_t key_segment = -1;
+        const int per = traits::segment_pages(format_, shape_.page());
+        for (std::size_t i = 0; i < begin.size(); ++i) {
+          const std::int64_t index = begin[i] / p;
+          if (index / per != key_segment) {  // spans come in token order: one query per segment
+            const segment_t& seg = segment(seq.slot, index, h);
+            key_segment = index / per;
+            q_key.resize(static_cast<std::size_t>(groups) * seg.kept);
+            traits::block_key_query(format_, shape_.page(), seg, queries.data(), groups, q_key.data());
+          }
+          const std::size_t kept = q_key.size() / static_cast<std::size_t>(groups);
+          for (int g = 0; g < groups; ++g)
+            head_scores[static_cast<std::size_t>(g)] = traits::score_block_key(format_, shape_.page(), q_key.data() + g * kept, bounds[i]);
+          scores[i] = detail::combine_scores(head_scores.data(), groups, r.combine);
+        }
+      }
+    }
     const int rows = r.block_tokens > 0 ? bounds_geometry_.rows_per_block : 2;
-    for (std::size_t i = 0; i < begin.size(); ++i) {
+    for (std::size_t i = 0; i < begin.size() && !(r.block_tokens > 0 && bounds_geometry_.format_keys); ++i) {
       dense_traits::decode_k(format::dense{}, page_shape{rows, d, shape_.storage}, bounds[i], rows, lo_hi.data());
       for (int g = 0; g < groups; ++g)
         head_scores[static_cast<std::size_t>(g)] = detail::span_score(queries.data() + static_cast<std::size_t>(g) * d, d, [&](int c) {
@@ -1034,10 +1067,8 @@ class engine {
     for (int h = 0; h < shape_.num_kv_heads; ++h) {
       dense_traits::decode_k(format::dense{}, shape, tail_head(slot, false, h), shape_.page_size, rows.data());
       for (int block = 0; block < bounds_geometry_.blocks_per_page; ++block)
-        detail::store_block_summary(bounds_geometry_.summary, shape_.storage,
-                                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim,
-                                    bounds_geometry_.block_tokens, shape_.head_dim,
-                                 bounds_.data() + bounds_geometry_.offset(page, h, block));
+        store_block(slot, index, page, h, block,
+                    rows.data() + static_cast<std::size_t>(block) * bounds_geometry_.block_tokens * shape_.head_dim);
       hide_sinks();
       if constexpr (has_segments_v<Format>) {
         traits::encode_k(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.k_page_offset(h));
@@ -1053,6 +1084,30 @@ class engine {
       if constexpr (has_segments_v<Format>) traits::encode_v(format_, shape, segment(slot, index, h), rows.data(), base + geometry_.v_page_offset(h));
       else traits::encode_v(format_, shape, rows.data(), base + geometry_.v_page_offset(h));
     }
+  }
+
+  /// Bytes of the format's block key when `Selector` keeps mean keys and the format has block
+  /// keys; 0 (dense summary rows) otherwise.
+  template <class Selector>
+  static std::size_t block_key_bytes_for(const Format& format, const detail::engine_shape& shape) {
+    if constexpr (has_block_keys_v<Format>)
+      if (detail::block_summary_of<Selector>::value == block_summary::mean) return traits::block_key_bytes(format, shape.page());
+    return 0;
+  }
+  /// The summary of one block of `n` exact rows of head `h` of page `index` of the sequence in
+  /// `slot` (page `page` of the pool): the selector's dense rows, or the format's block key of the
+  /// rows' fp32 mean in the page's segment.
+  void store_block(std::int32_t slot, std::int64_t index, page_id page, int h, int block, const float* rows) {
+    std::byte* out = bounds_.data() + bounds_geometry_.offset(page, h, block);
+    if constexpr (has_block_keys_v<Format>) {
+      if (bounds_geometry_.format_keys) {
+        std::vector<float> mean(static_cast<std::size_t>(shape_.head_dim));
+        detail::mean_key(rows, bounds_geometry_.block_tokens, shape_.head_dim, mean.data());
+        traits::encode_block_key(format_, shape_.page(), segment(slot, index, h), mean.data(), out);
+        return;
+      }
+    }
+    detail::store_block_summary(bounds_geometry_.summary, shape_.storage, rows, bounds_geometry_.block_tokens, shape_.head_dim, out);
   }
 
   detail::engine_shape shape_;

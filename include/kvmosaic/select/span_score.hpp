@@ -24,6 +24,7 @@
 
 #include "kvmosaic/core/config.hpp"
 #include "kvmosaic/core/error.hpp"
+#include "kvmosaic/core/fused.hpp"
 
 namespace kvmosaic {
 
@@ -109,19 +110,12 @@ inline void lane_sums(const float* q, int head_dim, Load& load, float* lane) {
   }
 }
 
-// x86 builds that do not target FMA hardware (the default) would call the C library's `fmaf` per
-// channel; there `lane_sums` is also compiled for FMA hardware and chosen at run time. Both are
-// exact: the same bits.
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) && !defined(__FMA__) && \
-    !defined(__CUDACC__)
-#define KVMOSAIC_SPAN_SCORE_FMA_DISPATCH 1
+// Where `std::fma` would be a C library call (core/fused.hpp), `lane_sums` is also compiled for FMA
+// hardware and chosen at run time: the same bits.
+#ifdef KVMOSAIC_FMA_DISPATCH
 template <class Load>
 __attribute__((target("fma"))) inline void lane_sums_fma(const float* q, int head_dim, Load& load, float* lane) {
   lane_sums(q, head_dim, load, lane);  // inlined: std::fma is one instruction under this target
-}
-inline bool has_fma() noexcept {
-  static const bool fma = __builtin_cpu_supports("fma") != 0;
-  return fma;
 }
 #endif
 }  // namespace span_score_detail
@@ -137,8 +131,8 @@ inline bool has_fma() noexcept {
 template <class Load>
 inline float span_score(const float* q, int head_dim, Load&& load) {
   float lane[span_score_lanes];
-#ifdef KVMOSAIC_SPAN_SCORE_FMA_DISPATCH
-  if (span_score_detail::has_fma())
+#ifdef KVMOSAIC_FMA_DISPATCH
+  if (fma_hardware())
     span_score_detail::lane_sums_fma(q, head_dim, load, lane);
   else
 #endif

@@ -46,6 +46,12 @@
 ///   // engine's segment arena (device_context::segments), as the kernels read it
 ///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
 ///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
+///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
+///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
+///   template <class Shapes>
+///   static void encode_block_keys(const state&, const format::X&, const block_key_seal_context&);
+///   template <class Shapes>
+///   static void block_key_queries(const state&, const format::X&, const block_key_query_context&);
 /// };
 /// ```
 ///
@@ -111,6 +117,41 @@ struct unpack_context {
   std::int32_t n;
   const std::int32_t* segment_entries;  ///< [n] formats with segments: the page's segment in the
                                         ///< arena (slot x segments_per_sequence + segment); else null
+};
+
+/// What a format's block-key seal is given (formats with `format_traits::has_block_keys`, when
+/// the selector keeps mean keys): `n` sealed pages whose dense rows are in slots `row_slots[i]`
+/// of `rows` (tail-slot layout), written to `page_ids` in segment `segment_entries[i]` (slot x
+/// segments_per_sequence + segment); their block keys go to `keys` ([max_pages][num_kv_heads]
+/// [blocks_per_page][key_bytes], the selection stage's arena).
+struct block_key_seal_context {
+  const device_context* engine;
+  const std::byte* rows;
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;
+  const std::int32_t* row_slots;
+  const std::int32_t* page_ids;
+  const std::int32_t* segment_entries;
+  std::int32_t n;
+  std::byte* keys;
+  std::int64_t keys_page_bytes;
+  int key_bytes;
+  int block_tokens;
+  int blocks_per_page;
+};
+
+/// What a format's block-key query pass is given: the step's queries ([batch][num_q_heads]
+/// [head_dim], unscaled), each sequence's slot and sealed pages, and where the queries in each
+/// (sequence, KV head, segment)'s rotated space go ([batch][num_kv_heads][segments_per_sequence]
+/// [basis_dim][query_heads]: a channel's heads side by side, zeros past the group).
+struct block_key_query_context {
+  const device_context* engine;
+  const float* q;
+  const std::int32_t* tail_slots;
+  const std::int32_t* sealed_pages;
+  std::int32_t batch;
+  float* q_key;
+  int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
 };
 
 namespace detail {

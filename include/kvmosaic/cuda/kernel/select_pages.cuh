@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
 namespace kvmosaic::cuda::kernel {
@@ -69,7 +70,23 @@ struct select_params {
   /// with its live rows to `token_masks` (page-granular steps too) and the entries to
   /// `table_lengths`, and drop a page left with no row.
   const std::uint32_t* live_masks;
+
+  // Block keys (`score_block_keys_kernel`): each span's summary is a format's block key
+  // (`block_key_layout` of r pairs; `bounds_entry_bytes` per entry as above, `key_bytes` per
+  // span), scored against the step's queries in the span's segment.
+  int key_bytes;                      ///< one span's block key
+  int key_retained;                   ///< r: values a block key holds
+  int key_kept;                       ///< channels of the segments' rotated space
+  int key_query_copies;               ///< `block_key_launch::copies`
+  int key_stride;                     ///< `block_key_launch::key_stride`
+  int segment_pages;                  ///< pages a segment holds: entry e is in segment e / segment_pages
+  int segments_per_sequence;
+  const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)]
 };
+
+/// Query heads the scoring kernels take at a time for a group of `group` heads: 4 for groups of
+/// up to 4, else 8; also the width of a block-key query row (`block_key_source`).
+__host__ __device__ constexpr int score_heads(int group) noexcept { return group <= 4 ? 4 : 8; }
 
 /// Warps per CTA of the scoring kernel.
 inline constexpr int score_warps = 8;
@@ -234,6 +251,143 @@ __global__ void __launch_bounds__(score_warps * 32) score_pages_kernel(const sel
     const int span = reduction_first + lane / Heads;
     if (lane % Heads == 0 && span < spans) scores[span] = combined;
   }
+}
+
+/// How `score_block_keys_kernel` is launched: spans (threads) per CTA, the copies of the staged
+/// queries, each key's stride in shared memory (16-byte chunks, odd) and the dynamic shared
+/// memory: kept x copies x heads floats of queries, then a key per thread.
+struct block_key_launch {
+  int threads;
+  int copies;
+  int key_stride;
+  int shared_bytes;
+};
+
+/// The launch of `score_block_keys_kernel` for keys of `key_bytes` (a multiple of 16) in a space
+/// of `kept` channels, `heads` (4 or 8) query heads a thread: 128 spans a CTA with 8 copies of
+/// the queries (one per lane of a quarter warp, so that a warp's 16-byte loads of random
+/// channels fall in distinct banks), halving the copies, then the spans, until it fits
+/// `max_shared` bytes. The last, 32 spans and one copy, takes at most 33 KB (kept <= 256, keys
+/// of at most 3 x 256 bytes: formats with block keys validate head_dim <= 256), which every
+/// device has.
+inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_bytes, int max_shared) {
+  const int key_stride = (key_bytes / 16) | 1;  // odd: a quarter warp's keys in distinct banks
+  const auto bytes = [&](int threads, int copies) { return kept * copies * heads * 4 + threads * key_stride * 16; };
+  for (int threads = 128; threads > 32; threads /= 2)
+    for (int copies = 8; copies >= 1; copies /= 2)
+      if (bytes(threads, copies) <= max_shared) return block_key_launch{threads, copies, key_stride, bytes(threads, copies)};
+  return block_key_launch{32, 1, key_stride, bytes(32, 1)};
+}
+
+/// Block-key scores (`select::mean_keys` over a format with block keys, e.g. packed_bitmap) of
+/// every span, for groups of up to `Heads` query heads (4 or 8), a thread per span. The CTA
+/// stages the queries of its first span's segment (q' [kept][Heads], `key_query_copies` copies
+/// side by side) and each warp its 32 spans' keys, loaded coalesced, in shared memory; then each
+/// thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
+/// multiply-adds from 0 for each head g of the group (the host's
+/// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, and the heads
+/// combine in head order. A span in a later segment than the CTA's first reads its queries from
+/// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
+/// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
+/// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
+/// Grid: (num_kv_heads, ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
+template <class T, int HeadDim, int Heads>
+__global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {
+  static_assert(Heads == 4 || Heads == 8, "heads a thread scores: 4 (groups of up to 4) or 8");
+  constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
+  extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
+  const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
+  const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
+  if (first >= spans) return;
+  const int kept = p.key_kept, copies = p.key_query_copies, r = p.key_retained;
+  const auto* head_queries = reinterpret_cast<const float4*>(p.q_key) +
+                             (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.segments_per_sequence * kept * quads;
+  const int staged_segment = first / p.spans_per_entry / p.segment_pages;
+  const float4* staged_from = head_queries + static_cast<std::size_t>(staged_segment) * kept * quads;
+  // This thread's span (past the end: the last, loaded but not scored) and its key.
+  const int span = first + tid, mine = min(span, spans - 1);
+  const int entry = mine / p.spans_per_entry, slot = mine % p.spans_per_entry;
+  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
+                         (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
+  // The segment's queries are loaded first (a channel's heads, stored `copies` times side by side
+  // below), then the warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes,
+  // consecutive chunks), eight loads in flight before their stores.
+  const int staged_items = kept * quads;
+  const float4 first_queries = tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  const int chunks = p.key_bytes / 16, stride = p.key_stride;
+  uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
+  const int keys_per_round = 32 / chunks, chunks_past = 32 % chunks;  // item += 32 in (key, chunk)
+  int s = lane / chunks, c = lane % chunks;
+  for (int round = 0; round < chunks; round += 8) {
+    uint4 loaded[8];
+    int at[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (round + u < chunks) {  // uniform across the warp
+        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), s));
+        loaded[u] = __ldg(from + c);
+        at[u] = s * stride + c;
+        s += keys_per_round;
+        c += chunks_past;
+        if (c >= chunks) c -= chunks, ++s;
+      }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (round + u < chunks) keys[at[u]] = loaded[u];
+  }
+  for (int x = tid; x < staged_items; x += threads) {
+    const float4 q = x == tid ? first_queries : __ldg(staged_from + x);
+    float4* to = staged_queries + x / quads * copies * quads + x % quads;
+    // Copy (k + x) mod copies at step k: a quarter warp's stores in distinct banks.
+    for (int k = 0; k < copies; ++k) to[(k + x) % copies * quads] = q;
+  }
+  __syncthreads();
+  if (span >= spans) return;
+  const uint4* own = keys + lane * stride;
+  const int values_chunk = block_key_layout{r}.values_offset() / 16;
+  float sum[Heads] = {};
+  const auto score = [&](const auto& queries_of) {
+    for (int v = 0; v < r; v += 16) {
+      const uint4 channel_bytes = own[v / 16];
+      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (v + 8 * half >= r) break;
+        const uint4 value_bits = own[values_chunk + v / 8 + half];
+        const auto* value = reinterpret_cast<const T*>(&value_bits);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (v + 8 * half + i >= r) break;
+          const float x = to_float(value[i]);
+          const int c = channel[8 * half + i];
+#pragma unroll
+          for (int h = 0; h < quads; ++h) {
+            const float4 q = queries_of(c, h);
+            sum[4 * h + 0] = __fmaf_rn(q.x, x, sum[4 * h + 0]);  // the host's std::fma
+            sum[4 * h + 1] = __fmaf_rn(q.y, x, sum[4 * h + 1]);
+            sum[4 * h + 2] = __fmaf_rn(q.z, x, sum[4 * h + 2]);
+            sum[4 * h + 3] = __fmaf_rn(q.w, x, sum[4 * h + 3]);
+          }
+        }
+      }
+    }
+  };
+  const int segment = entry / p.segment_pages;
+  if (segment == staged_segment) {
+    const float4* queries = staged_queries + (lane % copies) * quads;
+    const int channel_stride = copies * quads;
+    score([&](int c, int h) { return queries[c * channel_stride + h]; });
+  } else {
+    const float4* queries = head_queries + static_cast<std::size_t>(segment) * kept * quads;
+    score([&](int c, int h) { return __ldg(queries + c * quads + h); });
+  }
+  float combined = sum[0];
+#pragma unroll
+  for (int g = 1; g < Heads; ++g)
+    if (g < p.group_size) combined = p.combine_sum ? __fadd_rn(combined, sum[g]) : (sum[g] > combined ? sum[g] : combined);
+  p.scores[(static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride + span] = combined;
 }
 
 namespace detail_select {

@@ -41,11 +41,14 @@ class page_block_selection : public span_selection<Shapes> {
   static constexpr block_summary summary = kvmosaic::detail::block_summary_of<Selector>::value;
 
  public:
-  /// Summaries for every page of the pool, `selector.block_for(page_size)` tokens per block.
-  page_block_selection(const kvmosaic::detail::engine_shape& shape, const Selector& selector)
+  /// Summaries for every page of the pool, `selector.block_for(page_size)` tokens per block:
+  /// dense rows, or (mean keys, `block_key_bytes` > 0) a format's block keys, which the engine has
+  /// its format write at each seal (`block_key_arena`) and score from its queries
+  /// (`use_block_keys`).
+  page_block_selection(const kvmosaic::detail::engine_shape& shape, const Selector& selector, std::size_t block_key_bytes = 0)
       : spans(shape, selector.block_for(shape.page_size) < shape.page_size),
         shape_(shape),
-        geometry_(shape, selector.block_for(shape.page_size), summary),
+        geometry_(shape, selector.block_for(shape.page_size), summary, summary == block_summary::mean ? block_key_bytes : 0),
         bounds_(static_cast<std::size_t>(shape.max_pages) * geometry_.page_bytes) {
     kvmosaic::detail::require(geometry_.block_tokens % 8 == 0 && shape.page_size % geometry_.block_tokens == 0,
                               "cuda::engine", "block_tokens", geometry_.block_tokens,
@@ -53,8 +56,15 @@ class page_block_selection : public span_selection<Shapes> {
     span_source source{bounds_.as<const std::byte>(), static_cast<std::int64_t>(geometry_.page_bytes),
                        geometry_.blocks_per_page, geometry_.block_tokens, nullptr, geometry_.block_tokens, false};
     source.summary_rows = geometry_.rows_per_block;
+    source.key_bytes = geometry_.format_keys ? static_cast<int>(geometry_.block_bytes) : 0;
     spans::use_source(source);
   }
+
+  /// Whether the blocks keep a format's block keys (which the engine writes) rather than rows.
+  bool format_block_keys() const noexcept { return geometry_.format_keys; }
+  /// The block keys' arena, [max_pages][num_kv_heads][blocks][block_key_bytes], and its geometry.
+  std::byte* block_key_arena() noexcept { return bounds_.as<std::byte>(); }
+  const kvmosaic::detail::bounds_geometry& geometry() const noexcept { return geometry_; }
 
   /// Device summaries of each page: [max_pages][num_kv_heads][blocks][summary rows], storage dtype.
   std::size_t page_bytes() const noexcept { return geometry_.page_bytes; }
@@ -63,7 +73,7 @@ class page_block_selection : public span_selection<Shapes> {
   /// The summary of every block of the sealed pages, from their dense rows. One CTA per page, KV
   /// head and block; one thread per channel.
   void seal(const sealed_pages& sealed, cudaStream_t stream) {
-    if (sealed.n == 0) return;
+    if (sealed.n == 0 || geometry_.format_keys) return;  // block keys: the engine's format writes them
     kernel::bounds_params b{};
     b.rows = sealed.rows;
     b.rows_slot_bytes = sealed.rows_slot_bytes;

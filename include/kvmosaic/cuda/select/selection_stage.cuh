@@ -70,6 +70,17 @@ struct sealed_pages {
   std::int32_t n;
 };
 
+/// Where a step's block keys are scored from, for a stage whose spans keep a format's block keys
+/// (`format_traits::has_block_keys`, under a selector that keeps mean keys): the step's queries in
+/// each segment's rotated space, which the engine has the format compute before the launch.
+struct block_key_source {
+  const float* q_key = nullptr;     ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)] (device)
+  int kept = 0;                     ///< channels of the rotated space
+  int retained = 0;                 ///< (channel, value) pairs a block key holds
+  int segment_pages = 1;
+  int segments_per_sequence = 1;
+};
+
 /// One sequence of a step as a stage sees it.
 struct step_sequence {
   std::int32_t slot;          ///< tail slot

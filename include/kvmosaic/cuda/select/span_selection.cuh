@@ -49,6 +49,7 @@ struct span_source {
   int longest_span;                 ///< tokens of the longest span
   bool own_tables;                  ///< entries from the stage's span tables (else the sequences' block tables)
   int summary_rows = 2;             ///< rows per span: 2 (lo, hi: key bounds) or 1 (a mean key, scored as lo = hi)
+  int key_bytes = 0;                ///< > 0: each span keeps a format's block key of this many bytes instead of rows
 };
 
 template <class Shapes>
@@ -66,6 +67,7 @@ class span_selection {
     spans_static_shared_ = detail::static_shared_of(kernel::select_spans_kernel<kernel::select_threads>);
     pages_static_shared_ = detail::static_shared_of(kernel::select_pages_kernel<kernel::select_threads>);
     max_dynamic_shared_ = opt_in - spans_static_shared_;
+    max_shared_ = opt_in;
   }
 
   /// Row-mask words per page: ceil(page_size / 32).
@@ -130,6 +132,10 @@ class span_selection {
     }
   }
 
+  /// Where the step's block keys are scored from (stages whose spans keep them; set before each
+  /// launch).
+  void use_block_keys(const block_key_source& source) noexcept { key_queries_ = source; }
+
   /// Scores every span, then chooses each KV head's pages (and, with row masks, their rows).
   /// `p`: the step's parameters (its metadata on the device), `staged`: this step's staged inputs
   /// on the device.
@@ -158,10 +164,29 @@ class span_selection {
     s.scores = scores_.as<float>();
     s.selected = selected_.as<std::int32_t>();
     // Instances by summary rows and heads per reduction (groups of up to 4, or of 5 to 8).
-    const int heads = shape_.group_size <= 4 ? 4 : 8;
+    const int heads = kernel::score_heads(shape_.group_size);
     detail::dispatch_shape(Shapes{}, shape_.storage, shape_.head_dim, 0, [&](auto element, auto dim, auto) {
       using T = decltype(element);
       constexpr int head_dim = decltype(dim)::value;
+      if (source_.key_bytes > 0) {  // block keys: a thread per span
+        s.key_bytes = source_.key_bytes;
+        s.key_retained = key_queries_.retained;
+        s.key_kept = key_queries_.kept;
+        s.segment_pages = key_queries_.segment_pages;
+        s.segments_per_sequence = key_queries_.segments_per_sequence;
+        s.q_key = key_queries_.q_key;
+        const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
+        const kernel::block_key_launch launch = kernel::plan_block_key_scoring(s.key_kept, heads, s.key_bytes, max_shared_);
+        s.key_query_copies = launch.copies;
+        s.key_stride = launch.key_stride;
+        const int spans_per_cta = launch.threads;
+        const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
+                        static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                        static_cast<unsigned>(planned_batch_));
+        score<<<grid, spans_per_cta, detail::opted_in_shared(score, launch.shared_bytes), stream>>>(s);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        return;
+      }
       using kernel::score_pages_kernel;
       const auto score = s.summary_rows == 1
                              ? (heads == 4 ? score_pages_kernel<T, head_dim, 1, 4> : score_pages_kernel<T, head_dim, 1, 8>)
@@ -298,7 +323,9 @@ class span_selection {
 
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
+  block_key_source key_queries_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
+  int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept

@@ -21,6 +21,7 @@
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
 #include "kvmosaic/cuda/format/device_format.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/block_keys.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/unpack.cuh"
@@ -151,6 +152,55 @@ struct device_format<format::packed_bitmap> {
       for (int j = 0; j < kept; ++j) v_t[static_cast<std::size_t>(j) * d + c] = s.basis[1][static_cast<std::size_t>(c) * kept + j];
     const std::int32_t strategy[4] = {s.strategy[0].retained, s.strategy[0].group, s.strategy[1].retained, s.strategy[1].group};
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
+  }
+
+  /// The block keys of `c.n` sealed pages (`format_traits::encode_block_key` to the bit): one CTA
+  /// per (page, KV head, block).
+  template <class Shapes>
+  static void encode_block_keys(const state& s, const format::packed_bitmap& f, const block_key_seal_context& c) {
+    if (c.n == 0) return;
+    kernel::packed_block_key_params p{};
+    p.rows = c.rows;
+    p.rows_slot_bytes = c.rows_slot_bytes;
+    p.rows_head_bytes = c.rows_head_bytes;
+    p.row_slots = c.row_slots;
+    p.new_pages = c.page_ids;
+    p.segment_entries = c.segment_entries;
+    p.keys = c.keys;
+    p.keys_page_bytes = c.keys_page_bytes;
+    p.key_bytes = c.key_bytes;
+    p.block_tokens = c.block_tokens;
+    p.num_kv_heads = c.engine->shape->num_kv_heads;
+    p.format = params_for(s, f, *c.engine);
+    const dim3 grid(static_cast<unsigned>(c.n), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(c.blocks_per_page));
+    detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto element, auto dim, auto) {
+      kernel::encode_packed_block_keys_kernel<decltype(element), decltype(dim)::value>
+          <<<grid, kernel::packed_block_key_threads, 0, c.engine->stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+  }
+
+  /// The step's queries in every (sequence, KV head, segment)'s K basis
+  /// (`format_traits::block_key_query` to the bit): a thread per channel, all heads of the group.
+  template <class Shapes>
+  static void block_key_queries(const state& s, const format::packed_bitmap& f, const block_key_query_context& c) {
+    if (c.batch == 0) return;
+    kernel::packed_block_query_params p{};
+    p.q = c.q;
+    p.slots = c.tail_slots;
+    p.sealed_pages = c.sealed_pages;
+    p.q_key = c.q_key;
+    p.num_kv_heads = c.engine->shape->num_kv_heads;
+    p.group_size = c.engine->shape->group_size;
+    p.query_heads = c.query_heads;
+    p.format = params_for(s, f, *c.engine);
+    const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
+    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence * parts), static_cast<unsigned>(p.num_kv_heads),
+                    static_cast<unsigned>(c.batch));
+    detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
+      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
   }
 
   /// Packs `n` completed pages (K and V of every KV head) in their segments: one CTA per (page,

@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// `format::packed_bitmap`'s block keys on the device (MosaicKV's per-block keys, "channel-
+/// compressed together with the original K vectors", section 5.2): the kernels that write them
+/// when pages are sealed and rotate a step's queries into each segment's K basis, each in the
+/// host's order (`format_traits<packed_bitmap>::encode_block_key`, `block_key_query`) to the bit.
+///
+/// The engine runs them through `device_format<packed_bitmap>`'s block-key hooks; the scoring
+/// kernel is the generic `score_block_keys_kernel` (kernel/select_pages.cuh).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
+
+namespace kvmosaic::cuda::kernel {
+
+/// Where the block keys of newly sealed pages come from and go.
+struct packed_block_key_params {
+  const std::byte* rows;                 ///< dense rows of the new pages (storage dtype)
+  std::int64_t rows_slot_bytes;
+  std::int64_t rows_head_bytes;          ///< K rows of KV head h start h * rows_head_bytes into a slot
+  const std::int32_t* row_slots;         ///< [n] the slot of `rows` holding new page i
+  const std::int32_t* new_pages;         ///< [n] page ids
+  const std::int32_t* segment_entries;   ///< [n] the segment arena entry of page i (slot x segments_per_sequence + segment)
+  std::byte* keys;                       ///< [max_pages][num_kv_heads][blocks per page][key_bytes]
+  std::int64_t keys_page_bytes;
+  int key_bytes;                         ///< one block key (`block_key_bytes`)
+  int block_tokens;
+  int num_kv_heads;
+  packed_decode_params format;
+};
+
+inline constexpr int packed_block_key_threads = 128;
+
+/// The block key of each block of each new page, per KV head: the fp32 mean of the block's rows
+/// (a sum in token order divided by the count), y = mean B_k (thread j sums channel j over the
+/// head_dim channels in order by fused multiply-adds), the r / g groups of largest energy (an
+/// fp32 sum of squares in group order; NaN first, then energy, then the lower group), then each
+/// kept channel's 8-bit index and 16-bit value in channel order, zeros past the strategy's r.
+/// Grid: (n, num_kv_heads, blocks per page).
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_keys_kernel(const packed_block_key_params p) {
+  static_assert(HeadDim <= 256, "8-bit channel indices");
+  __shared__ float mean[HeadDim];
+  __shared__ float y[HeadDim];
+  __shared__ float energy[HeadDim];
+  __shared__ std::uint8_t keep[HeadDim];
+  const int i = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), block = static_cast<int>(blockIdx.z);
+  const int blocks = static_cast<int>(gridDim.z), tid = static_cast<int>(threadIdx.x);
+  const packed_decode_params& f = p.format;
+  const int kept = f.kept;
+  const T* rows = reinterpret_cast<const T*>(p.rows + static_cast<std::size_t>(p.row_slots[i]) * p.rows_slot_bytes +
+                                             static_cast<std::size_t>(head) * p.rows_head_bytes) +
+                  static_cast<std::size_t>(block) * p.block_tokens * HeadDim;
+  const std::byte* entry = f.segments + (static_cast<std::int64_t>(p.segment_entries[i]) * p.num_kv_heads + head) * f.entry_bytes;
+  const auto* k_basis = reinterpret_cast<const float*>(entry);
+  const auto* strategy = reinterpret_cast<const std::int32_t*>(entry + 2 * static_cast<std::int64_t>(HeadDim) * kept * 4);
+  const int retained = strategy[0], group = strategy[1];
+  const int groups = kept / group, keep_groups = retained / group;
+  std::byte* key = p.keys + static_cast<std::size_t>(p.new_pages[i]) * p.keys_page_bytes +
+                   (static_cast<std::size_t>(head) * blocks + block) * p.key_bytes;
+
+  for (int c = tid; c < HeadDim; c += packed_block_key_threads) {
+    float sum = 0.0f;
+    for (int t = 0; t < p.block_tokens; ++t) sum = __fadd_rn(sum, to_float(rows[static_cast<std::size_t>(t) * HeadDim + c]));
+    mean[c] = __fdiv_rn(sum, static_cast<float>(p.block_tokens));
+  }
+  for (int b = tid; b < p.key_bytes / 4; b += packed_block_key_threads) reinterpret_cast<std::uint32_t*>(key)[b] = 0u;
+  __syncthreads();
+  for (int j = tid; j < kept; j += packed_block_key_threads) {
+    float acc = 0.0f;
+    for (int c = 0; c < HeadDim; ++c) acc = __fmaf_rn(mean[c], k_basis[c * kept + j], acc);  // the host's fused_rotate
+    y[j] = acc;
+  }
+  __syncthreads();
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    float sum = 0.0f;
+    for (int g = 0; g < group; ++g) sum = __fadd_rn(sum, __fmul_rn(y[j * group + g], y[j * group + g]));
+    energy[j] = sum;
+  }
+  __syncthreads();
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    const float mine = energy[j];
+    int before = 0;
+    for (int o = 0; o < groups; ++o) {
+      const float other = energy[o];
+      const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+      before += o != j && ranks_before ? 1 : 0;
+    }
+    keep[j] = before < keep_groups ? 1 : 0;
+  }
+  __syncthreads();
+  auto* channels = reinterpret_cast<std::uint8_t*>(key);
+  auto* values = reinterpret_cast<std::uint16_t*>(key + block_key_layout{f.retained}.values_offset());
+  for (int j = tid; j < groups; j += packed_block_key_threads) {
+    if (keep[j] == 0) continue;
+    int at = 0;
+    for (int o = 0; o < j; ++o) at += keep[o];
+    for (int g = 0; g < group; ++g) {
+      channels[at * group + g] = static_cast<std::uint8_t>(j * group + g);
+      values[at * group + g] = T(y[j * group + g]).bits;
+    }
+  }
+}
+
+/// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment]
+/// [channel][g] = (q_g B_k)[channel], each summed over head_dim in order by fused multiply-adds
+/// (the host's `block_key_query`), with the heads of a channel side by side and padded to
+/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
+/// thread per channel computes the group's heads together (one read of its basis column, one
+/// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
+/// Grid: (segments_per_sequence x ceil(kept / packed_block_query_threads), num_kv_heads, batch);
+/// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
+/// multiply-adds and one read of B_k per (sequence, KV head, segment).
+struct packed_block_query_params {
+  const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
+  const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
+  const std::int32_t* sealed_pages;       ///< [batch] pages each sequence has: ceil(/ segment_pages) segments
+  float* q_key;                           ///< [batch][num_kv_heads][segments_per_sequence][kept][query_heads]
+  int num_kv_heads;
+  int group_size;
+  int query_heads;                        ///< the group padded to the scoring kernel's heads (4 or 8)
+  packed_decode_params format;
+};
+
+inline constexpr int packed_block_query_threads = 64;
+
+template <int HeadDim>
+__global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+  __shared__ float q[8 * HeadDim];
+  const packed_decode_params& f = p.format;
+  const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
+  const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
+  const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
+  const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = source[x];
+  __syncthreads();
+  const int j = part * packed_block_query_threads + tid;
+  if (j >= kept) return;
+  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, p.slots[b], segment, head);
+  float acc[8] = {};
+  // 32 rows of the basis column in flight at a time, then their products in channel order.
+  static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
+  for (int c0 = 0; c0 < HeadDim; c0 += 32) {
+    float basis[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+#pragma unroll
+      for (int g = 0; g < 8; ++g)
+        if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
+  }
+  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept + j) * heads;
+#pragma unroll
+  for (int g = 0; g < 8; ++g)
+    if (g < heads) out[g] = g < group ? acc[g] : 0.0f;
+}
+
+}  // namespace kvmosaic::cuda::kernel
