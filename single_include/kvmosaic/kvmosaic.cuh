@@ -13260,29 +13260,33 @@ class engine {
   /// Block keys: the step's queries in each (sequence, KV head, segment)'s rotated space, by the
   /// format, and where the stage scores its keys from.
   void prepare_block_keys(const kernel::decode_params& p) {
-    const device_context c = context();
-    device::template block_key_queries<Shapes>(
-        format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
-                                                              kernel::score_heads(shape_.group_size)});
-    block_key_source source;
-    source.q_key = block_key_queries_.as<const float>();
-    source.kept = traits::basis_dim(format_, shape_.page());
-    source.retained = traits::block_key_values(format_, shape_.page());
-    source.segment_pages = traits::segment_pages(format_, shape_.page());
-    source.segments_per_sequence = segments_per_sequence_;
-    selection_.use_block_keys(source);
+    if constexpr (block_keys) {  // discarded for other engines, which an explicit instantiation compiles too
+      const device_context c = context();
+      device::template block_key_queries<Shapes>(
+          format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                                                kernel::score_heads(shape_.group_size)});
+      block_key_source source;
+      source.q_key = block_key_queries_.as<const float>();
+      source.kept = traits::basis_dim(format_, shape_.page());
+      source.retained = traits::block_key_values(format_, shape_.page());
+      source.segment_pages = traits::segment_pages(format_, shape_.page());
+      source.segments_per_sequence = segments_per_sequence_;
+      selection_.use_block_keys(source);
+    }
   }
   /// Block keys: the format writes those of `n` sealed pages (dense rows in slots `row_slots` of
   /// `rows`, pages `page_ids` in segments `segment_entries`) into the stage's arena.
   void seal_block_keys(const std::byte* rows, std::int64_t rows_slot_bytes, std::int64_t rows_head_bytes, const std::int32_t* row_slots,
                        const std::int32_t* page_ids, const std::int32_t* segment_entries, std::int32_t n) {
-    const device_context c = context();
-    const kvmosaic::detail::bounds_geometry& g = selection_.geometry();
-    device::template encode_block_keys<Shapes>(
-        format_state_, format_,
-        block_key_seal_context{&c, rows, rows_slot_bytes, rows_head_bytes, row_slots, page_ids, segment_entries, n,
-                               selection_.block_key_arena(), static_cast<std::int64_t>(g.page_bytes), static_cast<int>(g.block_bytes),
-                               g.block_tokens, g.blocks_per_page});
+    if constexpr (block_keys) {
+      const device_context c = context();
+      const kvmosaic::detail::bounds_geometry& g = selection_.geometry();
+      device::template encode_block_keys<Shapes>(
+          format_state_, format_,
+          block_key_seal_context{&c, rows, rows_slot_bytes, rows_head_bytes, row_slots, page_ids, segment_entries, n,
+                                 selection_.block_key_arena(), static_cast<std::int64_t>(g.page_bytes), static_cast<int>(g.block_bytes),
+                                 g.block_tokens, g.blocks_per_page});
+    }
   }
 
   /// Host part of a step: the split plan from the lengths and the block tables, written to
