@@ -11195,6 +11195,8 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   static void encode_block_keys(const state&, const format::X&, const block_key_seal_context&);
 ///   template <class Shapes>
 ///   static void block_key_queries(const state&, const format::X&, const block_key_query_context&);
+///   // the queries block_key_queries wrote, for the step's split kernel to read if it wants them
+///   static void use_block_key_queries(params&, const float* q_key, int query_heads);
 /// };
 /// ```
 ///
@@ -13785,7 +13787,10 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
   p.format = device::params_for(format_state_, format_, context());
   if constexpr (selects)
     if (selection_.planned()) {
-      if constexpr (block_keys) prepare_block_keys(p);
+      if constexpr (block_keys) {
+        prepare_block_keys(p);
+        device::use_block_key_queries(p.format, block_key_queries_.as<const float>(), kernel::score_heads(shape_.group_size));
+      }
       selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
     }
   const int num_q_heads = shape_.num_kv_heads * shape_.group_size;
@@ -17147,6 +17152,11 @@ struct packed_decode_params {
   std::int64_t bitmap_bytes;   ///< the bitmaps of a page (page_size x words x 4): values follow
   int stages;                  ///< sm_90 kernel: slots in flight per CTA (0: the portable kernel)
   int slot_pages;              ///< sm_90 kernel: pages a slot holds (`packed_slot_pages`)
+  /// The step's unscaled queries in each segment's K basis, when a selection stage computed them
+  /// for its block keys (`packed_block_queries_kernel`: [batch][num_kv_heads][segments_per_sequence]
+  /// [kept][step_query_heads], the same bits the sm_90 kernel's own rotation gives), else null.
+  const float* step_queries;
+  int step_query_heads;
 };
 
 /// Pages one slot of the sm_90 packed kernel holds: 64 / page_size for pages of 16 and 32 tokens,
@@ -17348,7 +17358,7 @@ struct split_state {
 #pragma unroll
       for (int g = 0; g < Group; ++g) out[g] = basis == nullptr ? rotated[g * HeadDim + c] : 0.0f;
       if (basis != nullptr) {
-#pragma unroll 16
+#pragma unroll 32
         for (int j = 0; j < kept; ++j) {
           const float b = __ldg(basis + j * HeadDim + c);
 #pragma unroll
@@ -17677,14 +17687,10 @@ struct packed_mma_layout {
 };
 
 /// CTAs per SM the sm_90 packed kernel's registers are bounded for (`__launch_bounds__`), at
-/// head_dim 128 with groups of 4 or fewer: five for slots of one page (as bitmap_tiles' row-chunk
-/// kernel), four for slots of several small pages, whose page loop then needs no spills. Pages of
-/// 16 and 32 are the configuration for selected steps, whose splits hold few, scattered pages and
-/// gain more from that than from a fifth CTA; `select::all` there loses a little
-/// (benchmark/README.md, "The small-page split kernel bounded for four CTAs an SM").
-constexpr int packed_mma_min_ctas(int head_dim, int group, bool small_pages) {
-  return head_dim == 128 && group <= 4 ? (small_pages ? 4 : 5) : 0;
-}
+/// head_dim 128 with groups of 4 or fewer: four, whose 128 registers hold its page loop without
+/// spills (five CTAs' 96 do not), for slots of one page and of several small pages alike
+/// (benchmark/README.md, "The pages-of-64 split kernel bounded for four CTAs an SM").
+constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 128 && group <= 4 ? 4 : 0; }
 
 /// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
@@ -17706,7 +17712,7 @@ constexpr int packed_mma_min_ctas(int head_dim, int group, bool small_pages) {
 /// channels: a predicated load per channel at g = 1, per group at g = 2 and 4; per segment
 /// 2 x Group x head_dim x kept FMAs and five CTA barriers.
 template <class T, int HeadDim, int Group, bool Logits = false, bool SmallPages = false>
-__global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, SmallPages)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
+__global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
   using layout = packed_mma_layout<HeadDim, Group>;
   using attend = warp_attend_mma<T, HeadDim, Group, tokens, operand_path::row_chunks>;
@@ -17872,10 +17878,19 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, Small
     split.merge_segment(rotated, basis, kept);
   };
   // Starts a segment (every thread; the query tiles are free): q' = scale x q B_k in the
-  // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null).
-  const auto open_segment = [&](const float* basis) {
+  // segment's rotated channels, zero past `kept` (or q itself for the tail: `basis` null), read
+  // from the step's rotated queries where the selection stage wrote them.
+  const auto open_segment = [&](const float* basis, int segment_index) {
     if (basis == nullptr) {
       for (int index = tid; index < Group * HeadDim; index += threads) rotated[index] = q[index];
+    } else if (f.step_queries != nullptr) {
+      const int heads = f.step_query_heads;
+      const float* from = f.step_queries + ((static_cast<std::size_t>(w.batch_index) * p.num_kv_heads + head) * f.segments_per_sequence +
+                                            segment_index) * kept * heads;
+      for (int index = tid; index < Group * HeadDim; index += threads) {
+        const int g = index / HeadDim, j = index % HeadDim;
+        rotated[g * HeadDim + packed_key_position(j)] = j < kept ? from[j * heads + g] : 0.0f;  // the K slab order
+      }
     } else {
       // q transposed ([HeadDim][Group]) into the free query tiles, then a thread per rotated
       // channel j for every head: each basis element is loaded once (coalesced along j) and
@@ -17888,7 +17903,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, Small
 #pragma unroll
         for (int g = 0; g < Group; ++g) dot[g] = 0.0f;
         if (j < kept) {
-#pragma unroll 16
+#pragma unroll 32
           for (int c = 0; c < HeadDim; ++c) {
             const float b = __ldg(basis + c * kept + j);
 #pragma unroll
@@ -17928,7 +17943,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, Small
       segment = packed_entry::at(f, HeadDim, p.num_kv_heads, slot_index, current, head);
       k_shift = segment.group[0] == 1 ? 0 : segment.group[0] == 2 ? 1 : 2;
       v_shift = segment.group[1] == 1 ? 0 : segment.group[1] == 2 ? 1 : 2;
-      open_segment(segment.k_basis);
+      open_segment(segment.k_basis, current);
     }
     const int page_index = i + warp_page;  // the warp's page in the split
     const std::byte* k_page = slots + slot * slot_bytes + warp_page * pair_bytes;
@@ -17986,7 +18001,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group, Small
   if (current >= 0) close_segment(segment.v_basis_t);
   if (w.with_tail) {  // the exact rows and the tail rows, one dense run, in head_dim space
     __syncthreads();  // the query tiles are free
-    open_segment(nullptr);
+    open_segment(nullptr, 0);
     const detail_decode::dense_run run = detail_decode::dense_rows_of(p, w.batch_index);
     const std::byte* tail = p.tails + static_cast<std::size_t>(p.tail_slots[w.batch_index]) * p.tail_slot_bytes +
                             static_cast<std::size_t>(run.first) * HeadDim * 2;
@@ -18466,7 +18481,18 @@ struct device_format<format::packed_bitmap> {
                   g.retained,
                   static_cast<std::int64_t>(g.bitmap_bytes()),
                   s.stages,
-                  kernel::packed_slot_pages(shape.page_size)};
+                  kernel::packed_slot_pages(shape.page_size),
+                  nullptr,
+                  0};
+  }
+
+  /// The step's queries in every segment's K basis, as `block_key_queries` wrote them for the
+  /// selection stage: the sm_90 split kernel then reads a segment's rotated queries instead of
+  /// rotating them itself (the same bits; one read of kept x group floats against one of B_k and
+  /// group x head_dim x kept FMAs per split and segment). The portable kernel rotates its own.
+  static void use_block_key_queries(params& p, const float* q_key, int query_heads) {
+    p.step_queries = q_key;
+    p.step_query_heads = query_heads;
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }

@@ -1011,7 +1011,10 @@ void engine<Format, Selector, Shapes>::launch_step(const float* q, const output_
   p.format = device::params_for(format_state_, format_, context());
   if constexpr (selects)
     if (selection_.planned()) {
-      if constexpr (block_keys) prepare_block_keys(p);
+      if constexpr (block_keys) {
+        prepare_block_keys(p);
+        device::use_block_key_queries(p.format, block_key_queries_.as<const float>(), kernel::score_heads(shape_.group_size));
+      }
       selection_.launch(p, step_metadata_.as<const std::byte>() + layout_.selection, q, stream_);
     }
   const int num_q_heads = shape_.num_kv_heads * shape_.group_size;

@@ -52,6 +52,8 @@
 ///   static void encode_block_keys(const state&, const format::X&, const block_key_seal_context&);
 ///   template <class Shapes>
 ///   static void block_key_queries(const state&, const format::X&, const block_key_query_context&);
+///   // the queries block_key_queries wrote, for the step's split kernel to read if it wants them
+///   static void use_block_key_queries(params&, const float* q_key, int query_heads);
 /// };
 /// ```
 ///

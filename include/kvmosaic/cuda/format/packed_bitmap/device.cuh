@@ -130,7 +130,18 @@ struct device_format<format::packed_bitmap> {
                   g.retained,
                   static_cast<std::int64_t>(g.bitmap_bytes()),
                   s.stages,
-                  kernel::packed_slot_pages(shape.page_size)};
+                  kernel::packed_slot_pages(shape.page_size),
+                  nullptr,
+                  0};
+  }
+
+  /// The step's queries in every segment's K basis, as `block_key_queries` wrote them for the
+  /// selection stage: the sm_90 split kernel then reads a segment's rotated queries instead of
+  /// rotating them itself (the same bits; one read of kept x group floats against one of B_k and
+  /// group x head_dim x kept FMAs per split and segment). The portable kernel rotates its own.
+  static void use_block_key_queries(params& p, const float* q_key, int query_heads) {
+    p.step_queries = q_key;
+    p.step_query_heads = query_heads;
   }
 
   static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
