@@ -11776,7 +11776,8 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// side by side) and each warp its 32 spans' keys, loaded coalesced, in shared memory; then each
 /// thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
 /// multiply-adds from 0 for each head g of the group (the host's
-/// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, and the heads
+/// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, in whole runs of
+/// 16 pairs with no bound check between them (their query loads issue together), and the heads
 /// combine in head order. A span in a later segment than the CTA's first reads its queries from
 /// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
 /// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
@@ -11839,28 +11840,41 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const uint4* own = keys + lane * stride;
   const int values_chunk = block_key_layout{r}.values_offset() / 16;
   float sum[Heads] = {};
+  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains.
+  const auto add_pair = [&](const auto& queries_of, const std::uint8_t* channel, const T* value, int i) {
+    const float x = to_float(value[i % 8]);
+    const int c = channel[i];
+#pragma unroll
+    for (int h = 0; h < quads; ++h) {
+      const float4 q = queries_of(c, h);
+      sum[4 * h + 0] = __fmaf_rn(q.x, x, sum[4 * h + 0]);  // the host's std::fma
+      sum[4 * h + 1] = __fmaf_rn(q.y, x, sum[4 * h + 1]);
+      sum[4 * h + 2] = __fmaf_rn(q.z, x, sum[4 * h + 2]);
+      sum[4 * h + 3] = __fmaf_rn(q.w, x, sum[4 * h + 3]);
+    }
+  };
+  // Whole runs of 16 pairs without a bound check between them (so their query loads issue
+  // together), then the rest pair by pair; the pairs stay in stored order.
   const auto score = [&](const auto& queries_of) {
-    for (int v = 0; v < r; v += 16) {
+    int v = 0;
+    for (; v + 16 <= r; v += 16) {
+      const uint4 channel_bytes = own[v / 16];
+      const uint4 value_bits[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
+      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits[i / 8]), i);
+    }
+    if (v < r) {
       const uint4 channel_bytes = own[v / 16];
       const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (v + 8 * half >= r) break;
         const uint4 value_bits = own[values_chunk + v / 8 + half];
-        const auto* value = reinterpret_cast<const T*>(&value_bits);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (v + 8 * half + i >= r) break;
-          const float x = to_float(value[i]);
-          const int c = channel[8 * half + i];
-#pragma unroll
-          for (int h = 0; h < quads; ++h) {
-            const float4 q = queries_of(c, h);
-            sum[4 * h + 0] = __fmaf_rn(q.x, x, sum[4 * h + 0]);  // the host's std::fma
-            sum[4 * h + 1] = __fmaf_rn(q.y, x, sum[4 * h + 1]);
-            sum[4 * h + 2] = __fmaf_rn(q.z, x, sum[4 * h + 2]);
-            sum[4 * h + 3] = __fmaf_rn(q.w, x, sum[4 * h + 3]);
-          }
+          add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits), 8 * half + i);
         }
       }
     }
