@@ -11288,6 +11288,8 @@ struct block_key_query_context {
   std::int32_t batch;
   float* q_key;
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
+  int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
+                    ///< the pass's launch shape, fixed by the layout as a captured graph needs
 };
 
 namespace detail {
@@ -13280,7 +13282,7 @@ class engine {
       const device_context c = context();
       device::template block_key_queries<Shapes>(
           format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
-                                                                kernel::score_heads(shape_.group_size)});
+                                                                kernel::score_heads(shape_.group_size), layout_segments()});
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());
@@ -13570,6 +13572,12 @@ class engine {
   std::int32_t plan_segment_pages() const {
     if constexpr (has_segments_v<Format>) return traits::segment_pages(format_, shape_.page());
     else return 0;
+  }
+  /// Formats with segments: the segments a sequence of the reserved step layout can span (its
+  /// table stride in pages), 1 to segments_per_sequence_; 0 for formats without.
+  std::int32_t layout_segments() const {
+    const std::int32_t per = plan_segment_pages();
+    return per > 0 ? std::max(1, std::min(segments_per_sequence_, (capacity_.table_stride + per - 1) / per)) : 0;
   }
   /// Formats with segments: the segment arena's entry (slot x segments_per_sequence + segment) of
   /// the segment that page `index` of the block table of the sequence in `slot` is stored in; -1
@@ -18139,9 +18147,11 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
 /// thread per channel computes the group's heads together (one read of its basis column, one
 /// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
-/// Grid: (segments_per_sequence x ceil(kept / packed_block_query_threads), num_kv_heads, batch);
+/// Grid: (segments x ceil(kept / packed_block_query_threads), num_kv_heads, batch), `segments`
+/// those a sequence of the step's layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
-/// multiply-adds and one read of B_k per (sequence, KV head, segment).
+/// multiply-adds and one read of B_k per (sequence, KV head, segment): the sequence's slot, then
+/// its basis column 32 rows at a time, the first while the queries are staged.
 struct packed_block_query_params {
   const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
   const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
@@ -18157,28 +18167,35 @@ inline constexpr int packed_block_query_threads = 64;
 
 template <int HeadDim>
 __global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+  static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
+  constexpr int rows_in_flight = 32;  // basis rows loaded before their products
   __shared__ float q[8 * HeadDim];
   const packed_decode_params& f = p.format;
   const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  if (segment * f.segment_pages >= p.sealed_pages[b]) return;
+  const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
+  if (segment * f.segment_pages >= sealed) return;
   const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = source[x];
-  __syncthreads();
   const int j = part * packed_block_query_threads + tid;
-  if (j >= kept) return;
-  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, p.slots[b], segment, head);
+  const bool active = j < kept;
+  const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, slot, segment, head);
+  // The first rows of the basis column are in flight while the queries are staged.
+  float basis[rows_in_flight];
+#pragma unroll
+  for (int i = 0; i < rows_in_flight; ++i) basis[i] = active ? __ldg(e.k_basis + i * kept + j) : 0.0f;
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = __ldg(source + x);
+  __syncthreads();
+  if (!active) return;
   float acc[8] = {};
-  // 32 rows of the basis column in flight at a time, then their products in channel order.
-  static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
-  for (int c0 = 0; c0 < HeadDim; c0 += 32) {
-    float basis[32];
+  for (int c0 = 0; c0 < HeadDim; c0 += rows_in_flight) {
+    if (c0 > 0) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+      for (int i = 0; i < rows_in_flight; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+    }
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < rows_in_flight; ++i)
 #pragma unroll
       for (int g = 0; g < 8; ++g)
         if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
@@ -18571,7 +18588,7 @@ struct device_format<format::packed_bitmap> {
     p.query_heads = c.query_heads;
     p.format = params_for(s, f, *c.engine);
     const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
-    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence * parts), static_cast<unsigned>(p.num_kv_heads),
+    const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
       kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);

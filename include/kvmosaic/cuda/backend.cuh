@@ -490,7 +490,7 @@ class engine {
       const device_context c = context();
       device::template block_key_queries<Shapes>(
           format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
-                                                                kernel::score_heads(shape_.group_size)});
+                                                                kernel::score_heads(shape_.group_size), layout_segments()});
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());
@@ -780,6 +780,12 @@ class engine {
   std::int32_t plan_segment_pages() const {
     if constexpr (has_segments_v<Format>) return traits::segment_pages(format_, shape_.page());
     else return 0;
+  }
+  /// Formats with segments: the segments a sequence of the reserved step layout can span (its
+  /// table stride in pages), 1 to segments_per_sequence_; 0 for formats without.
+  std::int32_t layout_segments() const {
+    const std::int32_t per = plan_segment_pages();
+    return per > 0 ? std::max(1, std::min(segments_per_sequence_, (capacity_.table_stride + per - 1) / per)) : 0;
   }
   /// Formats with segments: the segment arena's entry (slot x segments_per_sequence + segment) of
   /// the segment that page `index` of the block table of the sequence in `slot` is stored in; -1

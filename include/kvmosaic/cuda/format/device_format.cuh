@@ -154,6 +154,8 @@ struct block_key_query_context {
   std::int32_t batch;
   float* q_key;
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
+  int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
+                    ///< the pass's launch shape, fixed by the layout as a captured graph needs
 };
 
 namespace detail {

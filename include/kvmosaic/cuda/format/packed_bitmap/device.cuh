@@ -206,7 +206,7 @@ struct device_format<format::packed_bitmap> {
     p.query_heads = c.query_heads;
     p.format = params_for(s, f, *c.engine);
     const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
-    const dim3 grid(static_cast<unsigned>(c.engine->segments_per_sequence * parts), static_cast<unsigned>(p.num_kv_heads),
+    const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
       kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
