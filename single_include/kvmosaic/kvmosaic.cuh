@@ -17697,7 +17697,9 @@ struct packed_mma_layout {
   static constexpr int count_offset = 96;    ///< `max_stages` ints: the pages a slot holds
   static constexpr int max_slot_pages = 4;
   static constexpr int window_offset = 128;  ///< warp 0's refill window: 4 + 3 x `max_slot_pages` ints
-  static constexpr int query_offset = 256;
+  static constexpr int listed_pages = 512;   ///< the most pages a split of small pages lists in shared memory
+  static constexpr int list_offset = 256;    ///< such a split's page ids, then their segments (`listed_pages` ints each)
+  static constexpr int query_offset = list_offset + 2 * listed_pages * 4;
   static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
   static constexpr int rotated_offset = query_offset + query_bytes;
   static constexpr int split_offset = rotated_offset + Group * HeadDim * 4;
@@ -17777,22 +17779,34 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // `SmallPages` (pages of 16 or 32 tokens, `packed_slot_pages` > 1): warp 0 fills the slots.
   // `refill` copies the split's next pages, up to `slot_pages` of one segment, into a slot (one
   // lane a page: the K and V records by two bulk copies) and records their segment and count.
-  // Its window, in shared memory (no registers held across the folds), keeps for lane k <
-  // slot_pages the id and segment of the (k+1)-th page not yet issued and the id of the page
-  // slot_pages after it; the loads that move it are asynchronous copies a refill ahead.
+  // A split of at most `listed_pages` pages (a selection's) lists every page's id and segment in
+  // shared memory first, loaded by all threads at once (two dependent rounds), so that its
+  // refills read no global memory. A longer one keeps a window in shared memory (no registers
+  // held across the folds): for lane k < slot_pages the id and segment of the (k+1)-th page not
+  // yet issued and the id of the page slot_pages after it, moved by asynchronous copies a refill
+  // ahead, so that each refill waits for the loads the one before issued (a round trip a slot).
   // Otherwise thread 0 fills a slot with one page, its page ids and segments loaded ahead in
-  // registers (the next page's segment, the id of the one after). Either way a refill waits on
-  // no global load, and the slot's segment and count are visible to the warps once they have
-  // waited on its barrier.
+  // registers (the next page's segment, the id of the one after). Either way the slot's segment
+  // and count are visible to the warps once they have waited on its barrier.
   const int slot_pages = SmallPages ? f.slot_pages : 1, slot_bytes = slot_pages * pair_bytes;
   auto* slot_count = reinterpret_cast<std::int32_t*>(shared + layout::count_offset);
   auto* window = reinterpret_cast<std::int32_t*>(shared + layout::window_offset);  // issued, ids, segments, further ids
   std::int32_t* const window_id = window + 4;
   std::int32_t* const window_segment = window + 4 + layout::max_slot_pages;
   std::int32_t* const window_further = window + 4 + 2 * layout::max_slot_pages;
+  auto* const listed_id = reinterpret_cast<std::int32_t*>(shared + layout::list_offset);
+  std::int32_t* const listed_segment = listed_id + layout::listed_pages;
+  const bool listed = SmallPages && num_pages <= layout::listed_pages;
   std::int32_t next_id = 0, next_segment = 0, later_id = 0;  // thread 0, pages of 64 or more
   if constexpr (SmallPages) {
-    if (warp == 0) {
+    if (listed) {
+      for (int k = tid; k < num_pages; k += threads) {
+        const std::int32_t id = table[k];
+        listed_id[k] = id;
+        listed_segment[k] = f.page_segments[id];
+      }
+      if (tid == 0) window[0] = 0;
+    } else if (warp == 0) {
       if (lane == 0) window[0] = 0;
       if (lane < slot_pages && lane < num_pages) {
         window_id[lane] = table[lane];
@@ -17812,6 +17826,31 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // SmallPages (`page` is its window's), else thread 0.
   const auto refill = [&](int slot, int page) {
     if constexpr (SmallPages) {
+      if (listed) {
+        const int issued = window[0];
+        const bool live = lane < slot_pages && issued + lane < num_pages;
+        const std::int32_t segment = listed_segment[issued];
+        const std::int32_t id = live ? listed_id[issued + lane] : 0;
+        // The slot's pages: the run of lanes from lane 0 whose pages are in lane 0's segment.
+        const std::uint32_t same = __ballot_sync(0xffffffffu, live && listed_segment[issued + lane] == segment);
+        const int count = __ffs(static_cast<int>(~same)) - 1;
+        __syncwarp();  // every lane has read window[0]
+        if (lane == 0) {
+          slot_segment[slot] = segment;
+          slot_count[slot] = count;
+          window[0] = issued + count;
+          detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(count * pair_bytes));
+        }
+        __syncwarp();
+        if (lane < count) {
+          std::byte* destination = slots + slot * slot_bytes + lane * pair_bytes;
+          const std::byte* page = p.pages + static_cast<std::size_t>(id) * p.page_slot_bytes;
+          detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
+          detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
+                                      static_cast<std::uint32_t>(v_bytes), &full[slot]);
+        }
+        return;
+      }
       detail::async_copy_wait<0>();  // the previous refill's loads into the window
       __syncwarp();
       const int issued = window[0];
@@ -17866,7 +17905,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     }
   };
   split.start();
-  __syncthreads();  // the barriers are initialized
+  __syncthreads();  // the barriers are initialized, the page list written
   if constexpr (SmallPages) {
     if (warp == 0)
       for (int slot = 0; slot < stages && window[0] < num_pages; ++slot) refill(slot, 0);
