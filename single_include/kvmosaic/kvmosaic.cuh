@@ -17186,6 +17186,11 @@ struct packed_decode_params {
 /// whole small pages reads only the blocks it chose, every warp busy); else 1.
 constexpr int packed_slot_pages(int page_size) { return page_size == 16 || page_size == 32 ? 64 / page_size : 1; }
 
+/// The most pages a split of the sm_90 kernel with slots of several small pages reads: it lists
+/// their ids and segments in shared memory (8 bytes a page), and the split plan cuts no longer
+/// split for it (`device_format::max_pages_per_split`).
+inline constexpr int packed_listed_pages = 512;
+
 /// One segment of one KV head on the device: B_k ([head_dim][kept] fp32, rotates a query in),
 /// B_v transposed ([kept][head_dim] fp32, rotates an output back), then r and g of K and of V.
 /// `entry_bytes` = 2 x head_dim x kept x 4 + 16.
@@ -17695,11 +17700,9 @@ struct packed_mma_layout {
   static constexpr int empty_offset = 32;    ///< `max_stages` mbarriers: the 4 warps are done with a slot
   static constexpr int segment_offset = 64;  ///< `max_stages` ints: the segment of a slot's pages
   static constexpr int count_offset = 96;    ///< `max_stages` ints: the pages a slot holds
-  static constexpr int max_slot_pages = 4;
-  static constexpr int window_offset = 128;  ///< warp 0's refill window: 4 + 3 x `max_slot_pages` ints
-  static constexpr int listed_pages = 512;   ///< the most pages a split of small pages lists in shared memory
-  static constexpr int list_offset = 256;    ///< such a split's page ids, then their segments (`listed_pages` ints each)
-  static constexpr int query_offset = list_offset + 2 * listed_pages * 4;
+  static constexpr int issued_offset = 128;  ///< one int: the pages of a split of small pages issued
+  static constexpr int list_offset = 256;    ///< such a split's page ids, then their segments (`packed_listed_pages` ints each)
+  static constexpr int query_offset = list_offset + 2 * packed_listed_pages * 4;
   static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
   static constexpr int rotated_offset = query_offset + query_bytes;
   static constexpr int split_offset = rotated_offset + Group * HeadDim * 4;
@@ -17719,22 +17722,23 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// The sm_90 packed_bitmap split kernel (MosaicKV's PackedAttention on tensor cores). Thread 0
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
 /// copies (one per page and cache, completing on an mbarrier), a slot a page, and records each
-/// slot's segment; with `SmallPages` (pages of 16 or 32 tokens) warp 0 fills each slot with up
-/// to `slot_pages` pages of one segment, one a warp's 16 rows (`packed_slot_pages`). Per
-/// segment the CTA rotates the group's queries once (q' = scale x q B_k, split into hi + lo
-/// halves in T as the dense path does) and each of the 4 warps folds its 16 tokens of every 64
-/// of a slot straight from the records there: its lanes gather the rotated channels their MMA
-/// fragments hold in the slab order (`packed_key_rows`, `packed_value_rows`: rows.cuh; q' is
-/// staged in the K order and o' taken back from the V order), through `score_chunks` and
-/// `accumulate_chunks` with the segment's K and V group sizes, so q'.k and p.v' are MMAs over
-/// zero-filled fragments and no dense tile is written. At a segment's end the warps' states
-/// merge, o = o' B_v^T once, and the result merges into the split's state; then the dense tail,
-/// if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
-/// Cost per 16 tokens and warp: the MMAs of the dense kernel over the live slabs
-/// (ceil(kept / 32) of head_dim / 32) plus, per lane, 2 K and 4 V rows located (their live
-/// bitmap words) and, per live slab and row, one masked popcount and the lane's 8 (K) or 4 (V)
-/// channels: a predicated load per channel at g = 1, per group at g = 2 and 4; per segment
-/// 2 x Group x head_dim x kept FMAs and five CTA barriers.
+/// slot's segment; with `SmallPages` (pages of 16 or 32 tokens) the CTA first lists the split's
+/// pages (at most `packed_listed_pages`) with their segments in shared memory, and warp 0 fills
+/// each slot from that list with up to `slot_pages` pages of one segment, one a warp's 16 rows
+/// (`packed_slot_pages`). Per segment the CTA rotates the group's queries once (q' = scale x q B_k,
+/// split into hi + lo halves in T as the dense path does) and each of the 4 warps folds its 16
+/// tokens of every 64 of a slot straight from the records there: its lanes gather the rotated
+/// channels their MMA fragments hold in the slab order (`packed_key_rows`, `packed_value_rows`:
+/// rows.cuh; q' is staged in the K order and o' taken back from the V order), through
+/// `score_chunks` and `accumulate_chunks` with the segment's K and V group sizes, so q'.k and p.v'
+/// are MMAs over zero-filled fragments and no dense tile is written. At a segment's end the warps'
+/// states merge, o = o' B_v^T once, and the result merges into the split's state; then the dense
+/// tail, if the split has it, is folded in head_dim space. Grid: (splits capacity, num_kv_heads).
+/// Cost per 16 tokens and warp: the MMAs of the dense kernel over the live slabs (ceil(kept / 32)
+/// of head_dim / 32) plus, per lane, 2 K and 4 V rows located (their live bitmap words) and, per
+/// live slab and row, one masked popcount and the lane's 8 (K) or 4 (V) channels: a predicated load
+/// per channel at g = 1, per group at g = 2 and 4; per segment 2 x Group x head_dim x kept FMAs and
+/// five CTA barriers.
 template <class T, int HeadDim, int Group, bool Logits = false, bool SmallPages = false>
 __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) decode_partial_packed_mma_kernel(const __grid_constant__ split_params<packed_decode_params> p) {
   constexpr int threads = 128, warps = 4, tokens = 64;
@@ -17779,42 +17783,26 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   // `SmallPages` (pages of 16 or 32 tokens, `packed_slot_pages` > 1): warp 0 fills the slots.
   // `refill` copies the split's next pages, up to `slot_pages` of one segment, into a slot (one
   // lane a page: the K and V records by two bulk copies) and records their segment and count.
-  // A split of at most `listed_pages` pages (a selection's) lists every page's id and segment in
-  // shared memory first, loaded by all threads at once (two dependent rounds), so that its
-  // refills read no global memory. A longer one keeps a window in shared memory (no registers
-  // held across the folds): for lane k < slot_pages the id and segment of the (k+1)-th page not
-  // yet issued and the id of the page slot_pages after it, moved by asynchronous copies a refill
-  // ahead, so that each refill waits for the loads the one before issued (a round trip a slot).
-  // Otherwise thread 0 fills a slot with one page, its page ids and segments loaded ahead in
-  // registers (the next page's segment, the id of the one after). Either way the slot's segment
-  // and count are visible to the warps once they have waited on its barrier.
+  // The split's pages (at most `packed_listed_pages`) are listed first, each page's id and
+  // segment in shared memory, loaded by all threads at once (two dependent rounds), so that no
+  // refill waits on a global load (ids loaded a refill ahead would cost a round trip a slot,
+  // which a slot's folds do not hide at these page sizes). Otherwise thread 0 fills a
+  // slot with one page, its page ids and segments loaded ahead in registers (the next page's
+  // segment, the id of the one after). Either way the slot's segment and count are visible to
+  // the warps once they have waited on its barrier.
   const int slot_pages = SmallPages ? f.slot_pages : 1, slot_bytes = slot_pages * pair_bytes;
   auto* slot_count = reinterpret_cast<std::int32_t*>(shared + layout::count_offset);
-  auto* window = reinterpret_cast<std::int32_t*>(shared + layout::window_offset);  // issued, ids, segments, further ids
-  std::int32_t* const window_id = window + 4;
-  std::int32_t* const window_segment = window + 4 + layout::max_slot_pages;
-  std::int32_t* const window_further = window + 4 + 2 * layout::max_slot_pages;
+  auto* issued_pages = reinterpret_cast<std::int32_t*>(shared + layout::issued_offset);
   auto* const listed_id = reinterpret_cast<std::int32_t*>(shared + layout::list_offset);
-  std::int32_t* const listed_segment = listed_id + layout::listed_pages;
-  const bool listed = SmallPages && num_pages <= layout::listed_pages;
+  std::int32_t* const listed_segment = listed_id + packed_listed_pages;
   std::int32_t next_id = 0, next_segment = 0, later_id = 0;  // thread 0, pages of 64 or more
   if constexpr (SmallPages) {
-    if (listed) {
-      for (int k = tid; k < num_pages; k += threads) {
-        const std::int32_t id = table[k];
-        listed_id[k] = id;
-        listed_segment[k] = f.page_segments[id];
-      }
-      if (tid == 0) window[0] = 0;
-    } else if (warp == 0) {
-      if (lane == 0) window[0] = 0;
-      if (lane < slot_pages && lane < num_pages) {
-        window_id[lane] = table[lane];
-        window_segment[lane] = f.page_segments[table[lane]];
-      }
-      if (lane < slot_pages && slot_pages + lane < num_pages) window_further[lane] = table[slot_pages + lane];
-      __syncwarp();
+    for (int k = tid; k < num_pages; k += threads) {  // num_pages <= packed_listed_pages (the plan's cap)
+      const std::int32_t id = table[k];
+      listed_id[k] = id;
+      listed_segment[k] = f.page_segments[id];
     }
+    if (tid == 0) *issued_pages = 0;
   } else if (tid == 0) {
     if (num_pages > 0) {
       next_id = table[0];
@@ -17823,53 +17811,21 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     }
   }
   // Fills `slot` from page `page` on of the split (a page to issue is left): warp 0 with
-  // SmallPages (`page` is its window's), else thread 0.
+  // SmallPages (`page` is unused: the list's next), else thread 0.
   const auto refill = [&](int slot, int page) {
     if constexpr (SmallPages) {
-      if (listed) {
-        const int issued = window[0];
-        const bool live = lane < slot_pages && issued + lane < num_pages;
-        const std::int32_t segment = listed_segment[issued];
-        const std::int32_t id = live ? listed_id[issued + lane] : 0;
-        // The slot's pages: the run of lanes from lane 0 whose pages are in lane 0's segment.
-        const std::uint32_t same = __ballot_sync(0xffffffffu, live && listed_segment[issued + lane] == segment);
-        const int count = __ffs(static_cast<int>(~same)) - 1;
-        __syncwarp();  // every lane has read window[0]
-        if (lane == 0) {
-          slot_segment[slot] = segment;
-          slot_count[slot] = count;
-          window[0] = issued + count;
-          detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(count * pair_bytes));
-        }
-        __syncwarp();
-        if (lane < count) {
-          std::byte* destination = slots + slot * slot_bytes + lane * pair_bytes;
-          const std::byte* page = p.pages + static_cast<std::size_t>(id) * p.page_slot_bytes;
-          detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
-          detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                                      static_cast<std::uint32_t>(v_bytes), &full[slot]);
-        }
-        return;
-      }
-      detail::async_copy_wait<0>();  // the previous refill's loads into the window
-      __syncwarp();
-      const int issued = window[0];
-      const std::int32_t segment = window_segment[0];
+      const int issued = *issued_pages;
       const bool live = lane < slot_pages && issued + lane < num_pages;
-      const std::int32_t id = live ? window_id[lane] : 0;
+      const std::int32_t segment = listed_segment[issued];
+      const std::int32_t id = live ? listed_id[issued + lane] : 0;
       // The slot's pages: the run of lanes from lane 0 whose pages are in lane 0's segment.
-      const std::uint32_t same = __ballot_sync(0xffffffffu, live && window_segment[lane] == segment);
+      const std::uint32_t same = __ballot_sync(0xffffffffu, live && listed_segment[issued + lane] == segment);
       const int count = __ffs(static_cast<int>(~same)) - 1;
-      // The window moved on by `count` pages, read before any lane writes it.
-      const int from = count + lane, next = issued + count;
-      const bool near = from < slot_pages;
-      const std::int32_t moved_id = lane < slot_pages ? (near ? window_id[from] : window_further[from - slot_pages]) : 0;
-      const std::int32_t moved_segment = lane < slot_pages && near ? window_segment[from] : 0;
-      __syncwarp();
+      __syncwarp();  // every lane has read the count of pages issued
       if (lane == 0) {
         slot_segment[slot] = segment;
         slot_count[slot] = count;
-        window[0] = next;
+        *issued_pages = issued + count;
         detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(count * pair_bytes));
       }
       __syncwarp();
@@ -17880,14 +17836,6 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
         detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
                                     static_cast<std::uint32_t>(v_bytes), &full[slot]);
       }
-      if (lane < slot_pages && next + lane < num_pages) {
-        window_id[lane] = moved_id;
-        if (near) window_segment[lane] = moved_segment;
-        else detail::async_copy<4>(window_segment + lane, f.page_segments + moved_id);
-      }
-      if (lane < slot_pages && next + slot_pages + lane < num_pages)
-        detail::async_copy<4>(window_further + lane, table + next + slot_pages + lane);
-      detail::async_copy_commit();
     } else {
       const int i = page;
       slot_segment[slot] = next_segment;
@@ -17908,7 +17856,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   __syncthreads();  // the barriers are initialized, the page list written
   if constexpr (SmallPages) {
     if (warp == 0)
-      for (int slot = 0; slot < stages && window[0] < num_pages; ++slot) refill(slot, 0);
+      for (int slot = 0; slot < stages && *issued_pages < num_pages; ++slot) refill(slot, 0);
   } else if (tid == 0) {
     for (int i = 0; i < min(stages, num_pages); ++i) refill(i, i);
   }
@@ -18045,7 +17993,7 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     __syncwarp();
     if (lane == 0) detail::barrier_arrive(&empty[slot]);
     if constexpr (SmallPages) {
-      if (warp == 0 && window[0] < num_pages) {
+      if (warp == 0 && *issued_pages < num_pages) {
         detail::barrier_wait(&empty[slot], phase);
         refill(slot, 0);
       }
@@ -18183,14 +18131,18 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment]
 /// [channel][g] = (q_g B_k)[channel], each summed over head_dim in order by fused multiply-adds
 /// (the host's `block_key_query`), with the heads of a channel side by side and padded to
-/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
-/// thread per channel computes the group's heads together (one read of its basis column, one
-/// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
-/// Grid: (segments x ceil(kept / packed_block_query_threads), num_kv_heads, batch), `segments`
+/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads.
+/// A CTA takes `packed_block_query_columns` channels of one (sequence, KV head, segment): it
+/// copies their basis columns into shared memory by `cp.async` (16 bytes a copy where a basis
+/// row is a multiple of 4 channels), up to 128 rows a round, all in flight at once, and a thread
+/// per (channel, head) runs that head's chain (heads h and h + 4 for groups over 4). So a
+/// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
+/// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
+/// Grid: (segments x ceil(kept / packed_block_query_columns), num_kv_heads, batch), `segments`
 /// those a sequence of the step's layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
-/// multiply-adds and one read of B_k per (sequence, KV head, segment): the sequence's slot, then
-/// its basis column 32 rows at a time, the first while the queries are staged.
+/// multiply-adds and one read of B_k per (sequence, KV head, segment); 32 KB of static shared
+/// memory for the staged rows, and the group's queries (8 KB at most).
 struct packed_block_query_params {
   const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
   const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
@@ -18202,47 +18154,81 @@ struct packed_block_query_params {
   packed_decode_params format;
 };
 
-inline constexpr int packed_block_query_threads = 64;
+inline constexpr int packed_block_query_columns = 64;  ///< channels a CTA rotates into
+inline constexpr int packed_block_query_threads = 4 * packed_block_query_columns;  ///< a thread per (channel, head mod 4)
 
 template <int HeadDim>
-__global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+__global__ void __launch_bounds__(packed_block_query_threads) packed_block_queries_kernel(const packed_block_query_params p) {
   static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
-  constexpr int rows_in_flight = 32;  // basis rows loaded before their products
-  __shared__ float q[8 * HeadDim];
+  constexpr int threads = packed_block_query_threads, width = packed_block_query_columns;
+  constexpr int round_rows = HeadDim < 128 ? HeadDim : 128;  // basis rows staged a round
+  __shared__ __align__(16) float q[8 * HeadDim];
+  __shared__ __align__(16) float basis[round_rows * width];  // [row][channel of the CTA]
   const packed_decode_params& f = p.format;
-  const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
+  const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
   const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
-  const int j = part * packed_block_query_threads + tid;
-  const bool active = j < kept;
+  const int first_column = part * width, columns = min(width, kept - first_column);
+  const int column = tid % width, head_slot = tid / width;  // a warp's lanes share the head: query loads broadcast
   const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, slot, segment, head);
-  // The first rows of the basis column are in flight while the queries are staged.
-  float basis[rows_in_flight];
-#pragma unroll
-  for (int i = 0; i < rows_in_flight; ++i) basis[i] = active ? __ldg(e.k_basis + i * kept + j) : 0.0f;
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = __ldg(source + x);
-  __syncthreads();
-  if (!active) return;
-  float acc[8] = {};
-  for (int c0 = 0; c0 < HeadDim; c0 += rows_in_flight) {
-    if (c0 > 0) {
-#pragma unroll
-      for (int i = 0; i < rows_in_flight; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+  // Rows [row0, row0 + round_rows) of the CTA's columns into `basis`, one commit group.
+  const auto stage_rows = [&](int row0) {
+    const float* from = e.k_basis + static_cast<std::size_t>(row0) * kept + first_column;
+    if (kept % 4 == 0) {  // rows 16-byte aligned (entries are): 16-byte copies
+      const int chunks = columns / 4;
+      for (int x = tid; x < round_rows * chunks; x += threads) {
+        const int i = x / chunks, c = 4 * (x % chunks);
+        detail::async_copy<16>(basis + i * width + c, from + static_cast<std::size_t>(i) * kept + c);
+      }
+    } else {
+      for (int x = tid; x < round_rows * columns; x += threads) {
+        const int i = x / columns, c = x % columns;
+        detail::async_copy<4>(basis + i * width + c, from + static_cast<std::size_t>(i) * kept + c);
+      }
     }
+    detail::async_copy_commit();
+  };
+  stage_rows(0);
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += threads) q[x] = __ldg(source + x);
+  float acc[2] = {};  // heads head_slot and head_slot + 4
+  for (int row0 = 0; row0 < HeadDim; row0 += round_rows) {
+    if (row0 > 0) {
+      __syncthreads();  // every thread is done with the previous round's rows
+      stage_rows(row0);
+    }
+    detail::async_copy_wait<0>();
+    __syncthreads();  // the round's rows (and the queries) are in shared memory
+    if (column < columns) {
+#pragma unroll 8
+      for (int i = 0; i < round_rows; i += 4) {
+        const float rows[4] = {basis[i * width + column], basis[(i + 1) * width + column], basis[(i + 2) * width + column],
+                               basis[(i + 3) * width + column]};
 #pragma unroll
-    for (int i = 0; i < rows_in_flight; ++i)
-#pragma unroll
-      for (int g = 0; g < 8; ++g)
-        if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
+        for (int k = 0; k < 2; ++k) {
+          const int g = head_slot + 4 * k;
+          if (g < group) {
+            const float4 x = *reinterpret_cast<const float4*>(q + g * HeadDim + row0 + i);
+            acc[k] = __fmaf_rn(x.x, rows[0], acc[k]);
+            acc[k] = __fmaf_rn(x.y, rows[1], acc[k]);
+            acc[k] = __fmaf_rn(x.z, rows[2], acc[k]);
+            acc[k] = __fmaf_rn(x.w, rows[3], acc[k]);
+          }
+        }
+      }
+    }
   }
-  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept + j) * heads;
+  if (column >= columns) return;
+  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept +
+                          first_column + column) * heads;
 #pragma unroll
-  for (int g = 0; g < 8; ++g)
-    if (g < heads) out[g] = g < group ? acc[g] : 0.0f;
+  for (int k = 0; k < 2; ++k) {
+    const int g = head_slot + 4 * k;
+    if (g < heads) out[g] = g < group ? acc[k] : 0.0f;
+  }
 }
 
 }  // namespace kvmosaic::cuda::kernel
@@ -18477,6 +18463,7 @@ struct device_format<format::packed_bitmap> {
 
   struct state {
     int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
+    bool listed = false;          ///< sm_90 kernel with slots of several small pages: it lists each split's pages
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
   };
 
@@ -18497,6 +18484,7 @@ struct device_format<format::packed_bitmap> {
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
     s.stages = 0;
+    s.listed = false;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
     const int slot = slot_bytes(e);
@@ -18510,6 +18498,7 @@ struct device_format<format::packed_bitmap> {
     s.stages = e.selects_pages && one_page_slots ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
                                                  : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
+    s.listed = s.stages > 0 && !one_page_slots;
   }
 
   /// `Logits`: the instantiations that write their rows' logits (an engine whose selector reads
@@ -18565,7 +18554,9 @@ struct device_format<format::packed_bitmap> {
     p.step_query_heads = query_heads;
   }
 
-  static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
+  /// The sm_90 kernel with slots of several small pages lists a split's pages in shared memory
+  /// (`kernel::packed_listed_pages`); otherwise no bound.
+  static int max_pages_per_split(const state& s, const decode_tuning&) { return s.listed ? kernel::packed_listed_pages : 1 << 30; }
 
   static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 
@@ -18626,7 +18617,7 @@ struct device_format<format::packed_bitmap> {
     p.group_size = c.engine->shape->group_size;
     p.query_heads = c.query_heads;
     p.format = params_for(s, f, *c.engine);
-    const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
+    const int parts = (p.format.kept + kernel::packed_block_query_columns - 1) / kernel::packed_block_query_columns;
     const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {

@@ -69,6 +69,24 @@ TEST_CASE("max_pages_per_split caps the split size even beyond one wave", "[spli
   CHECK(plan.num_splits() == 10);
 }
 
+TEST_CASE("max_pages_per_split and segments together: no split over the cap or across a segment",
+          "[split_plan]") {
+  // packed_bitmap's pages of 16 under select::all at batch 8, 128K: segments of 4096 pages, the
+  // sm_90 kernel listing at most 512 pages a split, 66 slots per KV head and a split cost of 46.
+  // Uncapped, one wave of 1024-page splits (64 of them); capped, two waves of 512-page splits
+  // (2 x (512 + 46) against 4 x (256 + 46) for four).
+  const std::vector<std::int32_t> pages(8, 8192), tails(8, 0);
+  CHECK(make_split_plan(pages, tails, 66, 1 << 30, 1, 4096, 46).pages_per_split == 1024);
+  const split_plan plan = make_split_plan(pages, tails, 66, 512, 1, 4096, 46);
+  check_covers(plan, pages, tails);
+  CHECK(plan.pages_per_split == 512);
+  CHECK(plan.num_splits() == 8 * 16);
+  for (const split_work& w : plan.work) {
+    CHECK(w.page_end - w.page_begin <= 512);
+    if (w.page_end > w.page_begin) CHECK(w.page_begin / 4096 == (w.page_end - 1) / 4096);
+  }
+}
+
 TEST_CASE("a split's fixed cost keeps one wave of long splits where short ones win only by less", "[split_plan]") {
   // Batch 8 at 128K, 66 slots per KV head. Waves x (longest split + cost): without a cost, four
   // waves of 63 pages (252) beat one of 256; at 2 pages a split, one wave (258) beats two (2 x

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kvmosaic/core/dtype.hpp"
+#include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
@@ -110,14 +111,18 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// The step's queries in each segment's K basis for scoring block keys: q'[b][head][segment]
 /// [channel][g] = (q_g B_k)[channel], each summed over head_dim in order by fused multiply-adds
 /// (the host's `block_key_query`), with the heads of a channel side by side and padded to
-/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads. A
-/// thread per channel computes the group's heads together (one read of its basis column, one
-/// chain per head); consecutive threads take consecutive channels (coalesced basis reads).
-/// Grid: (segments x ceil(kept / packed_block_query_threads), num_kv_heads, batch), `segments`
+/// `query_heads` (zeros) so that a scoring thread loads a channel's heads by vector loads.
+/// A CTA takes `packed_block_query_columns` channels of one (sequence, KV head, segment): it
+/// copies their basis columns into shared memory by `cp.async` (16 bytes a copy where a basis
+/// row is a multiple of 4 channels), up to 128 rows a round, all in flight at once, and a thread
+/// per (channel, head) runs that head's chain (heads h and h + 4 for groups over 4). So a
+/// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
+/// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
+/// Grid: (segments x ceil(kept / packed_block_query_columns), num_kv_heads, batch), `segments`
 /// those a sequence of the step's layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
-/// multiply-adds and one read of B_k per (sequence, KV head, segment): the sequence's slot, then
-/// its basis column 32 rows at a time, the first while the queries are staged.
+/// multiply-adds and one read of B_k per (sequence, KV head, segment); 32 KB of static shared
+/// memory for the staged rows, and the group's queries (8 KB at most).
 struct packed_block_query_params {
   const float* q;                         ///< [batch][num_kv_heads x group][head_dim], unscaled
   const std::int32_t* slots;              ///< [batch] each sequence's slot (its segment arena row)
@@ -129,47 +134,81 @@ struct packed_block_query_params {
   packed_decode_params format;
 };
 
-inline constexpr int packed_block_query_threads = 64;
+inline constexpr int packed_block_query_columns = 64;  ///< channels a CTA rotates into
+inline constexpr int packed_block_query_threads = 4 * packed_block_query_columns;  ///< a thread per (channel, head mod 4)
 
 template <int HeadDim>
-__global__ void __launch_bounds__(packed_block_query_threads, 1) packed_block_queries_kernel(const packed_block_query_params p) {
+__global__ void __launch_bounds__(packed_block_query_threads) packed_block_queries_kernel(const packed_block_query_params p) {
   static_assert(HeadDim % 32 == 0, "head_dim is a multiple of 32");
-  constexpr int rows_in_flight = 32;  // basis rows loaded before their products
-  __shared__ float q[8 * HeadDim];
+  constexpr int threads = packed_block_query_threads, width = packed_block_query_columns;
+  constexpr int round_rows = HeadDim < 128 ? HeadDim : 128;  // basis rows staged a round
+  __shared__ __align__(16) float q[8 * HeadDim];
+  __shared__ __align__(16) float basis[round_rows * width];  // [row][channel of the CTA]
   const packed_decode_params& f = p.format;
-  const int parts = (f.kept + packed_block_query_threads - 1) / packed_block_query_threads;
+  const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
   const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
-  const int j = part * packed_block_query_threads + tid;
-  const bool active = j < kept;
+  const int first_column = part * width, columns = min(width, kept - first_column);
+  const int column = tid % width, head_slot = tid / width;  // a warp's lanes share the head: query loads broadcast
   const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, slot, segment, head);
-  // The first rows of the basis column are in flight while the queries are staged.
-  float basis[rows_in_flight];
-#pragma unroll
-  for (int i = 0; i < rows_in_flight; ++i) basis[i] = active ? __ldg(e.k_basis + i * kept + j) : 0.0f;
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += packed_block_query_threads) q[x] = __ldg(source + x);
-  __syncthreads();
-  if (!active) return;
-  float acc[8] = {};
-  for (int c0 = 0; c0 < HeadDim; c0 += rows_in_flight) {
-    if (c0 > 0) {
-#pragma unroll
-      for (int i = 0; i < rows_in_flight; ++i) basis[i] = __ldg(e.k_basis + (c0 + i) * kept + j);
+  // Rows [row0, row0 + round_rows) of the CTA's columns into `basis`, one commit group.
+  const auto stage_rows = [&](int row0) {
+    const float* from = e.k_basis + static_cast<std::size_t>(row0) * kept + first_column;
+    if (kept % 4 == 0) {  // rows 16-byte aligned (entries are): 16-byte copies
+      const int chunks = columns / 4;
+      for (int x = tid; x < round_rows * chunks; x += threads) {
+        const int i = x / chunks, c = 4 * (x % chunks);
+        detail::async_copy<16>(basis + i * width + c, from + static_cast<std::size_t>(i) * kept + c);
+      }
+    } else {
+      for (int x = tid; x < round_rows * columns; x += threads) {
+        const int i = x / columns, c = x % columns;
+        detail::async_copy<4>(basis + i * width + c, from + static_cast<std::size_t>(i) * kept + c);
+      }
     }
+    detail::async_copy_commit();
+  };
+  stage_rows(0);
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  for (int x = tid; x < group * HeadDim; x += threads) q[x] = __ldg(source + x);
+  float acc[2] = {};  // heads head_slot and head_slot + 4
+  for (int row0 = 0; row0 < HeadDim; row0 += round_rows) {
+    if (row0 > 0) {
+      __syncthreads();  // every thread is done with the previous round's rows
+      stage_rows(row0);
+    }
+    detail::async_copy_wait<0>();
+    __syncthreads();  // the round's rows (and the queries) are in shared memory
+    if (column < columns) {
+#pragma unroll 8
+      for (int i = 0; i < round_rows; i += 4) {
+        const float rows[4] = {basis[i * width + column], basis[(i + 1) * width + column], basis[(i + 2) * width + column],
+                               basis[(i + 3) * width + column]};
 #pragma unroll
-    for (int i = 0; i < rows_in_flight; ++i)
-#pragma unroll
-      for (int g = 0; g < 8; ++g)
-        if (g < group) acc[g] = __fmaf_rn(q[g * HeadDim + c0 + i], basis[i], acc[g]);
+        for (int k = 0; k < 2; ++k) {
+          const int g = head_slot + 4 * k;
+          if (g < group) {
+            const float4 x = *reinterpret_cast<const float4*>(q + g * HeadDim + row0 + i);
+            acc[k] = __fmaf_rn(x.x, rows[0], acc[k]);
+            acc[k] = __fmaf_rn(x.y, rows[1], acc[k]);
+            acc[k] = __fmaf_rn(x.z, rows[2], acc[k]);
+            acc[k] = __fmaf_rn(x.w, rows[3], acc[k]);
+          }
+        }
+      }
+    }
   }
-  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept + j) * heads;
+  if (column >= columns) return;
+  float* out = p.q_key + (((static_cast<std::size_t>(b) * p.num_kv_heads + head) * f.segments_per_sequence + segment) * kept +
+                          first_column + column) * heads;
 #pragma unroll
-  for (int g = 0; g < 8; ++g)
-    if (g < heads) out[g] = g < group ? acc[g] : 0.0f;
+  for (int k = 0; k < 2; ++k) {
+    const int g = head_slot + 4 * k;
+    if (g < heads) out[g] = g < group ? acc[k] : 0.0f;
+  }
 }
 
 }  // namespace kvmosaic::cuda::kernel

@@ -56,6 +56,7 @@ struct device_format<format::packed_bitmap> {
 
   struct state {
     int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
+    bool listed = false;          ///< sm_90 kernel with slots of several small pages: it lists each split's pages
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
   };
 
@@ -76,6 +77,7 @@ struct device_format<format::packed_bitmap> {
   static void configure(state& s, const format::packed_bitmap& f, device_context& e) {
     if (s.page_segments.size() == 0) s.page_segments = device_buffer(static_cast<std::size_t>(e.shape->max_pages) * sizeof(std::int32_t));
     s.stages = 0;
+    s.listed = false;
     if (!e.bulk_copy) return;
     s.stages = 1;  // what with_decode_kernel picks the kernel by while its registers are read
     const int slot = slot_bytes(e);
@@ -89,6 +91,7 @@ struct device_format<format::packed_bitmap> {
     s.stages = e.selects_pages && one_page_slots ? detail::stages_for(e.device, registers, 16, 3, shared_bytes, 3)
                                                  : detail::stages_for(e.device, registers, 16, 2, shared_bytes);
     if (s.stages == 0) e.bulk_copy = false;
+    s.listed = s.stages > 0 && !one_page_slots;
   }
 
   /// `Logits`: the instantiations that write their rows' logits (an engine whose selector reads
@@ -144,7 +147,9 @@ struct device_format<format::packed_bitmap> {
     p.step_query_heads = query_heads;
   }
 
-  static int max_pages_per_split(const state&, const decode_tuning&) { return 1 << 30; }
+  /// The sm_90 kernel with slots of several small pages lists a split's pages in shared memory
+  /// (`kernel::packed_listed_pages`); otherwise no bound.
+  static int max_pages_per_split(const state& s, const decode_tuning&) { return s.listed ? kernel::packed_listed_pages : 1 << 30; }
 
   static bool splits_p_on_tensor_cores(const state& s, const device_context&) { return s.stages > 0; }
 
@@ -205,7 +210,7 @@ struct device_format<format::packed_bitmap> {
     p.group_size = c.engine->shape->group_size;
     p.query_heads = c.query_heads;
     p.format = params_for(s, f, *c.engine);
-    const int parts = (p.format.kept + kernel::packed_block_query_threads - 1) / kernel::packed_block_query_threads;
+    const int parts = (p.format.kept + kernel::packed_block_query_columns - 1) / kernel::packed_block_query_columns;
     const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
