@@ -13526,8 +13526,19 @@ class engine {
   }
 
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
-  /// kernel this engine launches, times the SMs), so every split runs at once.
-  std::int32_t target_splits() const { return std::max(1, num_sms_ * ctas_per_sm_ / shape_.num_kv_heads); }
+  /// kernel this engine launches, times the SMs), so every split runs at once; or the count set by
+  /// `set_target_splits`.
+  std::int32_t target_splits() const {
+    return target_splits_override_ > 0 ? target_splits_override_ : std::max(1, num_sms_ * ctas_per_sm_ / shape_.num_kv_heads);
+  }
+  /// Sets the splits per KV head the plan aims for from the next step (>= 1), or back to one wave
+  /// of the device (0). For tests and tuning: fewer splits make longer ones, which is how a test
+  /// reaches a kernel's per-split limits (`max_pages_per_split`) without a long context.
+  void set_target_splits(std::int32_t splits) {
+    kvmosaic::detail::require(splits >= 0, "cuda::engine::set_target_splits", "splits", splits,
+                              ">= 1, or 0 for one wave of the device");
+    target_splits_override_ = splits;
+  }
   /// Decode with the portable kernel (the sm_75+ path) even on sm_90: for tests and comparisons.
   /// Takes effect from the next step.
   void use_portable_kernel() {
@@ -13747,6 +13758,7 @@ class engine {
   int num_sms_ = 1;
   int ctas_per_sm_ = 1;
   std::int32_t split_cost_override_ = -1;  ///< `set_split_cost_pages`; -1: the format's
+  std::int32_t target_splits_override_ = 0;  ///< `set_target_splits`; 0: one wave of the device
   bool use_bulk_copy_ = false;
   bool supports_dependent_launch_ = false;  ///< sm_90 and later
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end

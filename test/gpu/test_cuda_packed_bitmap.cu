@@ -321,6 +321,24 @@ TEST_CASE("GPU packed_bitmap: pages of 16 and 32 tokens, several pages a slot of
     for (int step = 0; step < 70; ++step) t.append_step();
     check_attention(t);
   }
+  SECTION("select::all: the plan cuts a split at the pages the sm_90 kernel lists") {
+    // One segment of 2048 pages of 16 (1024 of 32) and a plan aimed at one split per KV head
+    // whose splits cost so much that it takes as few as it may: uncapped, the long sequence's
+    // 600 pages would be one split (plus the dense tail's own); the sm_90 kernel lists at most
+    // `packed_listed_pages` of them, so the plan must cut them in two.
+    format::packed_bitmap f = make(g, 4);
+    f.segment_tokens = 32768;
+    c.max_pages = 1024;
+    packed_twin t(c, 47, f);
+    t.device.engine().set_target_splits(1);
+    t.device.engine().set_split_cost_pages(1 << 20);
+    const int pages = kvmosaic::cuda::kernel::packed_listed_pages + 88;
+    t.add(pages * page_size + 9, 0);
+    check_attention(t);
+    CHECK(t.device.engine().last_step_splits() == (t.device.engine().uses_bulk_copy() ? 3 : 2));
+    for (int step = 0; step < 3; ++step) t.append_step();
+    check_attention(t);
+  }
   SECTION("select::mean_keys: chosen pages, a slot cut where the segment changes") {
     // Whole pages of 16 (no row masks), or blocks of 16 in pages of 32 (row masks per page).
     select::mean_keys selector;
