@@ -11511,12 +11511,57 @@ __global__ void gather_queries_kernel(const query_source<Q> source, float* out) 
 ///   - `select_pages_kernel`: one CTA per (sequence, KV head): the budget's top pages (higher
 ///     score first, ties to the earlier page) by a radix select on the scores' order-preserving
 ///     keys (4 passes of 8 bits, each a shared-memory histogram), then a compaction by warp
-///     ballots that writes the chosen page ids in sequence order: the split kernel's per-head page
-///     table.
+///     ballots over a run of pages per warp that writes the chosen page ids in sequence order:
+///     the split kernel's per-head page table.
 
 #include <cub/block/block_scan.cuh>
 
 
+// ---- begin <kvmosaic/core/fast_divisor.hpp> ----
+/// \file
+/// `detail::fast_divisor`: division of non-negative 31-bit integers by a divisor fixed at run
+/// time, as a multiply-high, an add and a shift (Granlund and Montgomery, "Division by Invariant
+/// Integers using Multiplication", PLDI 1994, section 4), for kernels that divide every thread's
+/// index by a launch parameter: a hardware-free integer division costs about twenty instructions
+/// on the GPU.
+
+
+
+namespace kvmosaic::detail {
+
+/// n / d and n % d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 chosen on the host. With
+/// s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1, n / d = (mulhi(n, m) + n) >> s: the
+/// cited paper's unsigned division of 32-bit numbers (its Figure 4.1, l = s), whose final add
+/// cannot carry out of 32 bits when n < 2^31 (mulhi(n, m) <= n), so its halving step is dropped.
+/// Cost: one multiply-high, one add and one shift.
+struct fast_divisor {
+  std::uint32_t divisor = 1;
+  std::uint32_t multiplier = 1;
+  std::uint32_t shift = 0;
+
+  fast_divisor() = default;
+  explicit fast_divisor(int d) {
+    require(d >= 1, "detail::fast_divisor", "d", d, "a divisor in [1, 2^31)");
+    divisor = static_cast<std::uint32_t>(d);
+    while ((std::uint64_t{1} << shift) < divisor) ++shift;
+    multiplier = static_cast<std::uint32_t>(((std::uint64_t{1} << 32) * ((std::uint64_t{1} << shift) - divisor)) / divisor + 1);
+  }
+
+  /// n / d, for 0 <= n < 2^31.
+  KVMOSAIC_HOST_DEVICE std::uint32_t divide(std::uint32_t n) const noexcept {
+#if defined(__CUDA_ARCH__)
+    const std::uint32_t high = __umulhi(n, multiplier);
+#else
+    const auto high = static_cast<std::uint32_t>((static_cast<std::uint64_t>(n) * multiplier) >> 32);
+#endif
+    return (high + n) >> shift;
+  }
+  /// n % d, given q = n / d.
+  KVMOSAIC_HOST_DEVICE std::uint32_t remainder(std::uint32_t n, std::uint32_t q) const noexcept { return n - q * divisor; }
+};
+
+}  // namespace kvmosaic::detail
+// ---- end <kvmosaic/core/fast_divisor.hpp> ----
 
 namespace kvmosaic::cuda::kernel {
 
@@ -11570,10 +11615,12 @@ struct select_params {
   int key_bytes;                      ///< one span's block key
   int key_retained;                   ///< r: values a block key holds
   int key_kept;                       ///< channels of the segments' rotated space
-  int key_query_copies;               ///< `block_key_launch::copies`
+  int key_query_copies;               ///< `block_key_launch::copies` (a power of 2)
   int key_stride;                     ///< `block_key_launch::key_stride`
-  int segment_pages;                  ///< pages a segment holds: entry e is in segment e / segment_pages
   int segments_per_sequence;
+  kvmosaic::detail::fast_divisor entry_of_span;    ///< span / spans_per_entry: the span's entry
+  kvmosaic::detail::fast_divisor segment_of_span;  ///< span / (spans_per_entry x pages a segment holds): its segment
+  kvmosaic::detail::fast_divisor key_of_chunk;     ///< 16-byte chunk / (key_bytes / 16): the key it is in
   const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)]
 };
 
@@ -11797,11 +11844,12 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const int kept = p.key_kept, copies = p.key_query_copies, r = p.key_retained;
   const auto* head_queries = reinterpret_cast<const float4*>(p.q_key) +
                              (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.segments_per_sequence * kept * quads;
-  const int staged_segment = first / p.spans_per_entry / p.segment_pages;
+  const int staged_segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(first)));
   const float4* staged_from = head_queries + static_cast<std::size_t>(staged_segment) * kept * quads;
   // This thread's span (past the end: the last, loaded but not scored) and its key.
   const int span = first + tid, mine = min(span, spans - 1);
-  const int entry = mine / p.spans_per_entry, slot = mine % p.spans_per_entry;
+  const auto entry = static_cast<int>(p.entry_of_span.divide(static_cast<std::uint32_t>(mine)));
+  const auto slot = static_cast<int>(p.entry_of_span.remainder(static_cast<std::uint32_t>(mine), static_cast<std::uint32_t>(entry)));
   const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
   const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
                          (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
@@ -11812,8 +11860,10 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const float4 first_queries = tid < staged_items ? __ldg(staged_from + tid) : float4{};
   const int chunks = p.key_bytes / 16, stride = p.key_stride;
   uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
-  const int keys_per_round = 32 / chunks, chunks_past = 32 % chunks;  // item += 32 in (key, chunk)
-  int s = lane / chunks, c = lane % chunks;
+  const auto keys_per_round = static_cast<int>(p.key_of_chunk.divide(32u));  // item += 32 in (key, chunk)
+  const auto chunks_past = static_cast<int>(p.key_of_chunk.remainder(32u, static_cast<std::uint32_t>(keys_per_round)));
+  auto s = static_cast<int>(p.key_of_chunk.divide(static_cast<std::uint32_t>(lane)));
+  auto c = static_cast<int>(p.key_of_chunk.remainder(static_cast<std::uint32_t>(lane), static_cast<std::uint32_t>(s)));
   for (int round = 0; round < chunks; round += 8) {
     uint4 loaded[8];
     int at[8];
@@ -11835,7 +11885,9 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
     const float4 q = x == tid ? first_queries : __ldg(staged_from + x);
     float4* to = staged_queries + x / quads * copies * quads + x % quads;
     // Copy (k + x) mod copies at step k: a quarter warp's stores in distinct banks.
-    for (int k = 0; k < copies; ++k) to[(k + x) % copies * quads] = q;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (k < copies) to[((k + x) & (copies - 1)) * quads] = q;
   }
   __syncthreads();
   if (span >= spans) return;
@@ -11881,9 +11933,9 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
       }
     }
   };
-  const int segment = entry / p.segment_pages;
+  const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(mine)));
   if (segment == staged_segment) {
-    const float4* queries = staged_queries + (lane % copies) * quads;
+    const float4* queries = staged_queries + (lane & (copies - 1)) * quads;
     const int channel_stride = copies * quads;
     score([&](int c, int h) { return queries[c * channel_stride + h]; });
   } else {
@@ -11910,7 +11962,7 @@ __device__ __forceinline__ std::uint32_t order_key(float score) {
 template <int Threads>
 struct threshold_storage {
   typename cub::BlockScan<int, Threads>::TempStorage scan;
-  int histogram[256];
+  int histogram[2][256];  ///< a pass's, and the next pass's (zeroed while the pass's is scanned)
   int warp_totals[Threads / 32];
   std::uint32_t digit;
   int remaining;
@@ -11919,58 +11971,63 @@ struct threshold_storage {
 /// Where a budget runs out along the order of n keys (higher first), each item weighing
 /// weight_of(i): the key T such that the items above T weigh at most `budget` and those at or
 /// above T more. Found 8 bits at a time from the top: per pass a shared-memory histogram of the
-/// weights of the items matching the digits so far, then the digit by a block scan
-/// over the bins from the top (thread t < 256 holds bin 255 - t). Returns T; `remaining` is the
-/// budget left for the items at T. Needs a total weight above the budget. Whole CTA (256 threads
-/// or a multiple: the others scan zeros).
+/// weights of the items matching the digits so far, then the digit by a prefix sum over the bins
+/// from the top (thread t < 256 holds bin 255 - t: eight warps' shuffle scans and their totals).
+/// Returns T; `remaining` is the budget left for the items at T (less than their weight). Needs a
+/// total weight above the budget. Whole CTA (256 threads or a multiple); three barriers a pass.
 template <int Threads, class KeyAt, class WeightOf>
 __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, const KeyAt& key_at, const WeightOf& weight_of,
                                                           threshold_storage<Threads>& s, int& remaining) {
   static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the items");
-  const int tid = static_cast<int>(threadIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   std::uint32_t prefix = 0, mask = 0;
   remaining = budget;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) s.histogram[tid] = 0;
-    __syncthreads();
+  if (tid < 256) s.histogram[0][tid] = 0;
+  __syncthreads();
+  for (int pass = 0, shift = 24; shift >= 0; ++pass, shift -= 8) {
+    int* histogram = s.histogram[pass & 1];
     for (int i = tid; i < n; i += Threads) {
       const std::uint32_t key = key_at(i);
-      if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 255u], weight_of(i));
+      if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255u], weight_of(i));
     }
-    __syncthreads();
-    const int weight = tid < 256 ? s.histogram[255 - tid] : 0;
-    int at_or_above = 0;
-    cub::BlockScan<int, Threads>(s.scan).InclusiveSum(weight, at_or_above);
-    if (tid < 256 && at_or_above > remaining && at_or_above - weight <= remaining) {
-      s.digit = static_cast<std::uint32_t>(255 - tid);
-      s.remaining = remaining - (at_or_above - weight);
+    __syncthreads();  // the pass's histogram is complete
+    int weight = 0, at_or_above = 0;
+    if (tid < 256) {  // whole warps
+      weight = histogram[255 - tid];
+      at_or_above = weight;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int below = __shfl_up_sync(0xffffffffu, at_or_above, offset);
+        if (lane >= offset) at_or_above += below;
+      }
+      if (lane == 31) s.warp_totals[warp] = at_or_above;
+      s.histogram[(pass + 1) & 1][tid] = 0;  // read last in the pass before, before its last barrier
     }
-    __syncthreads();
+    __syncthreads();  // the warps' totals
+    if (tid < 256) {
+      for (int w = 0; w < warp; ++w) at_or_above += s.warp_totals[w];
+      if (at_or_above > remaining && at_or_above - weight <= remaining) {
+        s.digit = static_cast<std::uint32_t>(255 - tid);
+        s.remaining = remaining - (at_or_above - weight);
+      }
+    }
+    __syncthreads();  // the digit (rewritten next pass only after every thread has passed its second barrier)
     prefix |= s.digit << shift;
     remaining = s.remaining;
     mask |= 255u << shift;
-    __syncthreads();  // the histogram and digit are rewritten by the next pass
   }
   return prefix;
 }
 
-/// Exclusive prefix over the warps of a CTA of one count per warp (the same value from every lane
-/// of a warp; `totals` holds Warps ints of shared memory): returns the counts of the warps before
-/// this one, and the CTA's total in `all`. Whole CTA; one barrier.
-template <int Warps>
-__device__ __forceinline__ int warps_before(int count, int* totals, int& all) {
-  static_assert(Warps <= 32, "a lane per warp");
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  if (threadIdx.x % 32 == 0) totals[warp] = count;
-  __syncthreads();
-  int before = 0;
-  all = 0;
-  for (int w = 0; w < Warps; ++w) {
-    const int c = totals[w];  // a broadcast read
-    before += w < warp ? c : 0;
-    all += c;
+/// Inclusive prefix sum over a warp of one int per lane.
+__device__ __forceinline__ int warp_inclusive_sum(int value) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int below = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += below;
   }
-  return before;
+  return value;
 }
 }  // namespace detail_select
 
@@ -11986,17 +12043,29 @@ inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
   return max_pages * 4 + static_bytes <= 48 * 1024 ? max_pages * 4 : 0;
 }
 
+/// Pages each lane of `select_pages_kernel` holds the ids of from before the threshold passes on
+/// (the ids of a warp's first 8 x 32 pages): a chosen page's id is then in a register when it is
+/// written, not a round trip away. Pages past them load their ids when they are written.
+inline constexpr int select_prefetched_pages = 8;
+
 /// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
-/// each with its live rows as its row mask).
+/// each with its live rows as its row mask). The threshold key by `budget_threshold`; then warp w
+/// takes the run of 32 ceil(n / Threads) consecutive pages from w times that, 32 at a time: it
+/// counts its chosen pages, and those at the threshold key, by ballots, a scan of the warps'
+/// counts (one barrier) places each run, and a second sweep writes the run's chosen pages. Cost
+/// per page: its score, read once (kept in shared memory when `keys_in_shared`, else re-read at
+/// each pass), up to four histogram increments, two ballots a sweep, and its id.
 /// Grid: (batch, num_kv_heads); dynamic shared memory: select_shared_bytes(header[3], ...) (0: keys
 /// recomputed from the scores in global memory at each pass).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_params p, int keys_in_shared) {
-  static_assert(Threads % 256 == 0, "a thread per radix bin, and more threads over the pages");
+  static_assert(Threads % 256 == 0 && Threads <= 1024, "a thread per radix bin, and more threads over the pages");
+  constexpr int warps = Threads / 32;
   __shared__ detail_select::threshold_storage<Threads> storage;
+  __shared__ int run_ties[warps];  // per warp: its run's pages at the threshold key
   extern __shared__ std::uint32_t shared_keys[];
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int n = p.sealed_pages[b];
   const int k = min(p.budget_pages[b], n);
   std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
@@ -12007,6 +12076,14 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   const float* scores = p.scores + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.score_stride;
   const std::int32_t* table = p.block_tables + static_cast<std::size_t>(b) * p.step_header[3];
   std::int32_t* out = p.selected + static_cast<std::size_t>(b) * p.step_header[1] + static_cast<std::size_t>(head) * p.step_header[2];
+  const int per_lane = (n + Threads - 1) / Threads;  // pages a lane takes in the sweeps
+  const int begin = warp * 32 * per_lane + lane;      // this lane's first page; then every 32nd
+  std::int32_t page_ids[select_prefetched_pages];
+#pragma unroll
+  for (int j = 0; j < select_prefetched_pages; ++j) {
+    const int i = begin + 32 * j;
+    page_ids[j] = j < per_lane && i < n ? table[i] : 0;
+  }
   if (keys_in_shared) {
 #pragma unroll 8
     for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together
@@ -12014,57 +12091,60 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   }
   const auto key_at = [&](int i) { return keys_in_shared ? shared_keys[i] : detail_select::order_key(scores[i]); };
 
-  // The key where a budget of k pages runs out; then how many keys equal to it the selection
-  // takes (the first ones in sequence order).
+  // The key where a budget of k pages runs out, and how many pages with that key the selection
+  // takes (the first ones in sequence order; fewer than there are).
   std::uint32_t threshold = 0;
   int ties_to_take = 0;
   if (k < n) threshold = detail_select::budget_threshold(n, k, key_at, [](int) { return 1; }, storage, ties_to_take);
-  // Compaction in sequence order: warp w takes a run of consecutive pages, 32 at a time, and
-  // ranks them by ballots; three sweeps (ties, chosen, written) and two prefixes over the warps.
-  constexpr int warps = Threads / 32;
-  const int warp = tid / 32, lane = tid % 32;
-  const unsigned lanes_before = (1u << lane) - 1u;
-  const int run = (n + warps * 32 - 1) / (warps * 32) * 32;
-  const int begin = min(warp * run, n), end = min(begin + run, n);
-  const auto tie_at = [&](int i) { return i < end && k < n && key_at(i) == threshold; };
-  int ties_in_run = 0;
-  for (int base = begin; base < end; base += 32) ties_in_run += __popc(__ballot_sync(0xffffffffu, tie_at(base + lane)));
-  int unused = 0;
-  const int ties_before_run = detail_select::warps_before<warps>(ties_in_run, storage.warp_totals, unused);
-  // Whether page i (< end) is chosen, given the ties before it.
-  const auto chosen_at = [&](int i, int ties_before) {
-    if (i >= end) return false;
-    if (k >= n) return true;
-    const std::uint32_t key = key_at(i);
-    return key > threshold || (key == threshold && ties_before < ties_to_take);
-  };
-  int chosen_in_run = 0;
-  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
-    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(base + lane));
-    chosen_in_run += __popc(__ballot_sync(0xffffffffu, chosen_at(base + lane, ties + __popc(tie_bits & lanes_before))));
-    ties += __popc(tie_bits);
+  const bool all = k >= n, ties = !all && ties_to_take > 0;
+  // Page begin + 32 j: whether it is above the threshold, or at it (only when some ties are taken).
+  const auto above_at = [&](int i) { return i < n && (all || key_at(i) > threshold); };
+  const auto tie_at = [&](int i) { return ties && i < n && key_at(i) == threshold; };
+  int run_above = 0, run_tied = 0;  // the run's pages above the threshold, and at it
+  for (int j = 0; j < per_lane; ++j) {
+    const int i = begin + 32 * j;
+    run_above += __popc(__ballot_sync(0xffffffffu, above_at(i)));
+    if (ties) run_tied += __popc(__ballot_sync(0xffffffffu, tie_at(i)));
   }
-  __syncthreads();  // the warp totals are rewritten
-  int written = 0;
-  int position = detail_select::warps_before<warps>(chosen_in_run, storage.warp_totals, written);
-  for (int base = begin, ties = ties_before_run; base < end; base += 32) {
-    const int i = base + lane;
-    const unsigned tie_bits = __ballot_sync(0xffffffffu, tie_at(i));
-    const bool chosen = chosen_at(i, ties + __popc(tie_bits & lanes_before));
-    const unsigned chosen_bits = __ballot_sync(0xffffffffu, chosen);
-    if (chosen) {
-      const int at = position + __popc(chosen_bits & lanes_before);
-      out[at] = table[i];
+  if (lane == 0) {
+    storage.warp_totals[warp] = run_above;
+    run_ties[warp] = run_tied;
+  }
+  __syncthreads();
+  // Before this warp's run, in sequence order: pages above the threshold, and at it.
+  const auto runs_before = [&](const int* per_warp, int& all_runs) {
+    const int upto = detail_select::warp_inclusive_sum(lane < warps ? per_warp[lane] : 0);
+    all_runs = __shfl_sync(0xffffffffu, upto, 31);
+    return warp == 0 ? 0 : __shfl_sync(0xffffffffu, upto, warp - 1);
+  };
+  int above_total = 0, ties_total = 0;
+  int above_before = runs_before(storage.warp_totals, above_total);  // then: before page begin + 32 j
+  int ties_before = ties ? runs_before(run_ties, ties_total) : 0;
+  const unsigned lanes_before = (1u << lane) - 1u;
+  const auto write = [&](int i, std::int32_t id) {
+    const bool above = above_at(i), tie = tie_at(i);
+    const unsigned above_bits = __ballot_sync(0xffffffffu, above), tie_bits = ties ? __ballot_sync(0xffffffffu, tie) : 0u;
+    const int tie_rank = ties_before + __popc(tie_bits & lanes_before);
+    if (above || (tie && tie_rank < ties_to_take)) {
+      const int at = above_before + __popc(above_bits & lanes_before) + min(tie_rank, ties_to_take);
+      out[at] = id;
       if (p.live_masks != nullptr) {  // every row of a chosen page that is still live
         const std::size_t entry = static_cast<std::size_t>(out - p.selected) + at;
         const std::uint32_t* live = p.live_masks + (static_cast<std::size_t>(b) * p.step_header[3] + i) * p.mask_words;
         for (int w = 0; w < p.mask_words; ++w) p.token_masks[entry * p.mask_words + w] = live[w];
       }
     }
-    ties += __popc(tie_bits);
-    position += __popc(chosen_bits);
+    above_before += __popc(above_bits);
+    ties_before += __popc(tie_bits);
+  };
+#pragma unroll
+  for (int j = 0; j < select_prefetched_pages; ++j)
+    if (j < per_lane) write(begin + 32 * j, page_ids[j]);
+  for (int j = select_prefetched_pages; j < per_lane; ++j) {
+    const int i = begin + 32 * j;
+    write(i, i < n ? table[i] : 0);
   }
-  if (length != nullptr && tid == 0) *length = written;
+  if (length != nullptr && tid == 0) *length = above_total + min(ties_total, ties_to_take);
 }
 
 namespace detail_select {
@@ -18869,7 +18949,9 @@ class span_selection {
         s.key_bytes = source_.key_bytes;
         s.key_retained = key_queries_.retained;
         s.key_kept = key_queries_.kept;
-        s.segment_pages = key_queries_.segment_pages;
+        s.entry_of_span = kvmosaic::detail::fast_divisor(source_.spans_per_entry);
+        s.segment_of_span = kvmosaic::detail::fast_divisor(source_.spans_per_entry * key_queries_.segment_pages);
+        s.key_of_chunk = kvmosaic::detail::fast_divisor(s.key_bytes / 16);
         s.segments_per_sequence = key_queries_.segments_per_sequence;
         s.q_key = key_queries_.q_key;
         const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;

@@ -180,6 +180,35 @@ TEST_CASE("GPU quest over dense with pages of 16 (Quest's block size)", "[gpu][s
   }
 }
 
+TEST_CASE("GPU top-k: equal scores go to the earlier page; sequences of more than 8192 pages", "[gpu][select][quest]") {
+  if (!gpu_available()) return;
+  // The top-k places 1024 pages a round and prefetches the ids of its first 8 rounds: the long
+  // sequence (9,000 pages of 16) has later rounds. Zero queries score every page 0, so the budget
+  // ends inside one run of equal keys, which go in sequence order: the first k pages. A one-hot
+  // query scores a page by one channel's stored bound, whose 16-bit values repeat.
+  cache_config c = small_config(128, 4, dtype::bf16, 16);
+  c.max_pages = 9200;
+  test::twin<format::dense, select::quest> t(c, 23, {}, quest_of(1.0 / 16));
+  for (const int length : {700, 9000 * 16 + 5}) t.add(length, static_cast<std::uint64_t>(length));
+  check_selected_step(t);
+  t.adjust_queries = [](std::vector<float>& q) { std::fill(q.begin(), q.end(), 0.0f); };
+  check_selected_step(t);
+  for (std::size_t b = 0; b < t.seqs.size(); ++b) {
+    const auto pages = t.host.pages(t.seqs[b]);
+    const std::size_t k = static_cast<std::size_t>(t.device.engine().selection().selected_pages(static_cast<std::int32_t>(b), 0).size());
+    CAPTURE(b, k, pages.size());
+    REQUIRE(k > 0);
+    REQUIRE(k < pages.size());
+    for (int h = 0; h < c.num_kv_heads; ++h)
+      REQUIRE(t.device.engine().selection().selected_pages(static_cast<std::int32_t>(b), h) ==
+              std::vector<std::int32_t>(pages.begin(), pages.begin() + static_cast<std::ptrdiff_t>(k)));
+  }
+  t.adjust_queries = [d = c.head_dim](std::vector<float>& q) {
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = i % static_cast<std::size_t>(d) == 0 ? 1.0f : 0.0f;
+  };
+  check_selected_step(t);
+}
+
 TEST_CASE("GPU quest over bitmap_tiles and quant2", "[gpu][select][quest]") {
   if (!gpu_available()) return;
   format::bitmap_tiles bt;

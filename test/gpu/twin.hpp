@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -124,14 +125,18 @@ struct twin {
     KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
+  /// Each step's queries, [batch][num_q_heads][head_dim]: the generator's, then `adjust_queries`.
   std::vector<float> queries() const {
     std::vector<float> q;
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const auto one = synthetic::generate_query(generator, streams[b], static_cast<int>(host.length(seqs[b])));
       q.insert(q.end(), one.begin(), one.end());
     }
+    if (adjust_queries) adjust_queries(q);
     return q;
   }
+  /// Rewrites the generated queries of every later step (empty: kept as generated).
+  std::function<void(std::vector<float>&)> adjust_queries;
 
   /// One decode step's queries (each sequence's next position) and both backends' outputs,
   /// [batch][num_q_heads][head_dim] each; the GPU's output buffer starts poisoned with NaN.

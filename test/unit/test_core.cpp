@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "kvmosaic/core/fast_divisor.hpp"
 #include "kvmosaic/kvmosaic.hpp"
 
 using namespace kvmosaic;
@@ -293,4 +294,30 @@ TEST_CASE("an f16 cache stores values beyond its range as +-65504 and attends to
   CHECK(out[0] == Approx(65504.0).epsilon(1e-5));
   CHECK(out[1] == Approx(-65504.0).epsilon(1e-5));
   CHECK(out[5] == Approx(1.0).epsilon(1e-5));
+}
+
+TEST_CASE("fast_divisor divides every 31-bit numerator as integer division does", "[core][fast_divisor]") {
+  std::mt19937 rng(7);
+  std::vector<int> divisors;
+  for (int d = 1; d <= 1100; ++d) divisors.push_back(d);
+  for (int e = 11; e < 31; ++e)
+    for (const int delta : {-1, 0, 1}) divisors.push_back((1 << e) + delta);
+  divisors.push_back(2147483647);
+  for (int i = 0; i < 200; ++i) divisors.push_back(static_cast<int>(rng() % 2147483647u) + 1);
+  for (const int d : divisors) {
+    const detail::fast_divisor f(d);
+    const auto check = [&](std::uint32_t n) {
+      const std::uint32_t q = f.divide(n);
+      if (q != n / static_cast<std::uint32_t>(d) || f.remainder(n, q) != n % static_cast<std::uint32_t>(d)) {
+        CAPTURE(d, n, q);
+        FAIL("fast_divisor disagrees with integer division");
+      }
+    };
+    // Around every multiple of d below 2^20 and near 2^31, and random numerators.
+    for (std::uint32_t m = 0; m < (1u << 20); m += static_cast<std::uint32_t>(d))
+      for (const std::uint32_t n : {m, m + 1, m > 0 ? m - 1 : 0u}) check(n);
+    for (std::uint32_t n = 2147483647u; n > 2147483647u - 3u * static_cast<std::uint32_t>(std::min(d, 4096)); --n) check(n);
+    for (int i = 0; i < 2000; ++i) check(rng() % 2147483648u);
+  }
+  REQUIRE_THROWS_WITH(detail::fast_divisor(0), Catch::Contains("d") && Catch::Contains("[1, 2^31)"));
 }

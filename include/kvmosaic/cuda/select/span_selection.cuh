@@ -172,7 +172,9 @@ class span_selection {
         s.key_bytes = source_.key_bytes;
         s.key_retained = key_queries_.retained;
         s.key_kept = key_queries_.kept;
-        s.segment_pages = key_queries_.segment_pages;
+        s.entry_of_span = kvmosaic::detail::fast_divisor(source_.spans_per_entry);
+        s.segment_of_span = kvmosaic::detail::fast_divisor(source_.spans_per_entry * key_queries_.segment_pages);
+        s.key_of_chunk = kvmosaic::detail::fast_divisor(s.key_bytes / 16);
         s.segments_per_sequence = key_queries_.segments_per_sequence;
         s.q_key = key_queries_.q_key;
         const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
