@@ -282,7 +282,8 @@ TEST_CASE("GPU packed_bitmap with select::mean_keys: the host's choice, PackedAt
     int head_dim, group;
     dtype storage;
   };
-  const shape s = GENERATE(shape{128, 4, dtype::bf16}, shape{64, 1, dtype::f16});
+  // Groups of up to 4 and of 5 to 8 (the block-key scoring kernel's two widths of query heads).
+  const shape s = GENERATE(shape{128, 4, dtype::bf16}, shape{64, 1, dtype::f16}, shape{256, 8, dtype::bf16});
   const int inverse = GENERATE(4, 16);
   const int block = GENERATE(0, 16);
   const int sinks = GENERATE(0, 4);
