@@ -421,6 +421,17 @@ __device__ __forceinline__ std::uint32_t order_key(float score) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
+/// Inclusive prefix sum over a warp of one int per lane.
+__device__ __forceinline__ int warp_inclusive_sum(int value) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int below = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += below;
+  }
+  return value;
+}
+
 /// Shared memory of `budget_threshold` (its block scan is free for the caller afterwards).
 template <int Threads>
 struct threshold_storage {
@@ -457,12 +468,7 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
     int weight = 0, at_or_above = 0;
     if (tid < 256) {  // whole warps
       weight = histogram[255 - tid];
-      at_or_above = weight;
-#pragma unroll
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const int below = __shfl_up_sync(0xffffffffu, at_or_above, offset);
-        if (lane >= offset) at_or_above += below;
-      }
+      at_or_above = warp_inclusive_sum(weight);
       if (lane == 31) s.warp_totals[warp] = at_or_above;
       s.histogram[(pass + 1) & 1][tid] = 0;  // read last in the pass before, before its last barrier
     }
@@ -482,16 +488,6 @@ __device__ __forceinline__ std::uint32_t budget_threshold(int n, int budget, con
   return prefix;
 }
 
-/// Inclusive prefix sum over a warp of one int per lane.
-__device__ __forceinline__ int warp_inclusive_sum(int value) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const int below = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += below;
-  }
-  return value;
-}
 }  // namespace detail_select
 
 /// Threads per CTA of the selection kernels: four per radix bin, one CTA per (sequence, KV
