@@ -11969,10 +11969,9 @@ __device__ __forceinline__ int warp_inclusive_sum(int value) {
   return value;
 }
 
-/// Shared memory of `budget_threshold` (its block scan is free for the caller afterwards).
+/// Shared memory of `budget_threshold`.
 template <int Threads>
 struct threshold_storage {
-  typename cub::BlockScan<int, Threads>::TempStorage scan;
   int histogram[2][256];  ///< a pass's, and the next pass's (zeroed while the pass's is scanned)
   int warp_totals[Threads / 32];
   std::uint32_t digit;
@@ -12180,6 +12179,7 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached, int shared_marks) {
   using scan = cub::BlockScan<int, Threads>;
   __shared__ detail_select::threshold_storage<Threads> storage;
+  __shared__ typename scan::TempStorage scan_storage;
   __shared__ int shared_total;
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
@@ -12238,7 +12238,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
     const int tokens = i < n ? tokens_of(i) : 0;
     const bool is_tie = !take_all && i < n && key == threshold;
     int tie_tokens_before = 0, tie_tokens = 0;
-    scan(storage.scan).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
+    scan(scan_storage).ExclusiveSum(is_tie ? tokens : 0, tie_tokens_before, tie_tokens);
     const bool chosen = i < n && (take_all || key > threshold ||
                                   (is_tie && ties_before + tie_tokens_before + tokens <= remaining));
     if (chosen) {
@@ -12267,7 +12267,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
         any |= marks[i * words + w];
       }
     int position = 0, count = 0;
-    scan(storage.scan).ExclusiveSum(any != 0 ? 1 : 0, position, count);
+    scan(scan_storage).ExclusiveSum(any != 0 ? 1 : 0, position, count);
     if (any != 0) {
       const std::size_t entry = out_row + written + position;
       p.selected[entry] = p.block_tables[static_cast<std::size_t>(b) * p.step_header[3] + i];
