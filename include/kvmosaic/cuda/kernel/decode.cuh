@@ -269,13 +269,20 @@ __device__ __forceinline__ void write_warp_partial(const decode_params& p, int w
 
 }  // namespace detail_decode
 
+/// The splits whose partials `merge_splits_kernel` loads before it knows their weights: a
+/// register each per thread, enough for the split counts of most steps (one wave of CTAs spread
+/// over a batch of 8 or more sequences).
+inline constexpr int merge_ahead = 16;
+
 /// out[b][j] = merge over the splits of b of their normalized partials (lse_s, o_s): weights
-/// exp(lse_s - max lse) / sum. One CTA per (sequence, query head), a thread per channel. The
-/// max comes from one load per thread (splits beyond HeadDim: more), then, per chunk of HeadDim
-/// splits, the weights go to shared memory and every thread's loads of those splits' partials are
-/// independent, so they stay in flight together: about 2 + splits / 16 round trips to L2, where a
-/// loop of dependent loads per split costs one each (benchmark/README.md, "Decisions the code
-/// cites": "merge").
+/// exp(lse_s - max lse) / sum. One CTA per (sequence, query head), a thread per channel. Each
+/// thread loads its first split's lse and the first `merge_ahead` splits' partials of its channel
+/// at once, before the max; the max comes from those lse (splits beyond HeadDim: more loads),
+/// then, per chunk of HeadDim splits, the weights go to shared memory and every thread's loads of
+/// the rest of those splits' partials are independent, so they stay in flight together: one round
+/// trip to L2 after the splits' offsets for up to `merge_ahead` splits, one more per 16 after
+/// that, where a loop of dependent loads per split costs one each (benchmark/README.md,
+/// "Decisions the code cites": "merge"). The sums run over the splits in order either way.
 /// `Out`: float, half or bfloat16 (rounded to nearest). With `p.lse`, thread 0 also writes the
 /// head's log-sum-exp, max lse + log(sum of weights): what a cascade merge with attention
 /// computed elsewhere needs.
@@ -293,8 +300,13 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
   const float* lse = p.partial_lse + static_cast<std::size_t>(begin) * num_q_heads + j;
   const float* partial = p.partial_o + (static_cast<std::size_t>(begin) * num_q_heads + j) * HeadDim + c;
   const std::size_t split_stride = static_cast<std::size_t>(num_q_heads) * HeadDim;
-  float max_lse = -HUGE_VALF;
-  for (int s = c; s < splits; s += HeadDim) max_lse = fmaxf(max_lse, lse[static_cast<std::size_t>(s) * num_q_heads]);
+  constexpr int ahead = merge_ahead;
+  float early[ahead];  // the first splits' partials, in flight with the lse loads
+#pragma unroll
+  for (int s = 0; s < ahead; ++s) early[s] = s < splits ? partial[static_cast<std::size_t>(s) * split_stride] : 0.0f;
+  const float first_lse = c < splits ? lse[static_cast<std::size_t>(c) * num_q_heads] : -HUGE_VALF;
+  float max_lse = first_lse;
+  for (int s = c + HeadDim; s < splits; s += HeadDim) max_lse = fmaxf(max_lse, lse[static_cast<std::size_t>(s) * num_q_heads]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
   if (c % 32 == 0) warp_max[c / 32] = max_lse;
@@ -306,12 +318,22 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
     const int count = min(HeadDim, splits - chunk);
     // A split without a token (lse = -inf) weighs 0; so does every split if none has one.
     if (c < count) {
-      const float split_lse = lse[static_cast<std::size_t>(chunk + c) * num_q_heads];
+      const float split_lse = chunk == 0 ? first_lse : lse[static_cast<std::size_t>(chunk + c) * num_q_heads];
       weights[c] = split_lse == -HUGE_VALF ? 0.0f : __expf(split_lse - max_lse);
     }
     __syncthreads();
+    int s = 0;
+    if (chunk == 0) {
+#pragma unroll
+      for (int x = 0; x < ahead; ++x)
+        if (x < count) {
+          weight_sum += weights[x];
+          o = fmaf(weights[x], early[x], o);
+        }
+      s = min(count, ahead);
+    }
 #pragma unroll 16
-    for (int s = 0; s < count; ++s) {
+    for (; s < count; ++s) {
       weight_sum += weights[s];
       o = fmaf(weights[s], partial[static_cast<std::size_t>(chunk + s) * split_stride], o);
     }
