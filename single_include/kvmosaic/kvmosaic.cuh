@@ -10678,13 +10678,20 @@ __device__ __forceinline__ void write_warp_partial(const decode_params& p, int w
 
 }  // namespace detail_decode
 
+/// The splits whose partials `merge_splits_kernel` loads before it knows their weights: a
+/// register each per thread, enough for the split counts of most steps (one wave of CTAs spread
+/// over a batch of 8 or more sequences).
+inline constexpr int merge_ahead = 16;
+
 /// out[b][j] = merge over the splits of b of their normalized partials (lse_s, o_s): weights
-/// exp(lse_s - max lse) / sum. One CTA per (sequence, query head), a thread per channel. The
-/// max comes from one load per thread (splits beyond HeadDim: more), then, per chunk of HeadDim
-/// splits, the weights go to shared memory and every thread's loads of those splits' partials are
-/// independent, so they stay in flight together: about 2 + splits / 16 round trips to L2, where a
-/// loop of dependent loads per split costs one each (benchmark/README.md, "Decisions the code
-/// cites": "merge").
+/// exp(lse_s - max lse) / sum. One CTA per (sequence, query head), a thread per channel. Each
+/// thread loads its first split's lse and the first `merge_ahead` splits' partials of its channel
+/// at once, before the max; the max comes from those lse (splits beyond HeadDim: more loads),
+/// then, per chunk of HeadDim splits, the weights go to shared memory and every thread's loads of
+/// the rest of those splits' partials are independent, so they stay in flight together: one round
+/// trip to L2 after the splits' offsets for up to `merge_ahead` splits, one more per 16 after
+/// that, where a loop of dependent loads per split costs one each (benchmark/README.md,
+/// "Decisions the code cites": "merge"). The sums run over the splits in order either way.
 /// `Out`: float, half or bfloat16 (rounded to nearest). With `p.lse`, thread 0 also writes the
 /// head's log-sum-exp, max lse + log(sum of weights): what a cascade merge with attention
 /// computed elsewhere needs.
@@ -10702,8 +10709,13 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
   const float* lse = p.partial_lse + static_cast<std::size_t>(begin) * num_q_heads + j;
   const float* partial = p.partial_o + (static_cast<std::size_t>(begin) * num_q_heads + j) * HeadDim + c;
   const std::size_t split_stride = static_cast<std::size_t>(num_q_heads) * HeadDim;
-  float max_lse = -HUGE_VALF;
-  for (int s = c; s < splits; s += HeadDim) max_lse = fmaxf(max_lse, lse[static_cast<std::size_t>(s) * num_q_heads]);
+  constexpr int ahead = merge_ahead;
+  float early[ahead];  // the first splits' partials, in flight with the lse loads
+#pragma unroll
+  for (int s = 0; s < ahead; ++s) early[s] = s < splits ? partial[static_cast<std::size_t>(s) * split_stride] : 0.0f;
+  const float first_lse = c < splits ? lse[static_cast<std::size_t>(c) * num_q_heads] : -HUGE_VALF;
+  float max_lse = first_lse;
+  for (int s = c + HeadDim; s < splits; s += HeadDim) max_lse = fmaxf(max_lse, lse[static_cast<std::size_t>(s) * num_q_heads]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
   if (c % 32 == 0) warp_max[c / 32] = max_lse;
@@ -10715,12 +10727,22 @@ __global__ void __launch_bounds__(HeadDim) merge_splits_kernel(const decode_para
     const int count = min(HeadDim, splits - chunk);
     // A split without a token (lse = -inf) weighs 0; so does every split if none has one.
     if (c < count) {
-      const float split_lse = lse[static_cast<std::size_t>(chunk + c) * num_q_heads];
+      const float split_lse = chunk == 0 ? first_lse : lse[static_cast<std::size_t>(chunk + c) * num_q_heads];
       weights[c] = split_lse == -HUGE_VALF ? 0.0f : __expf(split_lse - max_lse);
     }
     __syncthreads();
+    int s = 0;
+    if (chunk == 0) {
+#pragma unroll
+      for (int x = 0; x < ahead; ++x)
+        if (x < count) {
+          weight_sum += weights[x];
+          o = fmaf(weights[x], early[x], o);
+        }
+      s = min(count, ahead);
+    }
 #pragma unroll 16
-    for (int s = 0; s < count; ++s) {
+    for (; s < count; ++s) {
       weight_sum += weights[s];
       o = fmaf(weights[s], partial[static_cast<std::size_t>(chunk + s) * split_stride], o);
     }
@@ -17784,12 +17806,12 @@ __global__ void __launch_bounds__(Threads) decode_partial_packed_kernel(const sp
 template <int HeadDim, int Group>
 struct packed_mma_layout {
   static constexpr int max_stages = 4;
-  static constexpr int full_offset = 0;      ///< `max_stages` mbarriers: a slot's pages have landed
-  static constexpr int empty_offset = 32;    ///< `max_stages` mbarriers: the 4 warps are done with a slot
-  static constexpr int segment_offset = 64;  ///< `max_stages` ints: the segment of a slot's pages
-  static constexpr int count_offset = 96;    ///< `max_stages` ints: the pages a slot holds
-  static constexpr int issued_offset = 128;  ///< one int: the pages of a split of small pages issued
-  static constexpr int list_offset = 256;    ///< such a split's page ids, then their segments (`packed_listed_pages` ints each)
+  /// mbarriers, a slot's pages have landed: `max_stages` (slots of one page), or `max_stages` x 4,
+  /// one per warp and slot (slots of small pages: each warp's 16 rows land on their own)
+  static constexpr int full_offset = 0;
+  static constexpr int empty_offset = 128;   ///< `max_stages` mbarriers: the 4 warps are done with a slot of one page
+  static constexpr int segment_offset = 160; ///< `max_stages` ints: the segment of a slot's page
+  static constexpr int list_offset = 256;    ///< a split of small pages: its page ids, then their segments (`packed_listed_pages` ints each)
   static constexpr int query_offset = list_offset + 2 * packed_listed_pages * 4;
   static constexpr int query_bytes = 2 * 8 * (HeadDim * 2 + 16);
   static constexpr int rotated_offset = query_offset + query_bytes;
@@ -17811,9 +17833,9 @@ constexpr int packed_mma_min_ctas(int head_dim, int group) { return head_dim == 
 /// streams the split's K and V pages of the head into `p.format.stages` shared slots with bulk
 /// copies (one per page and cache, completing on an mbarrier), a slot a page, and records each
 /// slot's segment; with `SmallPages` (pages of 16 or 32 tokens) the CTA first lists the split's
-/// pages (at most `packed_listed_pages`) with their segments in shared memory, and warp 0 fills
-/// each slot from that list with up to `slot_pages` pages of one segment, one a warp's 16 rows
-/// (`packed_slot_pages`). Per segment the CTA rotates the group's queries once (q' = scale x q B_k,
+/// pages (at most `packed_listed_pages`) with their segments in shared memory, a slot holds up to
+/// `slot_pages` pages of one segment (`packed_slot_pages`), and each warp copies its own 16 rows
+/// of each slot from that list and waits only for them. Per segment the CTA rotates the group's queries once (q' = scale x q B_k,
 /// split into hi + lo halves in T as the dense path does) and each of the 4 warps folds its 16
 /// tokens of every 64 of a slot straight from the records there: its lanes gather the rotated
 /// channels their MMA fragments hold in the slab order (`packed_key_rows`, `packed_value_rows`:
@@ -17865,22 +17887,29 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   float* const split_logits = Logits ? detail_decode::split_logits(p, w, head, range, Group) : nullptr;
   if (tid == 0)
     for (int b = 0; b < stages; ++b) {
-      detail::barrier_init(&full[b], 1);
-      detail::barrier_init(&empty[b], warps);
+      if constexpr (SmallPages) {
+        for (int x = 0; x < warps; ++x) detail::barrier_init(&full[b * warps + x], 1);
+      } else {
+        detail::barrier_init(&full[b], 1);
+        detail::barrier_init(&empty[b], warps);
+      }
     }
-  // `SmallPages` (pages of 16 or 32 tokens, `packed_slot_pages` > 1): warp 0 fills the slots.
-  // `refill` copies the split's next pages, up to `slot_pages` of one segment, into a slot (one
-  // lane a page: the K and V records by two bulk copies) and records their segment and count.
-  // The split's pages (at most `packed_listed_pages`) are listed first, each page's id and
-  // segment in shared memory, loaded by all threads at once (two dependent rounds), so that no
-  // refill waits on a global load (ids loaded a refill ahead would cost a round trip a slot,
-  // which a slot's folds do not hide at these page sizes). Otherwise thread 0 fills a
-  // slot with one page, its page ids and segments loaded ahead in registers (the next page's
-  // segment, the id of the one after). Either way the slot's segment and count are visible to
-  // the warps once they have waited on its barrier.
+  // `SmallPages` (pages of 16 or 32 tokens, `packed_slot_pages` > 1): a slot holds the run of up
+  // to `slot_pages` pages of one segment from its first page on (`compose`: each warp finds the
+  // same runs from the list), and each warp copies its own 16 rows of each slot into it and waits
+  // on its own barrier, so no warp waits for another's copies or for another to leave a slot
+  // (only a change of segment gathers the CTA). The split's pages (at most
+  // `packed_listed_pages`) are listed first, each page's id and segment in shared memory, loaded
+  // by all threads at once (two dependent rounds), so that no refill waits on a global load.
+  // Otherwise thread 0 fills a slot with one page once the 4 warps have left it, its page ids and
+  // segments loaded ahead in registers (the next page's segment, the id of the one after), and
+  // the slot's segment is visible to the warps once they have waited on its barrier.
   const int slot_pages = SmallPages ? f.slot_pages : 1, slot_bytes = slot_pages * pair_bytes;
-  auto* slot_count = reinterpret_cast<std::int32_t*>(shared + layout::count_offset);
-  auto* issued_pages = reinterpret_cast<std::int32_t*>(shared + layout::issued_offset);
+  // The warp's page of a slot and its first row there: page rows_first / page_size of a slot of
+  // small pages, else page 0 and rows_first (+ 64 per tile of a larger page).
+  const int rows_first = warp * 16;  // the warp's rows of every 64
+  const int warp_page = SmallPages ? rows_first / p.page_size : 0;
+  const int warp_row = rows_first - warp_page * p.page_size;
   auto* const listed_id = reinterpret_cast<std::int32_t*>(shared + layout::list_offset);
   std::int32_t* const listed_segment = listed_id + packed_listed_pages;
   std::int32_t next_id = 0, next_segment = 0, later_id = 0;  // thread 0, pages of 64 or more
@@ -17890,7 +17919,6 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       listed_id[k] = id;
       listed_segment[k] = f.page_segments[id];
     }
-    if (tid == 0) *issued_pages = 0;
   } else if (tid == 0) {
     if (num_pages > 0) {
       next_id = table[0];
@@ -17898,32 +17926,47 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
       if (num_pages > 1) later_id = table[1];
     }
   }
-  // Fills `slot` from page `page` on of the split (a page to issue is left): warp 0 with
-  // SmallPages (`page` is unused: the list's next), else thread 0.
+  // SmallPages: the pages of the slot that starts at the split's page `first` (< num_pages), and
+  // their segment; the same in every warp.
+  const auto compose = [&](int first, int& segment) {
+    segment = listed_segment[first];
+    const bool same = lane < slot_pages && first + lane < num_pages && listed_segment[first + lane] == segment;
+    return __ffs(static_cast<int>(~__ballot_sync(0xffffffffu, same))) - 1;
+  };
+  // Fills `slot` from page `page` on of the split (a page to issue is left) and returns the pages
+  // it holds: with SmallPages, the warp's own 16 rows of it (its lane 0; its barrier completes
+  // with no copy where the slot has no page for it), else (thread 0) the whole page.
   const auto refill = [&](int slot, int page) {
     if constexpr (SmallPages) {
-      const int issued = *issued_pages;
-      const bool live = lane < slot_pages && issued + lane < num_pages;
-      const std::int32_t segment = listed_segment[issued];
-      const std::int32_t id = live ? listed_id[issued + lane] : 0;
-      // The slot's pages: the run of lanes from lane 0 whose pages are in lane 0's segment.
-      const std::uint32_t same = __ballot_sync(0xffffffffu, live && listed_segment[issued + lane] == segment);
-      const int count = __ffs(static_cast<int>(~same)) - 1;
-      __syncwarp();  // every lane has read the count of pages issued
+      int segment;
+      const int count = compose(page, segment);
       if (lane == 0) {
-        slot_segment[slot] = segment;
-        slot_count[slot] = count;
-        *issued_pages = issued + count;
-        detail::barrier_arrive_expect(&full[slot], static_cast<std::uint32_t>(count * pair_bytes));
+        std::uint64_t* landed = &full[slot * warps + warp];
+        if (warp_page < count) {
+          const std::byte* from = p.pages + static_cast<std::size_t>(listed_id[page + warp_page]) * p.page_slot_bytes;
+          const std::byte* k_from = from + head * p.k_page_bytes;
+          const std::byte* v_from = from + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes;
+          std::byte* to = slots + slot * slot_bytes + warp_page * pair_bytes;
+          if (slot_pages * 16 == tokens) {  // pages of 16: the warp's page, K and V
+            detail::barrier_arrive_expect(landed, static_cast<std::uint32_t>(pair_bytes));
+            detail::bulk_copy_to_shared(to, k_from, static_cast<std::uint32_t>(k_bytes), landed);
+            detail::bulk_copy_to_shared(to + k_bytes, v_from, static_cast<std::uint32_t>(v_bytes), landed);
+          } else {  // the warp's 16 rows of its page: their bitmaps and their values, K and V
+            const int bitmaps_at = warp_row * f.words * 4, bitmaps = 16 * f.words * 4;
+            const int values_at = static_cast<int>(f.bitmap_bytes) + warp_row * f.retained * 2, values = 16 * f.retained * 2;
+            detail::barrier_arrive_expect(landed, static_cast<std::uint32_t>(2 * (bitmaps + values)));
+            for (int which = 0; which < 2; ++which) {
+              const std::byte* records = which == 0 ? k_from : v_from;
+              std::byte* into = to + which * k_bytes;
+              detail::bulk_copy_to_shared(into + bitmaps_at, records + bitmaps_at, static_cast<std::uint32_t>(bitmaps), landed);
+              detail::bulk_copy_to_shared(into + values_at, records + values_at, static_cast<std::uint32_t>(values), landed);
+            }
+          }
+        } else {
+          detail::barrier_arrive(landed);
+        }
       }
-      __syncwarp();
-      if (lane < count) {
-        std::byte* destination = slots + slot * slot_bytes + lane * pair_bytes;
-        const std::byte* page = p.pages + static_cast<std::size_t>(id) * p.page_slot_bytes;
-        detail::bulk_copy_to_shared(destination, page + head * p.k_page_bytes, static_cast<std::uint32_t>(k_bytes), &full[slot]);
-        detail::bulk_copy_to_shared(destination + k_bytes, page + p.num_kv_heads * p.k_page_bytes + head * p.v_page_bytes,
-                                    static_cast<std::uint32_t>(v_bytes), &full[slot]);
-      }
+      return count;
     } else {
       const int i = page;
       slot_segment[slot] = next_segment;
@@ -17938,13 +17981,14 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
         next_segment = f.page_segments[next_id];
       }
       if (i + 2 < num_pages) later_id = table[i + 2];
+      return 1;
     }
   };
   split.start();
   __syncthreads();  // the barriers are initialized, the page list written
+  int issued = 0;   // SmallPages: the split's pages the warp's refills have reached
   if constexpr (SmallPages) {
-    if (warp == 0)
-      for (int slot = 0; slot < stages && *issued_pages < num_pages; ++slot) refill(slot, 0);
+    for (int slot = 0; slot < stages && issued < num_pages; ++slot) issued += refill(slot, issued);
   } else if (tid == 0) {
     for (int i = 0; i < min(stages, num_pages); ++i) refill(i, i);
   }
@@ -18017,7 +18061,6 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
     state.start();
   };
 
-  const int rows_first = warp * 16;  // the warp's rows of every 64
   int current = -1;
   packed_entry segment{};
   int k_shift = 0, v_shift = 0;  // log2 of the segment's K and V groups
@@ -18026,14 +18069,16 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
   const std::uint32_t* const split_rows_read = detail_decode::page_rows_read(p, w.batch_index, head, range.begin);
   int slot = 0;              // i mod stages
   std::uint32_t phase = 0u;  // (slots used / stages) mod 2: the parity of the slot's barriers
-  // The warp's page of a slot and its first row there: page rows_first / page_size of a slot of
-  // small pages, else page 0 and rows_first (+ 64 per tile of a larger page).
-  const int warp_page = SmallPages ? rows_first / p.page_size : 0;
-  const int warp_row = rows_first - warp_page * p.page_size;
   const int slot_rows = SmallPages ? tokens : p.page_size;
   for (int i = 0; i < num_pages;) {  // i: the slot's first page in the split
-    detail::barrier_wait(&full[slot], phase);
-    const int page_segment = slot_segment[slot], count = SmallPages ? slot_count[slot] : 1;
+    int page_segment = 0, count = 1;
+    if constexpr (SmallPages) {
+      count = compose(i, page_segment);
+      detail::barrier_wait(&full[slot * warps + warp], phase);
+    } else {
+      detail::barrier_wait(&full[slot], phase);
+      page_segment = slot_segment[slot];
+    }
     if (page_segment != current) {  // every warp reaches this slot before any leaves it
       if (current >= 0) close_segment(segment.v_basis_t);
       current = page_segment;
@@ -18076,18 +18121,17 @@ __global__ void __launch_bounds__(128, packed_mma_min_ctas(HeadDim, Group)) deco
         attend::write_masked_logits(warp_logits, covered);
       }
     }
-    // Each warp releases the slot; warp or thread 0 refills it once all four have, while the
-    // other warps go on.
+    // SmallPages: the warp refills its rows of the slot. Else each warp releases the slot, and
+    // thread 0 refills it once all four have, while the other warps go on.
     __syncwarp();
-    if (lane == 0) detail::barrier_arrive(&empty[slot]);
     if constexpr (SmallPages) {
-      if (warp == 0 && *issued_pages < num_pages) {
+      if (issued < num_pages) issued += refill(slot, issued);
+    } else {
+      if (lane == 0) detail::barrier_arrive(&empty[slot]);
+      if (tid == 0 && i + stages < num_pages) {
         detail::barrier_wait(&empty[slot], phase);
-        refill(slot, 0);
+        refill(slot, i + stages);
       }
-    } else if (tid == 0 && i + stages < num_pages) {
-      detail::barrier_wait(&empty[slot], phase);
-      refill(slot, i + stages);
     }
     i += count;
     if (++slot == stages) {
