@@ -788,6 +788,17 @@ bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& 
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// A format with segments may plan them from sums of their rows in one order that every backend
+/// follows (so that a device can compute the sums and the host only the rest), declaring
+///   static std::size_t segment_sum_count(const Format&, const page_shape&);  // doubles a segment
+///   static constexpr int segment_sum_tile_rows;    // rows a tile's sums run over from zero
+///   static void segment_sums(const Format&, const page_shape&, const float* k, const float* v,
+///                            std::int64_t n, double* out);  // the tiles' sums added in order
+///   static bool plan_reads_rows(const Format&);     // the plan needs the rows besides their sums
+///   static segment plan_segment_from_sums(const Format&, const page_shape&, const double* sums,
+///                                         std::int64_t n, const float* k, const float* v);
+/// and the device part computes the sums itself (cuda/format/device_format.cuh).
+///
 /// Optional, for a format with segments: block keys in the format's own compressed space (the
 /// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
 /// channel-compressed with the keys) declares
@@ -853,6 +864,20 @@ struct segments_of<Traits, std::void_t<decltype(Traits::has_segments)>> {
 /// True when a format stores its pages in per-segment bases (`format_traits::has_segments`).
 template <class Format>
 inline constexpr bool has_segments_v = detail::segments_of<format_traits<Format>>::value;
+
+namespace detail {
+/// format_traits<Format>::segment_sum_count exists (a format with segments whose plan is made
+/// of sums a device may compute: `plan_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_sums_of : std::false_type {};
+template <class Traits>
+struct segment_sums_of<Traits, std::void_t<decltype(&Traits::segment_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format with segments plans them from sums of their rows that a device may compute
+/// (`format_traits::segment_sums`, `plan_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.
@@ -2531,29 +2556,121 @@ struct packed_geometry {
   std::size_t values_offset(int t) const { return bitmap_bytes() + static_cast<std::size_t>(t) * retained * 2; }
 };
 
-/// The basis of rows x ([n][head_dim]): the first `kept` eigenvectors of sum_t x_t x_t^T (fp64),
-/// by decreasing eigenvalue, each with its largest-magnitude component positive; [head_dim][kept]
-/// row-major. Non-finite input or n = 0: the first `kept` columns of the identity.
-/// A template (Float is float at every call), as are `packed_search` and `plan_segment`, so that
+/// A segment's plan is made of sums over its rows that every backend computes in one order, so
+/// that every backend fits the same bases, bit for bit: the segment's rows are cut into tiles of
+/// `packed_sum_tile_rows` from its first row, each tile's sums run from zero in token order, and
+/// the tiles' sums add up in tile order. Per KV head (`packed_sum_count` doubles, this layout):
+///   [0, d^2)           K's covariance sum_t k_t k_t^T, row-major, the lower triangle (i >= j)
+///                      (the upper one is zero);
+///   [d^2, 2 d^2)       V's, the same;
+///   [2 d^2, 2 d^2 + d) K's per-channel squared norms sum_t k_tc^2;
+///   then 3 x d         K's per-channel intra-block squared deviations sum_t (k_tc - mean_c)^2 of
+///                      the whole blocks of 16, 8 and 4 rows (blocks from the segment's first row;
+///                      mean_c the block's fp64 sum in token order over its count; each term one
+///                      fused multiply-add).
+/// Every other term is a product of two fp32 values, exact in fp64, so a fused and an unfused
+/// multiply-add give the same sum. The CUDA engine computes these sums on the device
+/// (cuda/format/packed_bitmap/segment_sums.cuh) and only the eigendecompositions on the host.
+inline constexpr int packed_sum_tile_rows = 2048;
+
+KVMOSAIC_HOST_DEVICE constexpr std::size_t packed_sum_count(int head_dim) {
+  return 2 * static_cast<std::size_t>(head_dim) * head_dim + 4 * static_cast<std::size_t>(head_dim);
+}
+
+/// The sums of one tile (`rows` <= packed_sum_tile_rows rows from a multiple of the tile size;
+/// K and V [rows][head_dim]) into `out` (`packed_sum_count` doubles, overwritten), each from zero
+/// in token order. Cost: head_dim (head_dim + 1) multiply-adds a row for each covariance, four
+/// passes over K for the norms and deviations.
+inline void packed_tile_sums(const float* k, const float* v, std::int64_t rows, int head_dim, double* out) {
+  const int d = head_dim;
+  std::fill(out, out + packed_sum_count(d), 0.0);
+  std::vector<double> x(4 * static_cast<std::size_t>(d));
+  for (int which = 0; which < 2; ++which) {
+    const float* in = which == 0 ? k : v;
+    double* covariance = out + static_cast<std::size_t>(which) * d * d;
+    std::int64_t t = 0;
+    for (; t + 4 <= rows; t += 4) {  // four rows at a time: each entry still adds them in token order
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < d; ++c) x[static_cast<std::size_t>(r) * d + c] = in[(t + r) * d + c];
+      const double *x0 = x.data(), *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+      for (int i = 0; i < d; ++i) {
+        double* row = covariance + static_cast<std::size_t>(i) * d;
+        for (int j = 0; j <= i; ++j) {
+          double a = row[j];
+          a += x0[i] * x0[j];
+          a += x1[i] * x1[j];
+          a += x2[i] * x2[j];
+          a += x3[i] * x3[j];
+          row[j] = a;
+        }
+      }
+    }
+    for (; t < rows; ++t)
+      for (int i = 0; i < d; ++i) {
+        const double xi = in[t * d + i];
+        for (int j = 0; j <= i; ++j) covariance[static_cast<std::size_t>(i) * d + j] += xi * static_cast<double>(in[t * d + j]);
+      }
+  }
+  double* norms = out + 2 * static_cast<std::size_t>(d) * d;
+  for (std::int64_t t = 0; t < rows; ++t)
+    for (int c = 0; c < d; ++c) norms[c] += static_cast<double>(k[t * d + c]) * k[t * d + c];
+  const int sizes[3] = {16, 8, 4};
+  for (int s = 0; s < 3; ++s) {
+    const int b = sizes[s];
+    double* deviations = norms + static_cast<std::size_t>(1 + s) * d;
+    for (std::int64_t first = 0; first + b <= rows; first += b)
+      for (int c = 0; c < d; ++c) {
+        double mean = 0;
+        for (int t = 0; t < b; ++t) mean += k[(first + t) * d + c];
+        mean /= b;
+        for (int t = 0; t < b; ++t) {
+          const double e = k[(first + t) * d + c] - mean;
+          deviations[c] = std::fma(e, e, deviations[c]);
+        }
+      }
+  }
+}
+
+/// A segment's sums (`out`: `packed_sum_count` doubles) from its K and V rows ([n][head_dim]):
+/// the tiles' sums added in tile order to zero.
+inline void packed_segment_sums(const float* k, const float* v, std::int64_t n, int head_dim, double* out) {
+  const std::size_t count = packed_sum_count(head_dim);
+  std::fill(out, out + count, 0.0);
+  std::vector<double> tile(count);
+  for (std::int64_t first = 0; first < n; first += packed_sum_tile_rows) {
+    const std::int64_t offset = first * head_dim;
+    packed_tile_sums(k + offset, v + offset, std::min<std::int64_t>(packed_sum_tile_rows, n - first), head_dim, tile.data());
+    for (std::size_t e = 0; e < count; ++e) out[e] += tile[e];
+  }
+}
+
+/// The basis of a segment of n rows from their covariance (`covariance`: [head_dim][head_dim],
+/// the lower triangle read): the first `kept` eigenvectors (fp64) by decreasing eigenvalue, each
+/// with its largest-magnitude component positive; [head_dim][kept] row-major. A non-finite
+/// covariance or n = 0: the first `kept` columns of the identity.
+/// A template (Real is double at every call), as are `packed_search` and `plan_segment`, so that
 /// Eigen's eigensolver and products are instantiated only in the units that encode this format,
 /// not in every unit that includes the library.
-template <class Float>
-std::vector<float> packed_basis(const Float* rows, std::int64_t n, int head_dim, int kept) {
-  using real_matrix = Eigen::Matrix<decltype(Float{} * 1.0), Eigen::Dynamic, Eigen::Dynamic>;  // fp64
+template <class Real>
+std::vector<float> packed_basis(const Real* covariance, std::int64_t n, int head_dim, int kept) {
+  using real_matrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic>;
   std::vector<float> basis(static_cast<std::size_t>(head_dim) * kept, 0.0f);
-  real_matrix covariance = real_matrix::Zero(head_dim, head_dim);
-  if (n > 0) {
-    const Eigen::Map<const Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
-    covariance.template selfadjointView<Eigen::Lower>().rankUpdate(x.template cast<double>().transpose());
-    covariance = covariance.template selfadjointView<Eigen::Lower>();
-  }
-  if (n == 0 || !covariance.allFinite()) {
+  real_matrix sigma(head_dim, head_dim);
+  bool finite = true;
+  for (int i = 0; i < head_dim; ++i)
+    for (int j = 0; j <= i; ++j) {
+      const Real value = covariance[static_cast<std::size_t>(i) * head_dim + j];
+      finite = finite && std::isfinite(value);
+      sigma(i, j) = value;
+      sigma(j, i) = value;
+    }
+  if (n == 0 || !finite) {
     for (int j = 0; j < kept; ++j) basis[static_cast<std::size_t>(j) * kept + j] = 1.0f;
     return basis;
   }
-  const Eigen::SelfAdjointEigenSolver<real_matrix> solver(covariance);
+  const Eigen::SelfAdjointEigenSolver<real_matrix> solver(sigma);
   for (int j = 0; j < kept; ++j) {
-    Eigen::Matrix<double, Eigen::Dynamic, 1> column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
+    Eigen::Matrix<Real, Eigen::Dynamic, 1> column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
     Eigen::Index largest = 0;
     column.cwiseAbs().maxCoeff(&largest);
     if (column(largest) < 0) column = -column;
@@ -2636,31 +2753,22 @@ packed_strategy packed_search(const format::packed_bitmap& f, const packed_geome
   return fallback;
 }
 
-/// The mean-key block size of a segment's K rows: the largest of 16, 8, 4 whose intra-block
-/// variance (mean over the blocks' tokens of ||k_t - mean of its block||^2), relative to the mean
-/// ||k_t||^2, is at most `threshold` (4 when none; 16 for fewer than 4 rows or a zero segment).
-inline int packed_block_tokens(const float* rows, std::int64_t n, int head_dim, float threshold) {
+/// The mean-key block size of a segment of n rows from its K sums (`norms` [head_dim], then
+/// `deviations` [3][head_dim] for blocks of 16, 8, 4; `packed_segment_sums`): the largest of 16, 8,
+/// 4 whose intra-block variance (the deviations summed over channels in order, over the rows of
+/// whole blocks), relative to the mean squared key norm, is at most `threshold` (4 when none; 16
+/// for fewer than 4 rows or a zero segment).
+inline int packed_block_tokens(const double* norms, std::int64_t n, int head_dim, float threshold) {
   double norm = 0;
-  for (std::int64_t i = 0; i < n * head_dim; ++i) norm += static_cast<double>(rows[i]) * rows[i];
+  for (int c = 0; c < head_dim; ++c) norm += norms[c];
   if (n < 4 || !(norm > 0) || !std::isfinite(norm)) return 16;
   norm /= static_cast<double>(n);
-  for (const int b : {16, 8, 4}) {
+  const int sizes[3] = {16, 8, 4};
+  for (int s = 0; s < 3; ++s) {
     double variance = 0;
-    std::int64_t counted = 0;
-    std::vector<double> mean(static_cast<std::size_t>(head_dim));
-    for (std::int64_t first = 0; first + b <= n; first += b) {
-      std::fill(mean.begin(), mean.end(), 0.0);
-      for (int t = 0; t < b; ++t)
-        for (int c = 0; c < head_dim; ++c) mean[static_cast<std::size_t>(c)] += rows[(first + t) * head_dim + c];
-      for (double& m : mean) m /= b;
-      for (int t = 0; t < b; ++t)
-        for (int c = 0; c < head_dim; ++c) {
-          const double e = rows[(first + t) * head_dim + c] - mean[static_cast<std::size_t>(c)];
-          variance += e * e;
-        }
-      counted += b;
-    }
-    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return b;
+    for (int c = 0; c < head_dim; ++c) variance += norms[static_cast<std::size_t>(1 + s) * head_dim + c];
+    const std::int64_t counted = n / sizes[s] * sizes[s];
+    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return sizes[s];
   }
   return 4;
 }
@@ -2724,20 +2832,46 @@ struct format_traits<format::packed_bitmap> {
   }
 
   /// The segment of one KV head from its K and V rows ([n][head_dim], the rows the basis is fit
-  /// to): bases, strategies (searched or fixed) and mean-key block size. Cost: 2 covariances
-  /// (n x head_dim^2), 2 eigendecompositions, and with `strategy::search` up to 9 candidate
-  /// passes over the n rotated rows.
+  /// to): bases, strategies (searched or fixed) and mean-key block size, from the rows' sums
+  /// (`segment_sums`) and, with `strategy::search`, the rows. Cost: the sums (2 n head_dim^2
+  /// multiply-adds), 2 eigendecompositions, and with `strategy::search` up to 9 candidate passes
+  /// over the n rotated rows.
   template <class Float>  // float: a template only to defer Eigen's instantiation (detail::packed_basis)
   static segment plan_segment(const format_type& f, const page_shape& shape, const Float* k, const Float* v, std::int64_t n) {
+    std::vector<double> sums(segment_sum_count(f, shape));
+    detail::packed_segment_sums(k, v, n, shape.head_dim, sums.data());
+    return plan_segment_from_sums(f, shape, sums.data(), n, k, v);
+  }
+
+  // A plan from sums (an optional part of a format with segments, which a device may compute):
+  // the CUDA engine computes a segment's sums on the device, in the order `segment_sums`
+  // defines, and copies back only them (and the rows, when `plan_reads_rows`).
+
+  /// Doubles of one segment's sums per KV head (`detail::packed_segment_sums` says what they are).
+  static std::size_t segment_sum_count(const format_type&, const page_shape& shape) { return detail::packed_sum_count(shape.head_dim); }
+  /// Rows of a tile of the sums: each tile's sums run from zero, and tiles add up in order.
+  static constexpr int segment_sum_tile_rows = detail::packed_sum_tile_rows;
+  /// The sums of a segment's rows K and V ([n][head_dim]) into `out` (`segment_sum_count`).
+  static void segment_sums(const format_type&, const page_shape& shape, const float* k, const float* v, std::int64_t n, double* out) {
+    detail::packed_segment_sums(k, v, n, shape.head_dim, out);
+  }
+  /// Whether the plan reads the rows besides their sums: `strategy::search` (its candidate passes).
+  static bool plan_reads_rows(const format_type& f) { return f.mode == format::strategy::search; }
+  /// The segment of one KV head from its n rows' sums (`segment_sums`) and, when
+  /// `plan_reads_rows`, its rows (else k and v may be null). Cost: 2 eigendecompositions (head_dim^3)
+  /// and the search's passes.
+  template <class Float>
+  static segment plan_segment_from_sums(const format_type& f, const page_shape& shape, const double* sums, std::int64_t n,
+                                        const Float* k, const Float* v) {
     const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const int d = shape.head_dim;
     segment s;
     s.kept = g.kept;
     for (int which = 0; which < 2; ++which) {
-      const Float* rows = which == 0 ? k : v;
-      s.basis[which] = detail::packed_basis(rows, n, shape.head_dim, g.kept);
-      s.strategy[which] = detail::packed_search(f, g, rows, n, s.basis[which]);
+      s.basis[which] = detail::packed_basis(sums + static_cast<std::size_t>(which) * d * d, n, d, g.kept);
+      s.strategy[which] = detail::packed_search(f, g, which == 0 ? k : v, n, s.basis[which]);  // fixed: reads no row
     }
-    s.block_tokens = detail::packed_block_tokens(k, n, shape.head_dim, f.block_variance_threshold);
+    s.block_tokens = detail::packed_block_tokens(sums + 2 * static_cast<std::size_t>(d) * d, n, d, f.block_variance_threshold);
     return s;
   }
 
@@ -5427,13 +5561,18 @@ void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& 
 /// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
 /// append, its first page). One function for both backends, so both fit the same bases to the
 /// same rows. The KV heads are planned by `for_each_item` (on OpenMP's threads where built with
-/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. Cost: the
-/// format's plan_segment per KV head; per thread, two [segment_tokens][head_dim] fp32 buffers.
+/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. `sums`
+/// (formats with `has_segment_sums_v`; [num_kv_heads][segment_sum_count]): the rows' sums as a
+/// device computed them, in the order `format_traits::segment_sums` defines; each head is then
+/// planned from them (`plan_segment_from_sums`), and its rows are read only when the plan reads
+/// rows (else `tail`, `k` and `v` are not read). Cost: the format's plan per KV head; per thread,
+/// two [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
                                                                const arena_geometry& geometry, const std::byte* tail,
                                                                std::int64_t index, const tensor_view<const T, 3>& k,
-                                                               const tensor_view<const T, 3>& v, std::int64_t next) {
+                                                               const tensor_view<const T, 3>& v, std::int64_t next,
+                                                               const double* sums = nullptr) {
   using traits = format_traits<Format>;
   using segment = typename segment_type<Format>::type;
   const page_shape shape = engine.page();
@@ -5445,8 +5584,14 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   struct rows_scratch {
     std::vector<float> k_rows, v_rows, page;  // [n][d], [n][d], [p][d]
   };
+  static_cast<void>(sums);  // formats without sums
   // Head h's K and V rows into the scratch, then its plan.
   const auto plan_head = [&](std::int64_t h, rows_scratch& s) {
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr && !traits::plan_reads_rows(format))
+        return traits::template plan_segment_from_sums<float>(format, shape, sums + h * traits::segment_sum_count(format, shape), n,
+                                                              nullptr, nullptr);
+    }
     s.k_rows.resize(static_cast<std::size_t>(n) * d);
     s.v_rows.resize(s.k_rows.size());
     s.page.resize(static_cast<std::size_t>(p) * d);
@@ -5458,6 +5603,11 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
       const tensor_view<const T, 3>& src = is_v ? v : k;
       for (std::int64_t t = 0; t < ahead; ++t)
         for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+    }
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr)
+        return traits::plan_segment_from_sums(format, shape, sums + h * traits::segment_sum_count(format, shape), n, s.k_rows.data(),
+                                              s.v_rows.data());
     }
     return traits::plan_segment(format, shape, s.k_rows.data(), s.v_rows.data(), n);
   };
@@ -11211,6 +11361,11 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   // engine's segment arena (device_context::segments), as the kernels read it
 ///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
 ///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
+///   // formats whose segments are planned from sums (has_segment_sums_v): the sums of a segment's
+///   // rows for every KV head, computed on the device in the order format_traits::segment_sums
+///   // defines (to the bit), copied to the host
+///   template <class Shapes>
+///   static void segment_sums(state&, const format::X&, const segment_sums_context&);
 ///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
 ///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
 ///   template <class Shapes>
@@ -11312,6 +11467,26 @@ struct block_key_query_context {
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
   int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
                     ///< the pass's launch shape, fixed by the layout as a captured graph needs
+};
+
+/// What a format's segment sums are given (formats with `has_segment_sums_v`): the rows of a
+/// segment about to be planned, for every KV head, as the host engine plans from them. Segment
+/// row i < tail_rows is row first_row + i of the sequence's tail page (its page rows in the tail
+/// slot `tail`); a later row i is row call_offset + i of the call's rows `k`, `v` ([rows]
+/// [num_kv_heads][head_dim], contiguous, of `rows_type`), rounded to the storage dtype for
+/// i < page_rows (the rest of the page being sealed, as the tail will store it).
+struct segment_sums_context {
+  const device_context* engine;
+  const std::byte* tail;
+  const void* k;
+  const void* v;
+  dtype rows_type;
+  int first_row;
+  int tail_rows;
+  int page_rows;
+  std::int64_t call_offset;
+  std::int64_t n;        ///< rows of the segment
+  double* sums;          ///< [num_kv_heads][segment_sum_count] (host memory), written
 };
 
 namespace detail {
@@ -13698,56 +13873,97 @@ class engine {
 
   /// Formats with segments: before pages [sealed_pages, sealed_pages + pages) of the sequence in
   /// `slot` are sealed from its tail (`tail_rows` rows) and rows [first, ...) of the call's
-  /// device rows `k`, `v`, plans each of them that starts a segment on the host from the rows the
-  /// host engine would see (`detail::plan_segments`: the tail as it will be at that seal, and the
-  /// call's rows after it), keeps the host copy and writes the device entries. Cost per segment:
-  /// a copy of the segment's rows to the host, the format's plan, a copy of the entries back
-  /// (synchronizes the stream).
+  /// device rows `k`, `v`, plans each of them that starts a segment from the rows the host engine
+  /// would see (`detail::plan_segments`: the tail as it will be at that seal, and the call's rows
+  /// after it), keeps the host copy and writes the device entries. A format that plans from sums
+  /// (`has_segment_sums_v`) has the device compute them (`device_format::segment_sums`) and plans
+  /// on the host from them alone, or from them and the rows where its plan reads rows. Cost per
+  /// segment: the sums on the device and their copy to the host, or a copy of the segment's rows;
+  /// the format's plan; a copy of the entries back (synchronizes the stream).
   template <class T>
   void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                         std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
     const page_shape shape = shape_.page();
     const int per = traits::segment_pages(format_, shape), p = shape_.page_size;
-    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
     for (std::int32_t i = 0; i < pages; ++i) {
       const std::int64_t index = sealed_pages + i;
       if (index % per != 0) continue;
       const std::int64_t page_first = first + static_cast<std::int64_t>(i) * p - tail_rows;  // call row of the page's row 0
       const std::int64_t next = page_first + p;
       const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
-      const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
-      std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
-      std::vector<std::byte> tail(geometry_.tail_slot_bytes());
-      const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
-                                          cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
-      const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
-      // The tail as it is at the seal: the call's rows of the page after the tail's own.
-      std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
-      for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
-        for (int h = 0; h < shape_.num_kv_heads; ++h)
-          for (const bool is_v : {false, true}) {
-            for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
-            kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
-                                               tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
-                                                   static_cast<std::size_t>(r) * geometry_.row_bytes);
-          }
-      std::vector<segment_t> planned =
-          kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base);
-      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
-      std::vector<std::byte> entries(planned.size() * entry_bytes);
-      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
-      const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
-      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+      std::vector<segment_t> planned;
+      std::vector<double> sums;  // formats with sums: [num_kv_heads][segment_sum_count], from the device
+      if constexpr (has_segment_sums_v<Format>) {
+        const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;  // the sinks are not fitted
+        const std::int64_t n = p - skip + ahead;
+        const int from_tail = static_cast<int>(std::max<std::int64_t>(0, -page_first));  // the page's rows still in the tail
+        const std::size_t count = traits::segment_sum_count(format_, shape);
+        sums.resize(static_cast<std::size_t>(shape_.num_kv_heads) * count);
+        const device_context c = context();
+        device::template segment_sums<Shapes>(
+            format_state_, format_,
+            segment_sums_context{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
+                                 dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
+                                 sums.data()});
+        if (!traits::plan_reads_rows(format_)) {
+          planned.resize(static_cast<std::size_t>(shape_.num_kv_heads));
+          kvmosaic::detail::for_each_item(
+              shape_.num_kv_heads, [] { return 0; }, [&](std::int64_t h, int&) {
+                planned[static_cast<std::size_t>(h)] =
+                    traits::template plan_segment_from_sums<float>(format_, shape, sums.data() + h * count, n, nullptr, nullptr);
+              });
+        }
+      }
+      if (planned.empty()) plan_from_rows(slot, k, v, page_first, next, ahead, index, sums, planned);
+      store_segments(slot, index, planned);
     }
+  }
+  /// `plan_segments_in` for one segment from its rows, copied to the host (with the device's
+  /// sums, when given).
+  template <class T>
+  void plan_from_rows(std::int32_t slot, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v, std::int64_t page_first,
+                      std::int64_t next, std::int64_t ahead, std::int64_t index, const std::vector<double>& sums,
+                      std::vector<segment_t>& planned) {
+    const int p = shape_.page_size;
+    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
+    const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
+    std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
+    std::vector<std::byte> tail(geometry_.tail_slot_bytes());
+    const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
+                                        cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+    const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+    // The tail as it is at the seal: the call's rows of the page after the tail's own.
+    std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+    for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true}) {
+          for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
+          kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
+                                             tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
+                                                 static_cast<std::size_t>(r) * geometry_.row_bytes);
+        }
+    planned = kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base,
+                                              sums.empty() ? nullptr : sums.data());
+  }
+  /// Keeps the host copy of a sequence's newly planned segment (one per KV head) starting at page
+  /// `index`, and writes its device entries (synchronizes the stream).
+  void store_segments(std::int32_t slot, std::int64_t index, std::vector<segment_t>& planned) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape);
+    const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+    std::vector<std::byte> entries(planned.size() * entry_bytes);
+    for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+    const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",
@@ -18492,6 +18708,213 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
 
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh> ----
+/// \file
+/// `format::packed_bitmap`'s segment sums on the device: the sums a segment's plan is made of
+/// (`detail::packed_segment_sums`: K's and V's covariances, K's per-channel squared norms and
+/// intra-block deviations), in the host's order to the bit, so that the host only solves the
+/// eigenproblems (MosaicKV computes the SVD rotation from the segment's covariance, section 5.4).
+/// A segment's rows are cut into tiles of `detail::packed_sum_tile_rows`; one pass computes the
+/// sums of a run of tiles into a scratch area, each from zero in token order, and a second adds
+/// them, in tile order, to the running totals.
+
+
+
+namespace kvmosaic::cuda::kernel {
+
+/// Where the rows of a segment about to be planned are, for every KV head: segment row i < tail_rows
+/// is row first_row + i of the sequence's tail page (`tail`: its K tail row 0 of head 0; head h's
+/// K at h x tail_head_bytes, V at (num_kv_heads + h) x tail_head_bytes); a later row i is row
+/// call_offset + i of the call's rows (`k`, `v`: [rows][num_kv_heads][head_dim], contiguous),
+/// rounded to the storage dtype for i < page_rows (the rows of the page being sealed, which the
+/// host plans from the tail as it will be stored).
+struct packed_sum_rows {
+  const std::byte* tail;
+  std::int64_t tail_head_bytes;
+  std::int64_t tail_row_bytes;
+  dtype tail_type;             ///< the storage dtype
+  const std::byte* k;
+  const std::byte* v;
+  dtype call_type;             ///< f32, f16 or bf16
+  int first_row;
+  int tail_rows;
+  int page_rows;
+  std::int64_t call_offset;
+  std::int64_t n;              ///< the segment's rows
+  int num_kv_heads;
+};
+
+/// A pass over tiles [first_tile, first_tile + gridDim.x) of a segment: `scratch` holds
+/// [tile - first_tile][num_kv_heads][packed_sum_count] doubles.
+struct packed_sum_params {
+  packed_sum_rows rows;
+  int first_tile;
+  double* scratch;
+  double* totals;              ///< [num_kv_heads][packed_sum_count]
+  int tiles;                   ///< tiles in this pass (the add kernel)
+  bool first_pass;             ///< the add kernel starts the totals from zero
+};
+
+namespace detail_packed {
+
+__device__ __forceinline__ float load_as_float(const std::byte* base, std::int64_t index, dtype type) {
+  switch (type) {
+    case dtype::f32: return reinterpret_cast<const float*>(base)[index];
+    case dtype::f16: return to_float(reinterpret_cast<const half*>(base)[index]);
+    default: return to_float(reinterpret_cast<const bfloat16*>(base)[index]);
+  }
+}
+
+/// Element c of segment row i of head `head`'s K (`which` 0) or V (1), as the host's fp32 row holds it.
+__device__ __forceinline__ float segment_element(const packed_sum_rows& r, int head_dim, int which, int head, std::int64_t i, int c) {
+  if (i < r.tail_rows) {
+    const std::byte* row = r.tail + (static_cast<std::int64_t>(which) * r.num_kv_heads + head) * r.tail_head_bytes +
+                           (r.first_row + i) * r.tail_row_bytes;
+    return load_as_float(row, c, r.tail_type);
+  }
+  const std::int64_t at = ((r.call_offset + i) * r.num_kv_heads + head) * head_dim + c;
+  const float x = load_as_float(which == 0 ? r.k : r.v, at, r.call_type);
+  if (i >= r.page_rows) return x;
+  return r.tail_type == dtype::f16 ? to_float(half(x)) : to_float(bfloat16(x));  // as the page's tail row stores it
+}
+
+}  // namespace detail_packed
+
+inline constexpr int packed_covariance_threads = 256;
+inline constexpr int packed_covariance_block = 64;   ///< a CTA's entries: a 64 x 64 block of the lower triangle
+inline constexpr int packed_covariance_rows = 32;    ///< rows staged in shared memory at a time
+
+/// One tile's covariance of one KV head's K or V (`detail::packed_tile_sums`, to the bit): a CTA
+/// per (tile, head x 2 + which, 64 x 64 block at or below the diagonal), a thread per 4 x 4
+/// entries, each a chain of fused multiply-adds from zero in token order (the products of fp32
+/// values are exact in fp64). Entries above the diagonal are not written. Grid: (tiles of the
+/// pass, 2 x num_kv_heads, blocks x (blocks + 1) / 2 for blocks = head_dim / 64). Cost: 16 fp64
+/// multiply-adds a row and thread; 32 KB of static shared memory.
+template <int HeadDim>
+__global__ void __launch_bounds__(packed_covariance_threads) packed_tile_covariance_kernel(const packed_sum_params p) {
+  static_assert(HeadDim % packed_covariance_block == 0, "head_dim is a multiple of 64");
+  constexpr int width = packed_covariance_block, rows_at_once = packed_covariance_rows;
+  __shared__ __align__(16) double xi[rows_at_once][width];
+  __shared__ __align__(16) double xj[rows_at_once][width];
+  const int tile = p.first_tile + static_cast<int>(blockIdx.x);
+  const int head = static_cast<int>(blockIdx.y) / 2, which = static_cast<int>(blockIdx.y) % 2;
+  int block_i = 0, block = static_cast<int>(blockIdx.z);  // the z-th block of the lower triangle, by rows
+  while (block > block_i) block -= ++block_i;
+  const int block_j = block;
+  const int tid = static_cast<int>(threadIdx.x), ty = tid / 16, tx = tid % 16;
+  const std::int64_t first = static_cast<std::int64_t>(tile) * ::kvmosaic::detail::packed_sum_tile_rows;
+  const std::int64_t rows = min(static_cast<std::int64_t>(::kvmosaic::detail::packed_sum_tile_rows), p.rows.n - first);
+  double acc[4][4] = {};
+  for (std::int64_t r0 = 0; r0 < rows; r0 += rows_at_once) {
+    const int count = static_cast<int>(min(static_cast<std::int64_t>(rows_at_once), rows - r0));
+    __syncthreads();  // the previous rows are read
+    for (int x = tid; x < rows_at_once * width; x += packed_covariance_threads) {
+      const int t = x / width, c = x % width;
+      double a = 0, b = 0;
+      if (t < count) {
+        a = detail_packed::segment_element(p.rows, HeadDim, which, head, first + r0 + t, block_i * width + c);
+        b = detail_packed::segment_element(p.rows, HeadDim, which, head, first + r0 + t, block_j * width + c);
+      }
+      xi[t][c] = a;
+      xj[t][c] = b;
+    }
+    __syncthreads();
+    for (int t = 0; t < count; ++t) {
+      const double2 a01 = *reinterpret_cast<const double2*>(&xi[t][4 * ty]);
+      const double2 a23 = *reinterpret_cast<const double2*>(&xi[t][4 * ty + 2]);
+      const double2 b01 = *reinterpret_cast<const double2*>(&xj[t][4 * tx]);
+      const double2 b23 = *reinterpret_cast<const double2*>(&xj[t][4 * tx + 2]);
+      const double a[4] = {a01.x, a01.y, a23.x, a23.y}, b[4] = {b01.x, b01.y, b23.x, b23.y};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) acc[u][w] = __fma_rn(a[u], b[w], acc[u][w]);
+    }
+  }
+  const std::size_t count = ::kvmosaic::detail::packed_sum_count(HeadDim);
+  double* out = p.scratch + (static_cast<std::size_t>(blockIdx.x) * p.rows.num_kv_heads + head) * count +
+                static_cast<std::size_t>(which) * HeadDim * HeadDim;
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int i = block_i * width + 4 * ty + u, j = block_j * width + 4 * tx + w;
+      if (j <= i) out[static_cast<std::size_t>(i) * HeadDim + j] = acc[u][w];
+    }
+}
+
+/// One tile's per-channel sums of one KV head's K (`detail::packed_tile_sums`, to the bit): the
+/// CTA stages 32 rows at a time in shared memory (every row's loads in flight at once), and a
+/// thread per channel runs its chains over them: the squared norms, then for blocks of 16, 8 and 4
+/// rows each block's mean (an fp64 sum in token order over the count) and its squared deviations
+/// by fused multiply-adds. Grid: (tiles of the pass, num_kv_heads); head_dim threads. Cost: one
+/// read of the tile's K; 32 x head_dim x 4 bytes of static shared memory.
+template <int HeadDim>
+__global__ void __launch_bounds__(HeadDim) packed_tile_key_sums_kernel(const packed_sum_params p) {
+  constexpr int rows_at_once = 32;  // a multiple of 16: no block straddles two stagings
+  __shared__ float staged[rows_at_once][HeadDim];
+  const int tile = p.first_tile + static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), c = static_cast<int>(threadIdx.x);
+  const std::int64_t first = static_cast<std::int64_t>(tile) * ::kvmosaic::detail::packed_sum_tile_rows;
+  const std::int64_t rows = min(static_cast<std::int64_t>(::kvmosaic::detail::packed_sum_tile_rows), p.rows.n - first);
+  constexpr int sizes[3] = {16, 8, 4};
+  double norm = 0, deviations[3] = {};
+  for (std::int64_t r0 = 0; r0 < rows; r0 += rows_at_once) {
+    const int count = static_cast<int>(min(static_cast<std::int64_t>(rows_at_once), rows - r0));
+    __syncthreads();  // the previous rows are read
+#pragma unroll 8
+    for (int t = 0; t < rows_at_once; ++t)
+      if (t < count) staged[t][c] = detail_packed::segment_element(p.rows, HeadDim, 0, head, first + r0 + t, c);
+    __syncthreads();
+    for (int t = 0; t < count; ++t) {
+      const double x = staged[t][c];
+      norm += x * x;
+    }
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      const int b = sizes[s];
+      for (int block = 0; block + b <= count; block += b) {  // whole blocks of the tile (r0 is a multiple of 16)
+        double mean = 0;
+        for (int t = block; t < block + b; ++t) mean += staged[t][c];
+        mean /= b;
+        for (int t = block; t < block + b; ++t) {
+          const double e = staged[t][c] - mean;
+          deviations[s] = __fma_rn(e, e, deviations[s]);
+        }
+      }
+    }
+  }
+  const std::size_t count = ::kvmosaic::detail::packed_sum_count(HeadDim);
+  double* out = p.scratch + (static_cast<std::size_t>(blockIdx.x) * p.rows.num_kv_heads + head) * count +
+                2 * static_cast<std::size_t>(HeadDim) * HeadDim;
+  out[c] = norm;
+#pragma unroll
+  for (int s = 0; s < 3; ++s) out[static_cast<std::size_t>(1 + s) * HeadDim + c] = deviations[s];
+}
+
+/// totals += the pass's tiles' sums, in tile order (from zero on the first pass); the entries
+/// above a covariance's diagonal are zero. A thread per (head, sum).
+template <int HeadDim>
+__global__ void packed_add_tile_sums_kernel(const packed_sum_params p) {
+  const std::size_t count = ::kvmosaic::detail::packed_sum_count(HeadDim);
+  const std::size_t index = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= count * p.rows.num_kv_heads) return;
+  const std::size_t e = index % count;
+  if (e < 2 * static_cast<std::size_t>(HeadDim) * HeadDim) {
+    const std::size_t in_matrix = e % (static_cast<std::size_t>(HeadDim) * HeadDim);
+    if (in_matrix % HeadDim > in_matrix / HeadDim) {  // above the diagonal
+      p.totals[index] = 0.0;
+      return;
+    }
+  }
+  double total = p.first_pass ? 0.0 : p.totals[index];
+  const std::size_t stride = count * p.rows.num_kv_heads;
+  for (int tile = 0; tile < p.tiles; ++tile) total += p.scratch[tile * stride + index];
+  p.totals[index] = total;
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh> ----
+
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/unpack.cuh> ----
 /// \file
 /// Device unpack of `format::packed_bitmap` pages, the inverse of `encode_packed_pages_kernel`
@@ -18597,6 +19020,8 @@ struct device_format<format::packed_bitmap> {
     int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
     bool listed = false;          ///< sm_90 kernel with slots of several small pages: it lists each split's pages
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
+    device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
+    device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
@@ -18709,6 +19134,67 @@ struct device_format<format::packed_bitmap> {
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
   }
 
+  /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
+  /// into `c.sums` (host; synchronizes the stream). Passes of up to `sum_pass_bytes` of tiles'
+  /// sums: per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
+  /// triangle), a CTA per (tile, head) for K's per-channel sums, then one thread per (head, sum)
+  /// adds the pass's tiles to the totals in tile order. Cost: 2 n head_dim^2 fp64 multiply-adds
+  /// per KV head (about a third of them above the diagonal in the diagonal blocks, computed and
+  /// not kept), four reads of K and two of V per 64-channel block row.
+  template <class Shapes>
+  static void segment_sums(state& s, const format::packed_bitmap& f, const segment_sums_context& c) {
+    const device_context& e = *c.engine;
+    const int heads = e.shape->num_kv_heads, d = e.shape->head_dim;
+    const std::size_t count = traits::segment_sum_count(f, e.shape->page());
+    const std::size_t totals_bytes = static_cast<std::size_t>(heads) * count * sizeof(double);
+    const int tiles = static_cast<int>((c.n + traits::segment_sum_tile_rows - 1) / traits::segment_sum_tile_rows);
+    if (tiles == 0) {
+      std::memset(c.sums, 0, totals_bytes);
+      return;
+    }
+    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, sum_pass_bytes / totals_bytes)));
+    if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
+    if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_sum_params p{};
+    p.rows = kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
+                                     static_cast<std::int64_t>(g.tail_head_bytes),
+                                     static_cast<std::int64_t>(g.row_bytes),
+                                     e.shape->storage,
+                                     static_cast<const std::byte*>(c.k),
+                                     static_cast<const std::byte*>(c.v),
+                                     c.rows_type,
+                                     c.first_row,
+                                     c.tail_rows,
+                                     c.page_rows,
+                                     c.call_offset,
+                                     c.n,
+                                     heads};
+    p.scratch = s.sum_scratch.as<double>();
+    p.totals = s.sum_totals.as<double>();
+    const int blocks = d / kernel::packed_covariance_block;
+    detail::dispatch_shape(Shapes{}, e.shape->storage, d, 0, [&](auto, auto dim, auto) {
+      constexpr int head_dim = decltype(dim)::value;
+      for (int first = 0; first < tiles; first += per_pass) {
+        p.first_tile = first;
+        p.tiles = std::min(per_pass, tiles - first);
+        p.first_pass = first == 0;
+        const dim3 covariance_grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(2 * heads),
+                                   static_cast<unsigned>(blocks * (blocks + 1) / 2));
+        kernel::packed_tile_covariance_kernel<head_dim><<<covariance_grid, kernel::packed_covariance_threads, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        kernel::packed_tile_key_sums_kernel<head_dim>
+            <<<dim3(static_cast<unsigned>(p.tiles), static_cast<unsigned>(heads)), head_dim, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        const std::size_t sums = static_cast<std::size_t>(heads) * count;
+        kernel::packed_add_tile_sums_kernel<head_dim><<<static_cast<unsigned>((sums + 255) / 256), 256, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      }
+    });
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(c.sums, p.totals, totals_bytes, cudaMemcpyDeviceToHost, e.stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
+  }
+
   /// The block keys of `c.n` sealed pages (`format_traits::encode_block_key` to the bit): one CTA
   /// per (page, KV head, block).
   template <class Shapes>
@@ -18781,6 +19267,9 @@ struct device_format<format::packed_bitmap> {
   }
 
  private:
+  /// The scratch a pass of `segment_sums` may fill with its tiles' sums (at least one tile's).
+  static constexpr std::size_t sum_pass_bytes = std::size_t{64} << 20;
+
   /// Bytes of one slot of the sm_90 kernel: `packed_slot_pages` page pairs (K and V of a head).
   static int slot_bytes(const device_context& e) {
     return kernel::packed_slot_pages(e.shape->page_size) * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);

@@ -778,6 +778,17 @@ bool views_overlap(const tensor_view<A, RankA>& a, const tensor_view<B, RankB>& 
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// A format with segments may plan them from sums of their rows in one order that every backend
+/// follows (so that a device can compute the sums and the host only the rest), declaring
+///   static std::size_t segment_sum_count(const Format&, const page_shape&);  // doubles a segment
+///   static constexpr int segment_sum_tile_rows;    // rows a tile's sums run over from zero
+///   static void segment_sums(const Format&, const page_shape&, const float* k, const float* v,
+///                            std::int64_t n, double* out);  // the tiles' sums added in order
+///   static bool plan_reads_rows(const Format&);     // the plan needs the rows besides their sums
+///   static segment plan_segment_from_sums(const Format&, const page_shape&, const double* sums,
+///                                         std::int64_t n, const float* k, const float* v);
+/// and the device part computes the sums itself (cuda/format/device_format.cuh).
+///
 /// Optional, for a format with segments: block keys in the format's own compressed space (the
 /// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
 /// channel-compressed with the keys) declares
@@ -843,6 +854,20 @@ struct segments_of<Traits, std::void_t<decltype(Traits::has_segments)>> {
 /// True when a format stores its pages in per-segment bases (`format_traits::has_segments`).
 template <class Format>
 inline constexpr bool has_segments_v = detail::segments_of<format_traits<Format>>::value;
+
+namespace detail {
+/// format_traits<Format>::segment_sum_count exists (a format with segments whose plan is made
+/// of sums a device may compute: `plan_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_sums_of : std::false_type {};
+template <class Traits>
+struct segment_sums_of<Traits, std::void_t<decltype(&Traits::segment_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format with segments plans them from sums of their rows that a device may compute
+/// (`format_traits::segment_sums`, `plan_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.
@@ -2521,29 +2546,121 @@ struct packed_geometry {
   std::size_t values_offset(int t) const { return bitmap_bytes() + static_cast<std::size_t>(t) * retained * 2; }
 };
 
-/// The basis of rows x ([n][head_dim]): the first `kept` eigenvectors of sum_t x_t x_t^T (fp64),
-/// by decreasing eigenvalue, each with its largest-magnitude component positive; [head_dim][kept]
-/// row-major. Non-finite input or n = 0: the first `kept` columns of the identity.
-/// A template (Float is float at every call), as are `packed_search` and `plan_segment`, so that
+/// A segment's plan is made of sums over its rows that every backend computes in one order, so
+/// that every backend fits the same bases, bit for bit: the segment's rows are cut into tiles of
+/// `packed_sum_tile_rows` from its first row, each tile's sums run from zero in token order, and
+/// the tiles' sums add up in tile order. Per KV head (`packed_sum_count` doubles, this layout):
+///   [0, d^2)           K's covariance sum_t k_t k_t^T, row-major, the lower triangle (i >= j)
+///                      (the upper one is zero);
+///   [d^2, 2 d^2)       V's, the same;
+///   [2 d^2, 2 d^2 + d) K's per-channel squared norms sum_t k_tc^2;
+///   then 3 x d         K's per-channel intra-block squared deviations sum_t (k_tc - mean_c)^2 of
+///                      the whole blocks of 16, 8 and 4 rows (blocks from the segment's first row;
+///                      mean_c the block's fp64 sum in token order over its count; each term one
+///                      fused multiply-add).
+/// Every other term is a product of two fp32 values, exact in fp64, so a fused and an unfused
+/// multiply-add give the same sum. The CUDA engine computes these sums on the device
+/// (cuda/format/packed_bitmap/segment_sums.cuh) and only the eigendecompositions on the host.
+inline constexpr int packed_sum_tile_rows = 2048;
+
+KVMOSAIC_HOST_DEVICE constexpr std::size_t packed_sum_count(int head_dim) {
+  return 2 * static_cast<std::size_t>(head_dim) * head_dim + 4 * static_cast<std::size_t>(head_dim);
+}
+
+/// The sums of one tile (`rows` <= packed_sum_tile_rows rows from a multiple of the tile size;
+/// K and V [rows][head_dim]) into `out` (`packed_sum_count` doubles, overwritten), each from zero
+/// in token order. Cost: head_dim (head_dim + 1) multiply-adds a row for each covariance, four
+/// passes over K for the norms and deviations.
+inline void packed_tile_sums(const float* k, const float* v, std::int64_t rows, int head_dim, double* out) {
+  const int d = head_dim;
+  std::fill(out, out + packed_sum_count(d), 0.0);
+  std::vector<double> x(4 * static_cast<std::size_t>(d));
+  for (int which = 0; which < 2; ++which) {
+    const float* in = which == 0 ? k : v;
+    double* covariance = out + static_cast<std::size_t>(which) * d * d;
+    std::int64_t t = 0;
+    for (; t + 4 <= rows; t += 4) {  // four rows at a time: each entry still adds them in token order
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < d; ++c) x[static_cast<std::size_t>(r) * d + c] = in[(t + r) * d + c];
+      const double *x0 = x.data(), *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+      for (int i = 0; i < d; ++i) {
+        double* row = covariance + static_cast<std::size_t>(i) * d;
+        for (int j = 0; j <= i; ++j) {
+          double a = row[j];
+          a += x0[i] * x0[j];
+          a += x1[i] * x1[j];
+          a += x2[i] * x2[j];
+          a += x3[i] * x3[j];
+          row[j] = a;
+        }
+      }
+    }
+    for (; t < rows; ++t)
+      for (int i = 0; i < d; ++i) {
+        const double xi = in[t * d + i];
+        for (int j = 0; j <= i; ++j) covariance[static_cast<std::size_t>(i) * d + j] += xi * static_cast<double>(in[t * d + j]);
+      }
+  }
+  double* norms = out + 2 * static_cast<std::size_t>(d) * d;
+  for (std::int64_t t = 0; t < rows; ++t)
+    for (int c = 0; c < d; ++c) norms[c] += static_cast<double>(k[t * d + c]) * k[t * d + c];
+  const int sizes[3] = {16, 8, 4};
+  for (int s = 0; s < 3; ++s) {
+    const int b = sizes[s];
+    double* deviations = norms + static_cast<std::size_t>(1 + s) * d;
+    for (std::int64_t first = 0; first + b <= rows; first += b)
+      for (int c = 0; c < d; ++c) {
+        double mean = 0;
+        for (int t = 0; t < b; ++t) mean += k[(first + t) * d + c];
+        mean /= b;
+        for (int t = 0; t < b; ++t) {
+          const double e = k[(first + t) * d + c] - mean;
+          deviations[c] = std::fma(e, e, deviations[c]);
+        }
+      }
+  }
+}
+
+/// A segment's sums (`out`: `packed_sum_count` doubles) from its K and V rows ([n][head_dim]):
+/// the tiles' sums added in tile order to zero.
+inline void packed_segment_sums(const float* k, const float* v, std::int64_t n, int head_dim, double* out) {
+  const std::size_t count = packed_sum_count(head_dim);
+  std::fill(out, out + count, 0.0);
+  std::vector<double> tile(count);
+  for (std::int64_t first = 0; first < n; first += packed_sum_tile_rows) {
+    const std::int64_t offset = first * head_dim;
+    packed_tile_sums(k + offset, v + offset, std::min<std::int64_t>(packed_sum_tile_rows, n - first), head_dim, tile.data());
+    for (std::size_t e = 0; e < count; ++e) out[e] += tile[e];
+  }
+}
+
+/// The basis of a segment of n rows from their covariance (`covariance`: [head_dim][head_dim],
+/// the lower triangle read): the first `kept` eigenvectors (fp64) by decreasing eigenvalue, each
+/// with its largest-magnitude component positive; [head_dim][kept] row-major. A non-finite
+/// covariance or n = 0: the first `kept` columns of the identity.
+/// A template (Real is double at every call), as are `packed_search` and `plan_segment`, so that
 /// Eigen's eigensolver and products are instantiated only in the units that encode this format,
 /// not in every unit that includes the library.
-template <class Float>
-std::vector<float> packed_basis(const Float* rows, std::int64_t n, int head_dim, int kept) {
-  using real_matrix = Eigen::Matrix<decltype(Float{} * 1.0), Eigen::Dynamic, Eigen::Dynamic>;  // fp64
+template <class Real>
+std::vector<float> packed_basis(const Real* covariance, std::int64_t n, int head_dim, int kept) {
+  using real_matrix = Eigen::Matrix<Real, Eigen::Dynamic, Eigen::Dynamic>;
   std::vector<float> basis(static_cast<std::size_t>(head_dim) * kept, 0.0f);
-  real_matrix covariance = real_matrix::Zero(head_dim, head_dim);
-  if (n > 0) {
-    const Eigen::Map<const Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> x(rows, n, head_dim);
-    covariance.template selfadjointView<Eigen::Lower>().rankUpdate(x.template cast<double>().transpose());
-    covariance = covariance.template selfadjointView<Eigen::Lower>();
-  }
-  if (n == 0 || !covariance.allFinite()) {
+  real_matrix sigma(head_dim, head_dim);
+  bool finite = true;
+  for (int i = 0; i < head_dim; ++i)
+    for (int j = 0; j <= i; ++j) {
+      const Real value = covariance[static_cast<std::size_t>(i) * head_dim + j];
+      finite = finite && std::isfinite(value);
+      sigma(i, j) = value;
+      sigma(j, i) = value;
+    }
+  if (n == 0 || !finite) {
     for (int j = 0; j < kept; ++j) basis[static_cast<std::size_t>(j) * kept + j] = 1.0f;
     return basis;
   }
-  const Eigen::SelfAdjointEigenSolver<real_matrix> solver(covariance);
+  const Eigen::SelfAdjointEigenSolver<real_matrix> solver(sigma);
   for (int j = 0; j < kept; ++j) {
-    Eigen::Matrix<double, Eigen::Dynamic, 1> column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
+    Eigen::Matrix<Real, Eigen::Dynamic, 1> column = solver.eigenvectors().col(head_dim - 1 - j);  // ascending eigenvalues
     Eigen::Index largest = 0;
     column.cwiseAbs().maxCoeff(&largest);
     if (column(largest) < 0) column = -column;
@@ -2626,31 +2743,22 @@ packed_strategy packed_search(const format::packed_bitmap& f, const packed_geome
   return fallback;
 }
 
-/// The mean-key block size of a segment's K rows: the largest of 16, 8, 4 whose intra-block
-/// variance (mean over the blocks' tokens of ||k_t - mean of its block||^2), relative to the mean
-/// ||k_t||^2, is at most `threshold` (4 when none; 16 for fewer than 4 rows or a zero segment).
-inline int packed_block_tokens(const float* rows, std::int64_t n, int head_dim, float threshold) {
+/// The mean-key block size of a segment of n rows from its K sums (`norms` [head_dim], then
+/// `deviations` [3][head_dim] for blocks of 16, 8, 4; `packed_segment_sums`): the largest of 16, 8,
+/// 4 whose intra-block variance (the deviations summed over channels in order, over the rows of
+/// whole blocks), relative to the mean squared key norm, is at most `threshold` (4 when none; 16
+/// for fewer than 4 rows or a zero segment).
+inline int packed_block_tokens(const double* norms, std::int64_t n, int head_dim, float threshold) {
   double norm = 0;
-  for (std::int64_t i = 0; i < n * head_dim; ++i) norm += static_cast<double>(rows[i]) * rows[i];
+  for (int c = 0; c < head_dim; ++c) norm += norms[c];
   if (n < 4 || !(norm > 0) || !std::isfinite(norm)) return 16;
   norm /= static_cast<double>(n);
-  for (const int b : {16, 8, 4}) {
+  const int sizes[3] = {16, 8, 4};
+  for (int s = 0; s < 3; ++s) {
     double variance = 0;
-    std::int64_t counted = 0;
-    std::vector<double> mean(static_cast<std::size_t>(head_dim));
-    for (std::int64_t first = 0; first + b <= n; first += b) {
-      std::fill(mean.begin(), mean.end(), 0.0);
-      for (int t = 0; t < b; ++t)
-        for (int c = 0; c < head_dim; ++c) mean[static_cast<std::size_t>(c)] += rows[(first + t) * head_dim + c];
-      for (double& m : mean) m /= b;
-      for (int t = 0; t < b; ++t)
-        for (int c = 0; c < head_dim; ++c) {
-          const double e = rows[(first + t) * head_dim + c] - mean[static_cast<std::size_t>(c)];
-          variance += e * e;
-        }
-      counted += b;
-    }
-    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return b;
+    for (int c = 0; c < head_dim; ++c) variance += norms[static_cast<std::size_t>(1 + s) * head_dim + c];
+    const std::int64_t counted = n / sizes[s] * sizes[s];
+    if (counted > 0 && variance / static_cast<double>(counted) / norm <= threshold) return sizes[s];
   }
   return 4;
 }
@@ -2714,20 +2822,46 @@ struct format_traits<format::packed_bitmap> {
   }
 
   /// The segment of one KV head from its K and V rows ([n][head_dim], the rows the basis is fit
-  /// to): bases, strategies (searched or fixed) and mean-key block size. Cost: 2 covariances
-  /// (n x head_dim^2), 2 eigendecompositions, and with `strategy::search` up to 9 candidate
-  /// passes over the n rotated rows.
+  /// to): bases, strategies (searched or fixed) and mean-key block size, from the rows' sums
+  /// (`segment_sums`) and, with `strategy::search`, the rows. Cost: the sums (2 n head_dim^2
+  /// multiply-adds), 2 eigendecompositions, and with `strategy::search` up to 9 candidate passes
+  /// over the n rotated rows.
   template <class Float>  // float: a template only to defer Eigen's instantiation (detail::packed_basis)
   static segment plan_segment(const format_type& f, const page_shape& shape, const Float* k, const Float* v, std::int64_t n) {
+    std::vector<double> sums(segment_sum_count(f, shape));
+    detail::packed_segment_sums(k, v, n, shape.head_dim, sums.data());
+    return plan_segment_from_sums(f, shape, sums.data(), n, k, v);
+  }
+
+  // A plan from sums (an optional part of a format with segments, which a device may compute):
+  // the CUDA engine computes a segment's sums on the device, in the order `segment_sums`
+  // defines, and copies back only them (and the rows, when `plan_reads_rows`).
+
+  /// Doubles of one segment's sums per KV head (`detail::packed_segment_sums` says what they are).
+  static std::size_t segment_sum_count(const format_type&, const page_shape& shape) { return detail::packed_sum_count(shape.head_dim); }
+  /// Rows of a tile of the sums: each tile's sums run from zero, and tiles add up in order.
+  static constexpr int segment_sum_tile_rows = detail::packed_sum_tile_rows;
+  /// The sums of a segment's rows K and V ([n][head_dim]) into `out` (`segment_sum_count`).
+  static void segment_sums(const format_type&, const page_shape& shape, const float* k, const float* v, std::int64_t n, double* out) {
+    detail::packed_segment_sums(k, v, n, shape.head_dim, out);
+  }
+  /// Whether the plan reads the rows besides their sums: `strategy::search` (its candidate passes).
+  static bool plan_reads_rows(const format_type& f) { return f.mode == format::strategy::search; }
+  /// The segment of one KV head from its n rows' sums (`segment_sums`) and, when
+  /// `plan_reads_rows`, its rows (else k and v may be null). Cost: 2 eigendecompositions (head_dim^3)
+  /// and the search's passes.
+  template <class Float>
+  static segment plan_segment_from_sums(const format_type& f, const page_shape& shape, const double* sums, std::int64_t n,
+                                        const Float* k, const Float* v) {
     const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const int d = shape.head_dim;
     segment s;
     s.kept = g.kept;
     for (int which = 0; which < 2; ++which) {
-      const Float* rows = which == 0 ? k : v;
-      s.basis[which] = detail::packed_basis(rows, n, shape.head_dim, g.kept);
-      s.strategy[which] = detail::packed_search(f, g, rows, n, s.basis[which]);
+      s.basis[which] = detail::packed_basis(sums + static_cast<std::size_t>(which) * d * d, n, d, g.kept);
+      s.strategy[which] = detail::packed_search(f, g, which == 0 ? k : v, n, s.basis[which]);  // fixed: reads no row
     }
-    s.block_tokens = detail::packed_block_tokens(k, n, shape.head_dim, f.block_variance_threshold);
+    s.block_tokens = detail::packed_block_tokens(sums + 2 * static_cast<std::size_t>(d) * d, n, d, f.block_variance_threshold);
     return s;
   }
 
@@ -5417,13 +5551,18 @@ void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& 
 /// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
 /// append, its first page). One function for both backends, so both fit the same bases to the
 /// same rows. The KV heads are planned by `for_each_item` (on OpenMP's threads where built with
-/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. Cost: the
-/// format's plan_segment per KV head; per thread, two [segment_tokens][head_dim] fp32 buffers.
+/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. `sums`
+/// (formats with `has_segment_sums_v`; [num_kv_heads][segment_sum_count]): the rows' sums as a
+/// device computed them, in the order `format_traits::segment_sums` defines; each head is then
+/// planned from them (`plan_segment_from_sums`), and its rows are read only when the plan reads
+/// rows (else `tail`, `k` and `v` are not read). Cost: the format's plan per KV head; per thread,
+/// two [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
                                                                const arena_geometry& geometry, const std::byte* tail,
                                                                std::int64_t index, const tensor_view<const T, 3>& k,
-                                                               const tensor_view<const T, 3>& v, std::int64_t next) {
+                                                               const tensor_view<const T, 3>& v, std::int64_t next,
+                                                               const double* sums = nullptr) {
   using traits = format_traits<Format>;
   using segment = typename segment_type<Format>::type;
   const page_shape shape = engine.page();
@@ -5435,8 +5574,14 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   struct rows_scratch {
     std::vector<float> k_rows, v_rows, page;  // [n][d], [n][d], [p][d]
   };
+  static_cast<void>(sums);  // formats without sums
   // Head h's K and V rows into the scratch, then its plan.
   const auto plan_head = [&](std::int64_t h, rows_scratch& s) {
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr && !traits::plan_reads_rows(format))
+        return traits::template plan_segment_from_sums<float>(format, shape, sums + h * traits::segment_sum_count(format, shape), n,
+                                                              nullptr, nullptr);
+    }
     s.k_rows.resize(static_cast<std::size_t>(n) * d);
     s.v_rows.resize(s.k_rows.size());
     s.page.resize(static_cast<std::size_t>(p) * d);
@@ -5448,6 +5593,11 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
       const tensor_view<const T, 3>& src = is_v ? v : k;
       for (std::int64_t t = 0; t < ahead; ++t)
         for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+    }
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr)
+        return traits::plan_segment_from_sums(format, shape, sums + h * traits::segment_sum_count(format, shape), n, s.k_rows.data(),
+                                              s.v_rows.data());
     }
     return traits::plan_segment(format, shape, s.k_rows.data(), s.v_rows.data(), n);
   };

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // format::packed_bitmap (MosaicKV) on the CUDA backend against the host backend: the device
-// engine plans the host's segments bit for bit (one planner, the same rows); the device encoder
+// engine plans the host's segments bit for bit (it computes the sums a plan is made of in the
+// host's order, the host the rest); the device encoder
 // writes the host's records up to its rotation's summation order, so a value may differ by the
 // two products' fp32 error bounds plus one 16-bit step, and a group whose energy ties the r-th
 // within fp32 rounding may be swapped (both bounded here); PackedAttention on the device equals fp64 attention over the vectors the
 // device's own pages decode to, within the bound derived for the rotated computation
 // (test/support/packed_bound.hpp), over several segments, appends across a segment boundary,
-// sinks, a fork. The kernels are compiled for four shapes.
+// sinks, a fork, segments of several tiles of the plan's sums and segments begun in the tail. The
+// kernels are compiled for four shapes.
 
 #include <algorithm>
 
@@ -39,7 +41,8 @@ cache_config config_of(int d, int group, dtype storage) {
   return c;
 }
 
-/// Every segment the device engine planned equals the host engine's, bit for bit.
+/// Every segment the device engine planned equals the host engine's, bit for bit (the device
+/// computes the sums the plan is made of, `device_format::segment_sums`, in the host's order).
 void check_segments(const packed_twin& t) {
   const int per = traits::segment_pages(t.format, page_of(t.config));
   for (const sequence_id s : t.seqs) {
@@ -52,8 +55,11 @@ void check_segments(const packed_twin& t) {
         REQUIRE(a.kept == b.kept);
         REQUIRE(a.basis[0] == b.basis[0]);
         REQUIRE(a.basis[1] == b.basis[1]);
-        REQUIRE(a.strategy[0].retained == b.strategy[0].retained);
-        REQUIRE(a.strategy[1].group == b.strategy[1].group);
+        for (int which = 0; which < 2; ++which) {
+          REQUIRE(a.strategy[which].retained == b.strategy[which].retained);
+          REQUIRE(a.strategy[which].group == b.strategy[which].group);
+        }
+        REQUIRE(a.block_tokens == b.block_tokens);
       }
   }
 }
@@ -225,6 +231,48 @@ TEST_CASE("GPU packed_bitmap: the host's segments, the host's records within rou
   const std::int64_t differing_after = check_records(t);
   check_attention(t);
   WARN("records whose groups differ from the host's by an fp32 tie: " << differing << ", after appends " << differing_after);
+}
+
+TEST_CASE("GPU packed_bitmap: segments of several tiles of sums, and segments begun in the tail", "[gpu][packed_bitmap]") {
+  if (!gpu_available()) return;
+  struct shape {
+    int head_dim, group;
+    dtype storage;
+  };
+  const shape s = GENERATE(shape{128, 4, dtype::bf16}, shape{64, 1, dtype::f16}, shape{256, 8, dtype::bf16});
+  const int sinks = GENERATE(0, 4);
+  const auto mode = GENERATE(format::strategy::fixed, format::strategy::search);
+  CAPTURE(s.head_dim, to_string(s.storage), sinks, mode == format::strategy::search);
+  format::packed_bitmap f = make(1, sinks, mode);
+  f.segment_tokens = 4096;  // two tiles of sums (2048 rows each) a whole segment
+  REQUIRE(traits::segment_sum_tile_rows == 2048);
+  cache_config c = config_of(s.head_dim, s.group, s.storage);
+  c.max_pages = 256;
+  packed_twin t(c, 53, f);
+  t.add(4999, 0);  // a whole segment (the sinks leave its first tile short), then a part of a tile
+  t.add(2100, 1);  // a tile and a part
+  // A sequence prefilled in three calls: each of its two segments starts with rows already in
+  // the tail when its first page is sealed.
+  const int total = 4096 + 300, cuts[4] = {0, 40, 4096 + 20, total};  // tails of 40 and 20 rows
+  const auto kv = synthetic::generate_kv(t.generator, 2, total);
+  const sequence_id h = t.host.add_sequence(), d = t.device.add_sequence();
+  REQUIRE(h == d);
+  const int heads = c.num_kv_heads, dim = c.head_dim;
+  for (int part = 0; part < 3; ++part) {
+    const int from = cuts[part], rows = cuts[part + 1] - cuts[part];
+    const std::size_t at = static_cast<std::size_t>(from) * heads * dim, size = static_cast<std::size_t>(rows) * heads * dim;
+    const std::vector<float> k(kv.k.begin() + static_cast<std::ptrdiff_t>(at), kv.k.begin() + static_cast<std::ptrdiff_t>(at + size));
+    const std::vector<float> v(kv.v.begin() + static_cast<std::ptrdiff_t>(at), kv.v.begin() + static_cast<std::ptrdiff_t>(at + size));
+    t.host.prefill(h, tensor_view<const float, 3>(k.data(), rows, heads, dim), tensor_view<const float, 3>(v.data(), rows, heads, dim));
+    test::device_array<float> dk(k), dv(v);
+    t.device.prefill(d, tensor_view<const float, 3>(dk.data(), rows, heads, dim), tensor_view<const float, 3>(dv.data(), rows, heads, dim));
+    KVMOSAIC_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  t.seqs.push_back(h);
+  t.streams.push_back(2);
+  check_segments(t);
+  check_records(t);
+  check_attention(t);
 }
 
 TEST_CASE("GPU packed_bitmap: a searched slot whose r is not a whole number of groups of 4", "[gpu][packed_bitmap]") {

@@ -146,6 +146,75 @@ TEST_CASE("packed_bitmap: the basis is orthonormal and ordered by decreasing var
   }
 }
 
+TEST_CASE("packed_bitmap: a segment's sums follow their documented order, which the CUDA engine follows to the bit",
+          "[packed_bitmap]") {
+  // An independent transcription of the order detail::packed_segment_sums documents: tiles of
+  // 2048 rows from the segment's first row, each entry's sum from zero in token order, the tiles
+  // added in order. 4999 rows: two whole tiles and one of 903 rows (not a multiple of 4 or 16).
+  cache_config c = small_config(64, 1);
+  const synthetic::kv_data kv = synthetic::generate_kv(synthetic_config(c), 7, 4999);
+  const page_shape shape{64, 64, dtype::bf16};
+  const std::vector<float> k = head_rows(kv, 1, false), v = head_rows(kv, 1, true);
+  const int d = 64, n = 4999, tile = traits::segment_sum_tile_rows;
+  REQUIRE(tile == 2048);
+  const format::packed_bitmap f = make(0.25f, 1);
+  std::vector<double> sums(traits::segment_sum_count(f, shape));
+  REQUIRE(sums.size() == static_cast<std::size_t>(2 * d * d + 4 * d));
+  traits::segment_sums(f, shape, k.data(), v.data(), n, sums.data());
+  std::vector<double> expect(sums.size(), 0.0);
+  for (int first = 0; first < n; first += tile) {
+    const int rows = std::min(tile, n - first);
+    for (int which = 0; which < 2; ++which) {
+      const std::vector<float>& x = which == 0 ? k : v;
+      for (int i = 0; i < d; ++i)
+        for (int j = 0; j <= i; ++j) {
+          double partial = 0;
+          for (int t = first; t < first + rows; ++t)
+            partial += static_cast<double>(x[static_cast<std::size_t>(t) * d + i]) * x[static_cast<std::size_t>(t) * d + j];
+          expect[static_cast<std::size_t>(which * d * d + i * d + j)] += partial;
+        }
+    }
+    for (int ch = 0; ch < d; ++ch) {
+      double partial = 0;
+      for (int t = first; t < first + rows; ++t) partial += static_cast<double>(k[static_cast<std::size_t>(t) * d + ch]) * k[static_cast<std::size_t>(t) * d + ch];
+      expect[static_cast<std::size_t>(2 * d * d + ch)] += partial;
+      const int sizes[3] = {16, 8, 4};
+      for (int s = 0; s < 3; ++s) {
+        double deviations = 0;
+        for (int block = first; block + sizes[s] <= first + rows; block += sizes[s]) {
+          double mean = 0;
+          for (int t = block; t < block + sizes[s]; ++t) mean += k[static_cast<std::size_t>(t) * d + ch];
+          mean /= sizes[s];
+          for (int t = block; t < block + sizes[s]; ++t) {
+            const double e = k[static_cast<std::size_t>(t) * d + ch] - mean;
+            deviations = std::fma(e, e, deviations);
+          }
+        }
+        expect[static_cast<std::size_t>(2 * d * d + (1 + s) * d + ch)] += deviations;
+      }
+    }
+  }
+  std::size_t differing = 0;
+  for (std::size_t e = 0; e < sums.size(); ++e) differing += sums[e] != expect[e] ? 1 : 0;
+  CHECK(differing == 0);
+  // And they are the covariance: against a long-double sum over all rows at once.
+  double worst = 0;
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j <= i; ++j) {
+      long double exact = 0;
+      for (int t = 0; t < n; ++t) exact += static_cast<long double>(k[static_cast<std::size_t>(t) * d + i]) * k[static_cast<std::size_t>(t) * d + j];
+      const long double scale = std::sqrt(static_cast<long double>(sums[static_cast<std::size_t>(i * d + i)]) * sums[static_cast<std::size_t>(j * d + j)]);
+      worst = std::max(worst, static_cast<double>(std::abs(sums[static_cast<std::size_t>(i * d + j)] - exact) / scale));
+    }
+  CHECK(worst < 1e-13);
+  // A plan from the sums is the plan from the rows.
+  const traits::segment a = traits::plan_segment(f, shape, k.data(), v.data(), n);
+  const traits::segment b = traits::plan_segment_from_sums<float>(f, shape, sums.data(), n, nullptr, nullptr);
+  CHECK(a.basis[0] == b.basis[0]);
+  CHECK(a.basis[1] == b.basis[1]);
+  CHECK(a.block_tokens == b.block_tokens);
+}
+
 TEST_CASE("packed_bitmap: hand-computed records (a diagonal covariance makes the basis a permutation)", "[packed_bitmap]") {
   // 16 rows of 8 channels: x_t[c] = w_c h_t[c], h the +-1 columns of a 16 x 16 Hadamard matrix
   // (orthogonal, so the covariance is diag(16 w_c^2)). By variance: channels 3 (w 8), 1 (5), 7 (4),

@@ -808,56 +808,97 @@ class engine {
 
   /// Formats with segments: before pages [sealed_pages, sealed_pages + pages) of the sequence in
   /// `slot` are sealed from its tail (`tail_rows` rows) and rows [first, ...) of the call's
-  /// device rows `k`, `v`, plans each of them that starts a segment on the host from the rows the
-  /// host engine would see (`detail::plan_segments`: the tail as it will be at that seal, and the
-  /// call's rows after it), keeps the host copy and writes the device entries. Cost per segment:
-  /// a copy of the segment's rows to the host, the format's plan, a copy of the entries back
-  /// (synchronizes the stream).
+  /// device rows `k`, `v`, plans each of them that starts a segment from the rows the host engine
+  /// would see (`detail::plan_segments`: the tail as it will be at that seal, and the call's rows
+  /// after it), keeps the host copy and writes the device entries. A format that plans from sums
+  /// (`has_segment_sums_v`) has the device compute them (`device_format::segment_sums`) and plans
+  /// on the host from them alone, or from them and the rows where its plan reads rows. Cost per
+  /// segment: the sums on the device and their copy to the host, or a copy of the segment's rows;
+  /// the format's plan; a copy of the entries back (synchronizes the stream).
   template <class T>
   void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                         std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
     const page_shape shape = shape_.page();
     const int per = traits::segment_pages(format_, shape), p = shape_.page_size;
-    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
     for (std::int32_t i = 0; i < pages; ++i) {
       const std::int64_t index = sealed_pages + i;
       if (index % per != 0) continue;
       const std::int64_t page_first = first + static_cast<std::int64_t>(i) * p - tail_rows;  // call row of the page's row 0
       const std::int64_t next = page_first + p;
       const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
-      const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
-      std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
-      std::vector<std::byte> tail(geometry_.tail_slot_bytes());
-      const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
-                                          cudaMemcpyDeviceToHost, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
-      const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
-      // The tail as it is at the seal: the call's rows of the page after the tail's own.
-      std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
-      for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
-        for (int h = 0; h < shape_.num_kv_heads; ++h)
-          for (const bool is_v : {false, true}) {
-            for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
-            kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
-                                               tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
-                                                   static_cast<std::size_t>(r) * geometry_.row_bytes);
-          }
-      std::vector<segment_t> planned =
-          kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base);
-      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
-      std::vector<std::byte> entries(planned.size() * entry_bytes);
-      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
-      const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
-      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
-      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
-      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+      std::vector<segment_t> planned;
+      std::vector<double> sums;  // formats with sums: [num_kv_heads][segment_sum_count], from the device
+      if constexpr (has_segment_sums_v<Format>) {
+        const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;  // the sinks are not fitted
+        const std::int64_t n = p - skip + ahead;
+        const int from_tail = static_cast<int>(std::max<std::int64_t>(0, -page_first));  // the page's rows still in the tail
+        const std::size_t count = traits::segment_sum_count(format_, shape);
+        sums.resize(static_cast<std::size_t>(shape_.num_kv_heads) * count);
+        const device_context c = context();
+        device::template segment_sums<Shapes>(
+            format_state_, format_,
+            segment_sums_context{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
+                                 dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
+                                 sums.data()});
+        if (!traits::plan_reads_rows(format_)) {
+          planned.resize(static_cast<std::size_t>(shape_.num_kv_heads));
+          kvmosaic::detail::for_each_item(
+              shape_.num_kv_heads, [] { return 0; }, [&](std::int64_t h, int&) {
+                planned[static_cast<std::size_t>(h)] =
+                    traits::template plan_segment_from_sums<float>(format_, shape, sums.data() + h * count, n, nullptr, nullptr);
+              });
+        }
+      }
+      if (planned.empty()) plan_from_rows(slot, k, v, page_first, next, ahead, index, sums, planned);
+      store_segments(slot, index, planned);
     }
+  }
+  /// `plan_segments_in` for one segment from its rows, copied to the host (with the device's
+  /// sums, when given).
+  template <class T>
+  void plan_from_rows(std::int32_t slot, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v, std::int64_t page_first,
+                      std::int64_t next, std::int64_t ahead, std::int64_t index, const std::vector<double>& sums,
+                      std::vector<segment_t>& planned) {
+    const int p = shape_.page_size;
+    const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
+    const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
+    std::vector<T> k_rows(static_cast<std::size_t>(count * row_elements)), v_rows(k_rows.size());
+    std::vector<std::byte> tail(geometry_.tail_slot_bytes());
+    const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(k_rows.data(), k.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(v_rows.data(), v.data() + base * row_elements, count * row_bytes, cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(tail.data(), tails_.as<const std::byte>() + slot * tail.size(), tail.size(),
+                                        cudaMemcpyDeviceToHost, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    const tensor_view<const T, 3> k_view(k_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+    const tensor_view<const T, 3> v_view(v_rows.data(), count, shape_.num_kv_heads, shape_.head_dim);
+    // The tail as it is at the seal: the call's rows of the page after the tail's own.
+    std::vector<float> row(static_cast<std::size_t>(shape_.head_dim));
+    for (std::int64_t r = std::max<std::int64_t>(0, -page_first); r < p; ++r)
+      for (int h = 0; h < shape_.num_kv_heads; ++h)
+        for (const bool is_v : {false, true}) {
+          for (int c = 0; c < shape_.head_dim; ++c) row[static_cast<std::size_t>(c)] = to_float((is_v ? v_view : k_view)(page_first + r - base, h, c));
+          kvmosaic::detail::store_dense_rows(shape_.storage, row.data(), row.size(),
+                                             tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
+                                                 static_cast<std::size_t>(r) * geometry_.row_bytes);
+        }
+    planned = kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base,
+                                              sums.empty() ? nullptr : sums.data());
+  }
+  /// Keeps the host copy of a sequence's newly planned segment (one per KV head) starting at page
+  /// `index`, and writes its device entries (synchronizes the stream).
+  void store_segments(std::int32_t slot, std::int64_t index, std::vector<segment_t>& planned) {
+    const page_shape shape = shape_.page();
+    const int per = traits::segment_pages(format_, shape);
+    const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+    std::vector<std::byte> entries(planned.size() * entry_bytes);
+    for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+    const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",

@@ -54,6 +54,17 @@
 /// sequence (planned when a segment's first page is sealed, from the rows it has of that segment),
 /// folds each segment's pages into a state of its own and merges it back after `leave_segment`.
 ///
+/// A format with segments may plan them from sums of their rows in one order that every backend
+/// follows (so that a device can compute the sums and the host only the rest), declaring
+///   static std::size_t segment_sum_count(const Format&, const page_shape&);  // doubles a segment
+///   static constexpr int segment_sum_tile_rows;    // rows a tile's sums run over from zero
+///   static void segment_sums(const Format&, const page_shape&, const float* k, const float* v,
+///                            std::int64_t n, double* out);  // the tiles' sums added in order
+///   static bool plan_reads_rows(const Format&);     // the plan needs the rows besides their sums
+///   static segment plan_segment_from_sums(const Format&, const page_shape&, const double* sums,
+///                                         std::int64_t n, const float* k, const float* v);
+/// and the device part computes the sums itself (cuda/format/device_format.cuh).
+///
 /// Optional, for a format with segments: block keys in the format's own compressed space (the
 /// mean key of a block of tokens, which `select::mean_keys` scores; MosaicKV's per-block keys,
 /// channel-compressed with the keys) declares
@@ -126,6 +137,20 @@ struct segments_of<Traits, std::void_t<decltype(Traits::has_segments)>> {
 /// True when a format stores its pages in per-segment bases (`format_traits::has_segments`).
 template <class Format>
 inline constexpr bool has_segments_v = detail::segments_of<format_traits<Format>>::value;
+
+namespace detail {
+/// format_traits<Format>::segment_sum_count exists (a format with segments whose plan is made
+/// of sums a device may compute: `plan_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_sums_of : std::false_type {};
+template <class Traits>
+struct segment_sums_of<Traits, std::void_t<decltype(&Traits::segment_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format with segments plans them from sums of their rows that a device may compute
+/// (`format_traits::segment_sums`, `plan_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.

@@ -320,13 +320,18 @@ void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& 
 /// page_size) of the call's `k`, `v` as far as they go (a prefill gives the whole segment; an
 /// append, its first page). One function for both backends, so both fit the same bases to the
 /// same rows. The KV heads are planned by `for_each_item` (on OpenMP's threads where built with
-/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. Cost: the
-/// format's plan_segment per KV head; per thread, two [segment_tokens][head_dim] fp32 buffers.
+/// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. `sums`
+/// (formats with `has_segment_sums_v`; [num_kv_heads][segment_sum_count]): the rows' sums as a
+/// device computed them, in the order `format_traits::segment_sums` defines; each head is then
+/// planned from them (`plan_segment_from_sums`), and its rows are read only when the plan reads
+/// rows (else `tail`, `k` and `v` are not read). Cost: the format's plan per KV head; per thread,
+/// two [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
                                                                const arena_geometry& geometry, const std::byte* tail,
                                                                std::int64_t index, const tensor_view<const T, 3>& k,
-                                                               const tensor_view<const T, 3>& v, std::int64_t next) {
+                                                               const tensor_view<const T, 3>& v, std::int64_t next,
+                                                               const double* sums = nullptr) {
   using traits = format_traits<Format>;
   using segment = typename segment_type<Format>::type;
   const page_shape shape = engine.page();
@@ -338,8 +343,14 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   struct rows_scratch {
     std::vector<float> k_rows, v_rows, page;  // [n][d], [n][d], [p][d]
   };
+  static_cast<void>(sums);  // formats without sums
   // Head h's K and V rows into the scratch, then its plan.
   const auto plan_head = [&](std::int64_t h, rows_scratch& s) {
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr && !traits::plan_reads_rows(format))
+        return traits::template plan_segment_from_sums<float>(format, shape, sums + h * traits::segment_sum_count(format, shape), n,
+                                                              nullptr, nullptr);
+    }
     s.k_rows.resize(static_cast<std::size_t>(n) * d);
     s.v_rows.resize(s.k_rows.size());
     s.page.resize(static_cast<std::size_t>(p) * d);
@@ -351,6 +362,11 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
       const tensor_view<const T, 3>& src = is_v ? v : k;
       for (std::int64_t t = 0; t < ahead; ++t)
         for (int c = 0; c < d; ++c) rows[static_cast<std::size_t>((p - skip + t) * d + c)] = to_float(src(next + t, h, c));
+    }
+    if constexpr (has_segment_sums_v<Format>) {
+      if (sums != nullptr)
+        return traits::plan_segment_from_sums(format, shape, sums + h * traits::segment_sum_count(format, shape), n, s.k_rows.data(),
+                                              s.v_rows.data());
     }
     return traits::plan_segment(format, shape, s.k_rows.data(), s.v_rows.data(), n);
   };

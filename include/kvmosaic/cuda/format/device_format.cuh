@@ -46,6 +46,11 @@
 ///   // engine's segment arena (device_context::segments), as the kernels read it
 ///   static std::size_t segment_entry_bytes(const format::X&, const page_shape&);
 ///   static void store_segment(const format::X&, const page_shape&, const segment&, std::byte* out);
+///   // formats whose segments are planned from sums (has_segment_sums_v): the sums of a segment's
+///   // rows for every KV head, computed on the device in the order format_traits::segment_sums
+///   // defines (to the bit), copied to the host
+///   template <class Shapes>
+///   static void segment_sums(state&, const format::X&, const segment_sums_context&);
 ///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
 ///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
 ///   template <class Shapes>
@@ -156,6 +161,26 @@ struct block_key_query_context {
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
   int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
                     ///< the pass's launch shape, fixed by the layout as a captured graph needs
+};
+
+/// What a format's segment sums are given (formats with `has_segment_sums_v`): the rows of a
+/// segment about to be planned, for every KV head, as the host engine plans from them. Segment
+/// row i < tail_rows is row first_row + i of the sequence's tail page (its page rows in the tail
+/// slot `tail`); a later row i is row call_offset + i of the call's rows `k`, `v` ([rows]
+/// [num_kv_heads][head_dim], contiguous, of `rows_type`), rounded to the storage dtype for
+/// i < page_rows (the rest of the page being sealed, as the tail will store it).
+struct segment_sums_context {
+  const device_context* engine;
+  const std::byte* tail;
+  const void* k;
+  const void* v;
+  dtype rows_type;
+  int first_row;
+  int tail_rows;
+  int page_rows;
+  std::int64_t call_offset;
+  std::int64_t n;        ///< rows of the segment
+  double* sums;          ///< [num_kv_heads][segment_sum_count] (host memory), written
 };
 
 namespace detail {

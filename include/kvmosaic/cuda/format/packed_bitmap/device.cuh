@@ -14,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include "kvmosaic/cuda/format/packed_bitmap/block_keys.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/unpack.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
 #include "kvmosaic/cuda/tuning.cuh"
@@ -58,6 +60,8 @@ struct device_format<format::packed_bitmap> {
     int stages = 0;               ///< sm_90 kernel: page pairs in flight per CTA (0: the portable kernel)
     bool listed = false;          ///< sm_90 kernel with slots of several small pages: it lists each split's pages
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
+    device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
+    device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
@@ -170,6 +174,67 @@ struct device_format<format::packed_bitmap> {
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
   }
 
+  /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
+  /// into `c.sums` (host; synchronizes the stream). Passes of up to `sum_pass_bytes` of tiles'
+  /// sums: per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
+  /// triangle), a CTA per (tile, head) for K's per-channel sums, then one thread per (head, sum)
+  /// adds the pass's tiles to the totals in tile order. Cost: 2 n head_dim^2 fp64 multiply-adds
+  /// per KV head (about a third of them above the diagonal in the diagonal blocks, computed and
+  /// not kept), four reads of K and two of V per 64-channel block row.
+  template <class Shapes>
+  static void segment_sums(state& s, const format::packed_bitmap& f, const segment_sums_context& c) {
+    const device_context& e = *c.engine;
+    const int heads = e.shape->num_kv_heads, d = e.shape->head_dim;
+    const std::size_t count = traits::segment_sum_count(f, e.shape->page());
+    const std::size_t totals_bytes = static_cast<std::size_t>(heads) * count * sizeof(double);
+    const int tiles = static_cast<int>((c.n + traits::segment_sum_tile_rows - 1) / traits::segment_sum_tile_rows);
+    if (tiles == 0) {
+      std::memset(c.sums, 0, totals_bytes);
+      return;
+    }
+    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, sum_pass_bytes / totals_bytes)));
+    if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
+    if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    kernel::packed_sum_params p{};
+    p.rows = kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
+                                     static_cast<std::int64_t>(g.tail_head_bytes),
+                                     static_cast<std::int64_t>(g.row_bytes),
+                                     e.shape->storage,
+                                     static_cast<const std::byte*>(c.k),
+                                     static_cast<const std::byte*>(c.v),
+                                     c.rows_type,
+                                     c.first_row,
+                                     c.tail_rows,
+                                     c.page_rows,
+                                     c.call_offset,
+                                     c.n,
+                                     heads};
+    p.scratch = s.sum_scratch.as<double>();
+    p.totals = s.sum_totals.as<double>();
+    const int blocks = d / kernel::packed_covariance_block;
+    detail::dispatch_shape(Shapes{}, e.shape->storage, d, 0, [&](auto, auto dim, auto) {
+      constexpr int head_dim = decltype(dim)::value;
+      for (int first = 0; first < tiles; first += per_pass) {
+        p.first_tile = first;
+        p.tiles = std::min(per_pass, tiles - first);
+        p.first_pass = first == 0;
+        const dim3 covariance_grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(2 * heads),
+                                   static_cast<unsigned>(blocks * (blocks + 1) / 2));
+        kernel::packed_tile_covariance_kernel<head_dim><<<covariance_grid, kernel::packed_covariance_threads, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        kernel::packed_tile_key_sums_kernel<head_dim>
+            <<<dim3(static_cast<unsigned>(p.tiles), static_cast<unsigned>(heads)), head_dim, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        const std::size_t sums = static_cast<std::size_t>(heads) * count;
+        kernel::packed_add_tile_sums_kernel<head_dim><<<static_cast<unsigned>((sums + 255) / 256), 256, 0, e.stream>>>(p);
+        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      }
+    });
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(c.sums, p.totals, totals_bytes, cudaMemcpyDeviceToHost, e.stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
+  }
+
   /// The block keys of `c.n` sealed pages (`format_traits::encode_block_key` to the bit): one CTA
   /// per (page, KV head, block).
   template <class Shapes>
@@ -242,6 +307,9 @@ struct device_format<format::packed_bitmap> {
   }
 
  private:
+  /// The scratch a pass of `segment_sums` may fill with its tiles' sums (at least one tile's).
+  static constexpr std::size_t sum_pass_bytes = std::size_t{64} << 20;
+
   /// Bytes of one slot of the sm_90 kernel: `packed_slot_pages` page pairs (K and V of a head).
   static int slot_bytes(const device_context& e) {
     return kernel::packed_slot_pages(e.shape->page_size) * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
