@@ -3,9 +3,10 @@
 
 /// \file
 /// Device encode of `format::packed_bitmap` pages (MosaicKV section 5.1) in their segment's
-/// basis, the host encoder's records: y = x B (fp32, channels summed in order), the r / g groups
-/// of largest energy sum y_c^2 (NaN first, then energy, then the lower group), a bitmap of one
-/// bit per group and the kept values rounded to the storage dtype. The host multiplies with
+/// basis, the host encoder's records: y = x B (fp32, a fused multiply-add chain over the input
+/// channels in order), the r / g groups of largest energy sum y_c^2 (NaN first, then energy, then
+/// the lower group), a bitmap of one bit per group and the kept values rounded to the storage
+/// dtype. The host multiplies with
 /// Eigen's blocked product, whose summation order differs: a y may differ in its last fp32 bits,
 /// so a value may round to the neighbouring 16-bit number and a group whose energy ties the
 /// r-th within that difference may be swapped (the GPU test bounds both).
@@ -43,15 +44,25 @@ constexpr int packed_encode_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
 constexpr int packed_encode_tokens = 16;
 
-/// Grid (pages, num_kv_heads, 2: K then V); static shared memory: the rotated rows and group
-/// energies of 16 tokens at kept <= 192 (24 KB).
+/// Grid (pages, num_kv_heads, 2: K then V). Per 16 tokens the CTA stages the basis a few input
+/// channels at a time in shared memory (32, 16 at head_dim 256; B_v read from its transposed
+/// copy along channels), with those channels of the tokens' rows, and a thread per rotated
+/// channel (two at head_dim 256) runs the 16 tokens' chains over them. Static shared memory: the
+/// staged basis rows (reused for the group energies), the staged row values, the rotated rows and
+/// the kept flags of 16 tokens (about 28 KB at head_dim 128, 37 KB at 256).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_kernel(const packed_encode_params e) {
   constexpr int max_kept = HeadDim;
   constexpr int tokens = packed_encode_tokens;
+  constexpr int stage_rows = HeadDim >= 256 ? 16 : 32;                        // input channels staged at a time
+  constexpr int columns = (max_kept + packed_encode_threads - 1) / packed_encode_threads;  // rotated channels a thread
+  constexpr int stride = max_kept + 1;                                        // staged basis row (odd: no bank conflicts)
+  static_assert(tokens * max_kept <= stage_rows * stride, "the group energies fit the staged basis");
+  __shared__ float basis_rows[stage_rows * stride];  // [stage_rows][stride], then energy [tokens][max_kept]
+  __shared__ float x[tokens][stage_rows];
   __shared__ float y[tokens][max_kept];
-  __shared__ float energy[tokens][max_kept];
   __shared__ std::uint8_t keep[tokens][max_kept];
+  float (*energy)[max_kept] = reinterpret_cast<float (*)[max_kept]>(basis_rows);
   const int page_index = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int which = static_cast<int>(blockIdx.z);  // 0: K, 1: V
   const int tid = static_cast<int>(threadIdx.x);
@@ -76,18 +87,50 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   __syncthreads();
   for (int first = 0; first < e.page_size; first += tokens) {
     const int n = min(tokens, e.page_size - first);
-    // y[t][j] = sum_c x[t][c] B[c][j], in channel order.
-    for (int index = tid; index < n * kept; index += packed_encode_threads) {
-      const int t = index / kept, j = index % kept;
-      const T* x = rows + static_cast<std::size_t>(first + t) * HeadDim;
-      float acc = 0.0f;
-      for (int c = 0; c < HeadDim; ++c) {
-        const float b = which == 0 ? k_basis[c * kept + j] : v_basis_t[j * HeadDim + c];
-        acc = fmaf(to_float(x[c]), b, acc);
+    // y[t][j] = sum_c x[t][c] B[c][j], in channel order: one chain per (token, rotated channel).
+    float acc[columns][tokens] = {};
+    for (int c0 = 0; c0 < HeadDim; c0 += stage_rows) {
+      __syncthreads();  // the previous stage (or the energies of the tokens before) is read
+      if (which == 0) {
+        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
+          const int c = index / kept, j = index % kept;  // along B_k's rows
+          basis_rows[c * stride + j] = k_basis[static_cast<std::size_t>(c0 + c) * kept + j];
+        }
+      } else {
+        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
+          const int c = index % stage_rows, j = index / stage_rows;  // along B_v^T's rows
+          basis_rows[c * stride + j] = v_basis_t[static_cast<std::size_t>(j) * HeadDim + c0 + c];
+        }
       }
-      y[t][j] = acc;
+      for (int index = tid; index < tokens * stage_rows; index += packed_encode_threads) {
+        const int t = index / stage_rows, c = index % stage_rows;
+        x[t][c] = t < n ? to_float(rows[static_cast<std::size_t>(first + t) * HeadDim + c0 + c]) : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int c = 0; c < stage_rows; ++c) {
+        float b[columns];
+#pragma unroll
+        for (int k = 0; k < columns; ++k) {
+          const int j = tid + k * packed_encode_threads;
+          b[k] = j < kept ? basis_rows[c * stride + j] : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < tokens; ++t) {
+          const float xt = x[t][c];
+#pragma unroll
+          for (int k = 0; k < columns; ++k) acc[k][t] = fmaf(xt, b[k], acc[k][t]);
+        }
+      }
     }
-    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < columns; ++k) {
+      const int j = tid + k * packed_encode_threads;
+      if (j < kept)
+#pragma unroll
+        for (int t = 0; t < tokens; ++t) y[t][j] = acc[k][t];
+    }
+    __syncthreads();  // y is written, the staged basis is free for the energies
     for (int index = tid; index < n * groups; index += packed_encode_threads) {
       const int t = index / groups, j = index % groups;
       float sum = 0.0f;
