@@ -13798,6 +13798,7 @@ class engine {
     split_cost_override_ = pages;
   }
 
+
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once; or the count set by
   /// `set_target_splits`.
@@ -13812,6 +13813,9 @@ class engine {
                               ">= 1, or 0 for one wave of the device");
     target_splits_override_ = splits;
   }
+  /// The format's device decisions (kernel path, stages, scratch sizes), to tune or to test; its
+  /// members are the format's device part's to document (cuda/format/<name>/device.cuh).
+  typename device::state& format_state() noexcept { return format_state_; }
   /// Decode with the portable kernel (the sm_75+ path) even on sm_90: for tests and comparisons.
   /// Takes effect from the next step.
   void use_portable_kernel() {
@@ -13952,18 +13956,21 @@ class engine {
   }
   /// Keeps the host copy of a sequence's newly planned segment (one per KV head) starting at page
   /// `index`, and writes its device entries (synchronizes the stream).
-  void store_segments(std::int32_t slot, std::int64_t index, std::vector<segment_t>& planned) {
-    const page_shape shape = shape_.page();
-    const int per = traits::segment_pages(format_, shape);
-    const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
-    std::vector<std::byte> entries(planned.size() * entry_bytes);
-    for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
-    const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
-    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+  void store_segments([[maybe_unused]] std::int32_t slot, [[maybe_unused]] std::int64_t index,
+                      [[maybe_unused]] std::vector<segment_t>& planned) {
+    if constexpr (has_segments_v<Format>) {  // a member of every engine: explicit instantiations compile it
+      const page_shape shape = shape_.page();
+      const int per = traits::segment_pages(format_, shape);
+      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+      std::vector<std::byte> entries(planned.size() * entry_bytes);
+      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+      const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+    }
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",
@@ -19065,6 +19072,9 @@ struct device_format<format::packed_bitmap> {
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
     device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
     device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
+    /// The most scratch a pass of `segment_sums` fills with its tiles' sums (at least one tile's):
+    /// a segment of more tiles takes more passes (2.1 MB a tile at head_dim 128, 8 KV heads).
+    std::size_t sum_pass_bytes = std::size_t{64} << 20;
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
@@ -19178,8 +19188,8 @@ struct device_format<format::packed_bitmap> {
   }
 
   /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
-  /// into `c.sums` (host; synchronizes the stream). Passes of up to `sum_pass_bytes` of tiles'
-  /// sums: per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
+  /// into `c.sums` (host; synchronizes the stream). Passes of up to `state::sum_pass_bytes` of
+  /// tiles' sums (device scratch the engine keeps, with the totals): per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
   /// triangle), a CTA per (tile, head) for K's per-channel sums, then one thread per (head, sum)
   /// adds the pass's tiles to the totals in tile order. Cost: 2 n head_dim^2 fp64 multiply-adds
   /// per KV head (about a third of them above the diagonal in the diagonal blocks, computed and
@@ -19195,7 +19205,7 @@ struct device_format<format::packed_bitmap> {
       std::memset(c.sums, 0, totals_bytes);
       return;
     }
-    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, sum_pass_bytes / totals_bytes)));
+    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, s.sum_pass_bytes / totals_bytes)));
     if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
     if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
@@ -19310,9 +19320,6 @@ struct device_format<format::packed_bitmap> {
   }
 
  private:
-  /// The scratch a pass of `segment_sums` may fill with its tiles' sums (at least one tile's).
-  static constexpr std::size_t sum_pass_bytes = std::size_t{64} << 20;
-
   /// Bytes of one slot of the sm_90 kernel: `packed_slot_pages` page pairs (K and V of a head).
   static int slot_bytes(const device_context& e) {
     return kernel::packed_slot_pages(e.shape->page_size) * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);

@@ -249,6 +249,9 @@ TEST_CASE("GPU packed_bitmap: segments of several tiles of sums, and segments be
   cache_config c = config_of(s.head_dim, s.group, s.storage);
   c.max_pages = 256;
   packed_twin t(c, 53, f);
+  // With sinks, one tile's sums a pass of the device's sums (several passes a segment); without,
+  // every tile in one pass.
+  if (sinks > 0) t.device.engine().format_state().sum_pass_bytes = 1;
   t.add(4999, 0);  // a whole segment (the sinks leave its first tile short), then a part of a tile
   t.add(2100, 1);  // a tile and a part
   // A sequence prefilled in three calls: each of its two segments starts with rows already in

@@ -733,6 +733,7 @@ class engine {
     split_cost_override_ = pages;
   }
 
+
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once; or the count set by
   /// `set_target_splits`.
@@ -747,6 +748,9 @@ class engine {
                               ">= 1, or 0 for one wave of the device");
     target_splits_override_ = splits;
   }
+  /// The format's device decisions (kernel path, stages, scratch sizes), to tune or to test; its
+  /// members are the format's device part's to document (cuda/format/<name>/device.cuh).
+  typename device::state& format_state() noexcept { return format_state_; }
   /// Decode with the portable kernel (the sm_75+ path) even on sm_90: for tests and comparisons.
   /// Takes effect from the next step.
   void use_portable_kernel() {
@@ -887,18 +891,21 @@ class engine {
   }
   /// Keeps the host copy of a sequence's newly planned segment (one per KV head) starting at page
   /// `index`, and writes its device entries (synchronizes the stream).
-  void store_segments(std::int32_t slot, std::int64_t index, std::vector<segment_t>& planned) {
-    const page_shape shape = shape_.page();
-    const int per = traits::segment_pages(format_, shape);
-    const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
-    std::vector<std::byte> entries(planned.size() * entry_bytes);
-    for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
-    const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
-    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
-    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
-    list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
-    list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+  void store_segments([[maybe_unused]] std::int32_t slot, [[maybe_unused]] std::int64_t index,
+                      [[maybe_unused]] std::vector<segment_t>& planned) {
+    if constexpr (has_segments_v<Format>) {  // a member of every engine: explicit instantiations compile it
+      const page_shape shape = shape_.page();
+      const int per = traits::segment_pages(format_, shape);
+      const std::size_t entry_bytes = device::segment_entry_bytes(format_, shape);
+      std::vector<std::byte> entries(planned.size() * entry_bytes);
+      for (std::size_t h = 0; h < planned.size(); ++h) device::store_segment(format_, shape, planned[h], entries.data() + h * entry_bytes);
+      const std::size_t at = static_cast<std::size_t>(segment_entry(slot, index)) * shape_.num_kv_heads * entry_bytes;
+      KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(segment_arena_.as<std::byte>() + at, entries.data(), entries.size(), cudaMemcpyHostToDevice, stream_));
+      KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<segment_t>& list = segments_[static_cast<std::size_t>(slot)];
+      list.resize(static_cast<std::size_t>(index / per) * shape_.num_kv_heads);
+      list.insert(list.end(), std::make_move_iterator(planned.begin()), std::make_move_iterator(planned.end()));
+    }
   }
   static const kvmosaic::detail::engine_shape& validated(const kvmosaic::detail::engine_shape& shape, const Format& format) {
     kvmosaic::detail::require(Shapes::contains(shape.storage, shape.head_dim, shape.group_size), "cache_config",

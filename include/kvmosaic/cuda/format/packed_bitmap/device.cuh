@@ -62,6 +62,9 @@ struct device_format<format::packed_bitmap> {
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
     device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
     device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
+    /// The most scratch a pass of `segment_sums` fills with its tiles' sums (at least one tile's):
+    /// a segment of more tiles takes more passes (2.1 MB a tile at head_dim 128, 8 KV heads).
+    std::size_t sum_pass_bytes = std::size_t{64} << 20;
   };
 
   static void validate(const format::packed_bitmap&, const kvmosaic::detail::engine_shape&) {}
@@ -175,8 +178,8 @@ struct device_format<format::packed_bitmap> {
   }
 
   /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
-  /// into `c.sums` (host; synchronizes the stream). Passes of up to `sum_pass_bytes` of tiles'
-  /// sums: per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
+  /// into `c.sums` (host; synchronizes the stream). Passes of up to `state::sum_pass_bytes` of
+  /// tiles' sums (device scratch the engine keeps, with the totals): per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
   /// triangle), a CTA per (tile, head) for K's per-channel sums, then one thread per (head, sum)
   /// adds the pass's tiles to the totals in tile order. Cost: 2 n head_dim^2 fp64 multiply-adds
   /// per KV head (about a third of them above the diagonal in the diagonal blocks, computed and
@@ -192,7 +195,7 @@ struct device_format<format::packed_bitmap> {
       std::memset(c.sums, 0, totals_bytes);
       return;
     }
-    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, sum_pass_bytes / totals_bytes)));
+    const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, s.sum_pass_bytes / totals_bytes)));
     if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
     if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
     const kvmosaic::detail::arena_geometry& g = *e.geometry;
@@ -307,9 +310,6 @@ struct device_format<format::packed_bitmap> {
   }
 
  private:
-  /// The scratch a pass of `segment_sums` may fill with its tiles' sums (at least one tile's).
-  static constexpr std::size_t sum_pass_bytes = std::size_t{64} << 20;
-
   /// Bytes of one slot of the sm_90 kernel: `packed_slot_pages` page pairs (K and V of a head).
   static int slot_bytes(const device_context& e) {
     return kernel::packed_slot_pages(e.shape->page_size) * static_cast<int>(e.geometry->k_page_bytes + e.geometry->v_page_bytes);
