@@ -116,6 +116,7 @@ void hbm_read(benchmark::State& state) {
 enum class format_settings {
   paper,    ///< the source paper's: no exact tokens (sink_tokens = recent_tokens = 0), quant2 rounding stochastic
   library,  ///< the library's defaults (docs/defaults.md: 4 sink tokens, quant2 rounding to nearest)
+  paper_search,  ///< the paper's, and packed_bitmap's strategy search (section 5.5: rate, g and block size per segment)
 };
 
 /// Decode of one format: batch x context tokens, Hkv=8, head_dim 128 (or range 3), GQA group 4
@@ -142,9 +143,13 @@ void decode(benchmark::State& state) {
   c.max_sequences = batch;
   c.max_pages = batch * (context / c.page_size + 1);
   Format format{};
-  if constexpr (Settings == format_settings::paper) {
+  if constexpr (Settings == format_settings::paper || Settings == format_settings::paper_search) {
     format.sink_tokens = format.recent_tokens = 0;
     if constexpr (is_quant2) format.mode = format::rounding::stochastic;
+  }
+  if constexpr (Settings == format_settings::paper_search) {
+    static_assert(std::is_same<Format, format::packed_bitmap>::value, "format_settings::paper_search: packed_bitmap only");
+    format.mode = format::strategy::search;
   }
   state.counters["sink_tokens"] = format.sink_tokens;
   if constexpr (std::is_same<Format, format::bitmap_tiles>::value) {
@@ -545,9 +550,21 @@ BENCHMARK(decode<format::quant2>)
 
 // MosaicKV's packed_bitmap at 25% of the channels retained (the paper's setting; 25% truncated,
 // g = 1, 64K-token segments), select::all: batch 1 and 8, 32K and 128K. Its prefill plans each
-// segment on the host (prefill_us_per_page counts it).
+// segment (its sums on the device, the eigendecompositions on the host; prefill_us_per_page
+// counts it).
 BENCHMARK(decode<format::packed_bitmap>)
     ->Name("packed_bitmap_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
+// The same with MosaicKV's strategy search (section 5.5) in slots of 25%: each segment and KV
+// head picks its rate and g for K and V (loss threshold 0.05), which the prefill's plan does on
+// the host from the segment's rows (prefill_us_per_page counts it).
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper_search>)
+    ->Name("packed_bitmap_search_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
     ->ArgsProduct({{1, 8}, {32768, 131072}, {4}, {128}, {25}})
     ->UseManualTime()
