@@ -5563,10 +5563,10 @@ void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& 
 /// same rows. The KV heads are planned by `for_each_item` (on OpenMP's threads where built with
 /// OpenMP), each as on one thread: the same segments, bit for bit, for any thread count. `sums`
 /// (formats with `has_segment_sums_v`; [num_kv_heads][segment_sum_count]): the rows' sums as a
-/// device computed them, in the order `format_traits::segment_sums` defines; each head is then
-/// planned from them (`plan_segment_from_sums`), and its rows are read only when the plan reads
-/// rows (else `tail`, `k` and `v` are not read). Cost: the format's plan per KV head; per thread,
-/// two [segment_tokens][head_dim] fp32 buffers.
+/// device computed them, in the order `format_traits::segment_sums` defines, which each head's
+/// plan then takes with its rows (`plan_segment_from_sums`; a plan that reads no rows needs only
+/// the sums, and no call of this function). Cost: the format's plan per KV head; per thread, two
+/// [segment_tokens][head_dim] fp32 buffers.
 template <class Format, class T>
 std::vector<typename segment_type<Format>::type> plan_segments(const Format& format, const engine_shape& engine,
                                                                const arena_geometry& geometry, const std::byte* tail,
@@ -5587,11 +5587,6 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   static_cast<void>(sums);  // formats without sums
   // Head h's K and V rows into the scratch, then its plan.
   const auto plan_head = [&](std::int64_t h, rows_scratch& s) {
-    if constexpr (has_segment_sums_v<Format>) {
-      if (sums != nullptr && !traits::plan_reads_rows(format))
-        return traits::template plan_segment_from_sums<float>(format, shape, sums + h * traits::segment_sum_count(format, shape), n,
-                                                              nullptr, nullptr);
-    }
     s.k_rows.resize(static_cast<std::size_t>(n) * d);
     s.v_rows.resize(s.k_rows.size());
     s.page.resize(static_cast<std::size_t>(p) * d);
