@@ -733,7 +733,6 @@ class engine {
     split_cost_override_ = pages;
   }
 
-
   /// Splits per KV head the plan aims for: exactly one wave of resident CTAs (occupancy of the
   /// kernel this engine launches, times the SMs), so every split runs at once; or the count set by
   /// `set_target_splits`.
@@ -833,8 +832,9 @@ class engine {
       std::vector<segment_t> planned;
       std::vector<double> sums;  // formats with sums: [num_kv_heads][segment_sum_count], from the device
       if constexpr (has_segment_sums_v<Format>) {
-        const int skip = index == 0 ? static_cast<int>(geometry_.sink_rows) : 0;  // the sinks are not fitted
-        const std::int64_t n = p - skip + ahead;
+        const kvmosaic::detail::segment_fit_rows fit = kvmosaic::detail::segment_fit_rows::of(geometry_, p, index, ahead);
+        const int skip = fit.skip;
+        const std::int64_t n = fit.count;
         const int from_tail = static_cast<int>(std::max<std::int64_t>(0, -page_first));  // the page's rows still in the tail
         const std::size_t count = traits::segment_sum_count(format_, shape);
         sums.resize(static_cast<std::size_t>(shape_.num_kv_heads) * count);
@@ -853,16 +853,16 @@ class engine {
               });
         }
       }
-      if (planned.empty()) plan_from_rows(slot, k, v, page_first, next, ahead, index, sums, planned);
+      if (planned.empty()) planned = plan_from_rows(slot, k, v, page_first, next, ahead, index, sums);
       store_segments(slot, index, planned);
     }
   }
   /// `plan_segments_in` for one segment from its rows, copied to the host (with the device's
   /// sums, when given).
   template <class T>
-  void plan_from_rows(std::int32_t slot, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v, std::int64_t page_first,
-                      std::int64_t next, std::int64_t ahead, std::int64_t index, const std::vector<double>& sums,
-                      std::vector<segment_t>& planned) {
+  std::vector<segment_t> plan_from_rows(std::int32_t slot, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
+                                        std::int64_t page_first, std::int64_t next, std::int64_t ahead, std::int64_t index,
+                                        const std::vector<double>& sums) {
     const int p = shape_.page_size;
     const std::int64_t row_elements = static_cast<std::int64_t>(shape_.num_kv_heads) * shape_.head_dim;
     const std::int64_t base = std::max<std::int64_t>(0, page_first), count = next + ahead - base;
@@ -886,8 +886,8 @@ class engine {
                                              tail.data() + geometry_.tail_offset(is_v, h) + geometry_.tail_row_offset() +
                                                  static_cast<std::size_t>(r) * geometry_.row_bytes);
         }
-    planned = kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base,
-                                              sums.empty() ? nullptr : sums.data());
+    return kvmosaic::detail::plan_segments(format_, shape_, geometry_, tail.data(), index, k_view, v_view, next - base,
+                                           sums.empty() ? nullptr : sums.data());
   }
   /// Keeps the host copy of a sequence's newly planned segment (one per KV head) starting at page
   /// `index`, and writes its device entries (synchronizes the stream).

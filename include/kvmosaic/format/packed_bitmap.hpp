@@ -180,48 +180,48 @@ KVMOSAIC_HOST_DEVICE constexpr std::size_t packed_sum_count(int head_dim) {
 /// in token order. Cost: head_dim (head_dim + 1) multiply-adds a row for each covariance, four
 /// passes over K for the norms and deviations.
 inline void packed_tile_sums(const float* k, const float* v, std::int64_t rows, int head_dim, double* out) {
-  const int d = head_dim;
-  std::fill(out, out + packed_sum_count(d), 0.0);
-  std::vector<double> x(4 * static_cast<std::size_t>(d));
-  for (int which = 0; which < 2; ++which) {
+  const std::size_t d = static_cast<std::size_t>(head_dim);  // unsigned offsets
+  const auto n = static_cast<std::size_t>(std::min<std::int64_t>(rows, packed_sum_tile_rows));  // a tile at most
+  std::fill(out, out + packed_sum_count(head_dim), 0.0);
+  std::vector<double> x(4 * d);
+  for (std::size_t which = 0; which < 2; ++which) {
     const float* in = which == 0 ? k : v;
-    double* covariance = out + static_cast<std::size_t>(which) * d * d;
-    std::int64_t t = 0;
-    for (; t + 4 <= rows; t += 4) {  // four rows at a time: each entry still adds them in token order
-      for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < d; ++c) x[static_cast<std::size_t>(r) * d + c] = in[(t + r) * d + c];
+    double* covariance = out + which * d * d;
+    for (std::size_t t = 0; t < n; t += 4) {  // four rows at a time: each entry still adds them in token order
+      const std::size_t m = std::min<std::size_t>(4, n - t);
+      std::copy(in + t * d, in + (t + m) * d, x.begin());
       const double *x0 = x.data(), *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
-      for (int i = 0; i < d; ++i) {
-        double* row = covariance + static_cast<std::size_t>(i) * d;
-        for (int j = 0; j <= i; ++j) {
-          double a = row[j];
-          a += x0[i] * x0[j];
-          a += x1[i] * x1[j];
-          a += x2[i] * x2[j];
-          a += x3[i] * x3[j];
-          row[j] = a;
+      for (std::size_t i = 0; i < d; ++i) {
+        double* row = covariance + i * d;
+        if (m == 4) {
+          for (std::size_t j = 0; j <= i; ++j) {
+            double a = row[j];
+            a += x0[i] * x0[j];
+            a += x1[i] * x1[j];
+            a += x2[i] * x2[j];
+            a += x3[i] * x3[j];
+            row[j] = a;
+          }
+        } else {
+          for (std::size_t r = 0; r < m; ++r)
+            for (std::size_t j = 0; j <= i; ++j) row[j] += x[r * d + i] * x[r * d + j];
         }
       }
     }
-    for (; t < rows; ++t)
-      for (int i = 0; i < d; ++i) {
-        const double xi = in[t * d + i];
-        for (int j = 0; j <= i; ++j) covariance[static_cast<std::size_t>(i) * d + j] += xi * static_cast<double>(in[t * d + j]);
-      }
   }
-  double* norms = out + 2 * static_cast<std::size_t>(d) * d;
-  for (std::int64_t t = 0; t < rows; ++t)
-    for (int c = 0; c < d; ++c) norms[c] += static_cast<double>(k[t * d + c]) * k[t * d + c];
-  const int sizes[3] = {16, 8, 4};
-  for (int s = 0; s < 3; ++s) {
-    const int b = sizes[s];
-    double* deviations = norms + static_cast<std::size_t>(1 + s) * d;
-    for (std::int64_t first = 0; first + b <= rows; first += b)
-      for (int c = 0; c < d; ++c) {
+  double* norms = out + 2 * d * d;
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t c = 0; c < d; ++c) norms[c] += static_cast<double>(k[t * d + c]) * k[t * d + c];
+  const std::size_t sizes[3] = {16, 8, 4};
+  for (std::size_t s = 0; s < 3; ++s) {
+    const std::size_t b = sizes[s];
+    double* deviations = norms + (1 + s) * d;
+    for (std::size_t first = 0; first + b <= n; first += b)
+      for (std::size_t c = 0; c < d; ++c) {
         double mean = 0;
-        for (int t = 0; t < b; ++t) mean += k[(first + t) * d + c];
-        mean /= b;
-        for (int t = 0; t < b; ++t) {
+        for (std::size_t t = 0; t < b; ++t) mean += k[(first + t) * d + c];
+        mean /= static_cast<double>(b);
+        for (std::size_t t = 0; t < b; ++t) {
           const double e = k[(first + t) * d + c] - mean;
           deviations[c] = std::fma(e, e, deviations[c]);
         }

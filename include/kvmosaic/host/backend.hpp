@@ -313,6 +313,17 @@ void for_each_item(std::int64_t n, const MakeScratch& make_scratch, const Body& 
   for (std::int64_t i = 0; i < n; ++i) body(i, scratch);
 }
 
+/// The rows a segment whose first page is page `index` is fit to: that page's rows from `skip`
+/// (its sinks are left out of a first segment), then `ahead` more; `count` in all.
+struct segment_fit_rows {
+  int skip;
+  std::int64_t count;
+  static segment_fit_rows of(const arena_geometry& geometry, int page_size, std::int64_t index, std::int64_t ahead) {
+    const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
+    return segment_fit_rows{skip, page_size - skip + ahead};
+  }
+};
+
 /// The segments (one per KV head) of a sequence's segment whose first page is page `index` (a
 /// multiple of `segment_pages`), about to be sealed from the full tail slot `tail` (host bytes):
 /// each fitted (`format_traits::plan_segment`) to the rows an engine has of the segment, the
@@ -338,8 +349,9 @@ std::vector<typename segment_type<Format>::type> plan_segments(const Format& for
   const int per = traits::segment_pages(format, shape);
   const int p = engine.page_size, d = engine.head_dim, heads = engine.num_kv_heads;
   const std::int64_t ahead = std::min<std::int64_t>(k.extent(0) - next, static_cast<std::int64_t>(per - 1) * p);
-  const int skip = index == 0 ? static_cast<int>(geometry.sink_rows) : 0;
-  const std::int64_t n = p - skip + ahead;
+  const segment_fit_rows fit = segment_fit_rows::of(geometry, p, index, ahead);
+  const int skip = fit.skip;
+  const std::int64_t n = fit.count;
   struct rows_scratch {
     std::vector<float> k_rows, v_rows, page;  // [n][d], [n][d], [p][d]
   };
