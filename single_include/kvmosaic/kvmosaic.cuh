@@ -12247,7 +12247,8 @@ inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
 /// written, not a round trip away. Pages past them load their ids when they are written.
 inline constexpr int select_prefetched_pages = 8;
 
-/// The top budget_pages[b] pages of each (sequence b, KV head), in sequence order (with live masks,
+/// The top budget_pages[b] pages of each (sequence b, KV head) among its span_counts[b] candidates
+/// (a span a page), in sequence order (with live masks,
 /// each with its live rows as its row mask). The threshold key by `budget_threshold`; then warp w
 /// takes the run of 32 ceil(n / Threads) consecutive pages from w times that, 32 at a time: it
 /// counts its chosen pages, and those at the threshold key, by ballots, a scan of the warps'
@@ -12265,7 +12266,9 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   extern __shared__ std::uint32_t shared_keys[];
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const int n = p.sealed_pages[b];
+  // The candidates: the first span_counts[b] pages (those before the format's recent window,
+  // whose pages are read from their exact rows and whose scores the step does not write).
+  const int n = min(p.sealed_pages[b], p.span_counts[b]);
   const int k = min(p.budget_pages[b], n);
   std::int32_t* length = p.live_masks != nullptr ? p.table_lengths + static_cast<std::size_t>(b) * p.num_kv_heads + head : nullptr;
   if (k <= 0) {

@@ -170,3 +170,32 @@ TEST_CASE("GPU exact tokens: dense sinks survive eviction and compaction as on t
   const auto gpu_out = dout.to_host(q.size());
   for (std::size_t i = 0; i < q.size(); ++i) REQUIRE(std::abs(gpu_out[i] - host_out[i]) <= 1e-2 * (1 + std::abs(host_out[i])));
 }
+
+// A page-granular selection (blocks of a whole page) scores only the pages before the recent
+// window: the window's pages are read from their exact rows, so they are no candidates, and the
+// budget's pages are the top pages among the others, as on the host. The first step scores a
+// longer sequence at batch entry 0, so the scores the device keeps for the second sequence's
+// window pages, which its own step does not write, are real scores of other pages: a top-k that
+// counted them would take budget from the candidates.
+TEST_CASE("GPU page-granular selection leaves the recent window's pages out, as the host does",
+          "[gpu][exact_tokens][select]") {
+  if (!gpu_available()) return;
+  const cache_config c = small_config(128, 4, dtype::bf16, 64);
+  const int recent = 1024;
+  const std::int64_t budget = GENERATE(std::int64_t{256}, std::int64_t{2048});
+  CAPTURE(budget);
+  select::quest quest;
+  quest.block_tokens = c.page_size;  // a block per page: the page top-k, no row masks
+  quest.budget.tokens = budget;
+  test::twin<format::dense, select::quest> t(c, 39, with_exact(format::dense{}, 0, recent), quest);
+  t.add(4000, 0);  // 62 pages: 46 candidates
+  check_exact_twin(t);
+  t.host.remove_sequence(t.seqs[0]);
+  t.device.remove_sequence(t.seqs[0]);
+  t.seqs.clear();
+  t.streams.clear();
+  t.add(2570, 1);  // 40 pages: 24 candidates, 16 in the window
+  check_exact_twin(t);
+  for (int step = 0; step < 3; ++step) t.append_step();
+  check_exact_twin(t);
+}
