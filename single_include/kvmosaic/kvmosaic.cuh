@@ -11826,6 +11826,7 @@ struct select_params {
   kvmosaic::detail::fast_divisor segment_of_span;  ///< span / (spans_per_entry x pages a segment holds): its segment
   kvmosaic::detail::fast_divisor key_of_chunk;     ///< 16-byte chunk / (key_bytes / 16): the key it is in
   const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)]
+  int q_key_ready;                    ///< 1: q_key is complete at launch (a plain launch), else after wait_for_prior_grid
 };
 
 /// Query heads the scoring kernels take at a time for a group of `group` heads: 4 for groups of
@@ -12035,7 +12036,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
 /// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
 /// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
-/// Grid: (num_kv_heads, ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
+/// Launched as a programmatic dependent of the kernel that writes q_key (`q_key_ready` 0: where
+/// the grid fits on the device at once, `block_key_source::after_queries`), it stages its keys
+/// while that kernel runs and reads q_key only after `wait_for_prior_grid`. Grid: (num_kv_heads,
+/// ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
 template <class T, int HeadDim, int Heads>
 __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {
   static_assert(Heads == 4 || Heads == 8, "heads a thread scores: 4 (groups of up to 4) or 8");
@@ -12057,11 +12061,14 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
   const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
                          (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
-  // The segment's queries are loaded first (a channel's heads, stored `copies` times side by side
-  // below), then the warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes,
-  // consecutive chunks), eight loads in flight before their stores.
+  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
+  // warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes, consecutive
+  // chunks), eight loads in flight before their stores. The queries are loaded with the keys
+  // when they are complete at launch, else once the kernel that writes them is done (a launch
+  // as its programmatic dependent stages the keys while it runs).
   const int staged_items = kept * quads;
-  const float4 first_queries = tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  const bool ready = p.q_key_ready != 0;
+  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
   const int chunks = p.key_bytes / 16, stride = p.key_stride;
   uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
   const auto keys_per_round = static_cast<int>(p.key_of_chunk.divide(32u));  // item += 32 in (key, chunk)
@@ -12085,8 +12092,9 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) keys[at[u]] = loaded[u];
   }
+  detail::wait_for_prior_grid();
   for (int x = tid; x < staged_items; x += threads) {
-    const float4 q = x == tid ? first_queries : __ldg(staged_from + x);
+    const float4 q = ready && x == tid ? first_queries : __ldg(staged_from + x);
     float4* to = staged_queries + x / quads * copies * quads + x % quads;
     // Copy (k + x) mod copies at step k: a quarter warp's stores in distinct banks.
 #pragma unroll
@@ -13077,6 +13085,10 @@ struct block_key_source {
   int retained = 0;                 ///< (channel, value) pairs a block key holds
   int segment_pages = 1;
   int segments_per_sequence = 1;
+  /// The kernel that wrote q_key is the stream's last and the device has programmatic dependent
+  /// launch (sm_90): the scoring may be launched as its dependent (`detail::launch_kernel`), to
+  /// stage its keys while that kernel runs; it waits for it before it reads q_key.
+  bool after_queries = false;
 };
 
 /// One sequence of a step as a stage sees it.
@@ -13572,6 +13584,7 @@ class engine {
       source.retained = traits::block_key_values(format_, shape_.page());
       source.segment_pages = traits::segment_pages(format_, shape_.page());
       source.segments_per_sequence = segments_per_sequence_;
+      source.after_queries = dependent_launch_;
       selection_.use_block_keys(source);
     }
   }
@@ -18532,6 +18545,7 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
   const packed_decode_params& f = p.format;
   const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
+  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile; it reads q_key after this grid
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
@@ -19551,8 +19565,22 @@ class span_selection {
         const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
                         static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
                         static_cast<unsigned>(planned_batch_));
-        score<<<grid, spans_per_cta, detail::opted_in_shared(score, launch.shared_bytes), stream>>>(s);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        const int shared = detail::opted_in_shared(score, launch.shared_bytes);
+        // Overlapping the query kernel pays only while the whole grid fits on the device at once:
+        // CTAs scheduled early would otherwise hold the slots its later waves need
+        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered").
+        if (key_queries_.after_queries && score_wave_ == 0) {
+          int device = 0, sms = 0, per_sm = 0;
+          KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
+          KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, spans_per_cta, static_cast<std::size_t>(shared)));
+          score_wave_ = std::max(per_sm * sms, 1);
+        }
+        const bool overlap = key_queries_.after_queries &&
+                             static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
+        s.q_key_ready = overlap ? 0 : 1;
+        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
+                              overlap, s);
         return;
       }
       using kernel::score_pages_kernel;
@@ -19695,6 +19723,7 @@ class span_selection {
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
+  int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null

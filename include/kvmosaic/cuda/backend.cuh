@@ -497,6 +497,7 @@ class engine {
       source.retained = traits::block_key_values(format_, shape_.page());
       source.segment_pages = traits::segment_pages(format_, shape_.page());
       source.segments_per_sequence = segments_per_sequence_;
+      source.after_queries = dependent_launch_;
       selection_.use_block_keys(source);
     }
   }

@@ -23,6 +23,7 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/fast_divisor.hpp"
+#include "kvmosaic/cuda/detail/dependent_launch.cuh"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
 
@@ -85,6 +86,7 @@ struct select_params {
   kvmosaic::detail::fast_divisor segment_of_span;  ///< span / (spans_per_entry x pages a segment holds): its segment
   kvmosaic::detail::fast_divisor key_of_chunk;     ///< 16-byte chunk / (key_bytes / 16): the key it is in
   const float* q_key;                 ///< [batch][num_kv_heads][segments_per_sequence][kept][score_heads(group)]
+  int q_key_ready;                    ///< 1: q_key is complete at launch (a plain launch), else after wait_for_prior_grid
 };
 
 /// Query heads the scoring kernels take at a time for a group of `group` heads: 4 for groups of
@@ -294,7 +296,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
 /// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
 /// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
-/// Grid: (num_kv_heads, ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
+/// Launched as a programmatic dependent of the kernel that writes q_key (`q_key_ready` 0: where
+/// the grid fits on the device at once, `block_key_source::after_queries`), it stages its keys
+/// while that kernel runs and reads q_key only after `wait_for_prior_grid`. Grid: (num_kv_heads,
+/// ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
 template <class T, int HeadDim, int Heads>
 __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {
   static_assert(Heads == 4 || Heads == 8, "heads a thread scores: 4 (groups of up to 4) or 8");
@@ -316,11 +321,14 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
   const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
                          (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
-  // The segment's queries are loaded first (a channel's heads, stored `copies` times side by side
-  // below), then the warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes,
-  // consecutive chunks), eight loads in flight before their stores.
+  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
+  // warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes, consecutive
+  // chunks), eight loads in flight before their stores. The queries are loaded with the keys
+  // when they are complete at launch, else once the kernel that writes them is done (a launch
+  // as its programmatic dependent stages the keys while it runs).
   const int staged_items = kept * quads;
-  const float4 first_queries = tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  const bool ready = p.q_key_ready != 0;
+  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
   const int chunks = p.key_bytes / 16, stride = p.key_stride;
   uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
   const auto keys_per_round = static_cast<int>(p.key_of_chunk.divide(32u));  // item += 32 in (key, chunk)
@@ -344,8 +352,9 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) keys[at[u]] = loaded[u];
   }
+  detail::wait_for_prior_grid();
   for (int x = tid; x < staged_items; x += threads) {
-    const float4 q = x == tid ? first_queries : __ldg(staged_from + x);
+    const float4 q = ready && x == tid ? first_queries : __ldg(staged_from + x);
     float4* to = staged_queries + x / quads * copies * quads + x % quads;
     // Copy (k + x) mod copies at step k: a quarter warp's stores in distinct banks.
 #pragma unroll

@@ -79,6 +79,10 @@ struct block_key_source {
   int retained = 0;                 ///< (channel, value) pairs a block key holds
   int segment_pages = 1;
   int segments_per_sequence = 1;
+  /// The kernel that wrote q_key is the stream's last and the device has programmatic dependent
+  /// launch (sm_90): the scoring may be launched as its dependent (`detail::launch_kernel`), to
+  /// stage its keys while that kernel runs; it waits for it before it reads q_key.
+  bool after_queries = false;
 };
 
 /// One sequence of a step as a stage sees it.

@@ -185,8 +185,22 @@ class span_selection {
         const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
                         static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
                         static_cast<unsigned>(planned_batch_));
-        score<<<grid, spans_per_cta, detail::opted_in_shared(score, launch.shared_bytes), stream>>>(s);
-        KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+        const int shared = detail::opted_in_shared(score, launch.shared_bytes);
+        // Overlapping the query kernel pays only while the whole grid fits on the device at once:
+        // CTAs scheduled early would otherwise hold the slots its later waves need
+        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered").
+        if (key_queries_.after_queries && score_wave_ == 0) {
+          int device = 0, sms = 0, per_sm = 0;
+          KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
+          KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, spans_per_cta, static_cast<std::size_t>(shared)));
+          score_wave_ = std::max(per_sm * sms, 1);
+        }
+        const bool overlap = key_queries_.after_queries &&
+                             static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
+        s.q_key_ready = overlap ? 0 : 1;
+        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
+                              overlap, s);
         return;
       }
       using kernel::score_pages_kernel;
@@ -329,6 +343,7 @@ class span_selection {
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
+  int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null

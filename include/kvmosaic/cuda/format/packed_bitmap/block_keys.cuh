@@ -15,6 +15,7 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/cuda/detail/bulk_copy.cuh"
+#include "kvmosaic/cuda/detail/dependent_launch.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 
 namespace kvmosaic::cuda::kernel {
@@ -147,6 +148,7 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
   const packed_decode_params& f = p.format;
   const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
+  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile; it reads q_key after this grid
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
