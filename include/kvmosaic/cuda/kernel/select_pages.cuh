@@ -532,6 +532,7 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
   __shared__ detail_select::threshold_storage<Threads> storage;
   __shared__ int run_ties[warps];  // per warp: its run's pages at the threshold key
   extern __shared__ std::uint32_t shared_keys[];
+  detail::allow_dependent_grids();  // the split kernel may be scheduled meanwhile; it reads the tables after this grid
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   // The candidates: the first span_counts[b] pages (those before the format's recent window,
@@ -656,6 +657,7 @@ __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_para
   __shared__ detail_select::threshold_storage<Threads> storage;
   __shared__ typename scan::TempStorage scan_storage;
   __shared__ int shared_total;
+  detail::allow_dependent_grids();  // the split kernel may be scheduled meanwhile; it reads the tables after this grid
   const int b = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int n = p.span_counts[b], sealed = p.sealed_pages[b], words = p.mask_words;
