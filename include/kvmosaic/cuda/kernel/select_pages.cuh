@@ -516,8 +516,9 @@ inline int select_shared_bytes(int max_pages, int static_bytes) noexcept {
 inline constexpr int select_prefetched_pages = 8;
 
 /// The top budget_pages[b] pages of each (sequence b, KV head) among its span_counts[b] candidates
-/// (a span a page), in sequence order (with live masks,
-/// each with its live rows as its row mask). The threshold key by `budget_threshold`; then warp w
+/// (a span a page), in sequence order (with live masks, each with its live rows as its row mask).
+/// It lets the split kernel, its programmatic dependent, be scheduled at once (the split kernel
+/// waits for it before it reads a table). The threshold key by `budget_threshold`; then warp w
 /// takes the run of 32 ceil(n / Threads) consecutive pages from w times that, 32 at a time: it
 /// counts its chosen pages, and those at the threshold key, by ballots, a scan of the warps'
 /// counts (one barrier) places each run, and a second sweep writes the run's chosen pages. Cost
@@ -649,7 +650,7 @@ __host__ __device__ inline int span_marks_shared_bytes(int pages, int mask_words
 /// global memory once, into shared memory, when `cached` (dynamic shared memory:
 /// span_select_shared_bytes(spans)); else re-read at each pass. The marks are shared memory
 /// after those when `shared_marks` (span_marks_shared_bytes(pages, mask_words) more), else
-/// `p.marks`.
+/// `p.marks`. Like `select_pages_kernel`, it lets the split kernel be scheduled at once.
 /// Grid: (batch, num_kv_heads).
 template <int Threads>
 __global__ void __launch_bounds__(Threads) select_spans_kernel(const select_params p, int cached, int shared_marks) {
