@@ -12046,6 +12046,7 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
   extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
   const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  detail::allow_dependent_grids();  // the top-k may be scheduled meanwhile; it reads the scores after this grid
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
   const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
   if (first >= spans) return;
@@ -12258,7 +12259,9 @@ inline constexpr int select_prefetched_pages = 8;
 /// The top budget_pages[b] pages of each (sequence b, KV head) among its span_counts[b] candidates
 /// (a span a page), in sequence order (with live masks, each with its live rows as its row mask).
 /// It lets the split kernel, its programmatic dependent, be scheduled at once (the split kernel
-/// waits for it before it reads a table). The threshold key by `budget_threshold`; then warp w
+/// waits for it before it reads a table); launched itself as the scoring kernel's dependent, it
+/// loads its first pages' ids before it waits for the scores. The threshold key by
+/// `budget_threshold`; then warp w
 /// takes the run of 32 ceil(n / Threads) consecutive pages from w times that, 32 at a time: it
 /// counts its chosen pages, and those at the threshold key, by ballots, a scan of the warps'
 /// counts (one barrier) places each run, and a second sweep writes the run's chosen pages. Cost
@@ -12296,6 +12299,7 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
     const int i = begin + 32 * j;
     page_ids[j] = j < per_lane && i < n ? table[i] : 0;
   }
+  detail::wait_for_prior_grid();  // the scores (a launch as the scoring's programmatic dependent)
   if (keys_in_shared) {
 #pragma unroll 8
     for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together
@@ -19525,6 +19529,7 @@ class span_selection {
   void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
     if (!planned_) return;
     const std::size_t row = align(static_cast<std::size_t>(batch_capacity_) * sizeof(std::int32_t));
+    scores_overlapped_ = false;
     kernel::select_params s{};
     s.bounds = source_.bounds;
     s.bounds_entry_bytes = source_.entry_bytes;
@@ -19582,6 +19587,7 @@ class span_selection {
         const bool overlap = key_queries_.after_queries &&
                              static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
         s.q_key_ready = overlap ? 0 : 1;
+        scores_overlapped_ = overlap;  // the whole grid resident: the page top-k may overlap it too
         detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
                               overlap, s);
         return;
@@ -19621,9 +19627,8 @@ class span_selection {
       return;
     }
     const int keys_bytes = kernel::select_shared_bytes(table_stride_, pages_static_shared_);
-    kernel::select_pages_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, keys_bytes, stream>>>(
-        s, keys_bytes > 0 ? 1 : 0);
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    detail::launch_kernel(kernel::select_pages_kernel<kernel::select_threads>, select_grid, dim3(kernel::select_threads),
+                          static_cast<std::size_t>(keys_bytes), stream, scores_overlapped_, s, keys_bytes > 0 ? 1 : 0);
   }
 
   /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
@@ -19727,6 +19732,7 @@ class span_selection {
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
+  bool scores_overlapped_ = false;  ///< the step's scoring was launched as a programmatic dependent (its grid resident at once)
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null

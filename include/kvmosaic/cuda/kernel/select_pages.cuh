@@ -306,6 +306,7 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
   extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
   const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  detail::allow_dependent_grids();  // the top-k may be scheduled meanwhile; it reads the scores after this grid
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
   const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
   if (first >= spans) return;
@@ -518,7 +519,9 @@ inline constexpr int select_prefetched_pages = 8;
 /// The top budget_pages[b] pages of each (sequence b, KV head) among its span_counts[b] candidates
 /// (a span a page), in sequence order (with live masks, each with its live rows as its row mask).
 /// It lets the split kernel, its programmatic dependent, be scheduled at once (the split kernel
-/// waits for it before it reads a table). The threshold key by `budget_threshold`; then warp w
+/// waits for it before it reads a table); launched itself as the scoring kernel's dependent, it
+/// loads its first pages' ids before it waits for the scores. The threshold key by
+/// `budget_threshold`; then warp w
 /// takes the run of 32 ceil(n / Threads) consecutive pages from w times that, 32 at a time: it
 /// counts its chosen pages, and those at the threshold key, by ballots, a scan of the warps'
 /// counts (one barrier) places each run, and a second sweep writes the run's chosen pages. Cost
@@ -556,6 +559,7 @@ __global__ void __launch_bounds__(Threads) select_pages_kernel(const select_para
     const int i = begin + 32 * j;
     page_ids[j] = j < per_lane && i < n ? table[i] : 0;
   }
+  detail::wait_for_prior_grid();  // the scores (a launch as the scoring's programmatic dependent)
   if (keys_in_shared) {
 #pragma unroll 8
     for (int i = tid; i < n; i += Threads) shared_keys[i] = detail_select::order_key(scores[i]);  // loads in flight together

@@ -142,6 +142,7 @@ class span_selection {
   void launch(const kernel::decode_params& p, const std::byte* staged, const float* q, cudaStream_t stream) {
     if (!planned_) return;
     const std::size_t row = align(static_cast<std::size_t>(batch_capacity_) * sizeof(std::int32_t));
+    scores_overlapped_ = false;
     kernel::select_params s{};
     s.bounds = source_.bounds;
     s.bounds_entry_bytes = source_.entry_bytes;
@@ -199,6 +200,7 @@ class span_selection {
         const bool overlap = key_queries_.after_queries &&
                              static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
         s.q_key_ready = overlap ? 0 : 1;
+        scores_overlapped_ = overlap;  // the whole grid resident: the page top-k may overlap it too
         detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
                               overlap, s);
         return;
@@ -238,9 +240,8 @@ class span_selection {
       return;
     }
     const int keys_bytes = kernel::select_shared_bytes(table_stride_, pages_static_shared_);
-    kernel::select_pages_kernel<kernel::select_threads><<<select_grid, kernel::select_threads, keys_bytes, stream>>>(
-        s, keys_bytes > 0 ? 1 : 0);
-    KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    detail::launch_kernel(kernel::select_pages_kernel<kernel::select_threads>, select_grid, dim3(kernel::select_threads),
+                          static_cast<std::size_t>(keys_bytes), stream, scores_overlapped_, s, keys_bytes > 0 ? 1 : 0);
   }
 
   /// The page ids the last step chose for (batch entry b, KV head h), in sequence order (copied
@@ -344,6 +345,7 @@ class span_selection {
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
   int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
+  bool scores_overlapped_ = false;  ///< the step's scoring was launched as a programmatic dependent (its grid resident at once)
   bool row_masks_possible_ = false;
   bool live_masks_possible_ = false;  ///< a step has had evicted tokens: row-mask outputs kept
   const std::uint32_t* live_masks_ = nullptr;  ///< the planned step's (device), or null
