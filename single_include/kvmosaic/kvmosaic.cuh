@@ -11474,6 +11474,10 @@ struct block_key_query_context {
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
   int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
                     ///< the pass's launch shape, fixed by the layout as a captured graph needs
+  /// Launch the pass as a programmatic dependent of the stream's last kernel (the metadata pull;
+  /// sm_90): it waits for that kernel before it reads the slots, and lets the scoring kernel be
+  /// scheduled only then.
+  bool after_pull = false;
 };
 
 /// What a format's segment sums are given (formats with `has_segment_sums_v`): the rows of a
@@ -11851,6 +11855,20 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
 
+/// Component k (0-3, known at compile time after unrolling) of a 16-byte vector.
+__device__ __forceinline__ std::uint32_t word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+/// The 16-bit value in the low (`high` 0) or high half of a word, as a float: bfloat16 by a shift
+/// or a mask (its bits are a float's upper half), half by its conversion.
+template <class T>
+__device__ __forceinline__ float half_value(std::uint32_t word, int high) {
+  if constexpr (std::is_same_v<T, bfloat16>) return __uint_as_float(high != 0 ? word & 0xffff0000u : word << 16);
+  else {
+    T value;
+    value.bits = static_cast<std::uint16_t>(high != 0 ? word >> 16 : word);
+    return to_float(value);
+  }
+}
+
 /// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
 /// Half of its lane is set) and adds the other's, sent by lane ^ Half, into v[0, Half).
 template <int Half>
@@ -12027,8 +12045,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// Block-key scores (`select::mean_keys` over a format with block keys, e.g. packed_bitmap) of
 /// every span, for groups of up to `Heads` query heads (4 or 8), a thread per span. The CTA
 /// stages the queries of its first span's segment (q' [kept][Heads], `key_query_copies` copies
-/// side by side) and each warp its 32 spans' keys, loaded coalesced, in shared memory; then each
-/// thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
+/// side by side) and its spans' keys in shared memory (on sm_90 one bulk copy a key, issued by its
+/// thread; elsewhere each warp's 32 keys by coalesced 16-byte loads), each span's entry id loaded
+/// with the sequence's span count (two dependent round trips before the keys land, not three);
+/// then each thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
 /// multiply-adds from 0 for each head g of the group (the host's
 /// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, in whole runs of
 /// 16 pairs with no bound check between them (their query loads issue together), and the heads
@@ -12046,43 +12066,62 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
   extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
   const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const bool ready = p.q_key_ready != 0;
   detail::allow_dependent_grids();  // the top-k may be scheduled meanwhile; it reads the scores after this grid
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
-  const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
+  const int first = static_cast<int>(blockIdx.y) * threads, span = first + tid;
+  // The thread's span's entry id, loaded together with the sequence's span count (one round trip,
+  // not two): the entry is clamped to the table's row, so the load is in bounds whatever the count.
+  const auto entry = min(static_cast<int>(p.entry_of_span.divide(static_cast<std::uint32_t>(span))), p.span_table_stride - 1);
+  const auto slot = static_cast<int>(p.entry_of_span.remainder(static_cast<std::uint32_t>(span), static_cast<std::uint32_t>(entry)));
+  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const int spans = p.span_counts[b];
   if (first >= spans) return;
+  const bool live = span < spans;  // else no key of its own: nothing is scored
   const int kept = p.key_kept, copies = p.key_query_copies, r = p.key_retained;
   const auto* head_queries = reinterpret_cast<const float4*>(p.q_key) +
                              (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.segments_per_sequence * kept * quads;
   const int staged_segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(first)));
   const float4* staged_from = head_queries + static_cast<std::size_t>(staged_segment) * kept * quads;
-  // This thread's span (past the end: the last, loaded but not scored) and its key.
-  const int span = first + tid, mine = min(span, spans - 1);
-  const auto entry = static_cast<int>(p.entry_of_span.divide(static_cast<std::uint32_t>(mine)));
-  const auto slot = static_cast<int>(p.entry_of_span.remainder(static_cast<std::uint32_t>(mine), static_cast<std::uint32_t>(entry)));
-  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const int staged_items = kept * quads;
+  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
+  // thread's key, at keys + tid x key_stride. The queries are loaded with the keys where they are
+  // complete (`ready`), else once the kernel that writes them is done (a launch as its
+  // programmatic dependent stages the keys while it runs).
   const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
                          (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
-  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
-  // warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes, consecutive
-  // chunks), eight loads in flight before their stores. The queries are loaded with the keys
-  // when they are complete at launch, else once the kernel that writes them is done (a launch
-  // as its programmatic dependent stages the keys while it runs).
-  const int staged_items = kept * quads;
-  const bool ready = p.q_key_ready != 0;
-  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
-  const int chunks = p.key_bytes / 16, stride = p.key_stride;
+  const int stride = p.key_stride;
   uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
+#if KVMOSAIC_HAS_BULK_COPY
+  // sm_90: one bulk copy a live thread's key, completing on the CTA's barrier.
+  __shared__ std::uint64_t keys_landed;
+  if (tid == 0) detail::barrier_init(&keys_landed, static_cast<std::uint32_t>(threads));
+  __syncthreads();
+  if (live) {
+    detail::barrier_arrive_expect(&keys_landed, static_cast<std::uint32_t>(p.key_bytes));
+    detail::bulk_copy_to_shared(keys + lane * stride, key, static_cast<std::uint32_t>(p.key_bytes), &keys_landed);
+  } else {
+    detail::barrier_arrive(&keys_landed);
+  }
+#else
+  // Elsewhere the warp's 32 keys by 16-byte loads: chunk c of key s from item s x chunks + c
+  // (consecutive lanes, consecutive chunks), eight loads in flight before their stores. A thread
+  // past the end copies its warp's first key (lane 0's span is live where any is).
+  const auto* own_key = reinterpret_cast<const std::byte*>(
+      __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), live ? lane : 0));
+  const int chunks = p.key_bytes / 16;
   const auto keys_per_round = static_cast<int>(p.key_of_chunk.divide(32u));  // item += 32 in (key, chunk)
   const auto chunks_past = static_cast<int>(p.key_of_chunk.remainder(32u, static_cast<std::uint32_t>(keys_per_round)));
   auto s = static_cast<int>(p.key_of_chunk.divide(static_cast<std::uint32_t>(lane)));
   auto c = static_cast<int>(p.key_of_chunk.remainder(static_cast<std::uint32_t>(lane), static_cast<std::uint32_t>(s)));
-  for (int round = 0; round < chunks; round += 8) {
+  for (int round = 0; round < chunks && __any_sync(0xffffffffu, live); round += 8) {
     uint4 loaded[8];
     int at[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) {  // uniform across the warp
-        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), s));
+        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(own_key), s));
         loaded[u] = __ldg(from + c);
         at[u] = s * stride + c;
         s += keys_per_round;
@@ -12093,6 +12132,7 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) keys[at[u]] = loaded[u];
   }
+#endif
   detail::wait_for_prior_grid();
   for (int x = tid; x < staged_items; x += threads) {
     const float4 q = ready && x == tid ? first_queries : __ldg(staged_from + x);
@@ -12103,14 +12143,18 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
       if (k < copies) to[((k + x) & (copies - 1)) * quads] = q;
   }
   __syncthreads();
-  if (span >= spans) return;
+#if KVMOSAIC_HAS_BULK_COPY
+  detail::barrier_wait(&keys_landed, 0u);
+#endif
+  if (!live) return;
   const uint4* own = keys + lane * stride;
   const int values_chunk = block_key_layout{r}.values_offset() / 16;
   float sum[Heads] = {};
-  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains.
-  const auto add_pair = [&](const auto& queries_of, const std::uint8_t* channel, const T* value, int i) {
-    const float x = to_float(value[i % 8]);
-    const int c = channel[i];
+  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains. Its channel is byte
+  // i mod 4 of `channels` (one byte permute), its value half i mod 2 of `values`.
+  const auto add_pair = [&](const auto& queries_of, std::uint32_t channels, std::uint32_t values, int i) {
+    const float x = detail_select::half_value<T>(values, i % 2);
+    const std::uint32_t c = __byte_perm(channels, 0u, 0x4440u | static_cast<unsigned>(i % 4));
 #pragma unroll
     for (int h = 0; h < quads; ++h) {
       const float4 q = queries_of(c, h);
@@ -12125,35 +12169,35 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const auto score = [&](const auto& queries_of) {
     int v = 0;
     for (; v + 16 <= r; v += 16) {
-      const uint4 channel_bytes = own[v / 16];
-      const uint4 value_bits[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
-      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+      const uint4 channels = own[v / 16];
+      const uint4 values[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
 #pragma unroll
-      for (int i = 0; i < 16; ++i) add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits[i / 8]), i);
+      for (int i = 0; i < 16; ++i)
+        add_pair(queries_of, detail_select::word_of(channels, i / 4), detail_select::word_of(values[i / 8], i % 8 / 2), i);
     }
     if (v < r) {
-      const uint4 channel_bytes = own[v / 16];
-      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+      const uint4 channels = own[v / 16];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (v + 8 * half >= r) break;
-        const uint4 value_bits = own[values_chunk + v / 8 + half];
+        const uint4 values = own[values_chunk + v / 8 + half];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (v + 8 * half + i >= r) break;
-          add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits), 8 * half + i);
+          const int pair = 8 * half + i;
+          add_pair(queries_of, detail_select::word_of(channels, pair / 4), detail_select::word_of(values, i / 2), pair);
         }
       }
     }
   };
-  const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(mine)));
-  if (segment == staged_segment) {
-    const float4* queries = staged_queries + (lane & (copies - 1)) * quads;
-    const int channel_stride = copies * quads;
-    score([&](int c, int h) { return queries[c * channel_stride + h]; });
+  const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(span)));
+  if (segment == staged_segment) {  // a channel's heads `channel_bytes` apart, this lane's copy first
+    const auto* queries = reinterpret_cast<const char*>(staged_queries + (lane & (copies - 1)) * quads);
+    const std::uint32_t channel_bytes = static_cast<std::uint32_t>(copies * quads) * 16u;
+    score([&](std::uint32_t c, int h) { return *reinterpret_cast<const float4*>(queries + c * channel_bytes + 16 * h); });
   } else {
     const float4* queries = head_queries + static_cast<std::size_t>(segment) * kept * quads;
-    score([&](int c, int h) { return __ldg(queries + c * quads + h); });
+    score([&](std::uint32_t c, int h) { return __ldg(queries + c * quads + h); });
   }
   float combined = sum[0];
 #pragma unroll
@@ -13582,9 +13626,10 @@ class engine {
   void prepare_block_keys(const kernel::decode_params& p) {
     if constexpr (block_keys) {  // discarded for other engines, which an explicit instantiation compiles too
       const device_context c = context();
-      device::template block_key_queries<Shapes>(
-          format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
-                                                                kernel::score_heads(shape_.group_size), layout_segments()});
+      block_key_query_context queries{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                      kernel::score_heads(shape_.group_size), layout_segments()};
+      queries.after_pull = dependent_launch_;  // the pass follows the metadata pull as its programmatic dependent
+      device::template block_key_queries<Shapes>(format_state_, format_, queries);
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());
@@ -18523,8 +18568,10 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// per (channel, head) runs that head's chain (heads h and h + 4 for groups over 4). So a
 /// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
 /// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
-/// Grid: (segments x ceil(kept / packed_block_query_columns), num_kv_heads, batch), `segments`
-/// those a sequence of the step's layout can span (`block_key_query_context::segments`);
+/// Launched as the metadata pull's programmatic dependent (on sm_90), it loads the queries, waits
+/// for the pull, then lets the scoring kernel be scheduled. Grid: (segments x ceil(kept /
+/// packed_block_query_columns), num_kv_heads, batch), `segments` those a sequence of the step's
+/// layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
 /// multiply-adds and one read of B_k per (sequence, KV head, segment); 32 KB of static shared
 /// memory for the staged rows, and the group's queries (8 KB at most).
@@ -18552,11 +18599,22 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
   const packed_decode_params& f = p.format;
   const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
-  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile; it reads q_key after this grid
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int group = p.group_size, tid = static_cast<int>(threadIdx.x);
+  // The group's queries, loaded before anything waits: the caller's input, complete before the
+  // metadata pull (an ordinary launch) started.
+  constexpr int held_queries = 8 * HeadDim / threads;  // groups of up to 8 heads
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  float held[held_queries];
+#pragma unroll
+  for (int j = 0; j < held_queries; ++j) held[j] = tid + j * threads < group * HeadDim ? __ldg(source + tid + j * threads) : 0.0f;
+  // A launch as the metadata pull's programmatic dependent: the slots are read after it. Only
+  // then may the scoring be scheduled, which reads the step's tables before it waits for this grid.
+  detail::wait_for_prior_grid();
+  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
-  const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
+  const int kept = f.kept, heads = p.query_heads;
   const int first_column = part * width, columns = min(width, kept - first_column);
   const int column = tid % width, head_slot = tid / width;  // a warp's lanes share the head: query loads broadcast
   const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, slot, segment, head);
@@ -18578,8 +18636,9 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
     detail::async_copy_commit();
   };
   stage_rows(0);
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += threads) q[x] = __ldg(source + x);
+#pragma unroll
+  for (int j = 0; j < held_queries; ++j)
+    if (tid + j * threads < group * HeadDim) q[tid + j * threads] = held[j];
   float acc[2] = {};  // heads head_slot and head_slot + 4
   for (int row0 = 0; row0 < HeadDim; row0 += round_rows) {
     if (row0 > 0) {
@@ -19323,8 +19382,8 @@ struct device_format<format::packed_bitmap> {
     const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
-      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      detail::launch_kernel(kernel::packed_block_queries_kernel<decltype(dim)::value>, grid, dim3(kernel::packed_block_query_threads), 0,
+                            c.engine->stream, c.after_pull, p);
     });
   }
 
@@ -19566,29 +19625,30 @@ class span_selection {
         s.segments_per_sequence = key_queries_.segments_per_sequence;
         s.q_key = key_queries_.q_key;
         const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
-        const kernel::block_key_launch launch = kernel::plan_block_key_scoring(s.key_kept, heads, s.key_bytes, max_shared_);
+        const kernel::block_key_launch launch = block_key_plan(score, heads);
         s.key_query_copies = launch.copies;
         s.key_stride = launch.key_stride;
-        const int spans_per_cta = launch.threads;
         const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
-                        static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                        static_cast<unsigned>(std::max((s.score_stride + launch.threads - 1) / launch.threads, 1)),
                         static_cast<unsigned>(planned_batch_));
-        const int shared = detail::opted_in_shared(score, launch.shared_bytes);
+        const int shared = detail::opted_in_shared(score, launch.shared_bytes, score_static_shared_);
         // Overlapping the query kernel pays only while the whole grid fits on the device at once:
         // CTAs scheduled early would otherwise hold the slots its later waves need
-        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered").
+        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered"; launched as
+        // its dependent at every grid, with the early start only where it fits, it gained nothing:
+        // "The selection's boundaries at every batch").
         if (key_queries_.after_queries && score_wave_ == 0) {
           int device = 0, sms = 0, per_sm = 0;
           KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
           KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, spans_per_cta, static_cast<std::size_t>(shared)));
+          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, launch.threads, static_cast<std::size_t>(shared)));
           score_wave_ = std::max(per_sm * sms, 1);
         }
         const bool overlap = key_queries_.after_queries &&
                              static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
         s.q_key_ready = overlap ? 0 : 1;
         scores_overlapped_ = overlap;  // the whole grid resident: the page top-k may overlap it too
-        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
+        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(launch.threads)), static_cast<std::size_t>(shared), stream,
                               overlap, s);
         return;
       }
@@ -19725,12 +19785,21 @@ class span_selection {
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+  /// The launch of the block-key scoring kernel `score` for groups scored `heads` (4 or 8) at a
+  /// time: the dynamic shared memory left beside its own (asked once).
+  template <class Kernel>
+  kernel::block_key_launch block_key_plan(Kernel score, int heads) {
+    if (score_static_shared_ < 0) score_static_shared_ = detail::static_shared_of(score);
+    return kernel::plan_block_key_scoring(key_queries_.kept, heads, source_.key_bytes, max_shared_ - score_static_shared_);
+  }
+
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
   block_key_source key_queries_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
+  int score_static_shared_ = -1;  ///< the block-key scoring kernel's static shared memory (-1: not asked yet)
   int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
   bool scores_overlapped_ = false;  ///< the step's scoring was launched as a programmatic dependent (its grid resident at once)
   bool row_masks_possible_ = false;

@@ -488,9 +488,10 @@ class engine {
   void prepare_block_keys(const kernel::decode_params& p) {
     if constexpr (block_keys) {  // discarded for other engines, which an explicit instantiation compiles too
       const device_context c = context();
-      device::template block_key_queries<Shapes>(
-          format_state_, format_, block_key_query_context{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
-                                                                kernel::score_heads(shape_.group_size), layout_segments()});
+      block_key_query_context queries{&c, p.q, p.tail_slots, p.sealed_pages, batch_, block_key_queries_.as<float>(),
+                                      kernel::score_heads(shape_.group_size), layout_segments()};
+      queries.after_pull = dependent_launch_;  // the pass follows the metadata pull as its programmatic dependent
+      device::template block_key_queries<Shapes>(format_state_, format_, queries);
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());

@@ -161,6 +161,10 @@ struct block_key_query_context {
   int query_heads;  ///< the group padded to the scoring kernel's heads (`kernel::score_heads`)
   int segments;     ///< segments a sequence of the step's reserved layout can span (<= segments_per_sequence):
                     ///< the pass's launch shape, fixed by the layout as a captured graph needs
+  /// Launch the pass as a programmatic dependent of the stream's last kernel (the metadata pull;
+  /// sm_90): it waits for that kernel before it reads the slots, and lets the scoring kernel be
+  /// scheduled only then.
+  bool after_pull = false;
 };
 
 /// What a format's segment sums are given (formats with `has_segment_sums_v`): the rows of a

@@ -23,6 +23,7 @@
 
 #include "kvmosaic/core/dtype.hpp"
 #include "kvmosaic/core/fast_divisor.hpp"
+#include "kvmosaic/cuda/detail/bulk_copy.cuh"
 #include "kvmosaic/cuda/detail/dependent_launch.cuh"
 #include "kvmosaic/format/format_traits.hpp"
 #include "kvmosaic/select/span_score.hpp"
@@ -109,6 +110,20 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
   const T* values = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
+}
+
+/// Component k (0-3, known at compile time after unrolling) of a 16-byte vector.
+__device__ __forceinline__ std::uint32_t word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+/// The 16-bit value in the low (`high` 0) or high half of a word, as a float: bfloat16 by a shift
+/// or a mask (its bits are a float's upper half), half by its conversion.
+template <class T>
+__device__ __forceinline__ float half_value(std::uint32_t word, int high) {
+  if constexpr (std::is_same_v<T, bfloat16>) return __uint_as_float(high != 0 ? word & 0xffff0000u : word << 16);
+  else {
+    T value;
+    value.bits = static_cast<std::uint16_t>(high != 0 ? word >> 16 : word);
+    return to_float(value);
+  }
 }
 
 /// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
@@ -287,8 +302,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// Block-key scores (`select::mean_keys` over a format with block keys, e.g. packed_bitmap) of
 /// every span, for groups of up to `Heads` query heads (4 or 8), a thread per span. The CTA
 /// stages the queries of its first span's segment (q' [kept][Heads], `key_query_copies` copies
-/// side by side) and each warp its 32 spans' keys, loaded coalesced, in shared memory; then each
-/// thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
+/// side by side) and its spans' keys in shared memory (on sm_90 one bulk copy a key, issued by its
+/// thread; elsewhere each warp's 32 keys by coalesced 16-byte loads), each span's entry id loaded
+/// with the sequence's span count (two dependent round trips before the keys land, not three);
+/// then each thread sums q'[channel][g] x value over its key's r pairs in stored order by fused
 /// multiply-adds from 0 for each head g of the group (the host's
 /// `format_traits::score_block_key`), 16 channels and 8 values a 16-byte load, in whole runs of
 /// 16 pairs with no bound check between them (their query loads issue together), and the heads
@@ -306,43 +323,62 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   constexpr int quads = Heads / 4;  // 16-byte loads of a channel's heads
   extern __shared__ float4 staged_queries[];  // [kept][copies][quads], then [threads][key_stride] keys
   const int threads = static_cast<int>(blockDim.x), tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const bool ready = p.q_key_ready != 0;
   detail::allow_dependent_grids();  // the top-k may be scheduled meanwhile; it reads the scores after this grid
   const int head = static_cast<int>(blockIdx.x), b = static_cast<int>(blockIdx.z);
-  const int spans = p.span_counts[b], first = static_cast<int>(blockIdx.y) * threads;
+  const int first = static_cast<int>(blockIdx.y) * threads, span = first + tid;
+  // The thread's span's entry id, loaded together with the sequence's span count (one round trip,
+  // not two): the entry is clamped to the table's row, so the load is in bounds whatever the count.
+  const auto entry = min(static_cast<int>(p.entry_of_span.divide(static_cast<std::uint32_t>(span))), p.span_table_stride - 1);
+  const auto slot = static_cast<int>(p.entry_of_span.remainder(static_cast<std::uint32_t>(span), static_cast<std::uint32_t>(entry)));
+  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const int spans = p.span_counts[b];
   if (first >= spans) return;
+  const bool live = span < spans;  // else no key of its own: nothing is scored
   const int kept = p.key_kept, copies = p.key_query_copies, r = p.key_retained;
   const auto* head_queries = reinterpret_cast<const float4*>(p.q_key) +
                              (static_cast<std::size_t>(b) * p.num_kv_heads + head) * p.segments_per_sequence * kept * quads;
   const int staged_segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(first)));
   const float4* staged_from = head_queries + static_cast<std::size_t>(staged_segment) * kept * quads;
-  // This thread's span (past the end: the last, loaded but not scored) and its key.
-  const int span = first + tid, mine = min(span, spans - 1);
-  const auto entry = static_cast<int>(p.entry_of_span.divide(static_cast<std::uint32_t>(mine)));
-  const auto slot = static_cast<int>(p.entry_of_span.remainder(static_cast<std::uint32_t>(mine), static_cast<std::uint32_t>(entry)));
-  const std::int32_t id = p.span_tables[static_cast<std::size_t>(b) * p.span_table_stride + entry];
+  const int staged_items = kept * quads;
+  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
+  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
+  // thread's key, at keys + tid x key_stride. The queries are loaded with the keys where they are
+  // complete (`ready`), else once the kernel that writes them is done (a launch as its
+  // programmatic dependent stages the keys while it runs).
   const std::byte* key = p.bounds + static_cast<std::size_t>(id) * p.bounds_entry_bytes +
                          (static_cast<std::size_t>(head) * p.spans_per_entry + slot) * p.key_bytes;
-  // The segment's queries (a channel's heads, stored `copies` times side by side below) and the
-  // warp's 32 keys: chunk c of key s from item s x chunks + c (consecutive lanes, consecutive
-  // chunks), eight loads in flight before their stores. The queries are loaded with the keys
-  // when they are complete at launch, else once the kernel that writes them is done (a launch
-  // as its programmatic dependent stages the keys while it runs).
-  const int staged_items = kept * quads;
-  const bool ready = p.q_key_ready != 0;
-  const float4 first_queries = ready && tid < staged_items ? __ldg(staged_from + tid) : float4{};
-  const int chunks = p.key_bytes / 16, stride = p.key_stride;
+  const int stride = p.key_stride;
   uint4* keys = reinterpret_cast<uint4*>(staged_queries + kept * copies * quads) + (tid - lane) * stride;
+#if KVMOSAIC_HAS_BULK_COPY
+  // sm_90: one bulk copy a live thread's key, completing on the CTA's barrier.
+  __shared__ std::uint64_t keys_landed;
+  if (tid == 0) detail::barrier_init(&keys_landed, static_cast<std::uint32_t>(threads));
+  __syncthreads();
+  if (live) {
+    detail::barrier_arrive_expect(&keys_landed, static_cast<std::uint32_t>(p.key_bytes));
+    detail::bulk_copy_to_shared(keys + lane * stride, key, static_cast<std::uint32_t>(p.key_bytes), &keys_landed);
+  } else {
+    detail::barrier_arrive(&keys_landed);
+  }
+#else
+  // Elsewhere the warp's 32 keys by 16-byte loads: chunk c of key s from item s x chunks + c
+  // (consecutive lanes, consecutive chunks), eight loads in flight before their stores. A thread
+  // past the end copies its warp's first key (lane 0's span is live where any is).
+  const auto* own_key = reinterpret_cast<const std::byte*>(
+      __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), live ? lane : 0));
+  const int chunks = p.key_bytes / 16;
   const auto keys_per_round = static_cast<int>(p.key_of_chunk.divide(32u));  // item += 32 in (key, chunk)
   const auto chunks_past = static_cast<int>(p.key_of_chunk.remainder(32u, static_cast<std::uint32_t>(keys_per_round)));
   auto s = static_cast<int>(p.key_of_chunk.divide(static_cast<std::uint32_t>(lane)));
   auto c = static_cast<int>(p.key_of_chunk.remainder(static_cast<std::uint32_t>(lane), static_cast<std::uint32_t>(s)));
-  for (int round = 0; round < chunks; round += 8) {
+  for (int round = 0; round < chunks && __any_sync(0xffffffffu, live); round += 8) {
     uint4 loaded[8];
     int at[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) {  // uniform across the warp
-        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(key), s));
+        const auto* from = reinterpret_cast<const uint4*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(own_key), s));
         loaded[u] = __ldg(from + c);
         at[u] = s * stride + c;
         s += keys_per_round;
@@ -353,6 +389,7 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
     for (int u = 0; u < 8; ++u)
       if (round + u < chunks) keys[at[u]] = loaded[u];
   }
+#endif
   detail::wait_for_prior_grid();
   for (int x = tid; x < staged_items; x += threads) {
     const float4 q = ready && x == tid ? first_queries : __ldg(staged_from + x);
@@ -363,14 +400,18 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
       if (k < copies) to[((k + x) & (copies - 1)) * quads] = q;
   }
   __syncthreads();
-  if (span >= spans) return;
+#if KVMOSAIC_HAS_BULK_COPY
+  detail::barrier_wait(&keys_landed, 0u);
+#endif
+  if (!live) return;
   const uint4* own = keys + lane * stride;
   const int values_chunk = block_key_layout{r}.values_offset() / 16;
   float sum[Heads] = {};
-  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains.
-  const auto add_pair = [&](const auto& queries_of, const std::uint8_t* channel, const T* value, int i) {
-    const float x = to_float(value[i % 8]);
-    const int c = channel[i];
+  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains. Its channel is byte
+  // i mod 4 of `channels` (one byte permute), its value half i mod 2 of `values`.
+  const auto add_pair = [&](const auto& queries_of, std::uint32_t channels, std::uint32_t values, int i) {
+    const float x = detail_select::half_value<T>(values, i % 2);
+    const std::uint32_t c = __byte_perm(channels, 0u, 0x4440u | static_cast<unsigned>(i % 4));
 #pragma unroll
     for (int h = 0; h < quads; ++h) {
       const float4 q = queries_of(c, h);
@@ -385,35 +426,35 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const auto score = [&](const auto& queries_of) {
     int v = 0;
     for (; v + 16 <= r; v += 16) {
-      const uint4 channel_bytes = own[v / 16];
-      const uint4 value_bits[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
-      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+      const uint4 channels = own[v / 16];
+      const uint4 values[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
 #pragma unroll
-      for (int i = 0; i < 16; ++i) add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits[i / 8]), i);
+      for (int i = 0; i < 16; ++i)
+        add_pair(queries_of, detail_select::word_of(channels, i / 4), detail_select::word_of(values[i / 8], i % 8 / 2), i);
     }
     if (v < r) {
-      const uint4 channel_bytes = own[v / 16];
-      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
+      const uint4 channels = own[v / 16];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (v + 8 * half >= r) break;
-        const uint4 value_bits = own[values_chunk + v / 8 + half];
+        const uint4 values = own[values_chunk + v / 8 + half];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (v + 8 * half + i >= r) break;
-          add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits), 8 * half + i);
+          const int pair = 8 * half + i;
+          add_pair(queries_of, detail_select::word_of(channels, pair / 4), detail_select::word_of(values, i / 2), pair);
         }
       }
     }
   };
-  const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(mine)));
-  if (segment == staged_segment) {
-    const float4* queries = staged_queries + (lane & (copies - 1)) * quads;
-    const int channel_stride = copies * quads;
-    score([&](int c, int h) { return queries[c * channel_stride + h]; });
+  const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(span)));
+  if (segment == staged_segment) {  // a channel's heads `channel_bytes` apart, this lane's copy first
+    const auto* queries = reinterpret_cast<const char*>(staged_queries + (lane & (copies - 1)) * quads);
+    const std::uint32_t channel_bytes = static_cast<std::uint32_t>(copies * quads) * 16u;
+    score([&](std::uint32_t c, int h) { return *reinterpret_cast<const float4*>(queries + c * channel_bytes + 16 * h); });
   } else {
     const float4* queries = head_queries + static_cast<std::size_t>(segment) * kept * quads;
-    score([&](int c, int h) { return __ldg(queries + c * quads + h); });
+    score([&](std::uint32_t c, int h) { return __ldg(queries + c * quads + h); });
   }
   float combined = sum[0];
 #pragma unroll

@@ -179,29 +179,30 @@ class span_selection {
         s.segments_per_sequence = key_queries_.segments_per_sequence;
         s.q_key = key_queries_.q_key;
         const auto score = heads == 4 ? kernel::score_block_keys_kernel<T, head_dim, 4> : kernel::score_block_keys_kernel<T, head_dim, 8>;
-        const kernel::block_key_launch launch = kernel::plan_block_key_scoring(s.key_kept, heads, s.key_bytes, max_shared_);
+        const kernel::block_key_launch launch = block_key_plan(score, heads);
         s.key_query_copies = launch.copies;
         s.key_stride = launch.key_stride;
-        const int spans_per_cta = launch.threads;
         const dim3 grid(static_cast<unsigned>(shape_.num_kv_heads),
-                        static_cast<unsigned>(std::max((s.score_stride + spans_per_cta - 1) / spans_per_cta, 1)),
+                        static_cast<unsigned>(std::max((s.score_stride + launch.threads - 1) / launch.threads, 1)),
                         static_cast<unsigned>(planned_batch_));
-        const int shared = detail::opted_in_shared(score, launch.shared_bytes);
+        const int shared = detail::opted_in_shared(score, launch.shared_bytes, score_static_shared_);
         // Overlapping the query kernel pays only while the whole grid fits on the device at once:
         // CTAs scheduled early would otherwise hold the slots its later waves need
-        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered").
+        // (benchmark/README.md, "The selection's kernels fused, overlapped, clustered"; launched as
+        // its dependent at every grid, with the early start only where it fits, it gained nothing:
+        // "The selection's boundaries at every batch").
         if (key_queries_.after_queries && score_wave_ == 0) {
           int device = 0, sms = 0, per_sm = 0;
           KVMOSAIC_CUDA_CHECK(cudaGetDevice(&device));
           KVMOSAIC_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, spans_per_cta, static_cast<std::size_t>(shared)));
+          KVMOSAIC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, score, launch.threads, static_cast<std::size_t>(shared)));
           score_wave_ = std::max(per_sm * sms, 1);
         }
         const bool overlap = key_queries_.after_queries &&
                              static_cast<long long>(grid.x) * grid.y * grid.z <= static_cast<long long>(score_wave_);
         s.q_key_ready = overlap ? 0 : 1;
         scores_overlapped_ = overlap;  // the whole grid resident: the page top-k may overlap it too
-        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(spans_per_cta)), static_cast<std::size_t>(shared), stream,
+        detail::launch_kernel(score, grid, dim3(static_cast<unsigned>(launch.threads)), static_cast<std::size_t>(shared), stream,
                               overlap, s);
         return;
       }
@@ -338,12 +339,21 @@ class span_selection {
  private:
   static std::size_t align(std::size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+  /// The launch of the block-key scoring kernel `score` for groups scored `heads` (4 or 8) at a
+  /// time: the dynamic shared memory left beside its own (asked once).
+  template <class Kernel>
+  kernel::block_key_launch block_key_plan(Kernel score, int heads) {
+    if (score_static_shared_ < 0) score_static_shared_ = detail::static_shared_of(score);
+    return kernel::plan_block_key_scoring(key_queries_.kept, heads, source_.key_bytes, max_shared_ - score_static_shared_);
+  }
+
   kvmosaic::detail::engine_shape shape_;
   span_source source_{};
   block_key_source key_queries_{};
   int max_dynamic_shared_ = 48 * 1024;  ///< the most dynamic shared memory select_spans_kernel may opt in to
   int max_shared_ = 48 * 1024;          ///< the most shared memory a CTA may opt in to
   int spans_static_shared_ = 0, pages_static_shared_ = 0;  ///< the top-k kernels' static shared memory
+  int score_static_shared_ = -1;  ///< the block-key scoring kernel's static shared memory (-1: not asked yet)
   int score_wave_ = 0;  ///< CTAs of the block-key scoring kernel the device holds at once (0: not asked yet)
   bool scores_overlapped_ = false;  ///< the step's scoring was launched as a programmatic dependent (its grid resident at once)
   bool row_masks_possible_ = false;

@@ -119,8 +119,10 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// per (channel, head) runs that head's chain (heads h and h + 4 for groups over 4). So a
 /// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
 /// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
-/// Grid: (segments x ceil(kept / packed_block_query_columns), num_kv_heads, batch), `segments`
-/// those a sequence of the step's layout can span (`block_key_query_context::segments`);
+/// Launched as the metadata pull's programmatic dependent (on sm_90), it loads the queries, waits
+/// for the pull, then lets the scoring kernel be scheduled. Grid: (segments x ceil(kept /
+/// packed_block_query_columns), num_kv_heads, batch), `segments` those a sequence of the step's
+/// layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
 /// multiply-adds and one read of B_k per (sequence, KV head, segment); 32 KB of static shared
 /// memory for the staged rows, and the group's queries (8 KB at most).
@@ -148,11 +150,22 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
   const packed_decode_params& f = p.format;
   const int parts = (f.kept + width - 1) / width;
   const int segment = static_cast<int>(blockIdx.x) / parts, part = static_cast<int>(blockIdx.x) % parts;
-  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile; it reads q_key after this grid
   const int head = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int group = p.group_size, tid = static_cast<int>(threadIdx.x);
+  // The group's queries, loaded before anything waits: the caller's input, complete before the
+  // metadata pull (an ordinary launch) started.
+  constexpr int held_queries = 8 * HeadDim / threads;  // groups of up to 8 heads
+  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
+  float held[held_queries];
+#pragma unroll
+  for (int j = 0; j < held_queries; ++j) held[j] = tid + j * threads < group * HeadDim ? __ldg(source + tid + j * threads) : 0.0f;
+  // A launch as the metadata pull's programmatic dependent: the slots are read after it. Only
+  // then may the scoring be scheduled, which reads the step's tables before it waits for this grid.
+  detail::wait_for_prior_grid();
+  detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
   if (segment * f.segment_pages >= sealed) return;
-  const int kept = f.kept, group = p.group_size, heads = p.query_heads, tid = static_cast<int>(threadIdx.x);
+  const int kept = f.kept, heads = p.query_heads;
   const int first_column = part * width, columns = min(width, kept - first_column);
   const int column = tid % width, head_slot = tid / width;  // a warp's lanes share the head: query loads broadcast
   const packed_entry e = packed_entry::at(f, HeadDim, p.num_kv_heads, slot, segment, head);
@@ -174,8 +187,9 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
     detail::async_copy_commit();
   };
   stage_rows(0);
-  const float* source = p.q + (static_cast<std::size_t>(b) * p.num_kv_heads + head) * group * HeadDim;
-  for (int x = tid; x < group * HeadDim; x += threads) q[x] = __ldg(source + x);
+#pragma unroll
+  for (int j = 0; j < held_queries; ++j)
+    if (tid + j * threads < group * HeadDim) q[tid + j * threads] = held[j];
   float acc[2] = {};  // heads head_slot and head_slot + 4
   for (int row0 = 0; row0 < HeadDim; row0 += round_rows) {
     if (row0 > 0) {

@@ -282,8 +282,8 @@ struct device_format<format::packed_bitmap> {
     const dim3 grid(static_cast<unsigned>(c.segments * parts), static_cast<unsigned>(p.num_kv_heads),
                     static_cast<unsigned>(c.batch));
     detail::dispatch_shape(Shapes{}, c.engine->shape->storage, c.engine->shape->head_dim, 0, [&](auto, auto dim, auto) {
-      kernel::packed_block_queries_kernel<decltype(dim)::value><<<grid, kernel::packed_block_query_threads, 0, c.engine->stream>>>(p);
-      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+      detail::launch_kernel(kernel::packed_block_queries_kernel<decltype(dim)::value>, grid, dim3(kernel::packed_block_query_threads), 0,
+                            c.engine->stream, c.after_pull, p);
     });
   }
 

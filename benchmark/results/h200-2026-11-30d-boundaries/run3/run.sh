@@ -1,0 +1,34 @@
+#!/bin/bash
+# s44 run 3: `e4` (e3 with each thread's key copied by cp.async instead of one bulk copy a key,
+# which the compiler serialized across the warp) against `e3` (run 2's) and main (0ebaf67), two
+# rounds alternating, nothing beside them; then packed_bitmap's [select] GPU cases on e4, and
+# Nsight Compute's source-level samples of the scoring and query-rotation kernels.
+# Run from the repository root, with build-carry/s44/bins1.tar.xz, bins2.tar.xz, bins3.tar.xz carried.
+mkdir -p /tmp/s44r3 && for t in 1 2 3; do tar xJf build-carry/s44/bins$t.tar.xz -C /tmp/s44r3; done
+cd /tmp/s44r3
+export LD_LIBRARY_PATH=$PWD:$LD_LIBRARY_PATH
+R=$OUT/results; mkdir -p $R
+nvidia-smi -L > $R/device.txt
+F='dense_decode/batch:8/context:131072/group:4/head_dim:128/|packed_bitmap_g4_mean_keys_decode/batch:(1|8)/context:(32768|131072)/group:4/head_dim:128/retained:25/budget_inverse:16/page:16/|packed_bitmap_g4_mean_keys_decode/batch:8/context:131072/group:4/head_dim:128/retained:25/budget_inverse:8/page:16/'
+show() { python3 -c "
+import json,sys
+for b in json.load(open('$1'))['benchmarks']: print('$2', b['name'].split('/iter')[0].replace('/group:4/head_dim:128','').replace('/retained:25',''), round(b['time_us'],1), 'select_us', round(b.get('select_us',0),1))"; }
+for round in 1 2; do
+for b in bench_e4 bench_e3 bench_main; do
+  timeout 120 ./$b --benchmark_filter="$F" --benchmark_out=$R/${b}_$round.json --benchmark_out_format=json > $R/${b}_$round.txt 2>&1
+  show $R/${b}_$round.json $b
+done
+done
+timeout 200 ./t_pb4 "[packed_bitmap][select]" > $R/gpu_packed_select.txt 2>&1; echo "rc $?" >> $R/gpu_packed_select.txt
+tail -n 3 $R/gpu_packed_select.txt
+M='packed_bitmap_g4_mean_keys_decode/batch:8/context:131072/group:4/head_dim:128/retained:25/budget_inverse:16/page:16/'
+NCU=$(which ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+timeout 60 $NCU --clock-control none -k regex:"packed_block_queries|score_block|select_pages|decode_partial_packed|merge_splits" --launch-count 5 --metrics gpu__time_duration.sum,smsp__inst_executed.sum ./bench_e4 --benchmark_filter="$M" --benchmark_min_time=0.01 > $R/ncu_step_e4.txt 2>&1
+grep -E "^  [a-z].*\(|gpu__time|inst_executed" $R/ncu_step_e4.txt | awk '{print $1, $2, $NF}' | head -15
+for k in score_block_keys packed_block_queries; do
+  timeout 120 $NCU --clock-control none -k regex:"$k" --launch-count 1 --set full --import-source yes -o /tmp/s44r3/$k ./bench_e4 --benchmark_filter="$M" --benchmark_min_time=0.01 > $R/ncu_$k.log 2>&1
+  $NCU --import /tmp/s44r3/$k.ncu-rep --page source --csv --print-source sass > $R/ncu_${k}_source.csv 2>&1
+  $NCU --import /tmp/s44r3/$k.ncu-rep --page details > $R/ncu_${k}_details.txt 2>&1
+  wc -l $R/ncu_${k}_source.csv
+done
+cd $OUT && tar czf results.tgz results && rm -rf results
