@@ -112,20 +112,6 @@ __device__ __forceinline__ void to_floats(const raw_vector<Count>& raw, float* o
   for (int i = 0; i < Count; ++i) out[i] = to_float(values[i]);
 }
 
-/// Component k (0-3, known at compile time after unrolling) of a 16-byte vector.
-__device__ __forceinline__ std::uint32_t word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
-/// The 16-bit value in the low (`high` 0) or high half of a word, as a float: bfloat16 by a shift
-/// or a mask (its bits are a float's upper half), half by its conversion.
-template <class T>
-__device__ __forceinline__ float half_value(std::uint32_t word, int high) {
-  if constexpr (std::is_same_v<T, bfloat16>) return __uint_as_float(high != 0 ? word & 0xffff0000u : word << 16);
-  else {
-    T value;
-    value.bits = static_cast<std::uint16_t>(high != 0 ? word >> 16 : word);
-    return to_float(value);
-  }
-}
-
 /// One level of `reduce_scatter`: of v[0, 2 Half) the lane keeps one half (the upper where bit
 /// Half of its lane is set) and adds the other's, sent by lane ^ Half, into v[0, Half).
 template <int Half>
@@ -407,11 +393,10 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const uint4* own = keys + lane * stride;
   const int values_chunk = block_key_layout{r}.values_offset() / 16;
   float sum[Heads] = {};
-  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains. Its channel is byte
-  // i mod 4 of `channels` (one byte permute), its value half i mod 2 of `values`.
-  const auto add_pair = [&](const auto& queries_of, std::uint32_t channels, std::uint32_t values, int i) {
-    const float x = detail_select::half_value<T>(values, i % 2);
-    const std::uint32_t c = __byte_perm(channels, 0u, 0x4440u | static_cast<unsigned>(i % 4));
+  // Pair i of a run of 16: q'[channel][heads] x value into the heads' chains.
+  const auto add_pair = [&](const auto& queries_of, const std::uint8_t* channel, const T* value, int i) {
+    const float x = to_float(value[i % 8]);
+    const int c = channel[i];
 #pragma unroll
     for (int h = 0; h < quads; ++h) {
       const float4 q = queries_of(c, h);
@@ -426,35 +411,35 @@ __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_p
   const auto score = [&](const auto& queries_of) {
     int v = 0;
     for (; v + 16 <= r; v += 16) {
-      const uint4 channels = own[v / 16];
-      const uint4 values[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
+      const uint4 channel_bytes = own[v / 16];
+      const uint4 value_bits[2] = {own[values_chunk + v / 8], own[values_chunk + v / 8 + 1]};
+      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
 #pragma unroll
-      for (int i = 0; i < 16; ++i)
-        add_pair(queries_of, detail_select::word_of(channels, i / 4), detail_select::word_of(values[i / 8], i % 8 / 2), i);
+      for (int i = 0; i < 16; ++i) add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits[i / 8]), i);
     }
     if (v < r) {
-      const uint4 channels = own[v / 16];
+      const uint4 channel_bytes = own[v / 16];
+      const auto* channel = reinterpret_cast<const std::uint8_t*>(&channel_bytes);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (v + 8 * half >= r) break;
-        const uint4 values = own[values_chunk + v / 8 + half];
+        const uint4 value_bits = own[values_chunk + v / 8 + half];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (v + 8 * half + i >= r) break;
-          const int pair = 8 * half + i;
-          add_pair(queries_of, detail_select::word_of(channels, pair / 4), detail_select::word_of(values, i / 2), pair);
+          add_pair(queries_of, channel, reinterpret_cast<const T*>(&value_bits), 8 * half + i);
         }
       }
     }
   };
   const auto segment = static_cast<int>(p.segment_of_span.divide(static_cast<std::uint32_t>(span)));
-  if (segment == staged_segment) {  // a channel's heads `channel_bytes` apart, this lane's copy first
-    const auto* queries = reinterpret_cast<const char*>(staged_queries + (lane & (copies - 1)) * quads);
-    const std::uint32_t channel_bytes = static_cast<std::uint32_t>(copies * quads) * 16u;
-    score([&](std::uint32_t c, int h) { return *reinterpret_cast<const float4*>(queries + c * channel_bytes + 16 * h); });
+  if (segment == staged_segment) {
+    const float4* queries = staged_queries + (lane & (copies - 1)) * quads;
+    const int channel_stride = copies * quads;
+    score([&](int c, int h) { return queries[c * channel_stride + h]; });
   } else {
     const float4* queries = head_queries + static_cast<std::size_t>(segment) * kept * quads;
-    score([&](std::uint32_t c, int h) { return __ldg(queries + c * quads + h); });
+    score([&](int c, int h) { return __ldg(queries + c * quads + h); });
   }
   float combined = sum[0];
 #pragma unroll
