@@ -2679,43 +2679,79 @@ std::vector<float> packed_basis(const Real* covariance, std::int64_t n, int head
   return basis;
 }
 
-/// The groups a record keeps: of the kept / g groups of y ([kept]), the r / g of largest energy
-/// (ties: the lower group), in increasing order, into `chosen`.
-inline void packed_choose_groups(const float* y, int kept, const packed_strategy& s, std::vector<int>& order,
-                                 std::vector<float>& energy, std::vector<int>& chosen) {
-  const int groups = kept / s.group, keep = s.retained / s.group;
-  energy.assign(static_cast<std::size_t>(groups), 0.0f);
-  for (int j = 0; j < groups; ++j)
-    for (int i = 0; i < s.group; ++i) {
-      const float value = y[j * s.group + i];
+/// Each group's energy: energy[j] = the squares of y[j g .. j g + g) added in order from 0, for
+/// the kept / g groups of y ([kept]).
+inline void packed_group_energies(const float* y, int kept, int group, std::vector<float>& energy) {
+  energy.assign(static_cast<std::size_t>(kept / group), 0.0f);
+  for (int j = 0; j < kept / group; ++j)
+    for (int i = 0; i < group; ++i) {
+      const float value = y[j * group + i];
       energy[static_cast<std::size_t>(j)] += value * value;
     }
-  order.resize(static_cast<std::size_t>(groups));
-  std::iota(order.begin(), order.end(), 0);
-  const auto greater = [&](int a, int b) {
-    const float ea = energy[static_cast<std::size_t>(a)], eb = energy[static_cast<std::size_t>(b)];
-    // NaN ranks first (a record keeps what it cannot judge), then energy, then the lower group.
+}
+
+/// The order a record ranks its groups in (a strict total order): NaN first (a record keeps what
+/// it cannot judge), then higher energy, then the lower group.
+struct packed_group_order {
+  const float* energy;
+  bool operator()(int a, int b) const {
+    const float ea = energy[a], eb = energy[b];
     if (std::isnan(ea) != std::isnan(eb)) return std::isnan(ea);
     return ea > eb || (!(ea < eb) && a < b);
-  };
-  std::partial_sort(order.begin(), order.begin() + keep, order.end(), greater);
+  }
+};
+
+/// The groups a record keeps: of the kept / g groups of y ([kept]), the r / g first in
+/// `packed_group_order`, in increasing order, into `chosen`.
+inline void packed_choose_groups(const float* y, int kept, const packed_strategy& s, std::vector<int>& order,
+                                 std::vector<float>& energy, std::vector<int>& chosen) {
+  const int keep = s.retained / s.group;
+  packed_group_energies(y, kept, s.group, energy);
+  order.resize(energy.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), packed_group_order{energy.data()});
   chosen.assign(order.begin(), order.begin() + keep);
   std::sort(chosen.begin(), chosen.end());
 }
 
-/// Relative squared error of `candidate` over rotated rows y ([n][kept]) of rows whose squared
-/// norms sum to `total` (the truncated energy counts as lost).
-inline double packed_loss(const std::vector<float>& y, std::int64_t n, int kept, double total, const packed_strategy& candidate) {
-  if (!(total > 0)) return 0.0;
-  std::vector<int> order, chosen;
-  std::vector<float> energy;
-  double stored = 0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    const float* row = y.data() + static_cast<std::size_t>(t) * kept;
-    packed_choose_groups(row, kept, candidate, order, energy, chosen);
-    for (const int j : chosen) stored += energy[static_cast<std::size_t>(j)];
+/// The relative squared errors of every candidate of group size `group` (`candidates[i].group`;
+/// written to `loss[i]`) over rotated rows y ([n][kept]) of rows whose squared norms sum to
+/// `total` (the truncated energy counts as lost): each is what `packed_choose_groups` keeps of
+/// every row, its groups' energies added in increasing group order, row after row. One pass
+/// over the rows for all rates of a group size: per row the groups' energies and one partial
+/// sort to the deepest rate's groups (the order is total, so each rate's groups are a prefix of
+/// it). Cost per row: kept multiply-adds, a partial sort of G = kept / group groups, and G steps
+/// a rate.
+inline void packed_group_losses(const std::vector<float>& y, std::int64_t n, int kept, double total,
+                                const std::vector<packed_strategy>& candidates, int group, std::vector<double>& loss) {
+  std::vector<std::size_t> rates;  // the candidates of this group size
+  int deepest = 0;
+  for (std::size_t i = 0; i < candidates.size(); ++i)
+    if (candidates[i].group == group) {
+      rates.push_back(i);
+      deepest = std::max(deepest, candidates[i].retained / group);
+    }
+  if (!(total > 0)) {
+    for (const std::size_t i : rates) loss[i] = 0.0;
+    return;
   }
-  return std::max(0.0, (total - stored) / total);
+  const int groups = kept / group;
+  std::vector<float> energy;
+  std::vector<int> order(static_cast<std::size_t>(groups)), rank(static_cast<std::size_t>(groups));
+  std::vector<double> stored(rates.size(), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    packed_group_energies(y.data() + static_cast<std::size_t>(t) * kept, kept, group, energy);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + deepest, order.end(), packed_group_order{energy.data()});
+    std::fill(rank.begin(), rank.end(), groups);
+    for (int k = 0; k < deepest; ++k) rank[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])] = k;
+    for (std::size_t m = 0; m < rates.size(); ++m) {
+      const int keep = candidates[rates[m]].retained / group;
+      for (int j = 0; j < groups; ++j)
+        if (rank[static_cast<std::size_t>(j)] < keep) stored[m] += energy[static_cast<std::size_t>(j)];
+    }
+  }
+  for (std::size_t m = 0; m < rates.size(); ++m) loss[rates[m]] = std::max(0.0, (total - stored[m]) / total);
 }
 
 /// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
@@ -2748,8 +2784,13 @@ packed_strategy packed_search(const format::packed_bitmap& f, const packed_geome
   Eigen::Map<row_major>(y.data(), n, g.kept).noalias() = x * b;
   const double total = x.template cast<double>().squaredNorm();
   if (!std::isfinite(total)) return fallback;
-  for (const packed_strategy& candidate : packed_candidates(g))
-    if (packed_loss(y, n, g.kept, total, candidate) <= f.loss_threshold) return candidate;
+  // Candidates in order; each group size's losses from one pass, the first time one is needed.
+  const std::vector<packed_strategy> candidates = packed_candidates(g);
+  std::vector<double> loss(candidates.size(), -1.0);
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    if (loss[i] < 0) packed_group_losses(y, n, g.kept, total, candidates, candidates[i].group, loss);
+    if (loss[i] <= f.loss_threshold) return candidates[i];
+  }
   return fallback;
 }
 
