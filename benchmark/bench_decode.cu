@@ -193,6 +193,10 @@ void decode(benchmark::State& state) {
   if (const char* cost = std::getenv("KVMOSAIC_BENCH_SPLIT_COST"); cost != nullptr)
     kv.engine().set_split_cost_pages(std::atoi(cost));
   state.counters["split_cost_pages"] = kv.engine().split_cost_pages();
+  // Tuning experiments: KVMOSAIC_BENCH_TARGET_SPLITS sets the splits a KV head's wave aims for
+  // (one wave of the device otherwise).
+  if (const char* splits = std::getenv("KVMOSAIC_BENCH_TARGET_SPLITS"); splits != nullptr)
+    kv.engine().set_target_splits(std::atoi(splits));
 
   // Prefill every sequence in chunks from one random source (the bytes differ per page slot).
   const int chunk = std::min(context, 16384);
