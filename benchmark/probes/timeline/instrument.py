@@ -56,8 +56,9 @@ def main():
             continue
         pieces, at = [], 0
         for match in re.finditer(r"__global__", text):
-            if match.start() < at:
-                continue
+            line_start = text.rfind("\n", 0, match.start()) + 1
+            if match.start() < at or text[line_start:match.start()].lstrip().startswith("//"):
+                continue  # inside a kernel already patched, or a comment
             body = text.find(") {\n", match.start())
             pieces.append(text[at:body + 4])
             pieces.append("  ::kvmosaic::cuda::detail::tl_scope kvmosaic_timeline_scope;\n")
