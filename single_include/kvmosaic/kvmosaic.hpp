@@ -2400,6 +2400,7 @@ struct hides_sink_rows<format::quant<Bits, V>> : std::true_type {};
 /// segment then uses the identity basis (no rotation) and the non-finite values stay in the
 /// records that select them, so only the outputs that read them are affected.
 
+#include <functional>
 
 // ---- begin <kvmosaic/core/fused.hpp> ----
 /// \file
@@ -2704,44 +2705,92 @@ inline void packed_choose_groups(const float* y, int kept, const packed_strategy
   std::sort(chosen.begin(), chosen.end());
 }
 
+/// Adds to `stored[m]`, for each of `count` rates keeping `keep[m]` groups, the energies of the
+/// groups that `packed_choose_groups` keeps of one row (`energy`, `groups` of them, no NaN), in
+/// increasing group order. A rate keeps every group above its threshold, the keep-th largest
+/// energy, and of those equal to it the lowest-numbered (`packed_group_order`). Up to 128 groups
+/// each group's place in that order is counted without branches (G^2 comparisons, which the
+/// compiler vectorizes); past that the thresholds come from selections (`std::nth_element`, from
+/// the deepest rate down, each on the prefix the one before left), O(G) but branchy: each is the
+/// faster there by measurement (benchmark/README.md, "packed_bitmap's strategy search without
+/// branches"). The sums skip no group: a group a rate leaves adds 0, which leaves a sum of
+/// non-negative energies as it was, bit for bit.
+inline void packed_add_kept(const float* energy, int groups, const int* keep, int count, double* stored,
+                            std::vector<int>& rank, std::vector<float>& selected) {
+  if (groups <= 128) {
+    rank.resize(static_cast<std::size_t>(groups));
+    for (int j = 0; j < groups; ++j) {  // before j: higher or equal energy; from j on: higher
+      const float ej = energy[j];
+      int before = 0;
+      for (int i = 0; i < j; ++i) before += static_cast<int>(energy[i] >= ej);
+      for (int i = j + 1; i < groups; ++i) before += static_cast<int>(energy[i] > ej);
+      rank[static_cast<std::size_t>(j)] = before;
+    }
+    for (int m = 0; m < count; ++m) {
+      double sum = stored[m];
+      for (int j = 0; j < groups; ++j) sum += rank[static_cast<std::size_t>(j)] < keep[m] ? static_cast<double>(energy[j]) : 0.0;
+      stored[m] = sum;
+    }
+    return;
+  }
+  selected.assign(energy, energy + groups);
+  int prefix = groups;
+  for (int m = 0; m < count; ++m) {
+    const auto nth = selected.begin() + (keep[m] - 1);
+    std::nth_element(selected.begin(), nth, selected.begin() + prefix, std::greater<float>());
+    const float threshold = *nth;
+    // The groups equal to the threshold it keeps: keep less those above it.
+    int ties = keep[m] - static_cast<int>(std::count_if(selected.begin(), nth, [&](float e) { return e > threshold; }));
+    prefix = keep[m];
+    double sum = stored[m];
+    for (int j = 0; j < groups; ++j) {
+      const bool tie = energy[j] == threshold;
+      const bool take = energy[j] > threshold || (tie && ties > 0);
+      ties -= static_cast<int>(tie);
+      sum += take ? static_cast<double>(energy[j]) : 0.0;
+    }
+    stored[m] = sum;
+  }
+}
+
 /// The relative squared errors of every candidate of group size `group` (`candidates[i].group`;
 /// written to `loss[i]`) over rotated rows y ([n][kept]) of rows whose squared norms sum to
 /// `total` (the truncated energy counts as lost): each is what `packed_choose_groups` keeps of
 /// every row, its groups' energies added in increasing group order, row after row. One pass
-/// over the rows for all rates of a group size: per row the groups' energies and one partial
-/// sort to the deepest rate's groups (the order is total, so each rate's groups are a prefix of
-/// it). Cost per row: kept multiply-adds, a partial sort of G = kept / group groups, and G steps
-/// a rate.
+/// over the rows for all rates of a group size (`packed_add_kept`); a row with a NaN energy keeps
+/// it (NaN ranks first) in every rate. Cost per row: kept multiply-adds, then G^2 vectorized
+/// comparisons (G = kept / group <= 128) or three selections of G, and G steps a rate.
 inline void packed_group_losses(const std::vector<float>& y, std::int64_t n, int kept, double total,
                                 const std::vector<packed_strategy>& candidates, int group, std::vector<double>& loss) {
-  std::vector<std::size_t> rates;  // the candidates of this group size
-  int deepest = 0;
+  constexpr int max_rates = 3;  // `packed_candidates`: three rates at most a group size
+  std::size_t rates[max_rates] = {};
+  int keep[max_rates] = {}, count = 0;
   for (std::size_t i = 0; i < candidates.size(); ++i)
     if (candidates[i].group == group) {
-      rates.push_back(i);
-      deepest = std::max(deepest, candidates[i].retained / group);
+      require(count < max_rates, "packed_group_losses", "candidates of one group size", count + 1, "at most 3");
+      rates[count++] = i;
     }
+  // Deepest first: the selections narrow from its groups (an insertion sort of at most three).
+  for (int m = 1; m < count; ++m)
+    for (int k = m; k > 0 && candidates[rates[k - 1]].retained < candidates[rates[k]].retained; --k) std::swap(rates[k - 1], rates[k]);
+  for (int m = 0; m < count; ++m) keep[m] = candidates[rates[m]].retained / group;
   if (!(total > 0)) {
-    for (const std::size_t i : rates) loss[i] = 0.0;
+    for (int m = 0; m < count; ++m) loss[rates[m]] = 0.0;
     return;
   }
   const int groups = kept / group;
-  std::vector<float> energy;
-  std::vector<int> order(static_cast<std::size_t>(groups)), rank(static_cast<std::size_t>(groups));
-  std::vector<double> stored(rates.size(), 0.0);
+  std::vector<float> energy, selected;
+  std::vector<int> rank;
+  double stored[max_rates] = {};
   for (std::int64_t t = 0; t < n; ++t) {
     packed_group_energies(y.data() + static_cast<std::size_t>(t) * kept, kept, group, energy);
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + deepest, order.end(), packed_group_order{energy.data()});
-    std::fill(rank.begin(), rank.end(), groups);
-    for (int k = 0; k < deepest; ++k) rank[static_cast<std::size_t>(order[static_cast<std::size_t>(k)])] = k;
-    for (std::size_t m = 0; m < rates.size(); ++m) {
-      const int keep = candidates[rates[m]].retained / group;
-      for (int j = 0; j < groups; ++j)
-        if (rank[static_cast<std::size_t>(j)] < keep) stored[m] += energy[static_cast<std::size_t>(j)];
+    if (std::any_of(energy.begin(), energy.end(), [](float e) { return std::isnan(e); })) {
+      for (double& sum : stored) sum = std::numeric_limits<double>::quiet_NaN();
+      continue;
     }
+    packed_add_kept(energy.data(), groups, keep, count, stored, rank, selected);
   }
-  for (std::size_t m = 0; m < rates.size(); ++m) loss[rates[m]] = std::max(0.0, (total - stored[m]) / total);
+  for (int m = 0; m < count; ++m) loss[rates[m]] = std::max(0.0, (total - stored[m]) / total);
 }
 
 /// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../support/oracle.hpp"
@@ -519,6 +521,54 @@ TEST_CASE("packed_bitmap: the strategy search picks what a brute-force evaluatio
     f.block_variance_threshold = static_cast<float>(threshold);
     const int expect = threshold >= variance[0] ? 16 : threshold >= variance[1] ? 8 : 4;
     CHECK(traits::plan_segment(f, shape, k.data(), v.data(), 512).block_tokens == expect);
+  }
+}
+
+TEST_CASE("packed_bitmap: the search's losses equal a brute force's, bit for bit, with ties, by ranks and by selections",
+          "[packed_bitmap]") {
+  // detail::packed_group_losses against the definition: per row, each group's fp32 energy (its
+  // squares added in order), the first keep groups by (energy descending, group ascending), their
+  // energies added in increasing group order into a double across rows. Values from a small set
+  // make exact ties common; kept = 96 (24 to 96 groups: the ranks) and 256 at g = 1 (256 groups:
+  // the selections).
+  std::mt19937 random(46);
+  for (const int kept : {96, 256}) {
+    const std::int64_t n = 300;
+    std::vector<float> y(static_cast<std::size_t>(n) * kept);
+    for (float& x : y) x = static_cast<float>(static_cast<int>(random() % 5) - 2) * (random() % 7 == 0 ? 0.5f : 1.0f);
+    double total = 0;
+    for (const float x : y) total += static_cast<double>(x) * x;
+    total *= 1.25;  // the truncated channels' energy, as the search counts it
+    for (const int group : {4, 2, 1}) {
+      std::vector<detail::packed_strategy> candidates;
+      for (const int r : {kept / 8, kept / 4, kept * 3 / 8}) candidates.push_back({r / group * group, group});
+      candidates.push_back({kept / 4, group == 1 ? 2 : 1});  // another group size: left alone
+      std::vector<double> loss(candidates.size(), -1.0);
+      detail::packed_group_losses(y, n, kept, total, candidates, group, loss);
+      CHECK(loss.back() == -1.0);
+      for (std::size_t c = 0; c + 1 < candidates.size(); ++c) {
+        const int keep = candidates[c].retained / group, groups = kept / group;
+        double stored = 0;
+        for (std::int64_t t = 0; t < n; ++t) {
+          std::vector<std::pair<float, int>> ranked;
+          std::vector<float> energy(static_cast<std::size_t>(groups), 0.0f);
+          for (int j = 0; j < groups; ++j) {
+            for (int i = 0; i < group; ++i) {
+              const float x = y[static_cast<std::size_t>(t * kept + j * group + i)];
+              energy[static_cast<std::size_t>(j)] += x * x;
+            }
+            ranked.emplace_back(-energy[static_cast<std::size_t>(j)], j);
+          }
+          std::sort(ranked.begin(), ranked.end());
+          std::vector<int> chosen;
+          for (int k = 0; k < keep; ++k) chosen.push_back(ranked[static_cast<std::size_t>(k)].second);
+          std::sort(chosen.begin(), chosen.end());
+          for (const int j : chosen) stored += energy[static_cast<std::size_t>(j)];
+        }
+        INFO("kept " << kept << " g " << group << " r " << candidates[c].retained);
+        CHECK(loss[c] == std::max(0.0, (total - stored) / total));
+      }
+    }
   }
 }
 
