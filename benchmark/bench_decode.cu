@@ -565,8 +565,8 @@ BENCHMARK(decode<format::packed_bitmap>)
     ->Unit(benchmark::kMicrosecond);
 
 // The same with MosaicKV's strategy search (section 5.5) in slots of 25%: each segment and KV
-// head picks its rate and g for K and V (loss threshold 0.05), which the prefill's plan does on
-// the host from the segment's rows (prefill_us_per_page counts it).
+// head picks its rate and g for K and V (loss threshold 0.05) from sums over the segment's rows
+// that the device computes (prefill_us_per_page counts it).
 BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper_search>)
     ->Name("packed_bitmap_search_decode")
     ->ArgNames({"batch", "context", "group", "head_dim", "retained"})

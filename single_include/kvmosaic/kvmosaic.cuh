@@ -880,6 +880,21 @@ template <class Format>
 inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
+/// format_traits<Format>::segment_search_sum_count exists (a format whose plan reads rows, from
+/// sums of them a device may compute: `search_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_search_sums_of : std::false_type {};
+template <class Traits>
+struct segment_search_sums_of<Traits, std::void_t<decltype(&Traits::segment_search_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format planned from sums (`has_segment_sums_v`) makes the part of its plan that
+/// reads rows from other sums of them that a device may compute (`format_traits::
+/// segment_search_sum_count`, `search_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_search_sums_v = has_segment_sums_v<Format> && detail::segment_search_sums_of<format_traits<Format>>::value;
+
+namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.
 struct no_segment {};
 template <class Format, bool = has_segments_v<Format>>
@@ -2681,13 +2696,15 @@ std::vector<float> packed_basis(const Real* covariance, std::int64_t n, int head
 }
 
 /// Each group's energy: energy[j] = the squares of y[j g .. j g + g) added in order from 0, for
-/// the kept / g groups of y ([kept]).
+/// the kept / g groups of y ([kept]). Each square is rounded to fp32 before it is added (the
+/// product of two fp32 values is exact in fp64), so that no contraction into a fused
+/// multiply-add changes the bits a device computes.
 inline void packed_group_energies(const float* y, int kept, int group, std::vector<float>& energy) {
   energy.assign(static_cast<std::size_t>(kept / group), 0.0f);
   for (int j = 0; j < kept / group; ++j)
     for (int i = 0; i < group; ++i) {
-      const float value = y[j * group + i];
-      energy[static_cast<std::size_t>(j)] += value * value;
+      const double value = y[j * group + i];
+      energy[static_cast<std::size_t>(j)] += static_cast<float>(value * value);
     }
 }
 
@@ -2763,45 +2780,64 @@ inline void packed_add_kept(const float* energy, int groups, const int* keep, in
   }
 }
 
-/// The relative squared errors of every candidate of group size `group` (`candidates[i].group`;
-/// written to `loss[i]`) over rotated rows y ([n][kept]) of rows whose squared norms sum to
-/// `total` (the truncated energy counts as lost): each is what `packed_choose_groups` keeps of
-/// every row, its groups' energies added in increasing group order, row after row. One pass
-/// over the rows for all rates of a group size (`packed_add_kept`); a row with a NaN energy keeps
-/// it (NaN ranks first) in every rate. Cost per row: kept multiply-adds, then G^2 vectorized
-/// comparisons (G = kept / group <= 128) or three selections of G, and G steps a rate.
-inline void packed_group_losses(const std::vector<float>& y, std::int64_t n, int kept, double total,
-                                const std::vector<packed_strategy>& candidates, int group, std::vector<double>& loss) {
+/// The strategy search's sums are made, like the plan's, in one order that every backend follows,
+/// so that a device computes them in parallel and both backends choose the same strategies: the
+/// segment's rows are cut into chunks of `packed_search_chunk_rows` from its first; each row is
+/// rotated by `fused_rotate` (the device's chains), and its squared norm and, per candidate, the
+/// energies of the groups it keeps are summed from zero (channels, then groups, in order); a
+/// chunk adds its rows in order from zero, and the chunks add up in order. Per K or V matrix and
+/// chunk, `packed_search_sum_count` doubles: the rows' squared norms, then each candidate's kept
+/// energy in `packed_candidates`' order (zeros past its last).
+inline constexpr int packed_search_chunk_rows = 64;
+inline constexpr int packed_max_candidates = 9;  ///< `packed_candidates`: three rates, three group sizes
+inline constexpr int packed_search_sum_count = 1 + packed_max_candidates;
+
+/// A row's squared norm: sum_c x_c^2 from zero in channel order (fp64; each square exact).
+inline double packed_row_norm(const float* x, int head_dim) {
+  double sum = 0;
+  for (int c = 0; c < head_dim; ++c) sum += static_cast<double>(x[c]) * x[c];
+  return sum;
+}
+
+/// Sets `stored[i]`, for every candidate i of group size `group` (`candidates[i].group`), to the
+/// energy it keeps of one chunk's rotated rows y ([rows][kept]) in the search's order: per row
+/// what `packed_choose_groups` keeps, its groups' energies added in increasing group order from
+/// zero, the rows added in order from zero. One pass over the rows for all rates of a group size
+/// (`packed_add_kept`); a row with a NaN energy makes every rate's sum NaN. Cost per row: G^2
+/// vectorized comparisons (G = kept / group <= 128) or three selections of G, and G steps a rate.
+inline void packed_chunk_stored(const float* y, int rows, int kept, const std::vector<packed_strategy>& candidates, int group,
+                                double* stored) {
   constexpr int max_rates = 3;  // `packed_candidates`: three rates at most a group size
   std::size_t rates[max_rates] = {};
   int keep[max_rates] = {}, count = 0;
   for (std::size_t i = 0; i < candidates.size(); ++i)
     if (candidates[i].group == group) {
-      require(count < max_rates, "packed_group_losses", "candidates of one group size", count + 1, "at most 3");
+      require(count < max_rates, "packed_chunk_stored", "candidates of one group size", count + 1, "at most 3");
       rates[count++] = i;
     }
   // Deepest first: the selections narrow from its groups (an insertion sort of at most three).
   for (int m = 1; m < count; ++m)
     for (int k = m; k > 0 && candidates[rates[k - 1]].retained < candidates[rates[k]].retained; --k) std::swap(rates[k - 1], rates[k]);
   for (int m = 0; m < count; ++m) keep[m] = candidates[rates[m]].retained / group;
-  if (!(total > 0)) {
-    for (int m = 0; m < count; ++m) loss[rates[m]] = 0.0;
-    return;
-  }
   const int groups = kept / group;
   std::vector<float> energy, selected;
   std::vector<int> rank;
-  double stored[max_rates] = {};
-  for (std::int64_t t = 0; t < n; ++t) {
-    packed_group_energies(y.data() + static_cast<std::size_t>(t) * kept, kept, group, energy);
-    if (std::any_of(energy.begin(), energy.end(), [](float e) { return std::isnan(e); })) {
-      for (double& sum : stored) sum = std::numeric_limits<double>::quiet_NaN();
-      continue;
-    }
-    packed_add_kept(energy.data(), groups, keep, count, stored, rank, selected);
+  double chunk[max_rates] = {};
+  for (int t = 0; t < rows; ++t) {
+    double row[max_rates] = {};
+    packed_group_energies(y + static_cast<std::size_t>(t) * kept, kept, group, energy);
+    if (std::any_of(energy.begin(), energy.end(), [](float e) { return std::isnan(e); }))
+      for (double& sum : row) sum = std::numeric_limits<double>::quiet_NaN();
+    else
+      packed_add_kept(energy.data(), groups, keep, count, row, rank, selected);
+    for (int m = 0; m < count; ++m) chunk[m] += row[m];
   }
-  for (int m = 0; m < count; ++m) loss[rates[m]] = std::max(0.0, (total - stored[m]) / total);
+  for (int m = 0; m < count; ++m) stored[rates[m]] = chunk[m];
 }
+
+/// A candidate's loss, the relative squared error (total - kept) / total, from the rows' squared
+/// norms (the truncated energy counts as lost) and the energy it keeps: 0 for a zero segment.
+inline double packed_loss(double total, double kept) { return total > 0 ? std::max(0.0, (total - kept) / total) : 0.0; }
 
 /// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
 /// 62.5% compression: 1/8, 2/8, 3/8 of head_dim retained, none above the slot's r), then g = 4,
@@ -2818,27 +2854,96 @@ inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) 
   return candidates;
 }
 
-/// The strategy of one K or V matrix of a segment: `strategy::fixed`'s, or the first candidate
-/// whose loss is at most `threshold`, else the slot's (r, g = 1).
+/// The search's first pass over one K or V matrix of a segment (n rows [n][head_dim], its basis
+/// [head_dim][kept]): the rows rotated into y ([n][kept], `fused_rotate`), and each chunk's sums
+/// (`sums`: [chunks][stride]) set to its rows' squared norms, then zeros. Cost per row: head_dim x
+/// kept fused multiply-adds.
 template <class Float>
-packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const Float* rows,
-                              std::int64_t n, const std::vector<float>& basis) {
+void packed_search_rotate(const packed_geometry& g, const Float* rows, std::int64_t n, const std::vector<float>& basis, float* y,
+                          double* sums, std::size_t stride) {
+  for (std::int64_t first = 0, chunk = 0; first < n; first += packed_search_chunk_rows, ++chunk) {
+    double* out = sums + static_cast<std::size_t>(chunk) * stride;
+    std::fill(out, out + packed_search_sum_count, 0.0);
+    for (std::int64_t t = first; t < std::min<std::int64_t>(n, first + packed_search_chunk_rows); ++t) {
+      out[0] += packed_row_norm(rows + static_cast<std::size_t>(t) * g.head_dim, g.head_dim);
+      fused_rotate(rows + static_cast<std::size_t>(t) * g.head_dim, g.head_dim, basis.data(), g.kept, y + static_cast<std::size_t>(t) * g.kept);
+    }
+  }
+}
+
+/// The search's pass for the candidates of group size `group` over rotated rows y ([n][kept]):
+/// each chunk's sums (`packed_chunk_stored`) into its entries 1 + i. Cost per row: as
+/// `packed_chunk_stored`'s.
+inline void packed_search_pass(const float* y, std::int64_t n, int kept, const std::vector<packed_strategy>& candidates, int group,
+                               double* sums, std::size_t stride) {
+  for (std::int64_t first = 0, chunk = 0; first < n; first += packed_search_chunk_rows, ++chunk)
+    packed_chunk_stored(y + static_cast<std::size_t>(first) * kept, static_cast<int>(std::min<std::int64_t>(packed_search_chunk_rows, n - first)),
+                        kept, candidates, group, sums + static_cast<std::size_t>(chunk) * stride + 1);
+}
+
+/// Entry `index` of every chunk's sums (`sums` [chunks][stride]) added in chunk order.
+inline double packed_chunks_added(const double* sums, std::size_t stride, std::int64_t chunks, int index) {
+  double sum = 0;
+  for (std::int64_t c = 0; c < chunks; ++c) sum += sums[static_cast<std::size_t>(c) * stride + index];
+  return sum;
+}
+
+/// The search's sums of one K or V matrix of a segment for every candidate of
+/// `packed_candidates(g)`, into `sums` ([chunks][stride]: each chunk's `packed_search_sum_count`
+/// doubles at its start), in the search's order: what a device computes
+/// (cuda/format/packed_bitmap/search_sums.cuh). Cost: `packed_search_rotate` and a pass per group
+/// size; n x kept floats of scratch.
+template <class Float>
+void packed_search_sums(const packed_geometry& g, const Float* rows, std::int64_t n, const std::vector<float>& basis, double* sums,
+                        std::size_t stride) {
+  const std::vector<packed_strategy> candidates = packed_candidates(g);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  packed_search_rotate(g, rows, n, basis, y.data(), sums, stride);
+  for (const int group : {4, 2, 1})
+    if (std::any_of(candidates.begin(), candidates.end(), [&](const packed_strategy& c) { return c.group == group; }))
+      packed_search_pass(y.data(), n, g.kept, candidates, group, sums, stride);
+}
+
+/// The strategy of one K or V matrix of a segment from its search's sums (`packed_search_sums`,
+/// or a device's: [chunks][stride], the chunks of n rows): `strategy::fixed`'s, or the first
+/// candidate whose loss (the chunks' sums added in order) is at most `loss_threshold`, else the
+/// slot's (r, g = 1).
+inline packed_strategy packed_search_from_sums(const format::packed_bitmap& f, const packed_geometry& g, std::int64_t n,
+                                               const double* sums, std::size_t stride) {
   if (f.mode == format::strategy::fixed) return {g.retained, f.group};
   const packed_strategy fallback{g.retained, 1};
   if (n == 0) return fallback;
-  using row_major = Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const Eigen::Map<const row_major> x(rows, n, g.head_dim);
-  const Eigen::Map<const row_major> b(basis.data(), g.head_dim, g.kept);
-  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
-  Eigen::Map<row_major>(y.data(), n, g.kept).noalias() = x * b;
-  const double total = x.template cast<double>().squaredNorm();
+  const std::int64_t chunks = (n + packed_search_chunk_rows - 1) / packed_search_chunk_rows;
+  const double total = packed_chunks_added(sums, stride, chunks, 0);
   if (!std::isfinite(total)) return fallback;
-  // Candidates in order; each group size's losses from one pass, the first time one is needed.
   const std::vector<packed_strategy> candidates = packed_candidates(g);
-  std::vector<double> loss(candidates.size(), -1.0);
+  for (std::size_t i = 0; i < candidates.size(); ++i)
+    if (packed_loss(total, packed_chunks_added(sums, stride, chunks, 1 + static_cast<int>(i))) <= f.loss_threshold) return candidates[i];
+  return fallback;
+}
+
+/// The strategy of one K or V matrix of a segment from its rows: what `packed_search_from_sums`
+/// chooses from `packed_search_sums`, bit for bit, with each group size's pass made only when one
+/// of its candidates is tried.
+template <class Float>
+packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const Float* rows,
+                              std::int64_t n, const std::vector<float>& basis) {
+  if (f.mode == format::strategy::fixed || n == 0) return packed_search_from_sums(f, g, n, nullptr, 0);
+  const packed_strategy fallback{g.retained, 1};
+  const std::int64_t chunks = (n + packed_search_chunk_rows - 1) / packed_search_chunk_rows;
+  constexpr std::size_t stride = packed_search_sum_count;
+  std::vector<double> sums(static_cast<std::size_t>(chunks) * stride);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  packed_search_rotate(g, rows, n, basis, y.data(), sums.data(), stride);
+  const double total = packed_chunks_added(sums.data(), stride, chunks, 0);
+  if (!std::isfinite(total)) return fallback;
+  const std::vector<packed_strategy> candidates = packed_candidates(g);
+  bool passed[5] = {};  // by group size
   for (std::size_t i = 0; i < candidates.size(); ++i) {
-    if (loss[i] < 0) packed_group_losses(y, n, g.kept, total, candidates, candidates[i].group, loss);
-    if (loss[i] <= f.loss_threshold) return candidates[i];
+    const int group = candidates[i].group;
+    if (!passed[group]) packed_search_pass(y.data(), n, g.kept, candidates, group, sums.data(), stride);
+    passed[group] = true;
+    if (packed_loss(total, packed_chunks_added(sums.data(), stride, chunks, 1 + static_cast<int>(i))) <= f.loss_threshold) return candidates[i];
   }
   return fallback;
 }
@@ -2948,8 +3053,9 @@ struct format_traits<format::packed_bitmap> {
   /// Whether the plan reads the rows besides their sums: `strategy::search` (its candidate passes).
   static bool plan_reads_rows(const format_type& f) { return f.mode == format::strategy::search; }
   /// The segment of one KV head from its n rows' sums (`segment_sums`) and, when
-  /// `plan_reads_rows`, its rows (else k and v may be null). Cost: 2 eigendecompositions (head_dim^3)
-  /// and the search's passes.
+  /// `plan_reads_rows`, its rows. With k and v null the strategies a search would choose are left
+  /// to `search_segment_from_sums` (the slot's r at g = 1 until then). Cost: 2 eigendecompositions
+  /// (head_dim^3) and the search's passes.
   template <class Float>
   static segment plan_segment_from_sums(const format_type& f, const page_shape& shape, const double* sums, std::int64_t n,
                                         const Float* k, const Float* v) {
@@ -2959,10 +3065,31 @@ struct format_traits<format::packed_bitmap> {
     s.kept = g.kept;
     for (int which = 0; which < 2; ++which) {
       s.basis[which] = detail::packed_basis(sums + static_cast<std::size_t>(which) * d * d, n, d, g.kept);
-      s.strategy[which] = detail::packed_search(f, g, which == 0 ? k : v, n, s.basis[which]);  // fixed: reads no row
+      const Float* rows = which == 0 ? k : v;
+      s.strategy[which] = plan_reads_rows(f) && rows == nullptr ? detail::packed_strategy{g.retained, 1}
+                                                                : detail::packed_search(f, g, rows, n, s.basis[which]);  // fixed: reads no row
     }
     s.block_tokens = detail::packed_block_tokens(sums + 2 * static_cast<std::size_t>(d) * d, n, d, f.block_variance_threshold);
     return s;
+  }
+
+  // The search from sums (an optional part of a format whose plan reads rows): a device computes
+  // the search's sums over a segment's rows in the segment's bases, in the order
+  // `detail::packed_search_chunk_rows` defines, and copies back only them.
+
+  /// Rows of a chunk of the search's sums.
+  static constexpr int segment_search_chunk_rows = detail::packed_search_chunk_rows;
+  /// Doubles of the search's sums per KV head and chunk: K's, then V's
+  /// (`detail::packed_search_sum_count` each).
+  static std::size_t segment_search_sum_count(const format_type&, const page_shape&) { return 2 * detail::packed_search_sum_count; }
+  /// The strategies of a segment planned without rows (`plan_segment_from_sums`) from the search's
+  /// sums of its n rows (`sums`: [chunks][segment_search_sum_count]): those `plan_segment_from_sums`
+  /// chooses from the rows, bit for bit. Cost: 2 x 10 sums over the chunks.
+  static void search_segment_from_sums(const format_type& f, const page_shape& shape, segment& s, std::int64_t n, const double* sums) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const std::size_t stride = segment_search_sum_count(f, shape);
+    for (int which = 0; which < 2; ++which)
+      s.strategy[which] = detail::packed_search_from_sums(f, g, n, sums + static_cast<std::size_t>(which) * detail::packed_search_sum_count, stride);
   }
 
   static void encode_k(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {
@@ -11463,6 +11590,12 @@ inline void pull_from_host(const pinned_buffer& staging, void* device, std::size
 ///   // defines (to the bit), copied to the host
 ///   template <class Shapes>
 ///   static void segment_sums(state&, const format::X&, const segment_sums_context&);
+///   // formats whose plan reads rows from sums of them (has_segment_search_sums_v): those sums
+///   // over the same rows in the bases of each KV head's segment planned from the sums above,
+///   // in the order format_traits::search_segment_from_sums reads (to the bit), copied to the host
+///   template <class Shapes>
+///   static void segment_search_sums(state&, const format::X&, const segment_sums_context&,
+///                                   const segment* planned, double* sums);
 ///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
 ///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
 ///   template <class Shapes>
@@ -14030,9 +14163,11 @@ class engine {
   /// would see (`detail::plan_segments`: the tail as it will be at that seal, and the call's rows
   /// after it), keeps the host copy and writes the device entries. A format that plans from sums
   /// (`has_segment_sums_v`) has the device compute them (`device_format::segment_sums`) and plans
-  /// on the host from them alone, or from them and the rows where its plan reads rows. Cost per
-  /// segment: the sums on the device and their copy to the host, or a copy of the segment's rows;
-  /// the format's plan; a copy of the entries back (synchronizes the stream).
+  /// on the host from them alone; where its plan reads rows, from other sums the device computes
+  /// in the planned bases (`has_segment_search_sums_v`, `device_format::segment_search_sums`),
+  /// else from the rows copied back. Cost per segment: the sums on the device and their copy to
+  /// the host, or a copy of the segment's rows; the format's plan; a copy of the entries back
+  /// (synchronizes the stream).
   template <class T>
   void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                         std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
@@ -14054,18 +14189,28 @@ class engine {
         const std::size_t count = traits::segment_sum_count(format_, shape);
         sums.resize(static_cast<std::size_t>(shape_.num_kv_heads) * count);
         const device_context c = context();
-        device::template segment_sums<Shapes>(
-            format_state_, format_,
-            segment_sums_context{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
-                                 dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
-                                 sums.data()});
-        if (!traits::plan_reads_rows(format_)) {
+        const segment_sums_context rows{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
+                                        dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
+                                        sums.data()};
+        device::template segment_sums<Shapes>(format_state_, format_, rows);
+        // A plan that reads rows takes them from the device's sums of them where the format says
+        // how (has_segment_search_sums_v), else from the rows copied back (below).
+        if (!traits::plan_reads_rows(format_) || has_segment_search_sums_v<Format>) {
           planned.resize(static_cast<std::size_t>(shape_.num_kv_heads));
           kvmosaic::detail::for_each_item(
               shape_.num_kv_heads, [] { return 0; }, [&](std::int64_t h, int&) {
                 planned[static_cast<std::size_t>(h)] =
                     traits::template plan_segment_from_sums<float>(format_, shape, sums.data() + h * count, n, nullptr, nullptr);
               });
+          if constexpr (has_segment_search_sums_v<Format>)
+            if (traits::plan_reads_rows(format_)) {
+              const std::size_t per_head = static_cast<std::size_t>((n + traits::segment_search_chunk_rows - 1) / traits::segment_search_chunk_rows) *
+                                           traits::segment_search_sum_count(format_, shape);
+              std::vector<double> search(static_cast<std::size_t>(shape_.num_kv_heads) * per_head);
+              device::template segment_search_sums<Shapes>(format_state_, format_, rows, planned.data(), search.data());
+              for (int h = 0; h < shape_.num_kv_heads; ++h)
+                traits::search_segment_from_sums(format_, shape, planned[static_cast<std::size_t>(h)], n, search.data() + h * per_head);
+            }
         }
       }
       if (planned.empty()) planned = plan_from_rows(slot, k, v, page_first, next, ahead, index, sums);
@@ -18794,18 +18939,105 @@ constexpr int packed_encode_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
 constexpr int packed_encode_tokens = 16;
 
-/// Grid (pages, num_kv_heads, 2: K then V). Per 16 tokens the CTA stages the basis a few input
-/// channels at a time in shared memory (32, 16 at head_dim 256; B_v read from its transposed
-/// copy along channels), with those channels of the tokens' rows, and a thread per rotated
-/// channel (two at head_dim 256) runs the 16 tokens' chains over them. Static shared memory: the
-/// staged basis rows (reused for the group energies), the staged row values, the rotated rows and
-/// the kept flags of 16 tokens (about 28 KB at head_dim 128, 37 KB at 256).
+namespace detail_packed {
+
+/// Input channels of the basis staged at a time by `rotate_tokens`.
+template <int HeadDim>
+inline constexpr int rotate_stage_rows = HeadDim >= 256 ? 16 : 32;
+
+/// y[t][j] = sum_c x(t, c) B[c][j] for the first n <= Tokens tokens and the kept rotated channels
+/// j: each a chain of fused multiply-adds from zero over c in order (the host's `fused_rotate`),
+/// a thread per rotated channel (two at head_dim 256) running the tokens' chains in registers.
+/// Per `rotate_stage_rows` input channels the CTA stages those rows of B (`basis(c, j)`, read
+/// along B's rows where `along_rows`, else along its columns: whichever is coalesced) into
+/// `staged` ([stage rows][HeadDim + 1]: no bank conflicts) and those channels of the tokens
+/// (`x(t, c)`, zeros past n) into `xs`. Ends after a barrier, y written and `staged` free.
+template <int HeadDim, int Tokens, int Threads, class Basis, class X>
+__device__ __forceinline__ void rotate_tokens(int kept, int n, Basis&& basis, bool along_rows, X&& x, float* staged,
+                                              float (*xs)[rotate_stage_rows<HeadDim>], float (*y)[HeadDim]) {
+  constexpr int stage_rows = rotate_stage_rows<HeadDim>;
+  constexpr int columns = (HeadDim + Threads - 1) / Threads;  // rotated channels a thread
+  constexpr int stride = HeadDim + 1;
+  const int tid = static_cast<int>(threadIdx.x);
+  float acc[columns][Tokens] = {};
+  for (int c0 = 0; c0 < HeadDim; c0 += stage_rows) {
+    __syncthreads();  // the previous stage (or what the caller kept in `staged`) is read
+    for (int index = tid; index < stage_rows * kept; index += Threads) {
+      const int c = along_rows ? index / kept : index % stage_rows, j = along_rows ? index % kept : index / stage_rows;
+      staged[c * stride + j] = basis(c0 + c, j);
+    }
+    for (int index = tid; index < Tokens * stage_rows; index += Threads) {
+      const int t = index / stage_rows, c = index % stage_rows;
+      xs[t][c] = t < n ? x(t, c0 + c) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < stage_rows; ++c) {
+      float b[columns];
+#pragma unroll
+      for (int k = 0; k < columns; ++k) {
+        const int j = tid + k * Threads;
+        b[k] = j < kept ? staged[c * stride + j] : 0.0f;
+      }
+#pragma unroll
+      for (int t = 0; t < Tokens; ++t) {
+        const float xt = xs[t][c];
+#pragma unroll
+        for (int k = 0; k < columns; ++k) acc[k][t] = fmaf(xt, b[k], acc[k][t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < columns; ++k) {
+    const int j = tid + k * Threads;
+    if (j < kept)
+#pragma unroll
+      for (int t = 0; t < Tokens; ++t) y[t][j] = acc[k][t];
+  }
+  __syncthreads();  // y is written, `staged` is free
+}
+
+/// For tokens t < n of y and their groups j < `groups` of g adjacent channels: energy[t][j] = the
+/// group's squares added in order from zero, each rounded to fp32 (the host's
+/// `packed_group_energies`), then ranked(t, j, before) with the number of groups that rank before
+/// it (`packed_group_order`: NaN first, then higher energy, then the lower group), a thread per
+/// (token, group) each time. Barriers after each; `energy` may alias the staged basis.
+template <int HeadDim, int Threads, class Ranked>
+__device__ __forceinline__ void rank_groups(int n, int groups, int g, const float (*y)[HeadDim], float (*energy)[HeadDim], Ranked&& ranked) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int index = tid; index < n * groups; index += Threads) {
+    const int t = index / groups, j = index % groups;
+    float sum = 0.0f;
+    for (int i = 0; i < g; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * g + i], y[t][j * g + i]));
+    energy[t][j] = sum;
+  }
+  __syncthreads();
+  for (int index = tid; index < n * groups; index += Threads) {
+    const int t = index / groups, j = index % groups;
+    const float mine = energy[t][j];
+    int before = 0;
+    for (int o = 0; o < groups; ++o) {
+      const float other = energy[t][o];
+      const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+      before += o != j && ranks_before ? 1 : 0;
+    }
+    ranked(t, j, before);
+  }
+  __syncthreads();
+}
+
+}  // namespace detail_packed
+
+/// Grid (pages, num_kv_heads, 2: K then V). Per 16 tokens the CTA rotates the rows
+/// (`detail_packed::rotate_tokens`; B_v read from its transposed copy along channels), ranks
+/// each token's groups by energy and writes its record. Static shared memory: the staged basis
+/// rows (reused for the group energies), the staged row values, the rotated rows and the kept
+/// flags of 16 tokens (about 28 KB at head_dim 128, 37 KB at 256).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_kernel(const packed_encode_params e) {
   constexpr int max_kept = HeadDim;
   constexpr int tokens = packed_encode_tokens;
-  constexpr int stage_rows = HeadDim >= 256 ? 16 : 32;                        // input channels staged at a time
-  constexpr int columns = (max_kept + packed_encode_threads - 1) / packed_encode_threads;  // rotated channels a thread
+  constexpr int stage_rows = detail_packed::rotate_stage_rows<HeadDim>;
   constexpr int stride = max_kept + 1;                                        // staged basis row (odd: no bank conflicts)
   static_assert(tokens * max_kept <= stage_rows * stride, "the group energies fit the staged basis");
   __shared__ float basis_rows[stage_rows * stride];  // [stage_rows][stride], then energy [tokens][max_kept]
@@ -18838,69 +19070,14 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   for (int first = 0; first < e.page_size; first += tokens) {
     const int n = min(tokens, e.page_size - first);
     // y[t][j] = sum_c x[t][c] B[c][j], in channel order: one chain per (token, rotated channel).
-    float acc[columns][tokens] = {};
-    for (int c0 = 0; c0 < HeadDim; c0 += stage_rows) {
-      __syncthreads();  // the previous stage (or the energies of the tokens before) is read
-      if (which == 0) {
-        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
-          const int c = index / kept, j = index % kept;  // along B_k's rows
-          basis_rows[c * stride + j] = k_basis[static_cast<std::size_t>(c0 + c) * kept + j];
-        }
-      } else {
-        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
-          const int c = index % stage_rows, j = index / stage_rows;  // along B_v^T's rows
-          basis_rows[c * stride + j] = v_basis_t[static_cast<std::size_t>(j) * HeadDim + c0 + c];
-        }
-      }
-      for (int index = tid; index < tokens * stage_rows; index += packed_encode_threads) {
-        const int t = index / stage_rows, c = index % stage_rows;
-        x[t][c] = t < n ? to_float(rows[static_cast<std::size_t>(first + t) * HeadDim + c0 + c]) : 0.0f;
-      }
-      __syncthreads();
-#pragma unroll 4
-      for (int c = 0; c < stage_rows; ++c) {
-        float b[columns];
-#pragma unroll
-        for (int k = 0; k < columns; ++k) {
-          const int j = tid + k * packed_encode_threads;
-          b[k] = j < kept ? basis_rows[c * stride + j] : 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < tokens; ++t) {
-          const float xt = x[t][c];
-#pragma unroll
-          for (int k = 0; k < columns; ++k) acc[k][t] = fmaf(xt, b[k], acc[k][t]);
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < columns; ++k) {
-      const int j = tid + k * packed_encode_threads;
-      if (j < kept)
-#pragma unroll
-        for (int t = 0; t < tokens; ++t) y[t][j] = acc[k][t];
-    }
-    __syncthreads();  // y is written, the staged basis is free for the energies
-    for (int index = tid; index < n * groups; index += packed_encode_threads) {
-      const int t = index / groups, j = index % groups;
-      float sum = 0.0f;
-      for (int i = 0; i < group; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * group + i], y[t][j * group + i]));
-      energy[t][j] = sum;
-    }
-    __syncthreads();
+    const auto basis = [&](int c, int j) {
+      return which == 0 ? k_basis[static_cast<std::size_t>(c) * kept + j] : v_basis_t[static_cast<std::size_t>(j) * HeadDim + c];
+    };
+    const auto row_value = [&](int t, int c) { return to_float(rows[static_cast<std::size_t>(first + t) * HeadDim + c]); };
+    detail_packed::rotate_tokens<HeadDim, tokens, packed_encode_threads>(kept, n, basis, which == 0, row_value, basis_rows, x, y);
     // A group is kept when fewer than keep_groups groups rank before it.
-    for (int index = tid; index < n * groups; index += packed_encode_threads) {
-      const int t = index / groups, j = index % groups;
-      const float mine = energy[t][j];
-      int before = 0;
-      for (int o = 0; o < groups; ++o) {
-        const float other = energy[t][o];
-        const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
-        before += o != j && ranks_before ? 1 : 0;
-      }
-      keep[t][j] = before < keep_groups ? 1 : 0;
-    }
-    __syncthreads();
+    detail_packed::rank_groups<HeadDim, packed_encode_threads>(n, groups, group, y, energy,
+                                                               [&](int t, int j, int before) { keep[t][j] = before < keep_groups ? 1 : 0; });
     const int words = (groups + 31) / 32;
     for (int index = tid; index < n * words; index += packed_encode_threads) {
       const int t = index / words, wd = index % words;
@@ -18922,6 +19099,14 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
 
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/encode.cuh> ----
+
+// ---- begin <kvmosaic/cuda/format/packed_bitmap/search_sums.cuh> ----
+/// \file
+/// `format::packed_bitmap`'s strategy search on the device (MosaicKV section 5.5): the sums a
+/// segment's search chooses its strategies from, in the host's order to the bit
+/// (`detail::packed_search_chunk_rows` defines it), so that the host only compares the
+/// candidates' losses (`format_traits::search_segment_from_sums`) and no row crosses the bus.
+
 
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh> ----
 /// \file
@@ -19130,6 +19315,100 @@ __global__ void packed_add_tile_sums_kernel(const packed_sum_params p) {
 }  // namespace kvmosaic::cuda::kernel
 // ---- end <kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh> ----
 
+namespace kvmosaic::cuda::kernel {
+
+/// The search's sums of a segment's rows (`rows`, `packed_sum_rows`) in its bases (`bases`:
+/// [num_kv_heads][2: K, V][head_dim][kept], fp32, as the host plan holds them) for the
+/// `candidates` strategies (r, g) of `detail::packed_candidates`, in its order: `sums` holds
+/// [num_kv_heads][chunks][2][detail::packed_search_sum_count] doubles.
+struct packed_search_params {
+  packed_sum_rows rows;
+  const float* bases;
+  double* sums;
+  int kept;
+  int candidates;
+  int retained[::kvmosaic::detail::packed_max_candidates];
+  int group[::kvmosaic::detail::packed_max_candidates];
+};
+
+inline constexpr int packed_search_threads = 128;
+
+/// One chunk of `detail::packed_search_chunk_rows` rows of one KV head's K or V (grid: (chunks,
+/// num_kv_heads, 2)). Per 16 rows the CTA rotates them (`detail_packed::rotate_tokens`: the
+/// host's `fused_rotate`), then per group size of the candidates a thread per (row, group) adds
+/// the group's squares in order (each rounded to fp32, as the host) and ranks it
+/// (`detail_packed::rank_groups`, as the encoder does), and a thread per (row, candidate) adds the
+/// energies of the groups the candidate keeps in group order from zero (fp64); a thread per row
+/// sums its squared norm in channel order. A thread per sum then adds the 16 rows in order to
+/// the chunk's. A row with a NaN energy makes its group size's sums NaN. Cost per row:
+/// head_dim x kept fused multiply-adds, (kept / g)^2 comparisons per group size; static shared
+/// memory about 30 KB at head_dim 128, 43 KB at 256.
+template <int HeadDim>
+__global__ void __launch_bounds__(packed_search_threads) packed_search_sums_kernel(const packed_search_params p) {
+  constexpr int tokens = packed_encode_tokens, threads = packed_search_threads;
+  constexpr int stage_rows = detail_packed::rotate_stage_rows<HeadDim>;
+  constexpr int stride = HeadDim + 1;
+  constexpr int sum_count = ::kvmosaic::detail::packed_search_sum_count;
+  static_assert(tokens * HeadDim <= stage_rows * stride, "the group energies fit the staged basis");
+  __shared__ float staged[stage_rows * stride];  // the basis rows, then energy [tokens][HeadDim]
+  __shared__ float x[tokens][stage_rows];
+  __shared__ float y[tokens][HeadDim];
+  __shared__ std::int16_t rank[tokens][HeadDim];
+  __shared__ double row_sums[tokens][sum_count];
+  float (*energy)[HeadDim] = reinterpret_cast<float (*)[HeadDim]>(staged);
+  const int chunk = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), which = static_cast<int>(blockIdx.z);
+  const int tid = static_cast<int>(threadIdx.x), kept = p.kept;
+  const std::int64_t first_row = static_cast<std::int64_t>(chunk) * ::kvmosaic::detail::packed_search_chunk_rows;
+  const int rows = static_cast<int>(min(static_cast<std::int64_t>(::kvmosaic::detail::packed_search_chunk_rows), p.rows.n - first_row));
+  const float* basis = p.bases + (static_cast<std::size_t>(head) * 2 + which) * HeadDim * kept;
+  double chunk_sum = 0;  // thread i < 1 + candidates: sum i of the chunk (0: the squared norms)
+  for (int first = 0; first < rows; first += tokens) {
+    const int n = min(tokens, rows - first);
+    const auto element = [&](int t, int c) { return detail_packed::segment_element(p.rows, HeadDim, which, head, first_row + first + t, c); };
+    const auto basis_at = [&](int c, int j) { return basis[static_cast<std::size_t>(c) * kept + j]; };
+    detail_packed::rotate_tokens<HeadDim, tokens, threads>(kept, n, basis_at, true, element, staged, x, y);
+    if (tid < n) {  // the row's squared norm, in channel order (each square exact in fp64)
+      double norm = 0;
+      for (int c = 0; c < HeadDim; ++c) {
+        const double v = element(tid, c);
+        norm = __dadd_rn(norm, __dmul_rn(v, v));
+      }
+      row_sums[tid][0] = norm;
+    }
+    for (int g = 4; g >= 1; g /= 2) {
+      bool tried = false;
+      for (int i = 0; i < p.candidates; ++i) tried = tried || p.group[i] == g;
+      if (!tried) continue;  // the same for the whole CTA
+      const int groups = kept / g;
+      __syncthreads();  // the previous group size's ranks and energies are read
+      detail_packed::rank_groups<HeadDim, threads>(n, groups, g, y, energy,
+                                                   [&](int t, int j, int before) { rank[t][j] = static_cast<std::int16_t>(before); });
+      for (int index = tid; index < n * p.candidates; index += threads) {
+        const int t = index / p.candidates, i = index % p.candidates;
+        if (p.group[i] != g) continue;
+        const int keep = p.retained[i] / g;
+        double sum = 0;
+        bool nan = false;
+        for (int j = 0; j < groups; ++j) {
+          nan = nan || isnan(energy[t][j]);
+          if (rank[t][j] < keep) sum = __dadd_rn(sum, static_cast<double>(energy[t][j]));
+        }
+        row_sums[t][1 + i] = nan ? __longlong_as_double(0x7ff8000000000000ll) : sum;
+      }
+    }
+    __syncthreads();  // the rows' sums are written
+    if (tid < 1 + p.candidates)
+      for (int t = 0; t < n; ++t) chunk_sum = __dadd_rn(chunk_sum, row_sums[t][tid]);
+  }
+  if (tid < sum_count) {
+    double* out = p.sums + ((static_cast<std::size_t>(head) * gridDim.x + chunk) * 2 + which) * sum_count;
+    out[tid] = tid < 1 + p.candidates ? chunk_sum : 0.0;
+  }
+}
+
+}  // namespace kvmosaic::cuda::kernel
+// ---- end <kvmosaic/cuda/format/packed_bitmap/search_sums.cuh> ----
+
 // ---- begin <kvmosaic/cuda/format/packed_bitmap/unpack.cuh> ----
 /// \file
 /// Device unpack of `format::packed_bitmap` pages, the inverse of `encode_packed_pages_kernel`
@@ -19237,6 +19516,8 @@ struct device_format<format::packed_bitmap> {
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
     device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
     device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
+    device_buffer search_bases;   ///< `segment_search_sums`: [num_kv_heads][2][head_dim][kept] fp32
+    device_buffer search_sums;    ///< `segment_search_sums`: [num_kv_heads][chunks][segment_search_sum_count] doubles
     /// The most scratch a pass of `segment_sums` fills with its tiles' sums (at least one tile's):
     /// a segment of more tiles takes more passes (2.1 MB a tile at head_dim 128, 8 KV heads).
     std::size_t sum_pass_bytes = std::size_t{64} << 20;
@@ -19352,6 +19633,25 @@ struct device_format<format::packed_bitmap> {
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
   }
 
+  /// Where the rows of the segment `c` describes are, as the sums' kernels read them.
+  static kernel::packed_sum_rows rows_of(const segment_sums_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    return kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
+                                   static_cast<std::int64_t>(g.tail_head_bytes),
+                                   static_cast<std::int64_t>(g.row_bytes),
+                                   e.shape->storage,
+                                   static_cast<const std::byte*>(c.k),
+                                   static_cast<const std::byte*>(c.v),
+                                   c.rows_type,
+                                   c.first_row,
+                                   c.tail_rows,
+                                   c.page_rows,
+                                   c.call_offset,
+                                   c.n,
+                                   e.shape->num_kv_heads};
+  }
+
   /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
   /// into `c.sums` (host; synchronizes the stream). Passes of up to `state::sum_pass_bytes` of
   /// tiles' sums (device scratch the engine keeps, with the totals): per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
@@ -19373,21 +19673,8 @@ struct device_format<format::packed_bitmap> {
     const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, s.sum_pass_bytes / totals_bytes)));
     if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
     if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_sum_params p{};
-    p.rows = kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
-                                     static_cast<std::int64_t>(g.tail_head_bytes),
-                                     static_cast<std::int64_t>(g.row_bytes),
-                                     e.shape->storage,
-                                     static_cast<const std::byte*>(c.k),
-                                     static_cast<const std::byte*>(c.v),
-                                     c.rows_type,
-                                     c.first_row,
-                                     c.tail_rows,
-                                     c.page_rows,
-                                     c.call_offset,
-                                     c.n,
-                                     heads};
+    p.rows = rows_of(c);
     p.scratch = s.sum_scratch.as<double>();
     p.totals = s.sum_totals.as<double>();
     const int blocks = d / kernel::packed_covariance_block;
@@ -19410,6 +19697,52 @@ struct device_format<format::packed_bitmap> {
       }
     });
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(c.sums, p.totals, totals_bytes, cudaMemcpyDeviceToHost, e.stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
+  }
+
+  /// The strategy search's sums of a segment's rows (`format_traits::search_segment_from_sums`
+  /// reads them; the host's order, to the bit) in the bases of `planned` (each KV head's segment
+  /// planned from the sums), into `sums` ([num_kv_heads][chunks][segment_search_sum_count], host;
+  /// synchronizes the stream). A CTA per (chunk of rows, KV head, K or V): the rows rotated as the
+  /// host's `fused_rotate` does, each candidate's kept energies summed per row, then per chunk
+  /// (`kernel::packed_search_sums_kernel`). Cost: the bases' copy to the device (2 x head_dim x
+  /// kept fp32 per head), one read of the rows and head_dim x kept multiply-adds per row, and
+  /// the sums' copy back (160 bytes per chunk of 64 rows and head).
+  template <class Shapes>
+  static void segment_search_sums(state& s, const format::packed_bitmap& f, const segment_sums_context& c, const traits::segment* planned,
+                                  double* sums) {
+    const device_context& e = *c.engine;
+    const int heads = e.shape->num_kv_heads, d = e.shape->head_dim;
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, e.shape->page());
+    const std::int64_t chunks = (c.n + traits::segment_search_chunk_rows - 1) / traits::segment_search_chunk_rows;
+    if (chunks == 0) return;
+    const std::size_t count = traits::segment_search_sum_count(f, e.shape->page());
+    const std::size_t basis_floats = static_cast<std::size_t>(d) * g.kept;
+    std::vector<float> bases(static_cast<std::size_t>(heads) * 2 * basis_floats);
+    for (int h = 0; h < heads; ++h)
+      for (int which = 0; which < 2; ++which)
+        std::copy(planned[h].basis[which].begin(), planned[h].basis[which].end(), bases.begin() + (static_cast<std::size_t>(h) * 2 + which) * basis_floats);
+    const std::size_t sums_bytes = static_cast<std::size_t>(heads) * chunks * count * sizeof(double);
+    if (s.search_bases.size() < bases.size() * sizeof(float)) s.search_bases = device_buffer(bases.size() * sizeof(float));
+    if (s.search_sums.size() < sums_bytes) s.search_sums = device_buffer(sums_bytes);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(s.search_bases.data(), bases.data(), bases.size() * sizeof(float), cudaMemcpyHostToDevice, e.stream));
+    kernel::packed_search_params p{};
+    p.rows = rows_of(c);
+    p.bases = s.search_bases.as<const float>();
+    p.sums = s.search_sums.as<double>();
+    p.kept = g.kept;
+    const std::vector<kvmosaic::detail::packed_strategy> candidates = kvmosaic::detail::packed_candidates(g);
+    p.candidates = static_cast<int>(candidates.size());
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      p.retained[i] = candidates[i].retained;
+      p.group[i] = candidates[i].group;
+    }
+    detail::dispatch_shape(Shapes{}, e.shape->storage, d, 0, [&](auto, auto dim, auto) {
+      kernel::packed_search_sums_kernel<decltype(dim)::value>
+          <<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads), 2), kernel::packed_search_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(sums, p.sums, sums_bytes, cudaMemcpyDeviceToHost, e.stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
   }
 

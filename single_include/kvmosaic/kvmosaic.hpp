@@ -870,6 +870,21 @@ template <class Format>
 inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
+/// format_traits<Format>::segment_search_sum_count exists (a format whose plan reads rows, from
+/// sums of them a device may compute: `search_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_search_sums_of : std::false_type {};
+template <class Traits>
+struct segment_search_sums_of<Traits, std::void_t<decltype(&Traits::segment_search_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format planned from sums (`has_segment_sums_v`) makes the part of its plan that
+/// reads rows from other sums of them that a device may compute (`format_traits::
+/// segment_search_sum_count`, `search_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_search_sums_v = has_segment_sums_v<Format> && detail::segment_search_sums_of<format_traits<Format>>::value;
+
+namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.
 struct no_segment {};
 template <class Format, bool = has_segments_v<Format>>
@@ -2671,13 +2686,15 @@ std::vector<float> packed_basis(const Real* covariance, std::int64_t n, int head
 }
 
 /// Each group's energy: energy[j] = the squares of y[j g .. j g + g) added in order from 0, for
-/// the kept / g groups of y ([kept]).
+/// the kept / g groups of y ([kept]). Each square is rounded to fp32 before it is added (the
+/// product of two fp32 values is exact in fp64), so that no contraction into a fused
+/// multiply-add changes the bits a device computes.
 inline void packed_group_energies(const float* y, int kept, int group, std::vector<float>& energy) {
   energy.assign(static_cast<std::size_t>(kept / group), 0.0f);
   for (int j = 0; j < kept / group; ++j)
     for (int i = 0; i < group; ++i) {
-      const float value = y[j * group + i];
-      energy[static_cast<std::size_t>(j)] += value * value;
+      const double value = y[j * group + i];
+      energy[static_cast<std::size_t>(j)] += static_cast<float>(value * value);
     }
 }
 
@@ -2753,45 +2770,64 @@ inline void packed_add_kept(const float* energy, int groups, const int* keep, in
   }
 }
 
-/// The relative squared errors of every candidate of group size `group` (`candidates[i].group`;
-/// written to `loss[i]`) over rotated rows y ([n][kept]) of rows whose squared norms sum to
-/// `total` (the truncated energy counts as lost): each is what `packed_choose_groups` keeps of
-/// every row, its groups' energies added in increasing group order, row after row. One pass
-/// over the rows for all rates of a group size (`packed_add_kept`); a row with a NaN energy keeps
-/// it (NaN ranks first) in every rate. Cost per row: kept multiply-adds, then G^2 vectorized
-/// comparisons (G = kept / group <= 128) or three selections of G, and G steps a rate.
-inline void packed_group_losses(const std::vector<float>& y, std::int64_t n, int kept, double total,
-                                const std::vector<packed_strategy>& candidates, int group, std::vector<double>& loss) {
+/// The strategy search's sums are made, like the plan's, in one order that every backend follows,
+/// so that a device computes them in parallel and both backends choose the same strategies: the
+/// segment's rows are cut into chunks of `packed_search_chunk_rows` from its first; each row is
+/// rotated by `fused_rotate` (the device's chains), and its squared norm and, per candidate, the
+/// energies of the groups it keeps are summed from zero (channels, then groups, in order); a
+/// chunk adds its rows in order from zero, and the chunks add up in order. Per K or V matrix and
+/// chunk, `packed_search_sum_count` doubles: the rows' squared norms, then each candidate's kept
+/// energy in `packed_candidates`' order (zeros past its last).
+inline constexpr int packed_search_chunk_rows = 64;
+inline constexpr int packed_max_candidates = 9;  ///< `packed_candidates`: three rates, three group sizes
+inline constexpr int packed_search_sum_count = 1 + packed_max_candidates;
+
+/// A row's squared norm: sum_c x_c^2 from zero in channel order (fp64; each square exact).
+inline double packed_row_norm(const float* x, int head_dim) {
+  double sum = 0;
+  for (int c = 0; c < head_dim; ++c) sum += static_cast<double>(x[c]) * x[c];
+  return sum;
+}
+
+/// Sets `stored[i]`, for every candidate i of group size `group` (`candidates[i].group`), to the
+/// energy it keeps of one chunk's rotated rows y ([rows][kept]) in the search's order: per row
+/// what `packed_choose_groups` keeps, its groups' energies added in increasing group order from
+/// zero, the rows added in order from zero. One pass over the rows for all rates of a group size
+/// (`packed_add_kept`); a row with a NaN energy makes every rate's sum NaN. Cost per row: G^2
+/// vectorized comparisons (G = kept / group <= 128) or three selections of G, and G steps a rate.
+inline void packed_chunk_stored(const float* y, int rows, int kept, const std::vector<packed_strategy>& candidates, int group,
+                                double* stored) {
   constexpr int max_rates = 3;  // `packed_candidates`: three rates at most a group size
   std::size_t rates[max_rates] = {};
   int keep[max_rates] = {}, count = 0;
   for (std::size_t i = 0; i < candidates.size(); ++i)
     if (candidates[i].group == group) {
-      require(count < max_rates, "packed_group_losses", "candidates of one group size", count + 1, "at most 3");
+      require(count < max_rates, "packed_chunk_stored", "candidates of one group size", count + 1, "at most 3");
       rates[count++] = i;
     }
   // Deepest first: the selections narrow from its groups (an insertion sort of at most three).
   for (int m = 1; m < count; ++m)
     for (int k = m; k > 0 && candidates[rates[k - 1]].retained < candidates[rates[k]].retained; --k) std::swap(rates[k - 1], rates[k]);
   for (int m = 0; m < count; ++m) keep[m] = candidates[rates[m]].retained / group;
-  if (!(total > 0)) {
-    for (int m = 0; m < count; ++m) loss[rates[m]] = 0.0;
-    return;
-  }
   const int groups = kept / group;
   std::vector<float> energy, selected;
   std::vector<int> rank;
-  double stored[max_rates] = {};
-  for (std::int64_t t = 0; t < n; ++t) {
-    packed_group_energies(y.data() + static_cast<std::size_t>(t) * kept, kept, group, energy);
-    if (std::any_of(energy.begin(), energy.end(), [](float e) { return std::isnan(e); })) {
-      for (double& sum : stored) sum = std::numeric_limits<double>::quiet_NaN();
-      continue;
-    }
-    packed_add_kept(energy.data(), groups, keep, count, stored, rank, selected);
+  double chunk[max_rates] = {};
+  for (int t = 0; t < rows; ++t) {
+    double row[max_rates] = {};
+    packed_group_energies(y + static_cast<std::size_t>(t) * kept, kept, group, energy);
+    if (std::any_of(energy.begin(), energy.end(), [](float e) { return std::isnan(e); }))
+      for (double& sum : row) sum = std::numeric_limits<double>::quiet_NaN();
+    else
+      packed_add_kept(energy.data(), groups, keep, count, row, rank, selected);
+    for (int m = 0; m < count; ++m) chunk[m] += row[m];
   }
-  for (int m = 0; m < count; ++m) loss[rates[m]] = std::max(0.0, (total - stored[m]) / total);
+  for (int m = 0; m < count; ++m) stored[rates[m]] = chunk[m];
 }
+
+/// A candidate's loss, the relative squared error (total - kept) / total, from the rows' squared
+/// norms (the truncated energy counts as lost) and the energy it keeps: 0 for a zero segment.
+inline double packed_loss(double total, double kept) { return total > 0 ? std::max(0.0, (total - kept) / total) : 0.0; }
 
 /// The strategies `strategy::search` tries, in the order it tries them: rate first (87.5%, 75%,
 /// 62.5% compression: 1/8, 2/8, 3/8 of head_dim retained, none above the slot's r), then g = 4,
@@ -2808,27 +2844,96 @@ inline std::vector<packed_strategy> packed_candidates(const packed_geometry& g) 
   return candidates;
 }
 
-/// The strategy of one K or V matrix of a segment: `strategy::fixed`'s, or the first candidate
-/// whose loss is at most `threshold`, else the slot's (r, g = 1).
+/// The search's first pass over one K or V matrix of a segment (n rows [n][head_dim], its basis
+/// [head_dim][kept]): the rows rotated into y ([n][kept], `fused_rotate`), and each chunk's sums
+/// (`sums`: [chunks][stride]) set to its rows' squared norms, then zeros. Cost per row: head_dim x
+/// kept fused multiply-adds.
 template <class Float>
-packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const Float* rows,
-                              std::int64_t n, const std::vector<float>& basis) {
+void packed_search_rotate(const packed_geometry& g, const Float* rows, std::int64_t n, const std::vector<float>& basis, float* y,
+                          double* sums, std::size_t stride) {
+  for (std::int64_t first = 0, chunk = 0; first < n; first += packed_search_chunk_rows, ++chunk) {
+    double* out = sums + static_cast<std::size_t>(chunk) * stride;
+    std::fill(out, out + packed_search_sum_count, 0.0);
+    for (std::int64_t t = first; t < std::min<std::int64_t>(n, first + packed_search_chunk_rows); ++t) {
+      out[0] += packed_row_norm(rows + static_cast<std::size_t>(t) * g.head_dim, g.head_dim);
+      fused_rotate(rows + static_cast<std::size_t>(t) * g.head_dim, g.head_dim, basis.data(), g.kept, y + static_cast<std::size_t>(t) * g.kept);
+    }
+  }
+}
+
+/// The search's pass for the candidates of group size `group` over rotated rows y ([n][kept]):
+/// each chunk's sums (`packed_chunk_stored`) into its entries 1 + i. Cost per row: as
+/// `packed_chunk_stored`'s.
+inline void packed_search_pass(const float* y, std::int64_t n, int kept, const std::vector<packed_strategy>& candidates, int group,
+                               double* sums, std::size_t stride) {
+  for (std::int64_t first = 0, chunk = 0; first < n; first += packed_search_chunk_rows, ++chunk)
+    packed_chunk_stored(y + static_cast<std::size_t>(first) * kept, static_cast<int>(std::min<std::int64_t>(packed_search_chunk_rows, n - first)),
+                        kept, candidates, group, sums + static_cast<std::size_t>(chunk) * stride + 1);
+}
+
+/// Entry `index` of every chunk's sums (`sums` [chunks][stride]) added in chunk order.
+inline double packed_chunks_added(const double* sums, std::size_t stride, std::int64_t chunks, int index) {
+  double sum = 0;
+  for (std::int64_t c = 0; c < chunks; ++c) sum += sums[static_cast<std::size_t>(c) * stride + index];
+  return sum;
+}
+
+/// The search's sums of one K or V matrix of a segment for every candidate of
+/// `packed_candidates(g)`, into `sums` ([chunks][stride]: each chunk's `packed_search_sum_count`
+/// doubles at its start), in the search's order: what a device computes
+/// (cuda/format/packed_bitmap/search_sums.cuh). Cost: `packed_search_rotate` and a pass per group
+/// size; n x kept floats of scratch.
+template <class Float>
+void packed_search_sums(const packed_geometry& g, const Float* rows, std::int64_t n, const std::vector<float>& basis, double* sums,
+                        std::size_t stride) {
+  const std::vector<packed_strategy> candidates = packed_candidates(g);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  packed_search_rotate(g, rows, n, basis, y.data(), sums, stride);
+  for (const int group : {4, 2, 1})
+    if (std::any_of(candidates.begin(), candidates.end(), [&](const packed_strategy& c) { return c.group == group; }))
+      packed_search_pass(y.data(), n, g.kept, candidates, group, sums, stride);
+}
+
+/// The strategy of one K or V matrix of a segment from its search's sums (`packed_search_sums`,
+/// or a device's: [chunks][stride], the chunks of n rows): `strategy::fixed`'s, or the first
+/// candidate whose loss (the chunks' sums added in order) is at most `loss_threshold`, else the
+/// slot's (r, g = 1).
+inline packed_strategy packed_search_from_sums(const format::packed_bitmap& f, const packed_geometry& g, std::int64_t n,
+                                               const double* sums, std::size_t stride) {
   if (f.mode == format::strategy::fixed) return {g.retained, f.group};
   const packed_strategy fallback{g.retained, 1};
   if (n == 0) return fallback;
-  using row_major = Eigen::Matrix<Float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const Eigen::Map<const row_major> x(rows, n, g.head_dim);
-  const Eigen::Map<const row_major> b(basis.data(), g.head_dim, g.kept);
-  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
-  Eigen::Map<row_major>(y.data(), n, g.kept).noalias() = x * b;
-  const double total = x.template cast<double>().squaredNorm();
+  const std::int64_t chunks = (n + packed_search_chunk_rows - 1) / packed_search_chunk_rows;
+  const double total = packed_chunks_added(sums, stride, chunks, 0);
   if (!std::isfinite(total)) return fallback;
-  // Candidates in order; each group size's losses from one pass, the first time one is needed.
   const std::vector<packed_strategy> candidates = packed_candidates(g);
-  std::vector<double> loss(candidates.size(), -1.0);
+  for (std::size_t i = 0; i < candidates.size(); ++i)
+    if (packed_loss(total, packed_chunks_added(sums, stride, chunks, 1 + static_cast<int>(i))) <= f.loss_threshold) return candidates[i];
+  return fallback;
+}
+
+/// The strategy of one K or V matrix of a segment from its rows: what `packed_search_from_sums`
+/// chooses from `packed_search_sums`, bit for bit, with each group size's pass made only when one
+/// of its candidates is tried.
+template <class Float>
+packed_strategy packed_search(const format::packed_bitmap& f, const packed_geometry& g, const Float* rows,
+                              std::int64_t n, const std::vector<float>& basis) {
+  if (f.mode == format::strategy::fixed || n == 0) return packed_search_from_sums(f, g, n, nullptr, 0);
+  const packed_strategy fallback{g.retained, 1};
+  const std::int64_t chunks = (n + packed_search_chunk_rows - 1) / packed_search_chunk_rows;
+  constexpr std::size_t stride = packed_search_sum_count;
+  std::vector<double> sums(static_cast<std::size_t>(chunks) * stride);
+  std::vector<float> y(static_cast<std::size_t>(n) * g.kept);
+  packed_search_rotate(g, rows, n, basis, y.data(), sums.data(), stride);
+  const double total = packed_chunks_added(sums.data(), stride, chunks, 0);
+  if (!std::isfinite(total)) return fallback;
+  const std::vector<packed_strategy> candidates = packed_candidates(g);
+  bool passed[5] = {};  // by group size
   for (std::size_t i = 0; i < candidates.size(); ++i) {
-    if (loss[i] < 0) packed_group_losses(y, n, g.kept, total, candidates, candidates[i].group, loss);
-    if (loss[i] <= f.loss_threshold) return candidates[i];
+    const int group = candidates[i].group;
+    if (!passed[group]) packed_search_pass(y.data(), n, g.kept, candidates, group, sums.data(), stride);
+    passed[group] = true;
+    if (packed_loss(total, packed_chunks_added(sums.data(), stride, chunks, 1 + static_cast<int>(i))) <= f.loss_threshold) return candidates[i];
   }
   return fallback;
 }
@@ -2938,8 +3043,9 @@ struct format_traits<format::packed_bitmap> {
   /// Whether the plan reads the rows besides their sums: `strategy::search` (its candidate passes).
   static bool plan_reads_rows(const format_type& f) { return f.mode == format::strategy::search; }
   /// The segment of one KV head from its n rows' sums (`segment_sums`) and, when
-  /// `plan_reads_rows`, its rows (else k and v may be null). Cost: 2 eigendecompositions (head_dim^3)
-  /// and the search's passes.
+  /// `plan_reads_rows`, its rows. With k and v null the strategies a search would choose are left
+  /// to `search_segment_from_sums` (the slot's r at g = 1 until then). Cost: 2 eigendecompositions
+  /// (head_dim^3) and the search's passes.
   template <class Float>
   static segment plan_segment_from_sums(const format_type& f, const page_shape& shape, const double* sums, std::int64_t n,
                                         const Float* k, const Float* v) {
@@ -2949,10 +3055,31 @@ struct format_traits<format::packed_bitmap> {
     s.kept = g.kept;
     for (int which = 0; which < 2; ++which) {
       s.basis[which] = detail::packed_basis(sums + static_cast<std::size_t>(which) * d * d, n, d, g.kept);
-      s.strategy[which] = detail::packed_search(f, g, which == 0 ? k : v, n, s.basis[which]);  // fixed: reads no row
+      const Float* rows = which == 0 ? k : v;
+      s.strategy[which] = plan_reads_rows(f) && rows == nullptr ? detail::packed_strategy{g.retained, 1}
+                                                                : detail::packed_search(f, g, rows, n, s.basis[which]);  // fixed: reads no row
     }
     s.block_tokens = detail::packed_block_tokens(sums + 2 * static_cast<std::size_t>(d) * d, n, d, f.block_variance_threshold);
     return s;
+  }
+
+  // The search from sums (an optional part of a format whose plan reads rows): a device computes
+  // the search's sums over a segment's rows in the segment's bases, in the order
+  // `detail::packed_search_chunk_rows` defines, and copies back only them.
+
+  /// Rows of a chunk of the search's sums.
+  static constexpr int segment_search_chunk_rows = detail::packed_search_chunk_rows;
+  /// Doubles of the search's sums per KV head and chunk: K's, then V's
+  /// (`detail::packed_search_sum_count` each).
+  static std::size_t segment_search_sum_count(const format_type&, const page_shape&) { return 2 * detail::packed_search_sum_count; }
+  /// The strategies of a segment planned without rows (`plan_segment_from_sums`) from the search's
+  /// sums of its n rows (`sums`: [chunks][segment_search_sum_count]): those `plan_segment_from_sums`
+  /// chooses from the rows, bit for bit. Cost: 2 x 10 sums over the chunks.
+  static void search_segment_from_sums(const format_type& f, const page_shape& shape, segment& s, std::int64_t n, const double* sums) {
+    const detail::packed_geometry g = detail::packed_geometry::of(f, shape);
+    const std::size_t stride = segment_search_sum_count(f, shape);
+    for (int which = 0; which < 2; ++which)
+      s.strategy[which] = detail::packed_search_from_sums(f, g, n, sums + static_cast<std::size_t>(which) * detail::packed_search_sum_count, stride);
   }
 
   static void encode_k(const format_type& f, const page_shape& shape, const segment& s, const float* rows, std::byte* page) {

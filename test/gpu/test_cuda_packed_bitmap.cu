@@ -11,6 +11,11 @@
 // kernels are compiled for four shapes.
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
 
 #include "../support/packed_bound.hpp"
 #include "packed_records.hpp"
@@ -301,6 +306,80 @@ TEST_CASE("GPU packed_bitmap: a searched slot whose r is not a whole number of g
   CHECK(pairs > 0);  // the whole-group loads of g = 2 are exercised
   check_records(t);
   check_attention(t);
+}
+
+namespace {
+
+/// The device's search sums of `heads` KV heads' random K and V rows (a NaN in one row of one
+/// head's V) against the host's `packed_search_sums` on the same rows and bases.
+template <int HeadDim>
+void check_search_sums(float retained) {
+  const int heads = 2;
+  const std::int64_t n = 300;  // a partial last chunk
+  format::packed_bitmap f;
+  f.retained = retained;
+  f.mode = format::strategy::search;
+  const auto g = kvmosaic::detail::packed_geometry::of(f, page_shape{64, HeadDim, dtype::bf16});
+  const std::vector<kvmosaic::detail::packed_strategy> candidates = kvmosaic::detail::packed_candidates(g);
+  std::mt19937 random(47);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  // Rows [n][heads][head_dim] as a call gives them (fp32), over 16 binades so that the sums round.
+  std::vector<float> k(static_cast<std::size_t>(n) * heads * HeadDim), v(k.size());
+  for (std::vector<float>* rows : {&k, &v})
+    for (float& x : *rows) x = std::ldexp(uniform(random), static_cast<int>(random() % 16) - 8);
+  v[(static_cast<std::size_t>(70) * heads + 1) * HeadDim + 5] = std::numeric_limits<float>::quiet_NaN();
+  const std::size_t basis_floats = static_cast<std::size_t>(HeadDim) * g.kept;
+  std::vector<float> bases(static_cast<std::size_t>(heads) * 2 * basis_floats);
+  for (float& b : bases) b = uniform(random);
+  const std::int64_t chunks = (n + 63) / 64;
+  const int count = kvmosaic::detail::packed_search_sum_count;
+  std::vector<double> expected(static_cast<std::size_t>(heads) * chunks * 2 * count), got(expected.size());
+  for (int h = 0; h < heads; ++h)
+    for (int which = 0; which < 2; ++which) {
+      std::vector<float> rows(static_cast<std::size_t>(n) * HeadDim);
+      for (std::int64_t t = 0; t < n; ++t)
+        for (int c = 0; c < HeadDim; ++c)
+          rows[static_cast<std::size_t>(t) * HeadDim + c] = (which == 0 ? k : v)[(static_cast<std::size_t>(t) * heads + h) * HeadDim + c];
+      const std::vector<float> basis(bases.begin() + (2 * h + which) * basis_floats, bases.begin() + (2 * h + which + 1) * basis_floats);
+      kvmosaic::detail::packed_search_sums(g, rows.data(), n, basis, expected.data() + (static_cast<std::size_t>(h) * chunks * 2 + which) * count,
+                                           2 * count);
+    }
+  kvmosaic::cuda::device_buffer k_device(k.size() * 4), v_device(v.size() * 4), bases_device(bases.size() * 4), sums_device(got.size() * 8);
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(k_device.data(), k.data(), k.size() * 4, cudaMemcpyHostToDevice));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(v_device.data(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(bases_device.data(), bases.data(), bases.size() * 4, cudaMemcpyHostToDevice));
+  kvmosaic::cuda::kernel::packed_search_params p{};
+  p.rows = kvmosaic::cuda::kernel::packed_sum_rows{nullptr, 0, 0, dtype::bf16, k_device.as<const std::byte>(), v_device.as<const std::byte>(),
+                                         dtype::f32, 0, 0, 0, 0, n, heads};
+  p.bases = bases_device.as<const float>();
+  p.sums = sums_device.as<double>();
+  p.kept = g.kept;
+  p.candidates = static_cast<int>(candidates.size());
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    p.retained[i] = candidates[i].retained;
+    p.group[i] = candidates[i].group;
+  }
+  kvmosaic::cuda::kernel::packed_search_sums_kernel<HeadDim><<<dim3(static_cast<unsigned>(chunks), heads, 2), kvmosaic::cuda::kernel::packed_search_threads>>>(p);
+  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  KVMOSAIC_CUDA_CHECK(cudaMemcpy(got.data(), p.sums, got.size() * 8, cudaMemcpyDeviceToHost));
+  int nans = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(HeadDim, retained, i);
+    nans += std::isnan(expected[i]) ? 1 : 0;
+    if (std::isnan(expected[i])) CHECK(std::isnan(got[i]));
+    else CHECK(std::memcmp(&got[i], &expected[i], sizeof(double)) == 0);
+  }
+  CHECK(nans > 0);  // the NaN row's chunk: its norm and every candidate's sum
+}
+
+}  // namespace
+
+TEST_CASE("GPU packed_bitmap: the strategy search's sums on the device equal the host's, bit for bit", "[gpu][packed_bitmap]") {
+  if (!gpu_available()) return;
+  check_search_sums<64>(0.375f);
+  check_search_sums<128>(0.375f);
+  check_search_sums<128>(38.0f / 128.0f);  // no g = 4: four candidates
+  check_search_sums<256>(0.375f);          // 192 groups at g = 1
 }
 
 TEST_CASE("GPU packed_bitmap: a fork reads its shared pages in the same segments", "[gpu][packed_bitmap]") {

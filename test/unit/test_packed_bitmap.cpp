@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -524,52 +525,105 @@ TEST_CASE("packed_bitmap: the strategy search picks what a brute-force evaluatio
   }
 }
 
-TEST_CASE("packed_bitmap: the search's losses equal a brute force's, bit for bit, with ties, by ranks and by selections",
+TEST_CASE("packed_bitmap: the search's sums equal a brute force's, bit for bit, with ties, by ranks and by selections",
           "[packed_bitmap]") {
-  // detail::packed_group_losses against the definition: per row, each group's fp32 energy (its
+  // detail::packed_chunk_stored against the definition: per row, each group's fp32 energy (its
   // squares added in order), the first keep groups by (energy descending, group ascending), their
-  // energies added in increasing group order into a double across rows. Values from a small set
-  // make exact ties common; kept = 96 (24 to 96 groups: the ranks) and 256 at g = 1 (256 groups:
-  // the selections).
+  // energies added in increasing group order from zero; the chunk's rows added in order from
+  // zero. Values from a small set make exact ties common; kept = 96 (24 to 96 groups: the ranks)
+  // and 256 at g = 1 (256 groups: the selections). Values of continuous mantissas over 40
+  // binades make the double sums round, so that another order of the additions gives other bits.
   std::mt19937 random(46);
-  for (const int kept : {96, 256}) {
-    const std::int64_t n = 300;
-    std::vector<float> y(static_cast<std::size_t>(n) * kept);
-    for (float& x : y) x = static_cast<float>(static_cast<int>(random() % 5) - 2) * (random() % 7 == 0 ? 0.5f : 1.0f);
-    double total = 0;
-    for (const float x : y) total += static_cast<double>(x) * x;
-    total *= 1.25;  // the truncated channels' energy, as the search counts it
-    for (const int group : {4, 2, 1}) {
-      std::vector<detail::packed_strategy> candidates;
-      for (const int r : {kept / 8, kept / 4, kept * 3 / 8}) candidates.push_back({r / group * group, group});
-      candidates.push_back({kept / 4, group == 1 ? 2 : 1});  // another group size: left alone
-      std::vector<double> loss(candidates.size(), -1.0);
-      detail::packed_group_losses(y, n, kept, total, candidates, group, loss);
-      CHECK(loss.back() == -1.0);
-      for (std::size_t c = 0; c + 1 < candidates.size(); ++c) {
-        const int keep = candidates[c].retained / group, groups = kept / group;
-        double stored = 0;
-        for (std::int64_t t = 0; t < n; ++t) {
-          std::vector<std::pair<float, int>> ranked;
-          std::vector<float> energy(static_cast<std::size_t>(groups), 0.0f);
-          for (int j = 0; j < groups; ++j) {
-            for (int i = 0; i < group; ++i) {
-              const float x = y[static_cast<std::size_t>(t * kept + j * group + i)];
-              energy[static_cast<std::size_t>(j)] += x * x;
+  std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
+  for (const bool ties : {true, false})
+    for (const int kept : {96, 256}) {
+      const int n = 64;
+      std::vector<float> y(static_cast<std::size_t>(n) * kept);
+      for (float& x : y)
+        x = ties ? static_cast<float>(static_cast<int>(random() % 5) - 2) * (random() % 7 == 0 ? 0.5f : 1.0f)
+                 : std::ldexp(uniform(random), static_cast<int>(random() % 40) - 20);
+      for (const int group : {4, 2, 1}) {
+        std::vector<detail::packed_strategy> candidates;
+        for (const int r : {kept / 8, kept / 4, kept * 3 / 8}) candidates.push_back({r / group * group, group});
+        candidates.push_back({kept / 4, group == 1 ? 2 : 1});  // another group size: left alone
+        std::vector<double> stored(candidates.size(), -1.0);
+        detail::packed_chunk_stored(y.data(), n, kept, candidates, group, stored.data());
+        CHECK(stored.back() == -1.0);
+        for (std::size_t c = 0; c + 1 < candidates.size(); ++c) {
+          const int keep = candidates[c].retained / group, groups = kept / group;
+          double expected = 0;
+          for (int t = 0; t < n; ++t) {
+            std::vector<std::pair<float, int>> ranked;
+            std::vector<float> energy(static_cast<std::size_t>(groups), 0.0f);
+            for (int j = 0; j < groups; ++j) {
+              for (int i = 0; i < group; ++i) {
+                const float x = y[static_cast<std::size_t>(t * kept + j * group + i)];
+                energy[static_cast<std::size_t>(j)] += x * x;
+              }
+              ranked.emplace_back(-energy[static_cast<std::size_t>(j)], j);
             }
-            ranked.emplace_back(-energy[static_cast<std::size_t>(j)], j);
+            std::sort(ranked.begin(), ranked.end());
+            std::vector<int> chosen;
+            for (int k = 0; k < keep; ++k) chosen.push_back(ranked[static_cast<std::size_t>(k)].second);
+            std::sort(chosen.begin(), chosen.end());
+            double row = 0;
+            for (const int j : chosen) row += energy[static_cast<std::size_t>(j)];
+            expected += row;
           }
-          std::sort(ranked.begin(), ranked.end());
-          std::vector<int> chosen;
-          for (int k = 0; k < keep; ++k) chosen.push_back(ranked[static_cast<std::size_t>(k)].second);
-          std::sort(chosen.begin(), chosen.end());
-          for (const int j : chosen) stored += energy[static_cast<std::size_t>(j)];
+          INFO("ties " << ties << " kept " << kept << " g " << group << " r " << candidates[c].retained);
+          CHECK(stored[c] == expected);
         }
-        INFO("kept " << kept << " g " << group << " r " << candidates[c].retained);
-        CHECK(loss[c] == std::max(0.0, (total - stored) / total));
       }
     }
+}
+
+TEST_CASE("packed_bitmap: the search from its sums, as a device computes them, chooses what the search from the rows does",
+          "[packed_bitmap]") {
+  // format_traits::search_segment_from_sums over sums laid out as the CUDA engine copies them
+  // back ([chunks][K's 10, V's 10]) against plan_segment on the same rows, at thresholds around
+  // every candidate's loss; 300 rows end in a partial chunk.
+  const cache_config c = small_config();
+  const synthetic::kv_data kv = synthetic::generate_kv(synthetic_config(c), 11, 300);
+  const page_shape shape{64, 128, dtype::bf16};
+  const std::vector<float> k = head_rows(kv, 1, false), v = head_rows(kv, 1, true);
+  format::packed_bitmap f = make(0.375f, 1);
+  f.mode = format::strategy::search;
+  const auto g = detail::packed_geometry::of(f, shape);
+  const std::int64_t n = 300, chunks = (n + 63) / 64;
+  std::vector<double> sums(static_cast<std::size_t>(chunks) * traits::segment_search_sum_count(f, shape), -1.0);
+  REQUIRE(traits::segment_search_sum_count(f, shape) == 2 * detail::packed_search_sum_count);
+  std::vector<double> segment_sums(traits::segment_sum_count(f, shape));
+  traits::segment_sums(f, shape, k.data(), v.data(), n, segment_sums.data());
+  const traits::segment unsearched = traits::plan_segment_from_sums<float>(f, shape, segment_sums.data(), n, nullptr, nullptr);
+  for (int which = 0; which < 2; ++which)
+    detail::packed_search_sums(g, which == 0 ? k.data() : v.data(), n, unsearched.basis[which],
+                               sums.data() + which * detail::packed_search_sum_count, traits::segment_search_sum_count(f, shape));
+  std::vector<float> thresholds = {0.0f, 1.0f};
+  for (int which = 0; which < 2; ++which) {
+    double total = 0;
+    for (std::int64_t chunk = 0; chunk < chunks; ++chunk) total += sums[static_cast<std::size_t>(chunk) * 20 + which * 10];
+    for (int i = 0; i < 9; ++i) {
+      double kept = 0;
+      for (std::int64_t chunk = 0; chunk < chunks; ++chunk) kept += sums[static_cast<std::size_t>(chunk) * 20 + which * 10 + 1 + i];
+      const float loss = static_cast<float>(detail::packed_loss(total, kept));
+      thresholds.push_back(std::nextafter(loss, 0.0f));
+      thresholds.push_back(std::nextafter(loss, 1.0f));
+    }
   }
+  std::set<std::pair<int, int>> seen;
+  for (const float threshold : thresholds) {
+    f.loss_threshold = threshold;
+    traits::segment searched = unsearched;
+    traits::search_segment_from_sums(f, shape, searched, n, sums.data());
+    const traits::segment reference = traits::plan_segment(f, shape, k.data(), v.data(), n);
+    INFO("threshold " << threshold);
+    for (int which = 0; which < 2; ++which) {
+      CHECK(searched.strategy[which].retained == reference.strategy[which].retained);
+      CHECK(searched.strategy[which].group == reference.strategy[which].group);
+      seen.emplace(searched.strategy[which].retained, searched.strategy[which].group);
+    }
+  }
+  CHECK(seen.size() >= 4);  // the thresholds reach several candidates
 }
 
 TEST_CASE("packed_bitmap: the search skips a group that does not divide the slot's r", "[packed_bitmap]") {

@@ -817,9 +817,11 @@ class engine {
   /// would see (`detail::plan_segments`: the tail as it will be at that seal, and the call's rows
   /// after it), keeps the host copy and writes the device entries. A format that plans from sums
   /// (`has_segment_sums_v`) has the device compute them (`device_format::segment_sums`) and plans
-  /// on the host from them alone, or from them and the rows where its plan reads rows. Cost per
-  /// segment: the sums on the device and their copy to the host, or a copy of the segment's rows;
-  /// the format's plan; a copy of the entries back (synchronizes the stream).
+  /// on the host from them alone; where its plan reads rows, from other sums the device computes
+  /// in the planned bases (`has_segment_search_sums_v`, `device_format::segment_search_sums`),
+  /// else from the rows copied back. Cost per segment: the sums on the device and their copy to
+  /// the host, or a copy of the segment's rows; the format's plan; a copy of the entries back
+  /// (synchronizes the stream).
   template <class T>
   void plan_segments_in(std::int32_t slot, int tail_rows, const tensor_view<const T, 3>& k, const tensor_view<const T, 3>& v,
                         std::int64_t first, std::int32_t pages, std::int64_t sealed_pages) {
@@ -841,18 +843,28 @@ class engine {
         const std::size_t count = traits::segment_sum_count(format_, shape);
         sums.resize(static_cast<std::size_t>(shape_.num_kv_heads) * count);
         const device_context c = context();
-        device::template segment_sums<Shapes>(
-            format_state_, format_,
-            segment_sums_context{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
-                                 dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
-                                 sums.data()});
-        if (!traits::plan_reads_rows(format_)) {
+        const segment_sums_context rows{&c, tails_.as<const std::byte>() + slot * geometry_.tail_slot_bytes(), k.data(), v.data(),
+                                        dtype_traits<T>::id, skip, std::max(0, from_tail - skip), p - skip, page_first + skip, n,
+                                        sums.data()};
+        device::template segment_sums<Shapes>(format_state_, format_, rows);
+        // A plan that reads rows takes them from the device's sums of them where the format says
+        // how (has_segment_search_sums_v), else from the rows copied back (below).
+        if (!traits::plan_reads_rows(format_) || has_segment_search_sums_v<Format>) {
           planned.resize(static_cast<std::size_t>(shape_.num_kv_heads));
           kvmosaic::detail::for_each_item(
               shape_.num_kv_heads, [] { return 0; }, [&](std::int64_t h, int&) {
                 planned[static_cast<std::size_t>(h)] =
                     traits::template plan_segment_from_sums<float>(format_, shape, sums.data() + h * count, n, nullptr, nullptr);
               });
+          if constexpr (has_segment_search_sums_v<Format>)
+            if (traits::plan_reads_rows(format_)) {
+              const std::size_t per_head = static_cast<std::size_t>((n + traits::segment_search_chunk_rows - 1) / traits::segment_search_chunk_rows) *
+                                           traits::segment_search_sum_count(format_, shape);
+              std::vector<double> search(static_cast<std::size_t>(shape_.num_kv_heads) * per_head);
+              device::template segment_search_sums<Shapes>(format_state_, format_, rows, planned.data(), search.data());
+              for (int h = 0; h < shape_.num_kv_heads; ++h)
+                traits::search_segment_from_sums(format_, shape, planned[static_cast<std::size_t>(h)], n, search.data() + h * per_head);
+            }
         }
       }
       if (planned.empty()) planned = plan_from_rows(slot, k, v, page_first, next, ahead, index, sums);

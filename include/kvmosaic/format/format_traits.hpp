@@ -153,6 +153,21 @@ template <class Format>
 inline constexpr bool has_segment_sums_v = has_segments_v<Format> && detail::segment_sums_of<format_traits<Format>>::value;
 
 namespace detail {
+/// format_traits<Format>::segment_search_sum_count exists (a format whose plan reads rows, from
+/// sums of them a device may compute: `search_segment_from_sums`).
+template <class Traits, class = void>
+struct segment_search_sums_of : std::false_type {};
+template <class Traits>
+struct segment_search_sums_of<Traits, std::void_t<decltype(&Traits::segment_search_sum_count)>> : std::true_type {};
+}  // namespace detail
+
+/// True when a format planned from sums (`has_segment_sums_v`) makes the part of its plan that
+/// reads rows from other sums of them that a device may compute (`format_traits::
+/// segment_search_sum_count`, `search_segment_from_sums`).
+template <class Format>
+inline constexpr bool has_segment_search_sums_v = has_segment_sums_v<Format> && detail::segment_search_sums_of<format_traits<Format>>::value;
+
+namespace detail {
 /// The segment type of a format with segments; an empty struct for the others.
 struct no_segment {};
 template <class Format, bool = has_segments_v<Format>>

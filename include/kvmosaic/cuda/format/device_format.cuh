@@ -51,6 +51,12 @@
 ///   // defines (to the bit), copied to the host
 ///   template <class Shapes>
 ///   static void segment_sums(state&, const format::X&, const segment_sums_context&);
+///   // formats whose plan reads rows from sums of them (has_segment_search_sums_v): those sums
+///   // over the same rows in the bases of each KV head's segment planned from the sums above,
+///   // in the order format_traits::search_segment_from_sums reads (to the bit), copied to the host
+///   template <class Shapes>
+///   static void segment_search_sums(state&, const format::X&, const segment_sums_context&,
+///                                   const segment* planned, double* sums);
 ///   // formats with block keys (format_traits::has_block_keys) only: what a selector that keeps
 ///   // mean keys stores and scores instead of dense rows (the generic score_block_keys_kernel)
 ///   template <class Shapes>

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvmosaic/cuda/device_buffer.cuh"
 #include "kvmosaic/cuda/error.cuh"
@@ -25,6 +26,7 @@
 #include "kvmosaic/cuda/format/packed_bitmap/block_keys.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/decode.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/encode.cuh"
+#include "kvmosaic/cuda/format/packed_bitmap/search_sums.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/segment_sums.cuh"
 #include "kvmosaic/cuda/format/packed_bitmap/unpack.cuh"
 #include "kvmosaic/cuda/shapes.cuh"
@@ -62,6 +64,8 @@ struct device_format<format::packed_bitmap> {
     device_buffer page_segments;  ///< [max_pages] int32: the segment each page was sealed in (the encoder writes it)
     device_buffer sum_scratch;    ///< the tiles' sums of a pass of `segment_sums`
     device_buffer sum_totals;     ///< [num_kv_heads][segment_sum_count] doubles
+    device_buffer search_bases;   ///< `segment_search_sums`: [num_kv_heads][2][head_dim][kept] fp32
+    device_buffer search_sums;    ///< `segment_search_sums`: [num_kv_heads][chunks][segment_search_sum_count] doubles
     /// The most scratch a pass of `segment_sums` fills with its tiles' sums (at least one tile's):
     /// a segment of more tiles takes more passes (2.1 MB a tile at head_dim 128, 8 KV heads).
     std::size_t sum_pass_bytes = std::size_t{64} << 20;
@@ -177,6 +181,25 @@ struct device_format<format::packed_bitmap> {
     std::memcpy(v_t + static_cast<std::size_t>(d) * kept, strategy, sizeof strategy);
   }
 
+  /// Where the rows of the segment `c` describes are, as the sums' kernels read them.
+  static kernel::packed_sum_rows rows_of(const segment_sums_context& c) {
+    const device_context& e = *c.engine;
+    const kvmosaic::detail::arena_geometry& g = *e.geometry;
+    return kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
+                                   static_cast<std::int64_t>(g.tail_head_bytes),
+                                   static_cast<std::int64_t>(g.row_bytes),
+                                   e.shape->storage,
+                                   static_cast<const std::byte*>(c.k),
+                                   static_cast<const std::byte*>(c.v),
+                                   c.rows_type,
+                                   c.first_row,
+                                   c.tail_rows,
+                                   c.page_rows,
+                                   c.call_offset,
+                                   c.n,
+                                   e.shape->num_kv_heads};
+  }
+
   /// The sums of a segment's rows (`format_traits::segment_sums`, to the bit) for every KV head,
   /// into `c.sums` (host; synchronizes the stream). Passes of up to `state::sum_pass_bytes` of
   /// tiles' sums (device scratch the engine keeps, with the totals): per pass a CTA per (tile, K or V of a head, 64 x 64 block of the covariance's lower
@@ -198,21 +221,8 @@ struct device_format<format::packed_bitmap> {
     const int per_pass = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(tiles, s.sum_pass_bytes / totals_bytes)));
     if (s.sum_scratch.size() < per_pass * totals_bytes) s.sum_scratch = device_buffer(per_pass * totals_bytes);
     if (s.sum_totals.size() < totals_bytes) s.sum_totals = device_buffer(totals_bytes);
-    const kvmosaic::detail::arena_geometry& g = *e.geometry;
     kernel::packed_sum_params p{};
-    p.rows = kernel::packed_sum_rows{c.tail + g.tail_row_offset(),
-                                     static_cast<std::int64_t>(g.tail_head_bytes),
-                                     static_cast<std::int64_t>(g.row_bytes),
-                                     e.shape->storage,
-                                     static_cast<const std::byte*>(c.k),
-                                     static_cast<const std::byte*>(c.v),
-                                     c.rows_type,
-                                     c.first_row,
-                                     c.tail_rows,
-                                     c.page_rows,
-                                     c.call_offset,
-                                     c.n,
-                                     heads};
+    p.rows = rows_of(c);
     p.scratch = s.sum_scratch.as<double>();
     p.totals = s.sum_totals.as<double>();
     const int blocks = d / kernel::packed_covariance_block;
@@ -235,6 +245,52 @@ struct device_format<format::packed_bitmap> {
       }
     });
     KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(c.sums, p.totals, totals_bytes, cudaMemcpyDeviceToHost, e.stream));
+    KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
+  }
+
+  /// The strategy search's sums of a segment's rows (`format_traits::search_segment_from_sums`
+  /// reads them; the host's order, to the bit) in the bases of `planned` (each KV head's segment
+  /// planned from the sums), into `sums` ([num_kv_heads][chunks][segment_search_sum_count], host;
+  /// synchronizes the stream). A CTA per (chunk of rows, KV head, K or V): the rows rotated as the
+  /// host's `fused_rotate` does, each candidate's kept energies summed per row, then per chunk
+  /// (`kernel::packed_search_sums_kernel`). Cost: the bases' copy to the device (2 x head_dim x
+  /// kept fp32 per head), one read of the rows and head_dim x kept multiply-adds per row, and
+  /// the sums' copy back (160 bytes per chunk of 64 rows and head).
+  template <class Shapes>
+  static void segment_search_sums(state& s, const format::packed_bitmap& f, const segment_sums_context& c, const traits::segment* planned,
+                                  double* sums) {
+    const device_context& e = *c.engine;
+    const int heads = e.shape->num_kv_heads, d = e.shape->head_dim;
+    const kvmosaic::detail::packed_geometry g = kvmosaic::detail::packed_geometry::of(f, e.shape->page());
+    const std::int64_t chunks = (c.n + traits::segment_search_chunk_rows - 1) / traits::segment_search_chunk_rows;
+    if (chunks == 0) return;
+    const std::size_t count = traits::segment_search_sum_count(f, e.shape->page());
+    const std::size_t basis_floats = static_cast<std::size_t>(d) * g.kept;
+    std::vector<float> bases(static_cast<std::size_t>(heads) * 2 * basis_floats);
+    for (int h = 0; h < heads; ++h)
+      for (int which = 0; which < 2; ++which)
+        std::copy(planned[h].basis[which].begin(), planned[h].basis[which].end(), bases.begin() + (static_cast<std::size_t>(h) * 2 + which) * basis_floats);
+    const std::size_t sums_bytes = static_cast<std::size_t>(heads) * chunks * count * sizeof(double);
+    if (s.search_bases.size() < bases.size() * sizeof(float)) s.search_bases = device_buffer(bases.size() * sizeof(float));
+    if (s.search_sums.size() < sums_bytes) s.search_sums = device_buffer(sums_bytes);
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(s.search_bases.data(), bases.data(), bases.size() * sizeof(float), cudaMemcpyHostToDevice, e.stream));
+    kernel::packed_search_params p{};
+    p.rows = rows_of(c);
+    p.bases = s.search_bases.as<const float>();
+    p.sums = s.search_sums.as<double>();
+    p.kept = g.kept;
+    const std::vector<kvmosaic::detail::packed_strategy> candidates = kvmosaic::detail::packed_candidates(g);
+    p.candidates = static_cast<int>(candidates.size());
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      p.retained[i] = candidates[i].retained;
+      p.group[i] = candidates[i].group;
+    }
+    detail::dispatch_shape(Shapes{}, e.shape->storage, d, 0, [&](auto, auto dim, auto) {
+      kernel::packed_search_sums_kernel<decltype(dim)::value>
+          <<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(heads), 2), kernel::packed_search_threads, 0, e.stream>>>(p);
+      KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+    });
+    KVMOSAIC_CUDA_CHECK(cudaMemcpyAsync(sums, p.sums, sums_bytes, cudaMemcpyDeviceToHost, e.stream));
     KVMOSAIC_CUDA_CHECK(cudaStreamSynchronize(e.stream));
   }
 

@@ -44,18 +44,105 @@ constexpr int packed_encode_threads = 128;
 /// Tokens whose rotated rows a CTA holds at once.
 constexpr int packed_encode_tokens = 16;
 
-/// Grid (pages, num_kv_heads, 2: K then V). Per 16 tokens the CTA stages the basis a few input
-/// channels at a time in shared memory (32, 16 at head_dim 256; B_v read from its transposed
-/// copy along channels), with those channels of the tokens' rows, and a thread per rotated
-/// channel (two at head_dim 256) runs the 16 tokens' chains over them. Static shared memory: the
-/// staged basis rows (reused for the group energies), the staged row values, the rotated rows and
-/// the kept flags of 16 tokens (about 28 KB at head_dim 128, 37 KB at 256).
+namespace detail_packed {
+
+/// Input channels of the basis staged at a time by `rotate_tokens`.
+template <int HeadDim>
+inline constexpr int rotate_stage_rows = HeadDim >= 256 ? 16 : 32;
+
+/// y[t][j] = sum_c x(t, c) B[c][j] for the first n <= Tokens tokens and the kept rotated channels
+/// j: each a chain of fused multiply-adds from zero over c in order (the host's `fused_rotate`),
+/// a thread per rotated channel (two at head_dim 256) running the tokens' chains in registers.
+/// Per `rotate_stage_rows` input channels the CTA stages those rows of B (`basis(c, j)`, read
+/// along B's rows where `along_rows`, else along its columns: whichever is coalesced) into
+/// `staged` ([stage rows][HeadDim + 1]: no bank conflicts) and those channels of the tokens
+/// (`x(t, c)`, zeros past n) into `xs`. Ends after a barrier, y written and `staged` free.
+template <int HeadDim, int Tokens, int Threads, class Basis, class X>
+__device__ __forceinline__ void rotate_tokens(int kept, int n, Basis&& basis, bool along_rows, X&& x, float* staged,
+                                              float (*xs)[rotate_stage_rows<HeadDim>], float (*y)[HeadDim]) {
+  constexpr int stage_rows = rotate_stage_rows<HeadDim>;
+  constexpr int columns = (HeadDim + Threads - 1) / Threads;  // rotated channels a thread
+  constexpr int stride = HeadDim + 1;
+  const int tid = static_cast<int>(threadIdx.x);
+  float acc[columns][Tokens] = {};
+  for (int c0 = 0; c0 < HeadDim; c0 += stage_rows) {
+    __syncthreads();  // the previous stage (or what the caller kept in `staged`) is read
+    for (int index = tid; index < stage_rows * kept; index += Threads) {
+      const int c = along_rows ? index / kept : index % stage_rows, j = along_rows ? index % kept : index / stage_rows;
+      staged[c * stride + j] = basis(c0 + c, j);
+    }
+    for (int index = tid; index < Tokens * stage_rows; index += Threads) {
+      const int t = index / stage_rows, c = index % stage_rows;
+      xs[t][c] = t < n ? x(t, c0 + c) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < stage_rows; ++c) {
+      float b[columns];
+#pragma unroll
+      for (int k = 0; k < columns; ++k) {
+        const int j = tid + k * Threads;
+        b[k] = j < kept ? staged[c * stride + j] : 0.0f;
+      }
+#pragma unroll
+      for (int t = 0; t < Tokens; ++t) {
+        const float xt = xs[t][c];
+#pragma unroll
+        for (int k = 0; k < columns; ++k) acc[k][t] = fmaf(xt, b[k], acc[k][t]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < columns; ++k) {
+    const int j = tid + k * Threads;
+    if (j < kept)
+#pragma unroll
+      for (int t = 0; t < Tokens; ++t) y[t][j] = acc[k][t];
+  }
+  __syncthreads();  // y is written, `staged` is free
+}
+
+/// For tokens t < n of y and their groups j < `groups` of g adjacent channels: energy[t][j] = the
+/// group's squares added in order from zero, each rounded to fp32 (the host's
+/// `packed_group_energies`), then ranked(t, j, before) with the number of groups that rank before
+/// it (`packed_group_order`: NaN first, then higher energy, then the lower group), a thread per
+/// (token, group) each time. Barriers after each; `energy` may alias the staged basis.
+template <int HeadDim, int Threads, class Ranked>
+__device__ __forceinline__ void rank_groups(int n, int groups, int g, const float (*y)[HeadDim], float (*energy)[HeadDim], Ranked&& ranked) {
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int index = tid; index < n * groups; index += Threads) {
+    const int t = index / groups, j = index % groups;
+    float sum = 0.0f;
+    for (int i = 0; i < g; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * g + i], y[t][j * g + i]));
+    energy[t][j] = sum;
+  }
+  __syncthreads();
+  for (int index = tid; index < n * groups; index += Threads) {
+    const int t = index / groups, j = index % groups;
+    const float mine = energy[t][j];
+    int before = 0;
+    for (int o = 0; o < groups; ++o) {
+      const float other = energy[t][o];
+      const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
+      before += o != j && ranks_before ? 1 : 0;
+    }
+    ranked(t, j, before);
+  }
+  __syncthreads();
+}
+
+}  // namespace detail_packed
+
+/// Grid (pages, num_kv_heads, 2: K then V). Per 16 tokens the CTA rotates the rows
+/// (`detail_packed::rotate_tokens`; B_v read from its transposed copy along channels), ranks
+/// each token's groups by energy and writes its record. Static shared memory: the staged basis
+/// rows (reused for the group energies), the staged row values, the rotated rows and the kept
+/// flags of 16 tokens (about 28 KB at head_dim 128, 37 KB at 256).
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_kernel(const packed_encode_params e) {
   constexpr int max_kept = HeadDim;
   constexpr int tokens = packed_encode_tokens;
-  constexpr int stage_rows = HeadDim >= 256 ? 16 : 32;                        // input channels staged at a time
-  constexpr int columns = (max_kept + packed_encode_threads - 1) / packed_encode_threads;  // rotated channels a thread
+  constexpr int stage_rows = detail_packed::rotate_stage_rows<HeadDim>;
   constexpr int stride = max_kept + 1;                                        // staged basis row (odd: no bank conflicts)
   static_assert(tokens * max_kept <= stage_rows * stride, "the group energies fit the staged basis");
   __shared__ float basis_rows[stage_rows * stride];  // [stage_rows][stride], then energy [tokens][max_kept]
@@ -88,69 +175,14 @@ __global__ void __launch_bounds__(packed_encode_threads) encode_packed_pages_ker
   for (int first = 0; first < e.page_size; first += tokens) {
     const int n = min(tokens, e.page_size - first);
     // y[t][j] = sum_c x[t][c] B[c][j], in channel order: one chain per (token, rotated channel).
-    float acc[columns][tokens] = {};
-    for (int c0 = 0; c0 < HeadDim; c0 += stage_rows) {
-      __syncthreads();  // the previous stage (or the energies of the tokens before) is read
-      if (which == 0) {
-        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
-          const int c = index / kept, j = index % kept;  // along B_k's rows
-          basis_rows[c * stride + j] = k_basis[static_cast<std::size_t>(c0 + c) * kept + j];
-        }
-      } else {
-        for (int index = tid; index < stage_rows * kept; index += packed_encode_threads) {
-          const int c = index % stage_rows, j = index / stage_rows;  // along B_v^T's rows
-          basis_rows[c * stride + j] = v_basis_t[static_cast<std::size_t>(j) * HeadDim + c0 + c];
-        }
-      }
-      for (int index = tid; index < tokens * stage_rows; index += packed_encode_threads) {
-        const int t = index / stage_rows, c = index % stage_rows;
-        x[t][c] = t < n ? to_float(rows[static_cast<std::size_t>(first + t) * HeadDim + c0 + c]) : 0.0f;
-      }
-      __syncthreads();
-#pragma unroll 4
-      for (int c = 0; c < stage_rows; ++c) {
-        float b[columns];
-#pragma unroll
-        for (int k = 0; k < columns; ++k) {
-          const int j = tid + k * packed_encode_threads;
-          b[k] = j < kept ? basis_rows[c * stride + j] : 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < tokens; ++t) {
-          const float xt = x[t][c];
-#pragma unroll
-          for (int k = 0; k < columns; ++k) acc[k][t] = fmaf(xt, b[k], acc[k][t]);
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < columns; ++k) {
-      const int j = tid + k * packed_encode_threads;
-      if (j < kept)
-#pragma unroll
-        for (int t = 0; t < tokens; ++t) y[t][j] = acc[k][t];
-    }
-    __syncthreads();  // y is written, the staged basis is free for the energies
-    for (int index = tid; index < n * groups; index += packed_encode_threads) {
-      const int t = index / groups, j = index % groups;
-      float sum = 0.0f;
-      for (int i = 0; i < group; ++i) sum = __fadd_rn(sum, __fmul_rn(y[t][j * group + i], y[t][j * group + i]));
-      energy[t][j] = sum;
-    }
-    __syncthreads();
+    const auto basis = [&](int c, int j) {
+      return which == 0 ? k_basis[static_cast<std::size_t>(c) * kept + j] : v_basis_t[static_cast<std::size_t>(j) * HeadDim + c];
+    };
+    const auto row_value = [&](int t, int c) { return to_float(rows[static_cast<std::size_t>(first + t) * HeadDim + c]); };
+    detail_packed::rotate_tokens<HeadDim, tokens, packed_encode_threads>(kept, n, basis, which == 0, row_value, basis_rows, x, y);
     // A group is kept when fewer than keep_groups groups rank before it.
-    for (int index = tid; index < n * groups; index += packed_encode_threads) {
-      const int t = index / groups, j = index % groups;
-      const float mine = energy[t][j];
-      int before = 0;
-      for (int o = 0; o < groups; ++o) {
-        const float other = energy[t][o];
-        const bool ranks_before = isnan(other) != isnan(mine) ? isnan(other) : (other > mine || (!(other < mine) && o < j));
-        before += o != j && ranks_before ? 1 : 0;
-      }
-      keep[t][j] = before < keep_groups ? 1 : 0;
-    }
-    __syncthreads();
+    detail_packed::rank_groups<HeadDim, packed_encode_threads>(n, groups, group, y, energy,
+                                                               [&](int t, int j, int before) { keep[t][j] = before < keep_groups ? 1 : 0; });
     const int words = (groups + 31) / 32;
     for (int index = tid; index < n * words; index += packed_encode_threads) {
       const int t = index / words, wd = index % words;
