@@ -642,6 +642,39 @@ BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 4, 
     ->Iterations(30)
     ->Unit(benchmark::kMicrosecond);
 
+// Batch 32 at 128K, the dense rows' largest: how the ratios move when the selection's and the
+// split kernel's fixed costs (launches, round trips, per-split opens and closes) are spread over
+// four times the work of batch 8. g = 4 (the kernel's fastest) and g = 1 (the real model's).
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys, format_settings::paper, 4>)
+    ->Name("packed_bitmap_g4_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->Args({32, 131072, 4, 128, 25, 16, 16, 0})
+    ->Args({32, 131072, 4, 128, 25, 8, 16, 0})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::mean_keys>)
+    ->Name("packed_bitmap_mean_keys_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained", "budget_inverse", "page", "block"})
+    ->Args({32, 131072, 4, 128, 25, 16, 16, 0})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap, select::all, format_settings::paper, 4>)
+    ->Name("packed_bitmap_g4_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->Args({32, 131072, 4, 128, 25})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(decode<format::packed_bitmap>)
+    ->Name("packed_bitmap_decode")
+    ->ArgNames({"batch", "context", "group", "head_dim", "retained"})
+    ->Args({32, 131072, 4, 128, 25})
+    ->UseManualTime()
+    ->Iterations(30)
+    ->Unit(benchmark::kMicrosecond);
+
 // 4-bit codes (quant4) at Pi = 32, 64 and 128, V per channel (the paper's axis) and V per token
 // (KIVI's), batch 1 and 8, 32K and 128K, the paper's settings as the quant2 rows.
 BENCHMARK(decode<format::quant4>)
