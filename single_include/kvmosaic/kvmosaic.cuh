@@ -11523,17 +11523,41 @@ __global__ void __launch_bounds__(Threads) pull_from_host_kernel(const uint4* __
     to[i] = __ldcv(from + i);
 }
 
-/// Enqueues on `stream` the copy of the first `bytes` (a multiple of 16) of `staging` into
-/// `device` (16-byte aligned). Capturable in a CUDA graph; the caller keeps the staging unchanged
-/// until the copy has run, as for cudaMemcpyAsync. Cost: one small kernel, reads of 16 bytes
-/// per thread with all of them in flight (64 KB: 16 CTAs).
-inline void pull_from_host(const pinned_buffer& staging, void* device, std::size_t bytes, cudaStream_t stream) {
+/// The same copy, run beside the kernel before it (launched as its programmatic dependent): each
+/// CTA copies, fences its writes, lets the kernel after it be scheduled (which may then read
+/// these bytes before it waits: they are written and visible device-wide first), and only then
+/// waits for the kernel before it, so that this grid completes after that one. A kernel after it
+/// that waits for this grid has thereby waited for both.
+template <int Threads>
+__global__ void __launch_bounds__(Threads) pull_from_host_beside_kernel(const uint4* __restrict__ from, uint4* __restrict__ to,
+                                                                        std::size_t words) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * Threads;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * Threads + threadIdx.x; i < words; i += stride)
+    to[i] = __ldcv(from + i);
+  __threadfence();
+  allow_dependent_grids();
+  wait_for_prior_grid();
+}
+
+/// Enqueues on `stream` the copy of bytes [from, from + bytes) of `staging` (both multiples of
+/// 16) to the same offsets of `device` (16-byte aligned). Capturable in a CUDA graph; the caller
+/// keeps the staging unchanged until the copy has run, as for cudaMemcpyAsync. With `beside`
+/// (sm_90, the caller's choice), the copy runs while the stream's previous kernel still does
+/// (`pull_from_host_beside_kernel`); else as an ordinary kernel. Cost: one small kernel, reads of
+/// 16 bytes per thread with all of them in flight (64 KB: 16 CTAs).
+inline void pull_from_host(const pinned_buffer& staging, void* device, std::size_t bytes, cudaStream_t stream,
+                           std::size_t from = 0, bool beside = false) {
   if (bytes == 0) return;
   const std::size_t words = bytes / 16;
   const auto blocks = static_cast<unsigned>(std::min<std::size_t>((words + pull_threads - 1) / pull_threads, 1024));
-  pull_from_host_kernel<pull_threads><<<blocks, pull_threads, 0, stream>>>(
-      static_cast<const uint4*>(staging.device_address()), static_cast<uint4*>(device), words);
-  KVMOSAIC_CUDA_CHECK(cudaGetLastError());
+  const auto* source = static_cast<const uint4*>(staging.device_address()) + from / 16;
+  auto* destination = static_cast<uint4*>(device) + from / 16;
+  if (beside)
+    launch_kernel(pull_from_host_beside_kernel<pull_threads>, dim3(blocks), dim3(pull_threads), 0, stream, true, source, destination,
+                  words);
+  else
+    launch_kernel(pull_from_host_kernel<pull_threads>, dim3(blocks), dim3(pull_threads), 0, stream, false, source, destination,
+                  words);
 }
 
 }  // namespace kvmosaic::cuda::detail
@@ -12265,9 +12289,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
 /// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
 /// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
-/// Launched as a programmatic dependent of the kernel that writes q_key (`q_key_ready` 0: where
-/// the grid fits on the device at once, `block_key_source::after_queries`), it stages its keys
-/// while that kernel runs and reads q_key only after `wait_for_prior_grid`. Grid: (num_kv_heads,
+/// Launched as a programmatic dependent of the stream's last kernel, which completes after the
+/// one that writes q_key (`q_key_ready` 0: where the grid fits on the device at once,
+/// `block_key_source::after_queries`), it stages its keys while that kernel runs and reads q_key
+/// only after `wait_for_prior_grid`. Grid: (num_kv_heads,
 /// ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
 template <class T, int HeadDim, int Heads>
 __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {
@@ -13344,9 +13369,11 @@ struct block_key_source {
   int retained = 0;                 ///< (channel, value) pairs a block key holds
   int segment_pages = 1;
   int segments_per_sequence = 1;
-  /// The kernel that wrote q_key is the stream's last and the device has programmatic dependent
-  /// launch (sm_90): the scoring may be launched as its dependent (`detail::launch_kernel`), to
-  /// stage its keys while that kernel runs; it waits for it before it reads q_key.
+  /// The stream's last kernel completes only after the one that wrote q_key (it is that kernel,
+  /// or the rest of the metadata pull, which waits for it), has let the step's metadata be read
+  /// and the device has programmatic dependent launch (sm_90): the scoring may be launched as its
+  /// dependent (`detail::launch_kernel`), to stage its keys while that kernel runs; it waits for
+  /// it before it reads q_key.
   bool after_queries = false;
 };
 
@@ -13838,6 +13865,11 @@ class engine {
                                       kernel::score_heads(shape_.group_size), layout_segments()};
       queries.after_pull = dependent_launch_;  // the pass follows the metadata pull as its programmatic dependent
       device::template block_key_queries<Shapes>(format_state_, format_, queries);
+      if (pulled_ < layout_.bytes) {  // the tables and the rest, beside the rotation (stage_step)
+        detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes - pulled_, stream_, pulled_, true);
+        pulled_ = layout_.bytes;
+        staging_read();
+      }
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());
@@ -13980,13 +14012,27 @@ class engine {
   /// (sized by reserve_step for the largest batch).
   const float* gathered_queries(const query_view& q);
 
-  /// Copies the staged metadata to the device and returns the step's kernel parameters.
-  kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
-    detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes, stream_);
+  /// Marks the step's staging as read once the stream's last copy out of it has run (outside a
+  /// graph: in a graph the caller orders replays and plan_step, and synchronizes before reading
+  /// results).
+  void staging_read() {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
-    // In a graph the caller orders replays and plan_step (it synchronizes before reading results).
     if (capturing == cudaStreamCaptureStatusNone) KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  }
+
+  /// Copies the staged metadata to the device and returns the step's kernel parameters.
+  kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
+    // A selected step that rotates its queries for block keys (sm_90) and has at least
+    // `pull_beside_bytes()` past the per-sequence arrays first pulls those arrays, which is all the
+    // rotation reads, and `prepare_block_keys` pulls the rest beside the rotation; any other step
+    // pulls everything here.
+    bool rest_beside = false;
+    if constexpr (block_keys)
+      rest_beside = dependent_launch_ && selection_.planned() && layout_.bytes - layout_.tables >= pull_beside_bytes_;
+    pulled_ = rest_beside ? layout_.tables : layout_.bytes;
+    detail::pull_from_host(staging_, step_metadata_.data(), pulled_, stream_);
+    if (pulled_ == layout_.bytes) staging_read();
     const std::byte* device = step_metadata_.as<const std::byte>();
     kernel::decode_params p{};
     p.pages = pages_.as<const std::byte>();
@@ -14095,6 +14141,14 @@ class engine {
                               ">= 1, or 0 for one wave of the device");
     target_splits_override_ = splits;
   }
+  /// The least metadata past the per-sequence arrays (the tables, the selection's inputs) that a
+  /// selected step over block keys pulls beside its query rotation rather than before it (sm_90):
+  /// the second pull costs about a launch, which the overlap repays from about this size on
+  /// (benchmark/README.md, "The tables pulled beside the query rotation"). Set for tests and
+  /// tuning (0: every such step), from the next step.
+  std::size_t pull_beside_bytes() const noexcept { return pull_beside_bytes_; }
+  void set_pull_beside_bytes(std::size_t bytes) noexcept { pull_beside_bytes_ = bytes; }
+
   /// The format's device decisions (kernel path, stages, scratch sizes), to tune or to test; its
   /// members are the format's device part's to document (cuda/format/<name>/device.cuh).
   typename device::state& format_state() noexcept { return format_state_; }
@@ -14380,6 +14434,8 @@ class engine {
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end
   cudaStream_t stream_ = nullptr;
   cudaEvent_t staged_ = nullptr;  ///< the last copy out of page-locked staging
+  std::size_t pulled_ = 0;        ///< bytes of the step's metadata pulled so far (stage_step, prepare_block_keys)
+  std::size_t pull_beside_bytes_ = 64 * 1024;  ///< see pull_beside_bytes()
   layout_capacity capacity_;
   step_layout layout_;
   std::int32_t batch_ = 0;
@@ -18789,7 +18845,8 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
 /// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
 /// Launched as the metadata pull's programmatic dependent (on sm_90), it loads the queries, waits
-/// for the pull, then lets the scoring kernel be scheduled. Grid: (segments x ceil(kept /
+/// for the pull (the per-sequence part: the engine pulls the tables beside this kernel), then lets
+/// the next kernel be scheduled. Grid: (segments x ceil(kept /
 /// packed_block_query_columns), num_kv_heads, batch), `segments` those a sequence of the step's
 /// layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
@@ -18829,7 +18886,8 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
 #pragma unroll
   for (int j = 0; j < held_queries; ++j) held[j] = tid + j * threads < group * HeadDim ? __ldg(source + tid + j * threads) : 0.0f;
   // A launch as the metadata pull's programmatic dependent: the slots are read after it. Only
-  // then may the scoring be scheduled, which reads the step's tables before it waits for this grid.
+  // then may the next kernel be scheduled (the rest of the pull, then the scoring: each reads the
+  // step's metadata, the pulled part included, before it waits for the kernel before it).
   detail::wait_for_prior_grid();
   detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together

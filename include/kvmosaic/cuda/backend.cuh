@@ -492,6 +492,11 @@ class engine {
                                       kernel::score_heads(shape_.group_size), layout_segments()};
       queries.after_pull = dependent_launch_;  // the pass follows the metadata pull as its programmatic dependent
       device::template block_key_queries<Shapes>(format_state_, format_, queries);
+      if (pulled_ < layout_.bytes) {  // the tables and the rest, beside the rotation (stage_step)
+        detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes - pulled_, stream_, pulled_, true);
+        pulled_ = layout_.bytes;
+        staging_read();
+      }
       block_key_source source;
       source.q_key = block_key_queries_.as<const float>();
       source.kept = traits::basis_dim(format_, shape_.page());
@@ -634,13 +639,27 @@ class engine {
   /// (sized by reserve_step for the largest batch).
   const float* gathered_queries(const query_view& q);
 
-  /// Copies the staged metadata to the device and returns the step's kernel parameters.
-  kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
-    detail::pull_from_host(staging_, step_metadata_.data(), layout_.bytes, stream_);
+  /// Marks the step's staging as read once the stream's last copy out of it has run (outside a
+  /// graph: in a graph the caller orders replays and plan_step, and synchronizes before reading
+  /// results).
+  void staging_read() {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     KVMOSAIC_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
-    // In a graph the caller orders replays and plan_step (it synchronizes before reading results).
     if (capturing == cudaStreamCaptureStatusNone) KVMOSAIC_CUDA_CHECK(cudaEventRecord(staged_, stream_));
+  }
+
+  /// Copies the staged metadata to the device and returns the step's kernel parameters.
+  kernel::decode_params stage_step(const float* q, const output_view& out, float softmax_scale) {
+    // A selected step that rotates its queries for block keys (sm_90) and has at least
+    // `pull_beside_bytes()` past the per-sequence arrays first pulls those arrays, which is all the
+    // rotation reads, and `prepare_block_keys` pulls the rest beside the rotation; any other step
+    // pulls everything here.
+    bool rest_beside = false;
+    if constexpr (block_keys)
+      rest_beside = dependent_launch_ && selection_.planned() && layout_.bytes - layout_.tables >= pull_beside_bytes_;
+    pulled_ = rest_beside ? layout_.tables : layout_.bytes;
+    detail::pull_from_host(staging_, step_metadata_.data(), pulled_, stream_);
+    if (pulled_ == layout_.bytes) staging_read();
     const std::byte* device = step_metadata_.as<const std::byte>();
     kernel::decode_params p{};
     p.pages = pages_.as<const std::byte>();
@@ -749,6 +768,14 @@ class engine {
                               ">= 1, or 0 for one wave of the device");
     target_splits_override_ = splits;
   }
+  /// The least metadata past the per-sequence arrays (the tables, the selection's inputs) that a
+  /// selected step over block keys pulls beside its query rotation rather than before it (sm_90):
+  /// the second pull costs about a launch, which the overlap repays from about this size on
+  /// (benchmark/README.md, "The tables pulled beside the query rotation"). Set for tests and
+  /// tuning (0: every such step), from the next step.
+  std::size_t pull_beside_bytes() const noexcept { return pull_beside_bytes_; }
+  void set_pull_beside_bytes(std::size_t bytes) noexcept { pull_beside_bytes_ = bytes; }
+
   /// The format's device decisions (kernel path, stages, scratch sizes), to tune or to test; its
   /// members are the format's device part's to document (cuda/format/<name>/device.cuh).
   typename device::state& format_state() noexcept { return format_state_; }
@@ -1034,6 +1061,8 @@ class engine {
   bool dependent_launch_ = false;           ///< split and merge kernels overlap their predecessor's end
   cudaStream_t stream_ = nullptr;
   cudaEvent_t staged_ = nullptr;  ///< the last copy out of page-locked staging
+  std::size_t pulled_ = 0;        ///< bytes of the step's metadata pulled so far (stage_step, prepare_block_keys)
+  std::size_t pull_beside_bytes_ = 64 * 1024;  ///< see pull_beside_bytes()
   layout_capacity capacity_;
   step_layout layout_;
   std::int32_t batch_ = 0;

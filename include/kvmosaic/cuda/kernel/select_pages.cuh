@@ -299,9 +299,10 @@ inline block_key_launch plan_block_key_scoring(int kept, int heads, int key_byte
 /// global memory (L1). No reduction across lanes, whose shuffles would cost more than the
 /// products. Cost per span: its key's bytes from memory, r loads of a channel's Heads queries from
 /// shared memory and r x group fused multiply-adds; per CTA, kept x Heads x 4 bytes of queries.
-/// Launched as a programmatic dependent of the kernel that writes q_key (`q_key_ready` 0: where
-/// the grid fits on the device at once, `block_key_source::after_queries`), it stages its keys
-/// while that kernel runs and reads q_key only after `wait_for_prior_grid`. Grid: (num_kv_heads,
+/// Launched as a programmatic dependent of the stream's last kernel, which completes after the
+/// one that writes q_key (`q_key_ready` 0: where the grid fits on the device at once,
+/// `block_key_source::after_queries`), it stages its keys while that kernel runs and reads q_key
+/// only after `wait_for_prior_grid`. Grid: (num_kv_heads,
 /// ceil(spans / threads), batch), `plan_block_key_scoring`'s launch.
 template <class T, int HeadDim, int Heads>
 __global__ void __launch_bounds__(128, 6) score_block_keys_kernel(const select_params p) {

@@ -79,9 +79,11 @@ struct block_key_source {
   int retained = 0;                 ///< (channel, value) pairs a block key holds
   int segment_pages = 1;
   int segments_per_sequence = 1;
-  /// The kernel that wrote q_key is the stream's last and the device has programmatic dependent
-  /// launch (sm_90): the scoring may be launched as its dependent (`detail::launch_kernel`), to
-  /// stage its keys while that kernel runs; it waits for it before it reads q_key.
+  /// The stream's last kernel completes only after the one that wrote q_key (it is that kernel,
+  /// or the rest of the metadata pull, which waits for it), has let the step's metadata be read
+  /// and the device has programmatic dependent launch (sm_90): the scoring may be launched as its
+  /// dependent (`detail::launch_kernel`), to stage its keys while that kernel runs; it waits for
+  /// it before it reads q_key.
   bool after_queries = false;
 };
 

@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(packed_block_key_threads) encode_packed_block_
 /// sequence's rotation waits on two global round trips (its slot, then its basis) and a chain of
 /// head_dim dependent multiply-adds, with every channel and head of the step in flight at once.
 /// Launched as the metadata pull's programmatic dependent (on sm_90), it loads the queries, waits
-/// for the pull, then lets the scoring kernel be scheduled. Grid: (segments x ceil(kept /
+/// for the pull (the per-sequence part: the engine pulls the tables beside this kernel), then lets
+/// the next kernel be scheduled. Grid: (segments x ceil(kept /
 /// packed_block_query_columns), num_kv_heads, batch), `segments` those a sequence of the step's
 /// layout can span (`block_key_query_context::segments`);
 /// sequences with fewer segments leave the rest unwritten. Cost: group x head_dim x kept fused
@@ -160,7 +161,8 @@ __global__ void __launch_bounds__(packed_block_query_threads) packed_block_queri
 #pragma unroll
   for (int j = 0; j < held_queries; ++j) held[j] = tid + j * threads < group * HeadDim ? __ldg(source + tid + j * threads) : 0.0f;
   // A launch as the metadata pull's programmatic dependent: the slots are read after it. Only
-  // then may the scoring be scheduled, which reads the step's tables before it waits for this grid.
+  // then may the next kernel be scheduled (the rest of the pull, then the scoring: each reads the
+  // step's metadata, the pulled part included, before it waits for the kernel before it).
   detail::wait_for_prior_grid();
   detail::allow_dependent_grids();  // the scoring may stage its keys meanwhile
   const int sealed = __ldg(p.sealed_pages + b), slot = __ldg(p.slots + b);  // one round, together
